@@ -1,0 +1,103 @@
+/* convert.c - turning Python arguments into what the C core works on:
+ * arrays (without copies), dims and ints. Every error names the argument. */
+#include "dpmini.h"
+
+int dp_is_array_leaf(dp_state *st, PyObject *obj)
+{
+    return PyArray_Check(obj);
+}
+
+PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
+{
+    PyArrayObject *arr;
+    if (PyArray_Check(obj)) {
+        Py_INCREF(obj);
+        arr = (PyArrayObject *)obj;
+    } else if (PyObject_CheckBuffer(obj) ||
+               PyObject_HasAttrString(obj, "__array_interface__") ||
+               PyObject_HasAttrString(obj, "__array_struct__")) {
+        /* No copy: NumPy wraps the exporter's memory. */
+        arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+        if (arr == NULL) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            PyErr_Format(PyExc_TypeError, "%s: cannot read %.100s as an array (%S)",
+                         argname, Py_TYPE(obj)->tp_name, v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected an array (numpy.ndarray, or an object with the buffer "
+                     "protocol or __array_interface__), got %.100s",
+                     argname, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    if (PyDataType_REFCHK(PyArray_DESCR(arr))) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: arrays holding Python objects (dtype %S) cannot be copied between "
+                     "devices; use a numeric, bool or structured dtype without objects",
+                     argname, (PyObject *)PyArray_DESCR(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (PyArray_NDIM(arr) < min_ndim) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: chunk expects at least a 1-dimensional array (got a 0-dim array); "
+                     "wrap it in a 1-element array, or pass a Python number to share it",
+                     argname);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out)
+{
+    int w = dp_wrap_dim(dim, ndim);
+    if (w < 0) {
+        if (ndim < 1) {
+            PyErr_Format(PyExc_IndexError,
+                         "%s: dimension specified as %d but the array has no dimensions",
+                         argname, dim);
+        } else {
+            PyErr_Format(PyExc_IndexError,
+                         "%s: Dimension out of range (expected to be in range of [%d, %d], "
+                         "but got %d)", argname, -ndim, ndim - 1, dim);
+        }
+        return -1;
+    }
+    *out = w;
+    return 0;
+}
+
+int dp_int_from_object(PyObject *obj, const char *argname, int *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        /* numpy integers are accepted through __index__ */
+        if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+            PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.100s", argname,
+                         Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+    }
+    int overflow;
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) {
+        return -1;
+    }
+    long v = PyLong_AsLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v > INT32_MAX || v < INT32_MIN) {
+        PyErr_Format(PyExc_OverflowError, "%s: %R is out of range", argname, obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}

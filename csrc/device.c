@@ -1,0 +1,764 @@
+/* device.c - the device model: dpmini.Device, device parsing, and device
+ * memory (dpmini._Buffer and its caching allocator).
+ *
+ * Devices: the host (ordinary process memory, what NumPy uses), virtual CPU
+ * devices "cpu:N" (their own allocations, accounted per device, and their
+ * own worker thread in pool.c), and CUDA devices (none until the CUDA
+ * backend is built; parsing them gives a clear error meanwhile).
+ */
+#define _GNU_SOURCE
+#include "dpmini.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* ------------------------------------------------------------------ */
+/* Caching allocator                                                   */
+/* ------------------------------------------------------------------ */
+
+/* Freed blocks are kept per device and handed out again for a request of
+ * the same rounded size, like PyTorch's CUDA caching allocator. Without it
+ * every scatter of a large array would map fresh pages and pay a page fault
+ * per 4 KiB, which costs more than the copy itself. */
+
+#define DP_ALIGN 64
+#define DP_HUGE_ALIGN ((size_t)2 << 20)            /* 2 MiB: transparent huge pages */
+#define DP_CACHE_LIMIT_DEFAULT ((size_t)4 << 30)   /* bytes cached per device       */
+
+typedef struct dp_block {
+    struct dp_block *next;
+    void *ptr;
+    size_t size;     /* rounded size, bytes */
+} dp_block;
+
+typedef struct {
+    dp_block *free_list;  /* cached blocks, most recently freed first     */
+    size_t allocated;     /* bytes handed out and not yet freed (rounded) */
+    size_t cached;        /* bytes sitting in free_list                   */
+} dp_heap;
+
+/* Slot 0 is the host; 1 + index for virtual CPU devices. CUDA memory lives
+ * in cuda/ and is accounted there. */
+static dp_heap heaps[1 + DP_POOL_MAX_INDEX];
+static pthread_mutex_t heap_mu = PTHREAD_MUTEX_INITIALIZER;
+static size_t cache_limit = DP_CACHE_LIMIT_DEFAULT;
+
+static dp_heap *heap_of(dp_device d)
+{
+    if (d.kind == DP_HOST) {
+        return &heaps[0];
+    }
+    if (d.kind == DP_VCPU && d.index >= 0 && d.index < DP_POOL_MAX_INDEX) {
+        return &heaps[1 + d.index];
+    }
+    return NULL;
+}
+
+static size_t round_size(size_t n)
+{
+    if (n < 512) {
+        return 512;
+    }
+    if (n < ((size_t)1 << 20)) {
+        return (n + 511) & ~(size_t)511;
+    }
+    return (n + ((size_t)1 << 16) - 1) & ~(((size_t)1 << 16) - 1);
+}
+
+/* Allocate nbytes on d; NULL when the system is out of memory (no Python
+ * error is set, callers raise MemoryError). */
+static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
+{
+    dp_heap *h = heap_of(d);
+    size_t size = round_size(nbytes);
+    void *p = NULL;
+    if (h == NULL) {
+        return NULL;
+    }
+    pthread_mutex_lock(&heap_mu);
+    for (dp_block **link = &h->free_list; *link; link = &(*link)->next) {
+        if ((*link)->size == size) {
+            dp_block *b = *link;
+            *link = b->next;
+            h->cached -= size;
+            h->allocated += size;
+            p = b->ptr;
+            free(b);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&heap_mu);
+    if (p != NULL) {
+        *rounded = size;
+        return p;
+    }
+    size_t align = size >= DP_HUGE_ALIGN ? DP_HUGE_ALIGN : DP_ALIGN;
+    if (posix_memalign(&p, align, size) != 0) {
+        return NULL;
+    }
+#ifdef MADV_HUGEPAGE
+    if (align == DP_HUGE_ALIGN) {
+        (void)madvise(p, size, MADV_HUGEPAGE); /* a hint: fewer page faults */
+    }
+#endif
+    pthread_mutex_lock(&heap_mu);
+    h->allocated += size;
+    pthread_mutex_unlock(&heap_mu);
+    *rounded = size;
+    return p;
+}
+
+static void raw_free(dp_device d, void *p, size_t size)
+{
+    dp_heap *h = heap_of(d);
+    dp_block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&heap_mu);
+    h->allocated -= size;
+    if (b != NULL && h->cached + size <= cache_limit) {
+        b->ptr = p;
+        b->size = size;
+        b->next = h->free_list;
+        h->free_list = b;
+        h->cached += size;
+        p = NULL;
+        b = NULL;
+    }
+    pthread_mutex_unlock(&heap_mu);
+    free(b);
+    free(p);
+}
+
+static void release_cache(dp_heap *h)
+{
+    pthread_mutex_lock(&heap_mu);
+    dp_block *b = h->free_list;
+    h->free_list = NULL;
+    h->cached = 0;
+    pthread_mutex_unlock(&heap_mu);
+    while (b != NULL) {
+        dp_block *next = b->next;
+        free(b->ptr);
+        free(b);
+        b = next;
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* dpmini._Buffer                                                       */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    dp_BufferObject base;
+    size_t rounded;   /* size of the block taken from the heap */
+} BufferImpl;
+
+PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
+{
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->base.dev = d;
+    self->base.nbytes = nbytes;
+    self->base.ptr = raw_alloc(d, nbytes, &self->rounded);
+    if (self->base.ptr == NULL) {
+        char name[32];
+        dp_device_format(d, name, sizeof name);
+        /* Keep dealloc from freeing a block that was never taken. */
+        self->rounded = 0;
+        Py_DECREF(self);
+        PyErr_Format(PyExc_MemoryError,
+                     "dpmini: cannot allocate %zu bytes on device %s", nbytes, name);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void buffer_dealloc(PyObject *op)
+{
+    BufferImpl *self = (BufferImpl *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->base.ptr != NULL) {
+        raw_free(self->base.dev, self->base.ptr, self->rounded);
+    }
+    PyObject_Free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *buffer_repr(PyObject *op)
+{
+    dp_BufferObject *self = (dp_BufferObject *)op;
+    char name[32];
+    dp_device_format(self->dev, name, sizeof name);
+    return PyUnicode_FromFormat("<dpmini._Buffer %zu bytes on %s>", self->nbytes, name);
+}
+
+static PyObject *buffer_get_device(PyObject *op, void *closure)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    return st ? dp_device_to_object(st, ((dp_BufferObject *)op)->dev) : NULL;
+}
+
+static PyObject *buffer_get_nbytes(PyObject *op, void *closure)
+{
+    return PyLong_FromSize_t(((dp_BufferObject *)op)->nbytes);
+}
+
+static PyGetSetDef buffer_getset[] = {
+    {"device", buffer_get_device, NULL, "Device that owns this memory.", NULL},
+    {"nbytes", buffer_get_nbytes, NULL, "Size in bytes.", NULL},
+    {NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_repr, buffer_repr},
+    {Py_tp_getset, buffer_getset},
+    {Py_tp_doc, "Memory owned by one dpmini device; the base of every array dpmini "
+                "allocates on a device. Not created directly."},
+    {0, NULL},
+};
+
+PyType_Spec dp_buffer_spec = {
+    .name = "dpmini._Buffer",
+    .basicsize = sizeof(BufferImpl),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = buffer_slots,
+};
+
+PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
+                        const npy_intp *shape, const npy_intp *strides)
+{
+    size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
+    for (int i = 0; i < nd; i++) {
+        if (shape[i] != 0 && nbytes > SIZE_MAX / (size_t)shape[i]) {
+            Py_DECREF(descr);
+            PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");
+            return NULL;
+        }
+        nbytes *= (size_t)shape[i];
+    }
+    PyObject *buf = dp_buffer_new(st, d, nbytes);
+    if (buf == NULL) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, (npy_intp *)shape,
+                                         (npy_intp *)strides,
+                                         ((dp_BufferObject *)buf)->ptr,
+                                         NPY_ARRAY_WRITEABLE | NPY_ARRAY_ALIGNED, NULL);
+    if (arr == NULL) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, buf) < 0) { /* steals buf */
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return (PyArrayObject *)arr;
+}
+
+dp_device dp_array_device(dp_state *st, PyArrayObject *a)
+{
+    PyObject *b = (PyObject *)a;
+    while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
+        b = PyArray_BASE((PyArrayObject *)b);
+    }
+    if (Py_IS_TYPE(b, st->BufferType)) {
+        return ((dp_BufferObject *)b)->dev;
+    }
+    dp_device host = {DP_HOST, -1};
+    return host;
+}
+
+/* ------------------------------------------------------------------ */
+/* Device counts                                                       */
+/* ------------------------------------------------------------------ */
+
+int dp_cuda_device_count(void)
+{
+    return 0; /* the CUDA backend (cuda/) replaces this when built */
+}
+
+int dp_cpu_device_count(void)
+{
+    const char *env = getenv("DPMINI_CPU_DEVICES");
+    if (env != NULL && *env != '\0') {
+        char *end;
+        long n = strtol(env, &end, 10);
+        if (*end == '\0' && n >= 1 && n <= DP_POOL_MAX_INDEX) {
+            return (int)n;
+        }
+    }
+    int n = 0;
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        n = CPU_COUNT(&set);
+    }
+#endif
+    return n < 2 ? 2 : (n > DP_POOL_MAX_INDEX ? DP_POOL_MAX_INDEX : n);
+}
+
+int dp_default_devices(dp_state *st, dp_device **out, Py_ssize_t *n)
+{
+    int ncuda = dp_cuda_device_count();
+    int count = ncuda > 0 ? ncuda : dp_cpu_device_count();
+    dp_device *devs = PyMem_Malloc(sizeof(dp_device) * (size_t)count);
+    if (devs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        devs[i].kind = ncuda > 0 ? DP_CUDA : DP_VCPU;
+        devs[i].index = i;
+    }
+    *out = devs;
+    *n = count;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Parsing                                                             */
+/* ------------------------------------------------------------------ */
+
+void dp_device_format(dp_device d, char *buf, size_t size)
+{
+    if (d.kind == DP_HOST) {
+        snprintf(buf, size, "cpu");
+    } else {
+        snprintf(buf, size, "%s:%d", d.kind == DP_VCPU ? "cpu" : "cuda", d.index);
+    }
+}
+
+static const char DEVICE_FORMS[] =
+    "'cpu' (the host), 'cpu:N' (virtual CPU device, 0 <= N < 256), 'cuda:N', "
+    "an int (CUDA device; -1 is the host) or a dpmini.Device";
+
+static int check_cuda_index(long index, const char *argname)
+{
+    int count = dp_cuda_device_count();
+    if (index >= count) {
+        if (count == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: CUDA device %ld requested, but dpmini sees no CUDA device "
+                         "(built without CUDA, or no GPU or driver); use virtual CPU "
+                         "devices such as 'cpu:0', 'cpu:1'", argname, index);
+        } else {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: CUDA device %ld requested, but only %d CUDA device(s) exist "
+                         "(valid: 0..%d)", argname, index, count, count - 1);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+/* Parse "cpu", "cpu:N", "cuda", "cuda:N"; -1 when the text is none of them. */
+static int parse_device_text(const char *s, dp_device *out)
+{
+    const char *rest;
+    int kind;
+    if (strncmp(s, "cpu", 3) == 0) {
+        kind = DP_VCPU;
+        rest = s + 3;
+    } else if (strncmp(s, "cuda", 4) == 0) {
+        kind = DP_CUDA;
+        rest = s + 4;
+    } else {
+        return -1;
+    }
+    if (*rest == '\0') {
+        out->kind = kind == DP_VCPU ? DP_HOST : DP_CUDA;
+        out->index = kind == DP_VCPU ? -1 : 0;
+        return 0;
+    }
+    if (*rest != ':' || rest[1] < '0' || rest[1] > '9') {
+        return -1;
+    }
+    char *end;
+    long v = strtol(rest + 1, &end, 10);
+    if (*end != '\0' || v < 0 || v >= DP_POOL_MAX_INDEX) {
+        return -1;
+    }
+    out->kind = kind;
+    out->index = (int)v;
+    return 0;
+}
+
+int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
+                          int flags, dp_device *out)
+{
+    dp_device d;
+    if (PyObject_TypeCheck(obj, st->DeviceType)) {
+        d = ((dp_DeviceObject *)obj)->dev;
+        if (d.kind == DP_CUDA && check_cuda_index(d.index, argname) < 0) {
+            return -1;
+        }
+    } else if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(obj, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (overflow || v < -1) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: expected a non-negative CUDA device index or -1 (the host), got %R",
+                         argname, obj);
+            return -1;
+        }
+        d.kind = v == -1 ? DP_HOST : DP_CUDA;
+        d.index = (int)(v == -1 ? -1 : (v > INT32_MAX ? INT32_MAX : v));
+        if (d.kind == DP_CUDA && check_cuda_index(v, argname) < 0) {
+            return -1;
+        }
+    } else if (PyUnicode_Check(obj)) {
+        const char *s = PyUnicode_AsUTF8(obj);
+        if (s == NULL) {
+            return -1;
+        }
+        if (parse_device_text(s, &d) < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: unknown device %R; expected %s",
+                         argname, obj, DEVICE_FORMS);
+            return -1;
+        }
+        if (d.kind == DP_CUDA && check_cuda_index(d.index, argname) < 0) {
+            return -1;
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError, "%s: expected a device (%s), got %.100s",
+                     argname, DEVICE_FORMS, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (d.kind == DP_HOST && !(flags & DP_DEV_ALLOW_HOST)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: expected a non-host device ('cpu:N' or 'cuda:N'), got %R; the "
+                     "host ('cpu' or -1) can only be an output_device or destination "
+                     "(PyTorch: 'Expected a non cpu device')", argname, obj);
+        return -1;
+    }
+    *out = d;
+    return 0;
+}
+
+int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
+                               dp_device **out, Py_ssize_t *n)
+{
+    if (PyUnicode_Check(obj) || PyLong_Check(obj) || PyObject_TypeCheck(obj, st->DeviceType)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got a single %.100s",
+                     argname, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got %.100s",
+                     argname, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count == 0) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s: expected at least one device, got an empty list",
+                     argname);
+        return -1;
+    }
+    if (count > DP_MAX_DEVICES) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s: at most %d devices, got %zd", argname,
+                     DP_MAX_DEVICES, count);
+        return -1;
+    }
+    dp_device *devs = PyMem_Malloc(sizeof(dp_device) * (size_t)count);
+    if (devs == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char name[128];
+        snprintf(name, sizeof name, "%s[%zd]", argname, i);
+        if (dp_device_from_object(st, PySequence_Fast_GET_ITEM(seq, i), name, 0, &devs[i]) < 0) {
+            PyMem_Free(devs);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    *out = devs;
+    *n = count;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* dpmini.Device                                                       */
+/* ------------------------------------------------------------------ */
+
+PyObject *dp_device_to_object(dp_state *st, dp_device d)
+{
+    dp_DeviceObject *self = PyObject_New(dp_DeviceObject, st->DeviceType);
+    if (self != NULL) {
+        self->dev = d;
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *device_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"spec", NULL};
+    PyObject *spec;
+    dp_device d;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Device", kwlist, &spec)) {
+        return NULL;
+    }
+    dp_state *st = dp_state_from_type(type);
+    if (st == NULL) {
+        return NULL;
+    }
+    /* A Device may name a CUDA device that is absent (as torch.device does);
+     * using it is what fails. */
+    if (PyUnicode_Check(spec)) {
+        const char *s = PyUnicode_AsUTF8(spec);
+        if (s == NULL) {
+            return NULL;
+        }
+        if (parse_device_text(s, &d) < 0) {
+            PyErr_Format(PyExc_ValueError, "spec: unknown device %R; expected %s", spec,
+                         DEVICE_FORMS);
+            return NULL;
+        }
+    } else if (PyLong_Check(spec) && !PyBool_Check(spec)) {
+        long v = PyLong_AsLong(spec);
+        if (v == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (v < -1 || v >= DP_POOL_MAX_INDEX) {
+            PyErr_Format(PyExc_ValueError, "spec: device index out of range: %ld", v);
+            return NULL;
+        }
+        d.kind = v == -1 ? DP_HOST : DP_CUDA;
+        d.index = (int)v;
+    } else if (dp_device_from_object(st, spec, "spec", DP_DEV_ALLOW_HOST, &d) < 0) {
+        return NULL;
+    }
+    dp_DeviceObject *self = (dp_DeviceObject *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->dev = d;
+    }
+    return (PyObject *)self;
+}
+
+static void device_dealloc(PyObject *op)
+{
+    PyTypeObject *tp = Py_TYPE(op);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *device_str(PyObject *op)
+{
+    char name[32];
+    dp_device_format(((dp_DeviceObject *)op)->dev, name, sizeof name);
+    return PyUnicode_FromString(name);
+}
+
+static PyObject *device_repr(PyObject *op)
+{
+    char name[32];
+    dp_device_format(((dp_DeviceObject *)op)->dev, name, sizeof name);
+    return PyUnicode_FromFormat("dpmini.Device('%s')", name);
+}
+
+static Py_hash_t device_hash(PyObject *op)
+{
+    dp_device d = ((dp_DeviceObject *)op)->dev;
+    Py_hash_t h = (Py_hash_t)(d.kind * 1000003 + d.index + 7);
+    return h == -1 ? -2 : h;
+}
+
+static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if (op != Py_EQ && op != Py_NE) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    dp_device da = ((dp_DeviceObject *)a)->dev, db;
+    if (Py_TYPE(b) == Py_TYPE(a) || PyObject_TypeCheck(b, Py_TYPE(a))) {
+        db = ((dp_DeviceObject *)b)->dev;
+    } else if (PyUnicode_Check(b)) {
+        const char *s = PyUnicode_AsUTF8(b);
+        if (s == NULL) {
+            return NULL;
+        }
+        if (parse_device_text(s, &db) < 0) {
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+    } else {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    int eq = dp_device_eq(da, db);
+    return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+}
+
+static PyObject *device_get_type(PyObject *op, void *closure)
+{
+    return PyUnicode_FromString(((dp_DeviceObject *)op)->dev.kind == DP_CUDA ? "cuda" : "cpu");
+}
+
+static PyObject *device_get_index(PyObject *op, void *closure)
+{
+    dp_device d = ((dp_DeviceObject *)op)->dev;
+    if (d.kind == DP_HOST) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLong(d.index);
+}
+
+static PyObject *device_reduce(PyObject *op, PyObject *unused)
+{
+    PyObject *s = device_str(op);
+    if (s == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("O(N)", (PyObject *)Py_TYPE(op), s);
+}
+
+static PyGetSetDef device_getset[] = {
+    {"type", device_get_type, NULL, "'cpu' (host or virtual CPU device) or 'cuda'.", NULL},
+    {"index", device_get_index, NULL, "Device index; None for the host.", NULL},
+    {NULL},
+};
+
+static PyMethodDef device_methods_tbl[] = {
+    {"__reduce__", device_reduce, METH_NOARGS, NULL},
+    {NULL},
+};
+
+PyDoc_STRVAR(device_doc,
+"Device(spec)\n--\n\n"
+"A place where arrays live and replicas run.\n\n"
+"spec: 'cpu' or -1 (the host: ordinary NumPy memory); 'cpu:N' (virtual CPU\n"
+"device N, 0 <= N < 256: its own allocations and its own worker thread);\n"
+"'cuda', 'cuda:N' or an int N >= 0 (CUDA device N). A Device may name a CUDA\n"
+"device that does not exist; using it raises ValueError.\n\n"
+"Attributes: type ('cpu' or 'cuda'), index (int, None for the host).\n"
+"Compares equal to another Device or to its spec string ('cpu:1').\n"
+"Raises ValueError for an unknown spec, TypeError for a wrong type.\n"
+"Rule source: torch.device strings; 'cpu:N' is dpmini's virtual device.");
+
+static PyType_Slot device_slots[] = {
+    {Py_tp_new, device_new},
+    {Py_tp_dealloc, device_dealloc},
+    {Py_tp_str, device_str},
+    {Py_tp_repr, device_repr},
+    {Py_tp_hash, device_hash},
+    {Py_tp_richcompare, device_richcompare},
+    {Py_tp_getset, device_getset},
+    {Py_tp_methods, device_methods_tbl},
+    {Py_tp_doc, (void *)device_doc},
+    {0, NULL},
+};
+
+PyType_Spec dp_device_spec = {
+    .name = "dpmini.Device",
+    .basicsize = sizeof(dp_DeviceObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = device_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module functions                                                    */
+/* ------------------------------------------------------------------ */
+
+static PyObject *py_device_count(PyObject *m, PyObject *unused)
+{
+    return PyLong_FromLong(dp_cuda_device_count());
+}
+
+static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
+{
+    return PyLong_FromLong(dp_cpu_device_count());
+}
+
+static PyObject *py_device_of(PyObject *m, PyObject *arg)
+{
+    dp_state *st = dp_state_from_module(m);
+    if (!PyArray_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "array: expected a numpy.ndarray, got %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    return dp_device_to_object(st, dp_array_device(st, (PyArrayObject *)arg));
+}
+
+static int heap_arg(dp_state *st, PyObject *obj, dp_heap **out)
+{
+    dp_device d;
+    if (dp_device_from_object(st, obj, "device", DP_DEV_ALLOW_HOST, &d) < 0) {
+        return -1;
+    }
+    *out = heap_of(d);
+    if (*out == NULL) {
+        PyErr_SetString(PyExc_ValueError, "device: CUDA memory is not accounted here");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
+{
+    dp_heap *h;
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&heap_mu);
+    size_t v = h->allocated;
+    pthread_mutex_unlock(&heap_mu);
+    return PyLong_FromSize_t(v);
+}
+
+static PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
+{
+    dp_heap *h;
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&heap_mu);
+    size_t v = h->allocated + h->cached;
+    pthread_mutex_unlock(&heap_mu);
+    return PyLong_FromSize_t(v);
+}
+
+static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
+{
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        release_cache(&heaps[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+PyMethodDef dp_device_methods[] = {
+    {"device_count", py_device_count, METH_NOARGS,
+     "device_count() -> int\n\nNumber of CUDA devices dpmini can use (0 without a GPU, a "
+     "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},
+    {"cpu_device_count", py_cpu_device_count, METH_NOARGS,
+     "cpu_device_count() -> int\n\nNumber of virtual CPU devices ('cpu:0'..) that "
+     "DataParallel uses when device_ids is None and there is no GPU: $DPMINI_CPU_DEVICES "
+     "when set (1..256), else the number of usable cores, at least 2."},
+    {"device_of", py_device_of, METH_O,
+     "device_of(array) -> Device\n\nThe device that owns an ndarray's memory: the dpmini "
+     "device for arrays dpmini allocated (and views of them), else the host ('cpu').\n"
+     "Raises TypeError when array is not a numpy.ndarray."},
+    {"memory_allocated", py_memory_allocated, METH_O,
+     "memory_allocated(device) -> int\n\nBytes (rounded to the allocator's block sizes) "
+     "held by live dpmini arrays on a device ('cpu' counts dpmini's host allocations "
+     "only). Source: torch.cuda.memory_allocated."},
+    {"memory_reserved", py_memory_reserved, METH_O,
+     "memory_reserved(device) -> int\n\nmemory_allocated plus the bytes the caching "
+     "allocator keeps for reuse on that device. Source: torch.cuda.memory_reserved."},
+    {"empty_cache", py_empty_cache, METH_NOARGS,
+     "empty_cache() -> None\n\nReturn every cached block of every device to the system. "
+     "Source: torch.cuda.empty_cache."},
+    {NULL},
+};

@@ -1,0 +1,247 @@
+/* dpmini.h - what the Python-facing C files of dpmini share.
+ *
+ * Include this first in every C file of csrc/ that uses Python (never in
+ * plan.c, copy.c, pool.c). module.c defines DP_IMPORT_ARRAY before including
+ * it, so the NumPy C-API table is defined there and imported everywhere else.
+ *
+ * Data flows one way (see README, "How it works"):
+ *   Python objects -> split plan (plan.c) -> copy jobs (copy.c) on device
+ *   worker threads (pool.c) -> device memory (device.c) -> replicas
+ *   (dataparallel.c) -> gather (tree.c, comm.c) -> result.
+ *
+ * Conventions
+ *   - Functions returning int: 0 on success, -1 with a Python exception set.
+ *   - Functions returning PyObject*: a new reference, or NULL with an
+ *     exception set.
+ *   - `argname` parameters name the user's argument in error messages
+ *     ("device_ids[1]", "dim", "args[0]['x']"); never NULL.
+ *   - Sizes along a dim are in elements (int64_t); byte counts are size_t.
+ */
+#ifndef DPMINI_DPMINI_H
+#define DPMINI_DPMINI_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL dpmini_ARRAY_API
+#ifndef DP_IMPORT_ARRAY
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+/* NumPy 1.x headers have no accessor for a dtype's item size. */
+#if NPY_ABI_VERSION < 0x02000000
+#define PyDataType_ELSIZE(descr) ((descr)->elsize)
+#endif
+
+#include <stdint.h>
+#include "plan.h"
+#include "copy.h"
+#include "pool.h"
+
+/* ------------------------------------------------------------------ */
+/* Module state                                                        */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    PyTypeObject *DeviceType;        /* dpmini.Device                      */
+    PyTypeObject *BufferType;        /* dpmini._Buffer: owns device memory */
+    PyTypeObject *DataParallelType;  /* dpmini.DataParallel                */
+    PyObject *DPError;               /* dpmini.DPError(Exception)          */
+    PyObject *CudaError;             /* dpmini.CudaError(DPError)          */
+    PyObject *NcclError;             /* dpmini.NcclError(DPError)          */
+    PyObject *SplitWarning;          /* dpmini.SplitWarning(UserWarning)   */
+    PyObject *copy_copy;             /* copy.copy                          */
+    PyObject *dataclasses_fields;    /* dataclasses.fields                 */
+    PyObject *format_exception;      /* traceback.format_exception         */
+} dp_state;
+
+extern struct PyModuleDef dp_module_def;
+
+/* State of the dpmini module, from the module object (module functions). */
+dp_state *dp_state_from_module(PyObject *module);
+/* State from an instance's type; works for Python subclasses of dpmini
+ * types too. Never fails once dpmini is imported. */
+dp_state *dp_state_from_type(PyTypeObject *tp);
+
+/* ------------------------------------------------------------------ */
+/* Devices (device.c)                                                  */
+/* ------------------------------------------------------------------ */
+
+/* Kinds match the worker-slot kinds of pool.h. */
+enum { DP_HOST = 0, DP_VCPU = 1, DP_CUDA = 2 };
+
+typedef struct {
+    int kind;   /* DP_HOST, DP_VCPU or DP_CUDA                         */
+    int index;  /* -1 for DP_HOST; 0..DP_POOL_MAX_INDEX-1 otherwise    */
+} dp_device;
+
+static inline int dp_device_eq(dp_device a, dp_device b)
+{
+    return a.kind == b.kind && a.index == b.index;
+}
+
+typedef struct {
+    PyObject_HEAD
+    dp_device dev;
+} dp_DeviceObject;
+
+/* Flags for dp_device_from_object. */
+#define DP_DEV_ALLOW_HOST 1   /* accept "cpu" and -1 as the host          */
+
+/* Parse a device: a dpmini.Device, "cpu" (host), "cpu:N" (virtual CPU
+ * device N), "cuda", "cuda:N" or an int N >= 0 (CUDA device N), -1 (host).
+ * CUDA devices must exist (dpmini.device_count() > N); otherwise ValueError
+ * naming argname and saying that there is no such CUDA device.
+ * The host is refused (ValueError) unless DP_DEV_ALLOW_HOST is set. */
+int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
+                          int flags, dp_device *out);
+
+/* Parse a non-empty sequence of devices (hosts refused). *out is
+ * PyMem_Malloc'ed (caller PyMem_Free's it); *n its length. Errors name
+ * "argname[i]". An empty sequence is ValueError. */
+int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
+                               dp_device **out, Py_ssize_t *n);
+
+/* New reference to a dpmini.Device for d. */
+PyObject *dp_device_to_object(dp_state *st, dp_device d);
+
+/* "cpu", "cpu:3", "cuda:0" into buf (always NUL-terminated). */
+void dp_device_format(dp_device d, char *buf, size_t size);
+
+/* The default device list when device_ids is None: every CUDA device when
+ * there are any, else cpu:0 .. cpu:(dp_cpu_device_count()-1). */
+int dp_default_devices(dp_state *st, dp_device **out, Py_ssize_t *n);
+
+/* Number of virtual CPU devices used by default: $DPMINI_CPU_DEVICES when
+ * set, else the number of usable cores, at least 2. */
+int dp_cpu_device_count(void);
+
+/* Number of CUDA devices (0 when built without CUDA or with no driver). */
+int dp_cuda_device_count(void);
+
+/* ------------------------------------------------------------------ */
+/* Memory (device.c)                                                   */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    dp_device dev;
+    void *ptr;        /* 64-byte aligned; owned; NULL only when nbytes == 0 */
+    size_t nbytes;    /* bytes requested                                    */
+} dp_BufferObject;
+
+/* A new buffer of nbytes on device d (MemoryError on failure). Memory comes
+ * from a per-device caching allocator, as in PyTorch's CUDA allocator, so a
+ * repeated scatter of the same shapes does not page-fault every call. */
+PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes);
+
+/* A new ndarray on device d whose base is a fresh buffer. `descr` is
+ * stolen. strides NULL means C order; otherwise they must describe a dense
+ * layout of `shape` (from dp_dense_strides). */
+PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
+                        const npy_intp *shape, const npy_intp *strides);
+
+/* The device an ndarray's memory belongs to: the device of the dpmini
+ * buffer at the end of its base chain, else the host. */
+dp_device dp_array_device(dp_state *st, PyArrayObject *a);
+
+/* ------------------------------------------------------------------ */
+/* Arrays and arguments (convert.c)                                    */
+/* ------------------------------------------------------------------ */
+
+/* Is obj an array leaf for scatter/gather (a numpy.ndarray, subclasses
+ * included)? NumPy scalars and Python numbers are not. */
+int dp_is_array_leaf(dp_state *st, PyObject *obj);
+
+/* obj (ndarray, buffer-protocol object or __array_interface__ object) as an
+ * ndarray without a copy. Refuses object dtypes and, with min_ndim 1,
+ * 0-dim arrays ("argname: chunk expects at least a 1-dimensional array"). */
+PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname,
+                           int min_ndim);
+
+/* Parse a Python int dim and wrap it against ndim (IndexError "Dimension out
+ * of range (expected to be in range of [-r, r-1], but got d)" naming
+ * argname). */
+int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out);
+
+/* Parse an int argument (TypeError naming argname when not an int). */
+int dp_int_from_object(PyObject *obj, const char *argname, int *out);
+
+/* ------------------------------------------------------------------ */
+/* The copy engine (comm.c)                                            */
+/* ------------------------------------------------------------------ */
+
+/* One array to scatter (all pointers borrowed, except out). */
+typedef struct {
+    PyArrayObject *src;
+    int dim;                 /* already wrapped, 0 <= dim < ndim         */
+    int nchunks;             /* chunks to make (<= ndev)                 */
+    const int64_t *sizes;    /* nchunks sizes along dim, sum <= shape[dim]
+                                (a prefix is allowed: truncation)        */
+    PyObject **out;          /* nchunks slots; receive new references    */
+} dp_scatter_item;
+
+/* Scatter several arrays in one pass: chunk j of every item goes to devs[j].
+ * A chunk whose device is the array's own device is a view (spec 3.4);
+ * others are copied into fresh device memory (dense layouts keep their
+ * strides, others become C-contiguous). The copies of all items run on the
+ * device worker threads with the GIL released (inline below a size
+ * threshold). On failure every out slot is NULL. */
+int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems,
+                   const dp_device *devs);
+
+/* Concatenate parts along dim onto dest (comm.gather rules, spec 4.6-4.8).
+ * out (may be NULL) receives the result in place and is returned (new ref).
+ * argname prefixes error messages (e.g. "tensors" or "out['loss']"). */
+PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                           int dim, dp_device dest, PyArrayObject *out,
+                           const char *argname);
+
+/* comm.broadcast_coalesced on a list of arrays: returns a new list of ndev
+ * lists; list 0 holds the inputs themselves where they already live on
+ * devs[0], copies elsewhere. */
+PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays,
+                                 const dp_device *devs, Py_ssize_t ndev,
+                                 size_t buffer_size);
+
+/* Sum same-shaped arrays onto dest (comm.reduce_add). */
+PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest,
+                        const char *argname);
+
+/* ------------------------------------------------------------------ */
+/* Structures (tree.c)                                                 */
+/* ------------------------------------------------------------------ */
+
+/* DataParallel's scatter_kwargs (spec 2.3, 2.7, 3.x) with dpmini's rules:
+ * the replica count is the smallest chunk count over the array leaves of
+ * inputs and kwargs together (non-array leaves never add replicas); with no
+ * array leaf every device gets a replica. Different chunk counts warn
+ * dpmini.SplitWarning, or raise ValueError when strict. inputs is a tuple
+ * (or NULL), kwargs a dict (or NULL). Sets *inputs_out to a tuple of k
+ * tuples and *kwargs_out to a tuple of k dicts (k >= 1 unless both are
+ * empty, then both are empty tuples). */
+int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
+                      const dp_device *devs, Py_ssize_t ndev, int dim, int strict,
+                      PyObject **inputs_out, PyObject **kwargs_out);
+
+/* DataParallel's gather (spec 4, with dpmini's rules for dataclasses,
+ * None/array mixes, str and number leaves). outputs: a sequence, one
+ * entry per replica. */
+PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
+                            int dim);
+
+/* ------------------------------------------------------------------ */
+/* Method tables and type specs each file contributes (module.c adds them) */
+/* ------------------------------------------------------------------ */
+
+extern PyMethodDef dp_device_methods[];       /* device.c   */
+extern PyMethodDef dp_comm_methods[];         /* comm.c     */
+extern PyMethodDef dp_tree_methods[];         /* tree.c     */
+extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
+extern PyType_Spec dp_device_spec;            /* device.c   */
+extern PyType_Spec dp_buffer_spec;            /* device.c   */
+extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
+
+#endif

@@ -1,0 +1,192 @@
+/* module.c - the dpmini._dpmini module: multi-phase init, module state,
+ * exception types, and the method tables of the other files. */
+#define DP_IMPORT_ARRAY
+#include "dpmini.h"
+
+/* ------------------------------------------------------------------ */
+/* State lookup                                                        */
+/* ------------------------------------------------------------------ */
+
+dp_state *dp_state_from_module(PyObject *module)
+{
+    return (dp_state *)PyModule_GetState(module);
+}
+
+dp_state *dp_state_from_type(PyTypeObject *tp)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *m = PyType_GetModuleByDef(tp, &dp_module_def);
+    if (m == NULL) {
+        return NULL;
+    }
+    return (dp_state *)PyModule_GetState(m);
+#else
+    /* Python 3.10: walk the MRO to the first heap type that dpmini made. */
+    PyObject *mro = tp->tp_mro;
+    Py_ssize_t n = mro ? PyTuple_GET_SIZE(mro) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!(base->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+            continue;
+        }
+        PyObject *m = PyType_GetModule(base);
+        if (m != NULL && PyModule_GetDef(m) == &dp_module_def) {
+            return (dp_state *)PyModule_GetState(m);
+        }
+        PyErr_Clear();
+    }
+    PyErr_SetString(PyExc_TypeError, "type is not a dpmini type");
+    return NULL;
+#endif
+}
+
+/* ------------------------------------------------------------------ */
+/* Init                                                                */
+/* ------------------------------------------------------------------ */
+
+static int add_type(PyObject *m, PyType_Spec *spec, PyObject *base,
+                    PyTypeObject **slot)
+{
+    PyObject *tp = PyType_FromModuleAndSpec(m, spec, base);
+    if (tp == NULL) {
+        return -1;
+    }
+    *slot = (PyTypeObject *)tp;
+    const char *dot = strrchr(spec->name, '.');
+    const char *name = dot ? dot + 1 : spec->name;
+    return PyModule_AddObjectRef(m, name, tp);
+}
+
+static int add_exception(PyObject *m, const char *qualname, PyObject *base,
+                         const char *doc, PyObject **slot)
+{
+    /* .status: the library's status code (CUDA or NCCL), None otherwise. */
+    PyObject *dict = Py_BuildValue("{sO}", "status", Py_None);
+    if (dict == NULL) {
+        return -1;
+    }
+    PyObject *exc = PyErr_NewExceptionWithDoc(qualname, doc, base, dict);
+    Py_DECREF(dict);
+    if (exc == NULL) {
+        return -1;
+    }
+    *slot = exc;
+    const char *dot = strrchr(qualname, '.');
+    return PyModule_AddObjectRef(m, dot + 1, exc);
+}
+
+static PyObject *import_attr(const char *module, const char *attr)
+{
+    PyObject *mod = PyImport_ImportModule(module);
+    if (mod == NULL) {
+        return NULL;
+    }
+    PyObject *res = PyObject_GetAttrString(mod, attr);
+    Py_DECREF(mod);
+    return res;
+}
+
+static int dp_exec(PyObject *m)
+{
+    dp_state *st = dp_state_from_module(m);
+
+    if (_import_array() < 0) {
+        return -1;
+    }
+    if (add_exception(m, "dpmini.DPError", PyExc_Exception,
+                      "Base of dpmini's own failures (device, CUDA, NCCL). Has .status.",
+                      &st->DPError) < 0 ||
+        add_exception(m, "dpmini.CudaError", st->DPError,
+                      "A CUDA runtime call failed; the message names the call and the device.",
+                      &st->CudaError) < 0 ||
+        add_exception(m, "dpmini.NcclError", st->DPError,
+                      "An NCCL call failed; the message names the call and the devices.",
+                      &st->NcclError) < 0 ||
+        add_exception(m, "dpmini.SplitWarning", PyExc_UserWarning,
+                      "Sibling arrays split into different chunk counts; rows were dropped "
+                      "(PyTorch drops them silently, spec 3.2).",
+                      &st->SplitWarning) < 0) {
+        return -1;
+    }
+    if (add_type(m, &dp_device_spec, NULL, &st->DeviceType) < 0 ||
+        add_type(m, &dp_buffer_spec, NULL, &st->BufferType) < 0 ||
+        add_type(m, &dp_dataparallel_spec, NULL, &st->DataParallelType) < 0) {
+        return -1;
+    }
+    st->copy_copy = import_attr("copy", "copy");
+    st->dataclasses_fields = import_attr("dataclasses", "fields");
+    st->format_exception = import_attr("traceback", "format_exception");
+    if (st->copy_copy == NULL || st->dataclasses_fields == NULL ||
+        st->format_exception == NULL) {
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_tree_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_dataparallel_methods) < 0) {
+        return -1;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||
+        PyModule_AddIntConstant(m, "has_cuda", 0) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static int dp_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    dp_state *st = dp_state_from_module(m);
+    Py_VISIT(st->DeviceType);
+    Py_VISIT(st->BufferType);
+    Py_VISIT(st->DataParallelType);
+    Py_VISIT(st->DPError);
+    Py_VISIT(st->CudaError);
+    Py_VISIT(st->NcclError);
+    Py_VISIT(st->SplitWarning);
+    Py_VISIT(st->copy_copy);
+    Py_VISIT(st->dataclasses_fields);
+    Py_VISIT(st->format_exception);
+    return 0;
+}
+
+static int dp_clear(PyObject *m)
+{
+    dp_state *st = dp_state_from_module(m);
+    Py_CLEAR(st->DeviceType);
+    Py_CLEAR(st->BufferType);
+    Py_CLEAR(st->DataParallelType);
+    Py_CLEAR(st->DPError);
+    Py_CLEAR(st->CudaError);
+    Py_CLEAR(st->NcclError);
+    Py_CLEAR(st->SplitWarning);
+    Py_CLEAR(st->copy_copy);
+    Py_CLEAR(st->dataclasses_fields);
+    Py_CLEAR(st->format_exception);
+    return 0;
+}
+
+static void dp_free(void *m)
+{
+    dp_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot dp_slots[] = {
+    {Py_mod_exec, dp_exec},
+    {0, NULL},
+};
+
+struct PyModuleDef dp_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dpmini._dpmini",
+    .m_doc = "C core of dpmini: PyTorch-exact DataParallel scatter/gather for NumPy arrays.",
+    .m_size = sizeof(dp_state),
+    .m_slots = dp_slots,
+    .m_traverse = dp_traverse,
+    .m_clear = dp_clear,
+    .m_free = dp_free,
+};
+
+PyMODINIT_FUNC PyInit__dpmini(void)
+{
+    return PyModuleDef_Init(&dp_module_def);
+}

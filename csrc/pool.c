@@ -1,0 +1,303 @@
+/* pool.c - the per-device worker threads and job batches declared in pool.h.
+ *
+ * One slot per (kind, index): a mutex, a condition, a FIFO of heap nodes and
+ * a "started" flag. The worker of a slot is a detached pthread, started under
+ * the slot mutex on the first submit, that runs queued jobs in order forever.
+ *
+ * Latency: waking a thread blocked in a futex costs tens of microseconds, so
+ * both a worker that just ran a job and a thread in dp_batch_wait spin for a
+ * short while before blocking. The spin only *reads* the queue head / batch
+ * count with relaxed atomic loads as a hint; every decision is then confirmed
+ * under the mutex, so the mutexes still carry all the memory ordering.
+ *
+ * Deadlock note: a job may submit to its own worker (submit only queues), but
+ * it must not then wait for that job - the worker would wait for itself.
+ * dp_pool_on_worker() lets callers detect this case and run the job inline.
+ */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <sched.h>
+#include <time.h>
+
+#define NKINDS 2
+#define STACK_BYTES ((size_t)8 << 20)   /* Python runs on workers: deep stacks */
+#define WORKER_SPIN_NS 50000L           /* idle worker polls its queue this long */
+#define WAIT_SPIN_NS 50000L             /* dp_batch_wait polls this long */
+#define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
+
+typedef struct job_node {
+    struct job_node *next;
+    dp_job_fn fn;
+    void *arg;
+    dp_batch *batch;
+} job_node;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;       /* signalled when a job is queued */
+    job_node *head, *tail;   /* guarded by mu; head also read as a spin hint */
+    int started;             /* guarded by mu */
+    int kind, index;
+} slot;
+
+static slot slots[NKINDS][DP_POOL_MAX_INDEX];
+static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
+/* Bumped in the fork child. A worker that finds it changed after its job is
+ * the thread that called fork() inside that job, now alone in the child: it
+ * must not touch the batch (its mutex may be stuck locked) and it stops,
+ * which ends the child with status 0 unless the job exited or exec'd. */
+static unsigned fork_gen;
+
+static _Thread_local int tl_kind, tl_index = -1;
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Pause for the n-th turn of a spin loop. After the first few turns give
+ * the CPU away: with more spinning threads than cores (e.g. 2 workers
+ * and a waiter on 2 CPUs) the thread we are waiting for may need our core. */
+static inline void spin_pause(unsigned n)
+{
+    if (n < SPIN_YIELD_AFTER)
+        cpu_relax();
+    else
+        sched_yield();
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void reset_slots(void)
+{
+    for (int k = 0; k < NKINDS; k++)
+        for (int i = 0; i < DP_POOL_MAX_INDEX; i++) {
+            slot *s = &slots[k][i];
+            pthread_mutex_init(&s->mu, NULL);
+            pthread_cond_init(&s->cv, NULL);
+            /* In a fork child, queued nodes are leaked on purpose: the parent
+             * may have been halfway through changing the list. */
+            s->head = s->tail = NULL;
+            s->started = 0;
+            s->kind = k + 1;
+            s->index = i;
+        }
+}
+
+/* Runs in the child after fork(). Only the forking thread exists there, so
+ * every worker is gone and any slot mutex may be stuck locked by a thread
+ * that no longer exists: start over with fresh slots (workers then start on
+ * demand again) instead of waiting forever on workers that are not there. */
+static void atfork_child(void)
+{
+    reset_slots();
+    fork_gen++;
+    tl_kind = 0;       /* the forking thread is no longer any slot's worker */
+    tl_index = -1;
+}
+
+static void init_slots(void)
+{
+    reset_slots();
+    pthread_atfork(NULL, NULL, atfork_child);
+}
+
+static slot *get_slot(int kind, int index)
+{
+    if (kind < 1 || kind > NKINDS || index < 0 || index >= DP_POOL_MAX_INDEX)
+        return NULL;
+    pthread_once(&slots_once, init_slots);
+    return &slots[kind - 1][index];
+}
+
+static void finish_job(dp_batch *b)
+{
+    pthread_mutex_lock(&b->mu);
+    int left = b->pending - 1;
+    __atomic_store_n(&b->pending, left, __ATOMIC_RELAXED);
+    /* Signal while still holding the lock: once we unlock, a waiter may see
+     * pending == 0, return and destroy the batch, so the batch must not be
+     * touched (not even to signal) after pthread_mutex_unlock. */
+    if (left == 0)
+        pthread_cond_signal(&b->done_cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+static void *worker_main(void *p)
+{
+    slot *s = p;
+    unsigned gen = fork_gen;
+    tl_kind = s->kind;
+    tl_index = s->index;
+    for (;;) {
+        long long spin_end = now_ns() + WORKER_SPIN_NS;
+        unsigned n = 0;
+        while (!__atomic_load_n(&s->head, __ATOMIC_RELAXED)) {
+            spin_pause(++n);
+            if (n % 16 == 0 && now_ns() > spin_end)
+                break;
+        }
+        pthread_mutex_lock(&s->mu);
+        while (!s->head)
+            pthread_cond_wait(&s->cv, &s->mu);
+        job_node *j = s->head;
+        __atomic_store_n(&s->head, j->next, __ATOMIC_RELAXED);
+        if (!j->next)
+            s->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+
+        j->fn(j->arg);
+        dp_batch *b = j->batch;
+        free(j);
+        if (gen != fork_gen)
+            return NULL;
+        finish_job(b);
+    }
+}
+
+/* Called with s->mu held. */
+static int start_worker(slot *s)
+{
+    pthread_attr_t attr;
+    pthread_t tid;
+    int rc = pthread_attr_init(&attr);
+    if (rc)
+        return rc;
+    rc = pthread_attr_setstacksize(&attr, STACK_BYTES);
+    if (!rc)
+        rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    /* Signal masks are left alone: a worker blocking signals would pass that
+     * mask on to processes that a job forks and execs (they would then ignore
+     * SIGTERM), and CPython's C-level signal handler works on any thread. */
+    if (!rc)
+        rc = pthread_create(&tid, &attr, worker_main, s);
+    pthread_attr_destroy(&attr);
+    if (!rc)
+        s->started = 1;
+    return rc;
+}
+
+int dp_batch_init(dp_batch *b)
+{
+    pthread_condattr_t ca;
+    int rc = pthread_mutex_init(&b->mu, NULL);
+    if (rc)
+        return rc;
+    rc = pthread_condattr_init(&ca);
+    if (!rc) {
+        /* dp_batch_wait measures its timeout on the monotonic clock, so it is
+         * immune to wall-clock jumps. */
+        rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        if (!rc)
+            rc = pthread_cond_init(&b->done_cv, &ca);
+        pthread_condattr_destroy(&ca);
+    }
+    if (rc) {
+        pthread_mutex_destroy(&b->mu);
+        return rc;
+    }
+    b->pending = 0;
+    return 0;
+}
+
+void dp_batch_destroy(dp_batch *b)
+{
+    pthread_cond_destroy(&b->done_cv);
+    pthread_mutex_destroy(&b->mu);
+}
+
+int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
+{
+    slot *s = get_slot(kind, index);
+    if (!s || !b || !fn)
+        return EINVAL;
+    job_node *j = malloc(sizeof *j);
+    if (!j)
+        return ENOMEM;
+    *j = (job_node){ .next = NULL, .fn = fn, .arg = arg, .batch = b };
+
+    pthread_mutex_lock(&s->mu);
+    /* Starting under the slot mutex: concurrent first submits start one worker. */
+    if (!s->started) {
+        int rc = start_worker(s);
+        if (rc) {
+            pthread_mutex_unlock(&s->mu);
+            free(j);
+            return rc;
+        }
+    }
+    /* Count the job before it is visible to the worker. Lock order is slot
+     * then batch; the worker never holds both, so this cannot deadlock. */
+    pthread_mutex_lock(&b->mu);
+    __atomic_store_n(&b->pending, b->pending + 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&b->mu);
+    if (s->tail)
+        s->tail->next = j;
+    else
+        __atomic_store_n(&s->head, j, __ATOMIC_RELAXED);
+    s->tail = j;
+    pthread_cond_signal(&s->cv);   /* no syscall when the worker is spinning */
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int dp_batch_wait(dp_batch *b, long timeout_ms)
+{
+    if (timeout_ms > 1000000000000L)   /* > 31 years: forever, avoids overflow */
+        timeout_ms = -1;
+    long long start = now_ns();
+    long long spin_ns = WAIT_SPIN_NS;
+    if (timeout_ms >= 0 && timeout_ms * 1000000LL < spin_ns)
+        spin_ns = timeout_ms * 1000000LL;
+    unsigned n = 0;
+    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0) {
+        spin_pause(++n);
+        if (n % 16 == 0 && now_ns() - start > spin_ns)
+            break;
+    }
+
+    struct timespec deadline = {0, 0};
+    if (timeout_ms >= 0) {
+        long long d = start + timeout_ms * 1000000LL;
+        deadline.tv_sec = (time_t)(d / 1000000000LL);
+        deadline.tv_nsec = (long)(d % 1000000000LL);
+    }
+    /* Always take the lock, even when the spin saw 0: it orders the jobs'
+     * writes before our return, and it cannot be acquired until the last
+     * worker has unlocked, after which the batch may be destroyed safely. */
+    pthread_mutex_lock(&b->mu);
+    int done = 1;
+    while (b->pending > 0) {   /* loop: wakeups may be spurious */
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&b->done_cv, &b->mu);
+        } else if (pthread_cond_timedwait(&b->done_cv, &b->mu, &deadline)
+                   == ETIMEDOUT) {
+            done = b->pending == 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return done;
+}
+
+int dp_pool_on_worker(int kind, int index)
+{
+    return tl_index >= 0 && tl_kind == kind && tl_index == index;
+}
+
+int dp_pool_in_worker(void)
+{
+    return tl_index >= 0;
+}

@@ -1,0 +1,60 @@
+"""dpmini: PyTorch-exact DataParallel scatter/gather for NumPy arrays, in C.
+
+Wrap any callable in :class:`DataParallel` and call it: every array argument is
+split along ``dim`` across the devices with the rules of ``torch.chunk``, one
+replica runs per device on that device's worker thread, and the outputs are
+gathered on ``output_device``. Without a GPU the devices are virtual CPU
+devices ``"cpu:0"``, ``"cpu:1"``, ...; see :func:`cpu_device_count`.
+
+Use :func:`explain` to see how a call will be split before running it.
+"""
+from . import comm
+from ._dpmini import (
+    CudaError,
+    DataParallel,
+    Device,
+    DPError,
+    NcclError,
+    SplitWarning,
+    asarray,
+    cpu_device_count,
+    data_parallel,
+    device_count,
+    device_of,
+    empty_cache,
+    gather,
+    memory_allocated,
+    memory_reserved,
+    parallel_apply,
+    replicate,
+    scatter,
+    scatter_kwargs,
+)
+from ._plan import Plan, explain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel",
+    "data_parallel",
+    "scatter",
+    "scatter_kwargs",
+    "gather",
+    "replicate",
+    "parallel_apply",
+    "explain",
+    "Plan",
+    "comm",
+    "Device",
+    "device_count",
+    "cpu_device_count",
+    "device_of",
+    "asarray",
+    "memory_allocated",
+    "memory_reserved",
+    "empty_cache",
+    "DPError",
+    "CudaError",
+    "NcclError",
+    "SplitWarning",
+]

@@ -1,0 +1,303 @@
+/* test_pool.c - standalone tests of csrc/pool.c (worker threads and batches).
+ *
+ * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -Icsrc \
+ *            tests/c/test_pool.c csrc/pool.c
+ * Exit status 0 when every check passes; each failure is printed.
+ */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+
+#define CHECK(cond) do { if (!(cond)) { failures++; \
+    printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); } } while (0)
+
+static double secs(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
+}
+
+/* ---- FIFO order on one device ---- */
+#define NFIFO 2000
+static int fifo_log[NFIFO], fifo_len;
+static int fifo_ids[NFIFO];
+
+static void job_log(void *arg) { fifo_log[fifo_len++] = *(int *)arg; }
+
+static void test_fifo(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    for (int i = 0; i < NFIFO; i++) {
+        fifo_ids[i] = i;
+        CHECK(dp_batch_submit(&b, 1, 0, job_log, &fifo_ids[i]) == 0);
+    }
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(fifo_len == NFIFO);
+    int in_order = 1;
+    for (int i = 0; i < fifo_len; i++)
+        in_order &= fifo_log[i] == i;
+    CHECK(in_order);
+    dp_batch_destroy(&b);
+}
+
+/* ---- parallelism: each job waits for the other; serialized would stall ---- */
+static atomic_int flag_a, flag_b;
+static int meet_a, meet_b;
+
+static int await_flag(atomic_int *f)
+{
+    double end = secs() + 2.0;
+    while (!atomic_load(f))
+        if (secs() > end)
+            return 0;
+    return 1;
+}
+static void job_a(void *arg) { (void)arg; atomic_store(&flag_a, 1); meet_a = await_flag(&flag_b); }
+static void job_b(void *arg) { (void)arg; atomic_store(&flag_b, 1); meet_b = await_flag(&flag_a); }
+
+static void test_parallel(int kind)
+{
+    dp_batch b;
+    atomic_store(&flag_a, 0);
+    atomic_store(&flag_b, 0);
+    meet_a = meet_b = 0;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_submit(&b, kind, 1, job_a, NULL) == 0);
+    CHECK(dp_batch_submit(&b, kind, 2, job_b, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(meet_a && meet_b);
+    dp_batch_destroy(&b);
+}
+
+/* ---- many batches, reused and recreated ---- */
+static atomic_int counter;
+static void job_inc(void *arg) { (void)arg; atomic_fetch_add(&counter, 1); }
+
+static void test_many_batches(void)
+{
+    atomic_store(&counter, 0);
+    dp_batch reused;
+    CHECK(dp_batch_init(&reused) == 0);
+    for (int r = 0; r < 500; r++) {
+        dp_batch b;
+        CHECK(dp_batch_init(&b) == 0);
+        for (int d = 0; d < 4; d++) {
+            CHECK(dp_batch_submit(&b, 1 + d % 2, d, job_inc, NULL) == 0);
+            CHECK(dp_batch_submit(&reused, 2 - d % 2, d, job_inc, NULL) == 0);
+        }
+        CHECK(dp_batch_wait(&b, -1) == 1);
+        CHECK(b.pending == 0);
+        dp_batch_destroy(&b);
+        CHECK(dp_batch_wait(&reused, -1) == 1);
+    }
+    CHECK(atomic_load(&counter) == 500 * 8);
+    dp_batch_destroy(&reused);
+}
+
+/* ---- timeout path ---- */
+static void job_sleep200(void *arg) { (void)arg; sleep_ms(200); }
+
+static void test_timeout(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_wait(&b, 0) == 1);      /* empty batch: done at once */
+    CHECK(dp_batch_submit(&b, 1, 7, job_sleep200, NULL) == 0);
+    double t0 = secs();
+    CHECK(dp_batch_wait(&b, 10) == 0);
+    double waited = secs() - t0;
+    CHECK(waited >= 0.009);   /* returned 0 above: the job was still running */
+    CHECK(dp_batch_wait(&b, 0) == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(secs() - t0 >= 0.190);
+    dp_batch_destroy(&b);
+}
+
+/* ---- bad arguments ---- */
+static void test_einval(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_submit(&b, 0, 0, job_inc, NULL) == EINVAL);
+    CHECK(dp_batch_submit(&b, 3, 0, job_inc, NULL) == EINVAL);
+    CHECK(dp_batch_submit(&b, 1, -1, job_inc, NULL) == EINVAL);
+    CHECK(dp_batch_submit(&b, 2, DP_POOL_MAX_INDEX, job_inc, NULL) == EINVAL);
+    CHECK(dp_batch_submit(&b, 1, 0, NULL, NULL) == EINVAL);
+    CHECK(b.pending == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(dp_batch_submit(&b, 2, DP_POOL_MAX_INDEX - 1, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(!dp_pool_on_worker(0, 0) && !dp_pool_on_worker(3, 0));
+    CHECK(!dp_pool_on_worker(1, -1) && !dp_pool_on_worker(1, DP_POOL_MAX_INDEX));
+    dp_batch_destroy(&b);
+}
+
+/* ---- dp_pool_on_worker, and a worker submitting to itself / others ---- */
+static int seen_self, seen_other_index, seen_other_kind, nested_ok, self_ran;
+static void job_mark(void *arg) { (void)arg; self_ran = dp_pool_on_worker(1, 3); }
+static void job_probe(void *arg)
+{
+    (void)arg;
+    seen_self = dp_pool_on_worker(1, 3);
+    seen_other_index = dp_pool_on_worker(1, 4);
+    seen_other_kind = dp_pool_on_worker(2, 3);
+    /* A job may wait for a different worker... */
+    dp_batch inner;
+    nested_ok = dp_batch_init(&inner) == 0
+        && dp_batch_submit(&inner, 2, 3, job_inc, NULL) == 0
+        && dp_batch_wait(&inner, 5000) == 1;
+    dp_batch_destroy(&inner);
+}
+static dp_batch self_batch;
+static void job_submit_self(void *arg)
+{
+    (void)arg;
+    /* ...and may queue on its own worker (but must not wait for that job). */
+    nested_ok &= dp_batch_submit(&self_batch, 1, 3, job_mark, NULL) == 0;
+}
+
+static void test_on_worker(void)
+{
+    dp_batch b;
+    CHECK(!dp_pool_on_worker(1, 3));
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_submit(&b, 1, 3, job_probe, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(seen_self && !seen_other_index && !seen_other_kind && nested_ok);
+    CHECK(dp_batch_init(&self_batch) == 0);
+    CHECK(dp_batch_submit(&b, 1, 3, job_submit_self, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(dp_batch_wait(&self_batch, 5000) == 1);
+    CHECK(nested_ok && self_ran);
+    CHECK(!dp_pool_on_worker(1, 3));
+    dp_batch_destroy(&self_batch);
+    dp_batch_destroy(&b);
+}
+
+/* ---- fork: the child gets fresh workers, even with jobs queued in the parent */
+static void test_fork(void)
+{
+    dp_batch b, busy;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_init(&busy) == 0);
+    CHECK(dp_batch_submit(&b, 1, 0, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    /* Leave (1,0) busy with a queue behind it while forking. */
+    CHECK(dp_batch_submit(&busy, 1, 0, job_sleep200, NULL) == 0);
+    CHECK(dp_batch_submit(&busy, 1, 0, job_inc, NULL) == 0);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(10);   /* a hang in the child ends it by SIGALRM */
+        dp_batch c;
+        int ok = dp_batch_init(&c) == 0;
+        atomic_store(&counter, 0);
+        ok = ok && dp_batch_submit(&c, 1, 0, job_inc, NULL) == 0
+                && dp_batch_submit(&c, 2, 5, job_inc, NULL) == 0
+                && dp_batch_wait(&c, 5000) == 1
+                && atomic_load(&counter) == 2;
+        _exit(ok ? 0 : 1);
+    }
+    CHECK(pid > 0);
+    if (pid > 0) {
+        int status = 0;
+        CHECK(waitpid(pid, &status, 0) == pid);
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (WIFSIGNALED(status))
+            printf("child killed by signal %d\n", WTERMSIG(status));
+    }
+    CHECK(dp_batch_wait(&busy, -1) == 1);   /* the parent's pool still works */
+    dp_batch_destroy(&busy);
+    dp_batch_destroy(&b);
+}
+
+/* ---- fork() called inside a job: the child's copy of that worker ---- */
+static int fork_job_status = -1;
+static void job_fork(void *arg)
+{
+    int plain_return = *(int *)arg;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(10);
+        if (plain_return)
+            return;   /* the pool must end this thread (and so the child), not hang */
+        dp_batch c;   /* no longer (1,9)'s worker: can wait for (1,9) here */
+        int ok = !dp_pool_on_worker(1, 9) && dp_batch_init(&c) == 0
+            && dp_batch_submit(&c, 1, 9, job_inc, NULL) == 0
+            && dp_batch_wait(&c, 5000) == 1;
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    fork_job_status = pid > 0 && waitpid(pid, &status, 0) == pid ? status : -1;
+}
+
+static void test_fork_in_job(void)
+{
+    for (int plain_return = 0; plain_return < 2; plain_return++) {
+        dp_batch b;
+        CHECK(dp_batch_init(&b) == 0);
+        CHECK(dp_batch_submit(&b, 1, 9, job_fork, &plain_return) == 0);
+        CHECK(dp_batch_wait(&b, 15000) == 1);
+        CHECK(WIFEXITED(fork_job_status) && WEXITSTATUS(fork_job_status) == 0);
+        dp_batch_destroy(&b);
+    }
+}
+
+/* ---- latency of an empty job round trip ---- */
+static void job_empty(void *arg) { (void)arg; }
+
+static void test_latency(void)
+{
+    enum { N = 10000 };
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    int ok = 1;
+    double t0 = secs();
+    for (int i = 0; i < N; i++) {
+        ok &= dp_batch_submit(&b, 1, 10 + i % 2, job_empty, NULL) == 0;
+        ok &= dp_batch_wait(&b, -1) == 1;
+    }
+    double dt = secs() - t0;
+    CHECK(ok);
+    printf("round trip (submit+run+wait, empty job, 2 devices): %.2f us mean\n",
+           dt / N * 1e6);
+    dp_batch_destroy(&b);
+}
+
+int main(void)
+{
+    test_fifo();
+    test_parallel(1);
+    test_parallel(2);
+    test_many_batches();
+    test_timeout();
+    test_einval();
+    test_on_worker();
+    test_fork();
+    test_fork_in_job();
+    test_latency();
+    if (failures) {
+        printf("test_pool: %d failure(s)\n", failures);
+        return 1;
+    }
+    printf("test_pool: all passed\n");
+    return 0;
+}
