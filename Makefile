@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "setuptools>=64" "numpy>=1.26" wheel
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "numpy>=1.26"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo]"
 	touch $@
 

@@ -596,3 +596,14 @@ def test_large_dataparallel_round_trip():
     x = np.random.default_rng(3).standard_normal((999, 2000))
     out = dpmini.DataParallel(lambda a: a * 1.0, device_ids=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])(x)
     assert bits(out) == bits(x)
+
+
+def test_R28_gather_to_device_equals_gather_to_host_then_copy():
+    rng = np.random.default_rng(28)
+    parts = [dpmini.asarray(rng.standard_normal((int(rng.integers(1, 300)), 257)), f"cpu:{i}") for i in range(4)]
+    host = comm.gather(parts, destination="cpu")
+    for target in ["cpu:0", "cpu:1", "cpu:3", "cpu:9"]:
+        on_dev = comm.gather(parts, destination=target)
+        assert dev(on_dev) == target
+        assert bits(on_dev) == bits(host)
+        assert bits(dpmini.asarray(host, target)) == bits(on_dev)

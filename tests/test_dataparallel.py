@@ -186,13 +186,15 @@ def test_R24_device_ids_not_starting_at_0():
 
 
 def test_R24_no_allocation_on_devices_not_in_device_ids():
-    before = dpmini.memory_allocated("cpu:9")
+    others = [f"cpu:{i}" for i in range(16) if i not in (7, 8)]
+    before = [dpmini.memory_allocated(d) for d in others]
     x = np.ones((6, 1000))
     held = []
     out = dpmini.DataParallel(lambda x: held.append(x) or x * 1, device_ids=["cpu:8", "cpu:7"])(x)
-    assert dpmini.memory_allocated("cpu:9") == before
-    assert dpmini.memory_allocated("cpu:7") >= 3 * 1000 * 8
-    del out, held
+    assert [dpmini.memory_allocated(d) for d in others] == before
+    assert dpmini.memory_allocated("cpu:7") >= 3 * 1000 * 8  # its chunk, still held
+    assert dpmini.memory_allocated("cpu:8") >= 6 * 1000 * 8  # chunk + gathered output
+    assert out.shape == (6, 1000) and len(held) == 2
 
 
 def test_attributes(dev2):
@@ -563,3 +565,38 @@ def test_view_rule_through_dataparallel(dev2):
     dpmini.DataParallel(lambda x: seen.__setitem__(dev(x), x) or x * 1, device_ids=dev2)(xd)
     assert np.shares_memory(seen["cpu:0"], xd)
     assert not np.shares_memory(seen["cpu:1"], xd)
+
+
+# ------------------------------------------------------------------ R23
+
+class Linear:
+    def __init__(self, place=None):
+        w = np.arange(6.0).reshape(3, 2)
+        self.w = dpmini.asarray(w, place) if place else w
+        self.last = None
+
+    def __call__(self, x):
+        self.last = x  # attribute assignment inside forward (pytorch#73218)
+        return x @ self.w
+
+
+@pytest.mark.parametrize(
+    "place,device_ids",
+    [(None, ["cpu:0", "cpu:1"]), ("cpu:0", ["cpu:1", "cpu:2", "cpu:3"]), ("cpu:0", ["cpu:0"]),
+     (None, ["cpu:2"])],
+)
+def test_R23_module_not_on_device_ids0_is_broadcast_not_refused(place, device_ids):
+    # design decision (spec 2.2): arrays are broadcast from wherever they live
+    m = Linear(place)
+    x = np.arange(30.0).reshape(10, 3)
+    out = dpmini.DataParallel(m, device_ids=device_ids)(x)
+    np.testing.assert_array_equal(out, x @ np.arange(6.0).reshape(3, 2))
+    if len(device_ids) > 1:
+        assert dev(out) == device_ids[0]
+    assert dev(m.w) == (place or "cpu")  # the module is not moved
+
+
+def test_R23_attribute_set_in_forward_does_not_persist(dev2):
+    m = Linear()
+    dpmini.DataParallel(m, device_ids=dev2)(np.ones((4, 3)))
+    assert m.last is None

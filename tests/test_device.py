@@ -1,4 +1,4 @@
-"""dpmini.Device, device_of, asarray, device counts, memory accounting, explain
+"""dpmini.Device, device_of, asarray, device counts, memory accounting
 (design "Devices")."""
 import gc
 import os
@@ -130,21 +130,3 @@ def test_memory_allocated_and_reserved():
 
 def test_memory_accepts_device_object():
     assert dpmini.memory_allocated(dpmini.Device("cpu:12")) == dpmini.memory_allocated("cpu:12")
-
-
-def test_explain_returns_a_plan_table():
-    x = np.zeros((10, 3))
-    plan = dpmini.explain((x,), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
-    assert isinstance(plan, dpmini.Plan)
-    text = str(plan)
-    for d in ("cpu:0", "cpu:1", "cpu:2", "cpu:3"):
-        assert d in text
-    assert "3" in text and "1" in text  # the piece sizes [3,3,3,1]
-    assert "\n" in text
-
-
-def test_explain_kwargs_and_truncation():
-    plan = dpmini.explain((np.zeros(9),), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], kwargs={"m": np.zeros(2)})
-    text = str(plan)
-    assert "m" in text
-    assert "cpu:0" in text

@@ -768,3 +768,50 @@ def test_R10_total_length_fixes_it(dev2):
     out = dpmini.DataParallel(_rnn_like(total_length=5), device_ids=dev2)(x, lengths)
     assert out.shape == (4, 5, 3)
     np.testing.assert_array_equal(out, x)
+
+
+# ====================================================================== R29
+
+def test_R29_pmap_contrast_same_inputs_parity_rules(dev2):
+    # different batch sizes: truncated with a warning (not JAX's error) unless strict
+    with pytest.warns(dpmini.SplitWarning):
+        inputs, _ = dpmini.scatter_kwargs((np.ones((8, 4)), np.ones((1, 4))), {}, dev2)
+    assert len(inputs) == 1
+    # a Python scalar needs no in_axes=None: it is copied to every replica
+    inputs, _ = dpmini.scatter_kwargs((np.ones((8, 100)), 10), {}, dev2)
+    assert [inp[1] for inp in inputs] == [10, 10]
+    # a 0-dim array raises
+    with pytest.raises(ValueError, match="1-dimensional"):
+        dpmini.scatter_kwargs((np.ones((8, 100)), np.array(10)), {}, dev2)
+
+
+def test_R29_strict_message_lists_path_shape_dim_and_size(dev2):
+    with pytest.raises(ValueError) as info:
+        dpmini.scatter_kwargs((), {"x": np.arange(1), "y": np.arange(2)}, dev2, strict=True)
+    msg = str(info.value)
+    for needle in ["['x']", "['y']", "(1,)", "(2,)", "dim 0"]:
+        assert needle in msg, needle
+
+
+def test_gather_equal_numpy_scalars_are_not_collapsed():
+    # NumPy scalars follow the 0-dim array rule, not the "equal value returned once" rule
+    with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)):
+        out = dpmini.gather([np.float64(1.0), np.float64(1.0), np.float64(1.0)], "cpu:1")
+    assert isinstance(out, np.ndarray) and out.shape == (3,)
+    assert dev(out) == "cpu:1"
+
+
+def test_gather_numpy_scalars_mixed_with_0dim_arrays():
+    with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)):
+        out = dpmini.gather([np.float64(1.0), np.array(2.0)], "cpu")
+    np.testing.assert_array_equal(out, [1.0, 2.0])
+
+
+def test_gather_numpy_scalars_other_dim_raise():
+    with pytest.raises(ValueError):
+        dpmini.gather([np.float64(1.0), np.float64(2.0)], "cpu", dim=-1)
+
+
+def test_gather_numpy_scalar_then_python_number_raises():
+    with pytest.raises(TypeError):
+        dpmini.gather([(np.zeros(1), np.float64(1.0)), (np.zeros(1), 1.0)], "cpu")
