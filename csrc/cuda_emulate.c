@@ -21,6 +21,7 @@
  * Kernels run the index arithmetic of cuda/strided.h, element by element.
  */
 #if defined(DPMINI_CUDA_EMULATE)
+#define _POSIX_C_SOURCE 200809L
 
 #include "cuda_api.h"
 #include "../cuda/strided.h"
