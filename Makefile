@@ -4,7 +4,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test build bench clean
+# GPU code paths without a GPU: an emulated build (DPMINI_CUDA_EMULATE=1,
+# csrc/cuda_emulate.c) in its own folder, and the tests marked gpu run on it
+# with two fake GPUs. `make test` runs both suites.
+EMU := build/emulated
+
+.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +25,17 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-emulated
+
+build-emulated: $(VENV)/.installed
+	DPMINI_CUDA_EMULATE=1 DPMINI_WERROR=1 $(PY) setup.py -q build_ext --build-lib $(EMU) --build-temp $(EMU)-tmp
+	cp dpmini/*.py dpmini/py.typed $(EMU)/dpmini/
+
+test-emulated: build-emulated
+	DPMINI_EMULATE_GPUS=2 PYTHONPATH=$(EMU) $(VENV)/bin/pytest -q -m gpu -p no:cacheprovider tests
+
+bench-gpu: build
+	$(PY) benchmarks/bench_gpu.py
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py

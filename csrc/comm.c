@@ -2,6 +2,7 @@
  * the device worker threads) and the dpmini.comm functions, which mirror
  * torch.cuda.comm (spec §8). */
 #include "dpmini.h"
+#include "gpu.h"
 
 #include <string.h>
 
@@ -22,7 +23,14 @@ typedef struct {
     char *dst;
     const char *src;
     dp_device exec;     /* whose worker runs it; the host means the caller  */
+    dp_device src_dev, dst_dev; /* where each side lives (CUDA: device memory) */
 } copy_job;
+
+/* Where a copy goes: its two sides, and the device whose worker runs it (a
+ * CUDA side when there is one, so GPU copies run on a GPU's worker). */
+typedef struct {
+    dp_device src, dst, exec;
+} copy_route;
 
 typedef struct {
     copy_job *jobs;     /* PyMem_Malloc'ed */
@@ -41,7 +49,7 @@ static void jobs_free(job_list *l)
 /* Queue dst[...] = src[...] for `shape`. Strides in bytes. */
 static int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
                     char *dst, const npy_intp *dst_strides,
-                    const char *src, const npy_intp *src_strides, dp_device exec)
+                    const char *src, const npy_intp *src_strides, copy_route route)
 {
     int64_t sh[DP_MAXDIMS], ss[DP_MAXDIMS], ds[DP_MAXDIMS];
     if (itemsize == 0) {
@@ -74,7 +82,9 @@ static int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
     dp_copy_simplify(&j->desc);
     j->dst = dst;
     j->src = src;
-    j->exec = exec;
+    j->exec = route.exec;
+    j->src_dev = route.src;
+    j->dst_dev = route.dst;
     l->bytes += (size_t)dp_copy_numel(&j->desc) * itemsize;
     l->n++;
     return 0;
@@ -83,14 +93,60 @@ static int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
 typedef struct {
     copy_job *jobs;
     Py_ssize_t n;
+    dpc_status status;  /* first failure of a GPU copy; code 0 when none */
+    Py_ssize_t failed;  /* index of the failed job                       */
 } job_group;
 
+static int gpu_index(dp_device d)
+{
+    return d.kind == DP_CUDA ? d.index : -1;
+}
+
+/* Host copies with memcpy; copies with a CUDA side through dp_gpu_copy, each
+ * job on its own stream slot (several replicas on one GPU overlap), all the
+ * slots synced once at the end. */
 static void run_group(void *arg)
 {
     job_group *g = arg;
+    dp_gpu_sync sync = {g->n ? gpu_index(g->jobs[0].exec) : -1, 0};
+    g->status = dpc_ok();
     for (Py_ssize_t i = 0; i < g->n; i++) {
-        dp_copy_run(&g->jobs[i].desc, g->jobs[i].dst, g->jobs[i].src);
+        copy_job *j = &g->jobs[i];
+        if (j->exec.kind != DP_CUDA) {
+            dp_copy_run(&j->desc, j->dst, j->src);
+            continue;
+        }
+        dpc_status s = dp_gpu_copy(&j->desc, j->dst, gpu_index(j->dst_dev), j->src,
+                                   gpu_index(j->src_dev), (int)i, &sync);
+        if (s.code != 0) {
+            g->status = s;
+            g->failed = i;
+            break;
+        }
     }
+    dpc_status s = dp_gpu_sync_finish(&sync);
+    if (s.code != 0 && g->status.code == 0) {
+        g->status = s;
+        g->failed = 0;
+    }
+}
+
+/* The funnel for a failed group: names the copy's two devices. */
+static int group_error(job_group *g)
+{
+    char op[96], a[32], b[32];
+    copy_job *j = &g->jobs[g->failed];
+    dp_device_format(j->src_dev, a, sizeof a);
+    dp_device_format(j->dst_dev, b, sizeof b);
+    snprintf(op, sizeof op, "copy %s -> %s", a, b);
+    /* jobs carry no module state; errors are rare, so look the module up */
+    PyObject *mod = PyImport_ImportModule("dpmini._dpmini");
+    if (mod == NULL) {
+        return -1;
+    }
+    int rc = dp_gpu_raise(dp_state_from_module(mod), g->status, op);
+    Py_DECREF(mod);
+    return rc;
 }
 
 static int exec_before(const void *a, const void *b)
@@ -111,13 +167,25 @@ static int jobs_run(job_list *l)
         return 0;
     }
     if (l->bytes < DP_INLINE_BYTES || dp_pool_in_worker()) {
-        job_group all = {l->jobs, l->n};
-        if (l->bytes < DP_INLINE_BYTES) {
-            run_group(&all);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            run_group(&all);
-            Py_END_ALLOW_THREADS
+        /* one group per executing device, run here one after another */
+        qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+        Py_ssize_t start = 0;
+        for (Py_ssize_t i = 1; i <= l->n; i++) {
+            if (i < l->n && dp_device_eq(l->jobs[i].exec, l->jobs[start].exec)) {
+                continue;
+            }
+            job_group g = {&l->jobs[start], i - start, {0}, 0};
+            if (l->bytes < DP_INLINE_BYTES) {
+                run_group(&g);
+            } else {
+                Py_BEGIN_ALLOW_THREADS
+                run_group(&g);
+                Py_END_ALLOW_THREADS
+            }
+            if (g.status.code != 0) {
+                return group_error(&g);
+            }
+            start = i;
         }
         return 0;
     }
@@ -132,6 +200,8 @@ static int jobs_run(job_list *l)
         if (i == 0 || !dp_device_eq(l->jobs[i].exec, l->jobs[i - 1].exec)) {
             groups[ng].jobs = &l->jobs[i];
             groups[ng].n = 0;
+            groups[ng].status = dpc_ok();
+            groups[ng].failed = 0;
             ng++;
         }
         groups[ng - 1].n++;
@@ -152,6 +222,15 @@ static int jobs_run(job_list *l)
         dp_batch_destroy(&batch);
     }
     Py_END_ALLOW_THREADS
+    if (err == 0) {
+        for (Py_ssize_t g = 0; g < ng; g++) {
+            if (groups[g].status.code != 0) {
+                int rc = group_error(&groups[g]);
+                PyMem_Free(groups);
+                return rc;
+            }
+        }
+    }
     PyMem_Free(groups);
     if (err != 0) {
         errno = err;
@@ -165,10 +244,15 @@ static int jobs_run(job_list *l)
 /* Helpers                                                             */
 /* ------------------------------------------------------------------ */
 
-/* The device whose worker should run a copy between src and dst. */
-static dp_device exec_device(dp_device src, dp_device dst)
+/* The route of a copy between src and dst: run by the worker of a CUDA side
+ * when there is one, else of the destination unless it is the host. */
+static copy_route exec_device(dp_device src, dp_device dst)
 {
-    return dst.kind != DP_HOST ? dst : src;
+    copy_route r = {src, dst, dst.kind != DP_HOST ? dst : src};
+    if (dst.kind != DP_CUDA && src.kind == DP_CUDA) {
+        r.exec = src;
+    }
+    return r;
 }
 
 /* A view of src with `shape`, starting at `data`, same strides (spec 3.4). */
@@ -274,6 +358,14 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
         goto fail;
     }
     jobs_free(&jobs);
+    for (i = 0; i < nitems; i++) { /* chunks on GPUs leave as dpmini.Array */
+        for (j = 0; j < items[i].nchunks; j++) {
+            items[i].out[j] = dp_export(st, items[i].out[j]);
+            if (items[i].out[j] == NULL) {
+                goto fail;
+            }
+        }
+    }
     return 0;
 fail:
     jobs_free(&jobs);
@@ -369,12 +461,15 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     int64_t total = 0;
     for (i = 0; i < n; i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyArray_Check(o)) {
-            PyErr_Format(PyExc_TypeError, "out[%zd]: expected a numpy.ndarray, got %.100s", i,
-                         Py_TYPE(o)->tp_name);
+        if (!PyArray_Check(o) && !dp_is_device_object(st, o)) {
+            PyErr_Format(PyExc_TypeError, "out[%zd]: expected a numpy.ndarray or a GPU array, "
+                         "got %.100s", i, Py_TYPE(o)->tp_name);
             goto done;
         }
-        outs[i] = (PyArrayObject *)o;
+        outs[i] = dp_as_array(st, o, "out", 0); /* a GPU array: its shadow */
+        if (outs[i] == NULL) {
+            goto done;
+        }
         if (PyArray_NDIM(outs[i]) != nd) {
             PyErr_Format(PyExc_ValueError,
                          "out[%zd]: Output array has incorrect shape: expected %d dimensions, "
@@ -426,6 +521,9 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     result = PyList_AsTuple(seq);
 done:
     jobs_free(&jobs);
+    for (i = 0; outs != NULL && i < n; i++) {
+        Py_XDECREF(outs[i]);
+    }
     PyMem_Free(outs);
     Py_DECREF(seq);
     return result;
@@ -666,7 +764,36 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
             continue;
         }
         /* Other dtypes are cast to the result's dtype, as PyTorch does (spec
-         * 4.7); NumPy's own casting loop does it, with the GIL held. */
+         * 4.7); NumPy's own casting loop does it, with the GIL held. On a GPU
+         * side: cast on the host, then copy (NumPy never sees device memory). */
+        if (dest.kind == DP_CUDA || dp_array_device(st, p).kind == DP_CUDA) {
+            dp_device host = {DP_HOST, -1};
+            PyObject *hp = dp_array_device(st, p).kind == DP_CUDA
+                         ? dp_copy_to_device(st, p, host) : Py_NewRef(p);
+            PyArray_Descr *rd = PyArray_DESCR(result);
+            Py_XINCREF(rd);
+            PyObject *cast = hp ? PyArray_CastToType((PyArrayObject *)hp, rd, 0) : NULL;
+            if (hp == NULL) {
+                Py_DECREF(rd);
+            }
+            Py_XDECREF(hp);
+            if (cast == NULL) {
+                goto fail;
+            }
+            job_list one = {0};
+            int rc = jobs_add(&one, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(result), dst,
+                              PyArray_STRIDES(result), PyArray_BYTES((PyArrayObject *)cast),
+                              PyArray_STRIDES((PyArrayObject *)cast), exec_device(host, dest));
+            if (rc == 0) {
+                rc = jobs_run(&one);
+            }
+            jobs_free(&one);
+            Py_DECREF(cast);
+            if (rc < 0) {
+                goto fail;
+            }
+            continue;
+        }
         PyObject *view = make_view(result, dst, PyArray_SHAPE(p));
         if (view == NULL) {
             goto fail;
@@ -681,7 +808,10 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         goto fail;
     }
     jobs_free(&jobs);
-    return (PyObject *)result;
+    if (out != NULL) {
+        return (PyObject *)result;
+    }
+    return dp_export(st, (PyObject *)result);
 fail:
     jobs_free(&jobs);
     Py_DECREF(result);
@@ -794,9 +924,9 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
                         "out: 'destination' must not be given together with 'out'");
         return NULL;
     }
-    if (out_obj != Py_None && !PyArray_Check(out_obj)) {
-        PyErr_Format(PyExc_TypeError, "out: expected a numpy.ndarray, got %.100s",
-                     Py_TYPE(out_obj)->tp_name);
+    if (out_obj != Py_None && !PyArray_Check(out_obj) && !dp_is_device_object(st, out_obj)) {
+        PyErr_Format(PyExc_TypeError, "out: expected a numpy.ndarray or a GPU array, got "
+                     "%.100s", Py_TYPE(out_obj)->tp_name);
         return NULL;
     }
     if (parse_destination(st, dest_obj, "destination", host, &dest) < 0) {
@@ -812,8 +942,18 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
     if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(parts[0]), "dim", &dim) < 0) {
         goto done;
     }
-    result = dp_gather_arrays(st, parts, n, dim, dest,
-                              out_obj == Py_None ? NULL : (PyArrayObject *)out_obj, "arrays");
+    if (out_obj == Py_None) {
+        result = dp_gather_arrays(st, parts, n, dim, dest, NULL, "arrays");
+    } else {
+        PyArrayObject *out_arr = dp_as_array(st, out_obj, "out", 0);
+        if (out_arr != NULL) {
+            result = dp_gather_arrays(st, parts, n, dim, dest, out_arr, "arrays");
+            Py_DECREF(out_arr);
+            if (result != NULL) { /* the caller's own object, written in place */
+                Py_SETREF(result, Py_NewRef(out_obj));
+            }
+        }
+    }
 done:
     arrays_free(parts, n);
     return result;
@@ -840,6 +980,73 @@ static PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_de
     return (PyObject *)dst;
 }
 
+PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev)
+{
+    job_list jobs = {0};
+    PyObject *r = copy_to(st, &jobs, src, dev);
+    if (r != NULL && jobs_run(&jobs) < 0) {
+        Py_CLEAR(r);
+    }
+    jobs_free(&jobs);
+    return r;
+}
+
+/* broadcast through NCCL when every target is a distinct GPU, the source
+ * is a contiguous array on one of them, and NCCL loads. Returns 1 when done
+ * (row entries filled), 0 to use the copy path, -1 on error. */
+static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device *devs,
+                              Py_ssize_t ndev, PyObject *result, Py_ssize_t i)
+{
+    dp_device home = dp_array_device(st, src);
+    int ids[DP_MAX_DEVICES], root = -1;
+    void *bufs[DP_MAX_DEVICES];
+    if (home.kind != DP_CUDA || ndev < 2 || !PyArray_IS_C_CONTIGUOUS(src) ||
+        PyArray_NBYTES(src) == 0) {
+        return 0;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        if (devs[d].kind != DP_CUDA) {
+            return 0;
+        }
+        for (Py_ssize_t e = 0; e < d; e++) {
+            if (devs[e].index == devs[d].index) {
+                return 0; /* a repeated GPU: the copy path */
+            }
+        }
+        ids[d] = devs[d].index;
+        if (devs[d].index == home.index) {
+            root = (int)d;
+        }
+    }
+    if (root < 0 || !dp_nccl_available()) {
+        return 0;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *item;
+        if ((int)d == root) {
+            item = Py_NewRef(src);
+        } else {
+            PyArray_Descr *descr = PyArray_DESCR(src);
+            Py_INCREF(descr);
+            item = (PyObject *)dp_empty(st, devs[d], descr, PyArray_NDIM(src),
+                                        PyArray_SHAPE(src), NULL);
+            if (item == NULL) {
+                return -1;
+            }
+        }
+        bufs[d] = PyArray_BYTES((PyArrayObject *)item);
+        PyList_SET_ITEM(PyList_GET_ITEM(result, d), i, item);
+    }
+    dpc_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dp_nccl_broadcast((int)ndev, ids, bufs, (size_t)PyArray_NBYTES(src), root);
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        return dp_gpu_raise(st, s, "broadcast (ncclBroadcast)");
+    }
+    return 1;
+}
+
 PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device *devs,
                                  Py_ssize_t ndev, size_t buffer_size)
 {
@@ -862,7 +1069,14 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
             goto fail;
         }
         PyList_SET_ITEM(result, d, row);
-        for (Py_ssize_t i = 0; i < n; i++) {
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = nccl_broadcast_one(st, src[i], devs, ndev, result, i);
+        if (r < 0) {
+            goto fail;
+        }
+        for (Py_ssize_t d = 0; r == 0 && d < ndev; d++) {
+            PyObject *row = PyList_GET_ITEM(result, d);
             PyObject *item;
             if (dp_device_eq(dp_array_device(st, src[i]), devs[d])) {
                 item = (PyObject *)src[i];
@@ -881,6 +1095,17 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     }
     jobs_free(&jobs);
     arrays_free(src, n);
+    for (Py_ssize_t d = 0; d < ndev; d++) { /* GPU entries leave as dpmini.Array */
+        PyObject *row = PyList_GET_ITEM(result, d);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));
+            if (e == NULL) {
+                Py_DECREF(result);
+                return NULL;
+            }
+            PyList_SetItem(row, i, e);
+        }
+    }
     return result;
 fail:
     jobs_free(&jobs);
@@ -1037,6 +1262,140 @@ static PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject 
 /* Reduce                                                              */
 /* ------------------------------------------------------------------ */
 
+/* The reduce kernel's element type for a dtype (complex as pairs of floats:
+ * *scale 2); DPC_T_NONE when the kernel cannot add it (float16, bool, ...). */
+static int add_type(PyArray_Descr *d, int *scale)
+{
+    *scale = 1;
+    if (!PyDataType_ISNOTSWAPPED(d)) {
+        return DPC_T_NONE;
+    }
+    switch (d->type_num) {
+    case NPY_INT8: return DPC_T_I8;
+    case NPY_UINT8: return DPC_T_U8;
+    case NPY_INT16: return DPC_T_I16;
+    case NPY_UINT16: return DPC_T_U16;
+    case NPY_INT32: return DPC_T_I32;
+    case NPY_UINT32: return DPC_T_U32;
+    case NPY_INT64: case NPY_LONGLONG: return PyDataType_ELSIZE(d) == 8 ? DPC_T_I64 : DPC_T_NONE;
+    case NPY_UINT64: case NPY_ULONGLONG: return PyDataType_ELSIZE(d) == 8 ? DPC_T_U64 : DPC_T_NONE;
+    case NPY_FLOAT32: return DPC_T_F32;
+    case NPY_FLOAT64: return DPC_T_F64;
+    case NPY_COMPLEX64: *scale = 2; return DPC_T_F32;
+    case NPY_COMPLEX128: *scale = 2; return DPC_T_F64;
+    default: return DPC_T_NONE;
+    }
+}
+
+/* A C-contiguous copy of src on dev, synchronously (new shadow/ndarray). */
+static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev)
+{
+    job_list jobs = {0};
+    PyArray_Descr *descr = PyArray_DESCR(src);
+    Py_INCREF(descr);
+    PyArrayObject *dst = dp_empty(st, dev, descr, PyArray_NDIM(src), PyArray_SHAPE(src), NULL);
+    if (dst == NULL) {
+        return NULL;
+    }
+    if (jobs_add(&jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
+                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
+                 PyArray_STRIDES(src), exec_device(dp_array_device(st, src), dev)) < 0 ||
+        jobs_run(&jobs) < 0) {
+        Py_CLEAR(dst);
+    }
+    jobs_free(&jobs);
+    return dst;
+}
+
+/* reduce_add with a GPU among the inputs or as the destination (shapes
+ * already checked, n >= 1). NCCL reduce when every input is a contiguous
+ * array on a distinct GPU, dest is one of them, and NCCL loads; else the
+ * fallback: copies onto dest and the add kernel; dtypes the kernel cannot
+ * add (or mixed dtypes) are summed on the host by NumPy and copied. */
+static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                                dp_device dest)
+{
+    dp_device host = {DP_HOST, -1};
+    PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+    int scale, type = add_type(d0, &scale), same = 1, distinct = 1, root = -1;
+    int ids[DP_MAX_DEVICES];
+    const void *send[DP_MAX_DEVICES];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        dp_device di = dp_array_device(st, parts[i]);
+        same = same && PyArray_EquivTypes(PyArray_DESCR(parts[i]), d0);
+        distinct = distinct && di.kind == DP_CUDA && PyArray_IS_C_CONTIGUOUS(parts[i]) &&
+                   n <= DP_MAX_DEVICES;
+        for (Py_ssize_t k = 0; distinct && k < i; k++) {
+            distinct = ids[k] != di.index;
+        }
+        if (distinct) {
+            ids[i] = di.index;
+            send[i] = PyArray_DATA(parts[i]);
+            if (dp_device_eq(di, dest)) {
+                root = (int)i;
+            }
+        }
+    }
+    if (dest.kind != DP_CUDA || !same || type == DPC_T_NONE) {
+        /* host sum: inputs copied to the host, NumPy adds, result to dest */
+        PyObject *acc = dp_copy_to_device(st, parts[0], host);
+        for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
+            PyObject *hp = dp_array_device(st, parts[i]).kind == DP_CUDA
+                         ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
+            PyObject *sum = hp ? PyNumber_InPlaceAdd(acc, hp) : NULL;
+            Py_XDECREF(hp);
+            if (sum == NULL) {
+                Py_CLEAR(acc);
+                break;
+            }
+            Py_DECREF(sum);
+        }
+        if (acc == NULL || dest.kind == DP_HOST) {
+            return acc;
+        }
+        PyObject *r = dp_copy_to_device(st, (PyArrayObject *)acc, dest);
+        Py_DECREF(acc);
+        return r;
+    }
+    int64_t numel = (int64_t)PyArray_SIZE(parts[0]) * scale;
+    if (distinct && root >= 0 && n > 1 && dp_nccl_available()) {
+        Py_INCREF(d0);
+        PyArrayObject *out = dp_empty(st, dest, d0, PyArray_NDIM(parts[0]),
+                                      PyArray_SHAPE(parts[0]), NULL);
+        if (out == NULL) {
+            return NULL;
+        }
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dp_nccl_reduce((int)n, ids, send, PyArray_DATA(out), numel, type, root);
+        Py_END_ALLOW_THREADS
+        if (s.code != 0) {
+            Py_DECREF(out);
+            dp_gpu_raise(st, s, "reduce_add (ncclReduce)");
+            return NULL;
+        }
+        return (PyObject *)out;
+    }
+    PyArrayObject *acc = dense_copy(st, parts[0], dest);
+    for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
+        PyArrayObject *x = dense_copy(st, parts[i], dest);
+        if (x == NULL) {
+            Py_CLEAR(acc);
+            break;
+        }
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dp_gpu_add(dest.index, type, PyArray_DATA(acc), PyArray_DATA(x), numel);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(x);
+        if (s.code != 0) {
+            Py_CLEAR(acc);
+            dp_gpu_raise(st, s, "reduce_add (add kernel)");
+        }
+    }
+    return (PyObject *)acc;
+}
+
 PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const char *argname)
 {
     PyArrayObject **parts = NULL;
@@ -1071,6 +1430,14 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         acc = (PyObject *)parts[0]; /* a single input is returned as is (spec 8.3) */
         goto done;
     }
+    int on_gpu = dest.kind == DP_CUDA;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        on_gpu = on_gpu || dp_array_device(st, parts[i]).kind == DP_CUDA;
+    }
+    if (on_gpu) {
+        acc = gpu_reduce_add(st, parts, n, dest);
+        goto done;
+    }
     /* The sum starts as a copy of arrays[0] on dest; the others are added in
      * index order with NumPy's add (same_kind casting into arrays[0]'s dtype). */
     PyArray_Descr *descr = PyArray_DESCR(parts[0]);
@@ -1099,7 +1466,7 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
 done:
     jobs_free(&jobs);
     arrays_free(parts, n);
-    return acc;
+    return dp_export(st, acc);
 }
 
 PyDoc_STRVAR(comm_reduce_add_doc,
@@ -1243,13 +1610,14 @@ PyDoc_STRVAR(asarray_doc,
 
 static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"obj", "device", NULL};
+    static char *kwlist[] = {"obj", "device", "pin_memory", NULL};
     PyObject *obj, *dev_obj = Py_None, *result = NULL;
     dp_state *st = dp_state_from_module(m);
     dp_device dev;
     job_list jobs = {0};
+    int pin = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:asarray", kwlist, &obj, &dev_obj)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op:asarray", kwlist, &obj, &dev_obj, &pin)) {
         return NULL;
     }
     PyArrayObject *arr;
@@ -1267,21 +1635,68 @@ static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
     if (arr == NULL) {
         return NULL;
     }
+    if (pin) {
+        /* a copy in page-locked host memory (direct DMA to and from GPUs) */
+        if (dev_obj != Py_None &&
+            (dp_device_from_object(st, dev_obj, "device", DP_DEV_ALLOW_HOST, &dev) < 0 ||
+             dev.kind != DP_HOST)) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError,
+                                "pin_memory: only host memory ('cpu') can be pinned");
+            }
+            goto done;
+        }
+        PyObject *buf = dp_buffer_new_pinned(st, (size_t)PyArray_NBYTES(arr));
+        if (buf == NULL) {
+            goto done;
+        }
+        PyArray_Descr *descr = PyArray_DESCR(arr);
+        Py_INCREF(descr);
+        result = PyArray_NewFromDescr(&PyArray_Type, descr, PyArray_NDIM(arr),
+                                      PyArray_SHAPE(arr), NULL, ((dp_BufferObject *)buf)->ptr,
+                                      NPY_ARRAY_WRITEABLE | NPY_ARRAY_ALIGNED, NULL);
+        if (result == NULL) {
+            Py_DECREF(buf);
+            goto done;
+        }
+        if (PyArray_SetBaseObject((PyArrayObject *)result, buf) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        dp_device host = {DP_HOST, -1};
+        if (jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr), (size_t)PyArray_ITEMSIZE(arr),
+                     PyArray_BYTES((PyArrayObject *)result),
+                     PyArray_STRIDES((PyArrayObject *)result), PyArray_BYTES(arr),
+                     PyArray_STRIDES(arr), exec_device(dp_array_device(st, arr), host)) < 0 ||
+            jobs_run(&jobs) < 0) {
+            Py_CLEAR(result);
+        }
+        goto done;
+    }
     if (dev_obj == Py_None) {
-        return (PyObject *)arr;
+        if (PyObject_TypeCheck(obj, st->ArrayType)) {
+            Py_DECREF(arr);
+            return Py_NewRef(obj);
+        }
+        return dp_export(st, (PyObject *)arr); /* a GPU import becomes a dpmini.Array */
     }
     if (dp_device_from_object(st, dev_obj, "device", DP_DEV_ALLOW_HOST, &dev) < 0) {
         goto done;
     }
     if (dp_device_eq(dp_array_device(st, arr), dev)) {
-        Py_INCREF(arr);
-        result = (PyObject *)arr;
+        if (PyObject_TypeCheck(obj, st->ArrayType)) {
+            result = Py_NewRef(obj);
+        } else {
+            Py_INCREF(arr);
+            result = dp_export(st, (PyObject *)arr);
+        }
         goto done;
     }
     result = copy_to(st, &jobs, arr, dev);
     if (result != NULL && jobs_run(&jobs) < 0) {
         Py_CLEAR(result);
     }
+    result = dp_export(st, result);
 done:
     jobs_free(&jobs);
     Py_DECREF(arr);

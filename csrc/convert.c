@@ -4,7 +4,9 @@
 
 int dp_is_array_leaf(dp_state *st, PyObject *obj)
 {
-    return PyArray_Check(obj);
+    /* GPU arrays: dpmini.Array, and any __cuda_array_interface__ exporter
+     * (CuPy, PyTorch CUDA tensors, Numba), imported zero-copy when split. */
+    return PyArray_Check(obj) || dp_is_device_object(st, obj);
 }
 
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
@@ -13,6 +15,12 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
     if (PyArray_Check(obj)) {
         Py_INCREF(obj);
         arr = (PyArrayObject *)obj;
+    } else if (dp_is_device_object(st, obj)) {
+        /* the shadow ndarray of a GPU array (see dpmini.h); never exposed */
+        arr = dp_device_object_meta(st, obj, argname);
+        if (arr == NULL) {
+            return NULL;
+        }
     } else if (PyObject_CheckBuffer(obj) ||
                PyObject_HasAttrString(obj, "__array_interface__") ||
                PyObject_HasAttrString(obj, "__array_struct__")) {

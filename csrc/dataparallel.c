@@ -1055,7 +1055,17 @@ static void apply_job_main(void *arg)
         job->ident = PyThread_get_thread_ident();
         job->state = JOB_RUNNING;
         tl_replica_depth++;
-        if (PyContext_Enter(job->ctx) < 0) {
+        /* A replica on a GPU runs with that GPU current, so CuPy / PyTorch
+         * code in the module allocates and launches on its device. */
+        dpc_status cs = job->dev.kind == DP_CUDA ? dpc_set_device(job->dev.index) : dpc_ok();
+        if (cs.code != 0) {
+            PyObject *mod = PyImport_ImportModule("dpmini._dpmini");
+            if (mod != NULL) {
+                dp_gpu_raise(dp_state_from_module(mod), cs, "replica: make the GPU current");
+                Py_DECREF(mod);
+            }
+            job->exc = take_exception();
+        } else if (PyContext_Enter(job->ctx) < 0) {
             job->exc = take_exception();
         } else {
             job->result = PyObject_Call(job->module, job->args, job->kwargs);
@@ -1239,7 +1249,12 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
             return -1;
         }
         if (r > 0) {
-            dp_device d = dp_array_device(st, (PyArrayObject *)a);
+            PyArrayObject *aa = dp_as_array(st, a, "args", 0); /* GPU arrays: the shadow */
+            if (aa == NULL) {
+                return -1;
+            }
+            dp_device d = dp_array_device(st, aa);
+            Py_DECREF(aa);
             if (d.kind != DP_HOST) {
                 *out = d;
                 return 0;

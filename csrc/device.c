@@ -8,6 +8,7 @@
  */
 #define _GNU_SOURCE
 #include "dpmini.h"
+#include "gpu.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -153,7 +154,51 @@ static void release_cache(dp_heap *h)
 typedef struct {
     dp_BufferObject base;
     size_t rounded;   /* size of the block taken from the heap */
+    PyObject *owner;  /* borrowed memory (imports): kept alive, never freed
+                         here; NULL when the buffer owns ptr */
+    int pinned;       /* host memory from dpc_host_alloc (pin_memory=True) */
 } BufferImpl;
+
+PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes, PyObject *owner)
+{
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->base.dev = d;
+    self->base.nbytes = nbytes;
+    self->base.ptr = ptr;
+    self->rounded = 0;
+    self->pinned = 0;
+    self->owner = Py_NewRef(owner);
+    return (PyObject *)self;
+}
+
+PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
+{
+    void *p = NULL;
+    dpc_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dpc_host_alloc(nbytes, &p);
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        dp_gpu_raise(st, s, "pin_memory: allocate page-locked host memory");
+        return NULL;
+    }
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        (void)dpc_host_free(p);
+        return NULL;
+    }
+    self->base.dev.kind = DP_HOST;
+    self->base.dev.index = -1;
+    self->base.nbytes = nbytes;
+    self->base.ptr = p;
+    self->rounded = 0;
+    self->pinned = 1;
+    self->owner = NULL;
+    return (PyObject *)self;
+}
 
 PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
 {
@@ -163,6 +208,23 @@ PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
     }
     self->base.dev = d;
     self->base.nbytes = nbytes;
+    self->owner = NULL;
+    self->pinned = 0;
+    if (d.kind == DP_CUDA) {
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dp_gpu_alloc(d.index, nbytes, &self->base.ptr, &self->rounded);
+        Py_END_ALLOW_THREADS
+        if (s.code != 0) {
+            char op[96];
+            self->base.ptr = NULL;
+            Py_DECREF(self);
+            snprintf(op, sizeof op, "allocate %zu bytes", nbytes);
+            dp_gpu_raise(st, s, op);
+            return NULL;
+        }
+        return (PyObject *)self;
+    }
     self->base.ptr = raw_alloc(d, nbytes, &self->rounded);
     if (self->base.ptr == NULL) {
         char name[32];
@@ -181,7 +243,15 @@ static void buffer_dealloc(PyObject *op)
 {
     BufferImpl *self = (BufferImpl *)op;
     PyTypeObject *tp = Py_TYPE(op);
-    if (self->base.ptr != NULL) {
+    if (self->owner != NULL) {
+        Py_CLEAR(self->owner);
+    } else if (self->pinned) {
+        (void)dpc_host_free(self->base.ptr);
+    } else if (self->base.dev.kind == DP_CUDA) {
+        if (self->base.ptr != NULL) {
+            dp_gpu_free(self->base.dev.index, self->base.ptr, self->rounded);
+        }
+    } else if (self->base.ptr != NULL) {
         raw_free(self->base.dev, self->base.ptr, self->rounded);
     }
     PyObject_Free(op);
@@ -280,7 +350,7 @@ dp_device dp_array_device(dp_state *st, PyArrayObject *a)
 
 int dp_cuda_device_count(void)
 {
-    return 0; /* the CUDA backend (cuda/) replaces this when built */
+    return dpc_device_count(); /* 0 without a GPU, a driver or a CUDA build */
 }
 
 int dp_cpu_device_count(void)
@@ -684,12 +754,35 @@ static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
 static PyObject *py_device_of(PyObject *m, PyObject *arg)
 {
     dp_state *st = dp_state_from_module(m);
+    if (!PyArray_Check(arg) && dp_is_device_object(st, arg)) {
+        PyArrayObject *meta = dp_device_object_meta(st, arg, "array");
+        if (meta == NULL) {
+            return NULL;
+        }
+        PyObject *r = dp_device_to_object(st, dp_array_device(st, meta));
+        Py_DECREF(meta);
+        return r;
+    }
     if (!PyArray_Check(arg)) {
-        PyErr_Format(PyExc_TypeError, "array: expected a numpy.ndarray, got %.100s",
-                     Py_TYPE(arg)->tp_name);
+        PyErr_Format(PyExc_TypeError, "array: expected a numpy.ndarray or a GPU array, got "
+                     "%.100s", Py_TYPE(arg)->tp_name);
         return NULL;
     }
     return dp_device_to_object(st, dp_array_device(st, (PyArrayObject *)arg));
+}
+
+/* CUDA devices: 1 with *alloc and *reserved filled; 0 for other devices. */
+static int gpu_memory_arg(dp_state *st, PyObject *obj, size_t *alloc, size_t *reserved)
+{
+    dp_device d;
+    if (dp_device_from_object(st, obj, "device", DP_DEV_ALLOW_HOST, &d) < 0) {
+        return -1;
+    }
+    if (d.kind != DP_CUDA) {
+        return 0;
+    }
+    dp_gpu_memory(d.index, alloc, reserved);
+    return 1;
 }
 
 static int heap_arg(dp_state *st, PyObject *obj, dp_heap **out)
@@ -709,6 +802,11 @@ static int heap_arg(dp_state *st, PyObject *obj, dp_heap **out)
 static PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
 {
     dp_heap *h;
+    size_t ga, gr;
+    int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
+    if (g != 0) {
+        return g < 0 ? NULL : PyLong_FromSize_t(ga);
+    }
     if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
         return NULL;
     }
@@ -721,6 +819,11 @@ static PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
 static PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
 {
     dp_heap *h;
+    size_t ga, gr;
+    int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
+    if (g != 0) {
+        return g < 0 ? NULL : PyLong_FromSize_t(gr);
+    }
     if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
         return NULL;
     }
@@ -735,6 +838,9 @@ static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
     for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
         release_cache(&heaps[i]);
     }
+    Py_BEGIN_ALLOW_THREADS
+    dp_gpu_empty_cache();
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 

@@ -48,6 +48,7 @@ typedef struct {
     PyTypeObject *DeviceType;        /* dpmini.Device                      */
     PyTypeObject *BufferType;        /* dpmini._Buffer: owns device memory */
     PyTypeObject *DataParallelType;  /* dpmini.DataParallel                */
+    PyTypeObject *ArrayType;         /* dpmini.Array: an array on a GPU    */
     PyObject *DPError;               /* dpmini.DPError(Exception)          */
     PyObject *CudaError;             /* dpmini.CudaError(DPError)          */
     PyObject *NcclError;             /* dpmini.NcclError(DPError)          */
@@ -233,6 +234,58 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
                             int dim);
 
 /* ------------------------------------------------------------------ */
+/* GPU arrays and memory (array.c, gpu.c; see gpu.h and cuda_api.h)    */
+/* ------------------------------------------------------------------ */
+
+/* Inside the C core a GPU array is a "shadow" ndarray: dtype, shape and byte
+ * strides as NumPy keeps them, data = the DEVICE pointer, base chain ending
+ * in a CUDA dpmini._Buffer (owned memory, or a borrowed one that keeps an
+ * imported producer alive). dp_array_device() says DP_CUDA for it. A shadow
+ * never reaches Python code or NumPy's data-touching functions: every public
+ * exit passes results through dp_export, which wraps shadows as
+ * dpmini.Array. */
+typedef struct {
+    PyObject_HEAD
+    PyArrayObject *meta;  /* the shadow ndarray (strong, never NULL)  */
+    dp_device dev;        /* its device (DP_CUDA)                     */
+} dp_ArrayObject;
+
+#include "cuda_api.h"
+
+/* The one funnel from a failed dpc_status to a Python exception:
+ * dpmini.CudaError / NcclError (with .status = the library's code) naming op,
+ * the device, the call and the library's message; MemoryError for an
+ * out-of-memory. Clears the runtime's error so the device stays usable.
+ * Returns -1. */
+int dp_gpu_raise(dp_state *st, dpc_status s, const char *op);
+
+/* obj, stolen: a shadow ndarray on a GPU becomes a dpmini.Array; anything
+ * else is returned as is. NULL passes through. */
+PyObject *dp_export(dp_state *st, PyObject *obj);
+
+/* A device-array object: a dpmini.Array, or any object exposing
+ * __cuda_array_interface__ (CuPy, PyTorch CUDA tensors, Numba) or a CUDA
+ * __dlpack_device__. Returns 1/0 (never fails). */
+int dp_is_device_object(dp_state *st, PyObject *obj);
+
+/* The shadow ndarray of a device-array object (new reference): a
+ * dpmini.Array's own, or a zero-copy import that keeps obj alive (CUDA Array
+ * Interface first, else DLPack). NULL with TypeError/BufferError naming
+ * argname. */
+PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *argname);
+
+/* A buffer on CUDA device d that does not own ptr but keeps owner alive
+ * (imports). */
+PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes,
+                         PyObject *owner);
+
+/* nbytes of page-locked host memory as a host buffer (pin_memory=True). */
+PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes);
+
+/* A copy of src (any device) on dev, synchronously; new shadow/ndarray. */
+PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
+
+/* ------------------------------------------------------------------ */
 /* Method tables and type specs each file contributes (module.c adds them) */
 /* ------------------------------------------------------------------ */
 
@@ -240,6 +293,8 @@ extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
 extern PyMethodDef dp_tree_methods[];         /* tree.c     */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
+extern PyMethodDef dp_array_methods[];        /* array.c    */
+extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */
 extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */

@@ -110,7 +110,8 @@ static int dp_exec(PyObject *m)
     }
     if (add_type(m, &dp_device_spec, NULL, &st->DeviceType) < 0 ||
         add_type(m, &dp_buffer_spec, NULL, &st->BufferType) < 0 ||
-        add_type(m, &dp_dataparallel_spec, NULL, &st->DataParallelType) < 0) {
+        add_type(m, &dp_dataparallel_spec, NULL, &st->DataParallelType) < 0 ||
+        add_type(m, &dp_array_spec, NULL, &st->ArrayType) < 0) {
         return -1;
     }
     st->copy_copy = import_attr("copy", "copy");
@@ -123,11 +124,15 @@ static int dp_exec(PyObject *m)
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
         PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
         PyModule_AddFunctions(m, dp_tree_methods) < 0 ||
-        PyModule_AddFunctions(m, dp_dataparallel_methods) < 0) {
+        PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_array_methods) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||
-        PyModule_AddIntConstant(m, "has_cuda", 0) < 0) {
+        /* has_cuda: this build runs GPU code (real CUDA, or the emulator);
+         * cuda_backend says which ("cuda", "emulated", "none"). */
+        PyModule_AddIntConstant(m, "has_cuda", strcmp(dpc_backend(), "none") != 0) < 0 ||
+        PyModule_AddStringConstant(m, "cuda_backend", dpc_backend()) < 0) {
         return -1;
     }
     return 0;
@@ -139,6 +144,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->DeviceType);
     Py_VISIT(st->BufferType);
     Py_VISIT(st->DataParallelType);
+    Py_VISIT(st->ArrayType);
     Py_VISIT(st->DPError);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->NcclError);
@@ -155,6 +161,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->DeviceType);
     Py_CLEAR(st->BufferType);
     Py_CLEAR(st->DataParallelType);
+    Py_CLEAR(st->ArrayType);
     Py_CLEAR(st->DPError);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->NcclError);

@@ -1185,7 +1185,8 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
-                                         : PyArray_FromScalar(vals[i], NULL);
+                : PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
+                : (PyObject *)dp_as_array(g->st, vals[i], cpath, 0); /* GPU arrays */
         if (arrs[i] == NULL)
             goto done;
         if (PyArray_NDIM((PyArrayObject *)arrs[i]) == 0)

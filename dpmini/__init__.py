@@ -10,6 +10,7 @@ Use :func:`explain` to see how a call will be split before running it.
 """
 from . import comm
 from ._dpmini import (
+    Array,
     CudaError,
     DataParallel,
     Device,
@@ -21,7 +22,9 @@ from ._dpmini import (
     data_parallel,
     device_count,
     device_of,
+    empty,
     empty_cache,
+    from_dlpack,
     gather,
     memory_allocated,
     memory_reserved,
@@ -50,6 +53,9 @@ __all__ = [
     "cpu_device_count",
     "device_of",
     "asarray",
+    "Array",
+    "empty",
+    "from_dlpack",
     "memory_allocated",
     "memory_reserved",
     "empty_cache",

@@ -144,8 +144,9 @@ def choose_devices(n_devices):
     """The device list for DataParallel, and a line saying why.
 
     n_devices: use cpu:0 .. cpu:(n-1); None: the default, all virtual CPU
-    devices (the CUDA backend does not run the demo yet, so GPUs are named and
-    skipped).
+    devices. The demo's model is NumPy code that reads its shards directly, which
+    device memory does not allow (shards on GPUs are dpmini.Array), so GPUs are
+    named and skipped; a CuPy replica is not written yet.
     """
     if n_devices is not None:
         return [f"cpu:{i}" for i in range(n_devices)], "devices given with --devices"
@@ -153,7 +154,8 @@ def choose_devices(n_devices):
     if n_cuda > 0:
         devices = [f"cpu:{i}" for i in range(dpmini.cpu_device_count())]
         return devices, (f"{n_cuda} CUDA device(s) found, but the demo stays on the virtual "
-                         "CPU devices until dpmini's CUDA backend runs it")
+                         "CPU devices: its replicas are NumPy code, and GPU shards "
+                         "(dpmini.Array) need CuPy or PyTorch inside the replica")
     return None, "no CUDA device, so DataParallel's default: the virtual CPU devices"
 
 

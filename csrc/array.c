@@ -1,0 +1,944 @@
+/* array.c - dpmini.Array (an array in CUDA device memory), its two export
+ * protocols (__cuda_array_interface__ v3 and __dlpack__), the imports of
+ * other libraries' GPU arrays (CUDA Array Interface, DLPack), and the module
+ * functions from_dlpack, empty and cuda_build_info.
+ *
+ * Synchronisation contract: every dpmini operation that writes device memory
+ * has synchronised its streams before it returns, so a dpmini.Array is always
+ * ready: __cuda_array_interface__ reports stream None ("no synchronisation
+ * needed") and __dlpack__(stream=...) has nothing to wait for. On import,
+ * dpmini synchronises the producer's stream (CAI "stream", or the stream it
+ * passes to __dlpack__) before using the memory.
+ */
+#include "dpmini.h"
+#include "dlpack.h"
+#include "gpu.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Wrapping shadows                                                    */
+/* ------------------------------------------------------------------ */
+
+static PyObject *array_wrap(dp_state *st, PyArrayObject *meta, dp_device dev)
+{
+    dp_ArrayObject *self = PyObject_New(dp_ArrayObject, st->ArrayType);
+    if (self == NULL) {
+        Py_DECREF(meta);
+        return NULL;
+    }
+    self->meta = meta; /* stolen */
+    self->dev = dev;
+    return (PyObject *)self;
+}
+
+PyObject *dp_export(dp_state *st, PyObject *obj)
+{
+    if (obj == NULL || !PyArray_Check(obj)) {
+        return obj;
+    }
+    dp_device d = dp_array_device(st, (PyArrayObject *)obj);
+    if (d.kind != DP_CUDA) {
+        return obj;
+    }
+    return array_wrap(st, (PyArrayObject *)obj, d);
+}
+
+int dp_is_device_object(dp_state *st, PyObject *obj)
+{
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        return 1;
+    }
+    if (PyArray_Check(obj) || PyType_Check(obj)) {
+        return 0;
+    }
+    /* hasattr: a torch CPU tensor's property raises AttributeError -> False */
+    int r = PyObject_HasAttrString(obj, "__cuda_array_interface__");
+    return r > 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Import: CUDA Array Interface                                         */
+/* ------------------------------------------------------------------ */
+
+static int tuple_of_intp(PyObject *t, const char *what, const char *argname, npy_intp *out,
+                         int *n)
+{
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) > NPY_MAXDIMS) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__['%s'] must be a tuple "
+                     "of ints", argname, what);
+        return -1;
+    }
+    *n = (int)PyTuple_GET_SIZE(t);
+    for (int i = 0; i < *n; i++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        out[i] = (npy_intp)v;
+    }
+    return 0;
+}
+
+/* Build a shadow ndarray over device memory at ptr, owned by `owner`. */
+static PyArrayObject *make_shadow(dp_state *st, int dev, void *ptr, PyArray_Descr *descr,
+                                  int nd, npy_intp *shape, npy_intp *strides, int readonly,
+                                  PyObject *owner)
+{
+    dp_device d = {DP_CUDA, dev};
+    size_t itemsize = (size_t)PyDataType_ELSIZE(descr);
+    /* bytes the view spans from ptr (for the buffer's record only) */
+    size_t nbytes = itemsize;
+    for (int i = 0; i < nd; i++) {
+        nbytes *= (size_t)shape[i];
+    }
+    PyObject *buf = dp_buffer_wrap(st, d, ptr, nbytes, owner);
+    if (buf == NULL) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, shape, strides, ptr,
+                                         readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
+    if (arr == NULL) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, buf) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return (PyArrayObject *)arr;
+}
+
+static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
+                                 const char *argname)
+{
+    PyArray_Descr *descr = NULL;
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    int nd = 0, nst = 0, has_strides = 0;
+    if (!PyDict_Check(cai)) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ must be a dict", argname);
+        return NULL;
+    }
+    PyObject *shape_o = PyDict_GetItemString(cai, "shape");
+    PyObject *typestr = PyDict_GetItemString(cai, "typestr");
+    PyObject *data = PyDict_GetItemString(cai, "data");
+    PyObject *strides_o = PyDict_GetItemString(cai, "strides");
+    PyObject *mask = PyDict_GetItemString(cai, "mask");
+    PyObject *stream = PyDict_GetItemString(cai, "stream");
+    if (shape_o == NULL || typestr == NULL || data == NULL || !PyTuple_Check(data) ||
+        PyTuple_GET_SIZE(data) != 2) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ lacks 'shape', 'typestr' "
+                     "or a (pointer, read_only) 'data'", argname);
+        return NULL;
+    }
+    if (mask != NULL && mask != Py_None) {
+        PyErr_Format(PyExc_BufferError, "%s: masked CUDA arrays are not supported", argname);
+        return NULL;
+    }
+    if (tuple_of_intp(shape_o, "shape", argname, shape, &nd) < 0) {
+        return NULL;
+    }
+    if (strides_o != NULL && strides_o != Py_None) {
+        if (tuple_of_intp(strides_o, "strides", argname, strides, &nst) < 0) {
+            return NULL;
+        }
+        if (nst != nd) {
+            PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ has %d strides for "
+                         "%d dims", argname, nst, nd);
+            return NULL;
+        }
+        has_strides = 1;
+    }
+    if (!PyArray_DescrConverter(typestr, &descr)) {
+        return NULL;
+    }
+    if (PyDataType_REFCHK(descr)) {
+        Py_DECREF(descr);
+        PyErr_Format(PyExc_TypeError, "%s: object dtypes cannot live on a GPU", argname);
+        return NULL;
+    }
+    void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+    int readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if ((ptr == NULL && PyErr_Occurred()) || readonly < 0) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    int dev = 0;
+    if (ptr != NULL && !dpc_is_device_ptr(ptr, &dev)) {
+        Py_DECREF(descr);
+        PyErr_Format(PyExc_BufferError, "%s: __cuda_array_interface__ pointer %p is not CUDA "
+                     "device memory that dpmini can see", argname, ptr);
+        return NULL;
+    }
+    if (dev >= dpc_device_count()) {
+        Py_DECREF(descr);
+        PyErr_Format(PyExc_BufferError, "%s: memory on CUDA device %d, but dpmini sees %d",
+                     argname, dev, dpc_device_count());
+        return NULL;
+    }
+    if (stream != NULL && stream != Py_None) {
+        /* v3: the producer's work is ordered on this stream; wait for it */
+        void *sp = PyLong_AsVoidPtr(stream);
+        if (sp == NULL && PyErr_Occurred()) {
+            Py_DECREF(descr);
+            return NULL;
+        }
+        if (sp == NULL) {
+            Py_DECREF(descr);
+            PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ stream 0 is "
+                         "disallowed (ambiguous)", argname);
+            return NULL;
+        }
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dpc_set_device(dev);
+        if (s.code == 0) {
+            s = dpc_stream_sync(dev, sp);
+        }
+        Py_END_ALLOW_THREADS
+        if (s.code != 0) {
+            Py_DECREF(descr);
+            dp_gpu_raise(st, s, "import __cuda_array_interface__: wait for the producer's stream");
+            return NULL;
+        }
+    }
+    return make_shadow(st, dev, ptr, descr, nd, shape, has_strides ? strides : NULL, readonly,
+                       obj);
+}
+
+/* ------------------------------------------------------------------ */
+/* Import: DLPack                                                      */
+/* ------------------------------------------------------------------ */
+
+static PyArray_Descr *descr_from_dl(DLDataType t)
+{
+    int num = -1;
+    if (t.lanes != 1) {
+        return NULL;
+    }
+    switch (t.code) {
+    case kDLInt:
+        num = t.bits == 8 ? NPY_INT8 : t.bits == 16 ? NPY_INT16 : t.bits == 32 ? NPY_INT32
+            : t.bits == 64 ? NPY_INT64 : -1;
+        break;
+    case kDLUInt:
+        num = t.bits == 8 ? NPY_UINT8 : t.bits == 16 ? NPY_UINT16 : t.bits == 32 ? NPY_UINT32
+            : t.bits == 64 ? NPY_UINT64 : -1;
+        break;
+    case kDLFloat:
+        num = t.bits == 16 ? NPY_HALF : t.bits == 32 ? NPY_FLOAT32 : t.bits == 64 ? NPY_FLOAT64
+            : -1;
+        break;
+    case kDLComplex:
+        num = t.bits == 64 ? NPY_COMPLEX64 : t.bits == 128 ? NPY_COMPLEX128 : -1;
+        break;
+    case kDLBool:
+        num = t.bits == 8 ? NPY_BOOL : -1;
+        break;
+    default:
+        break;
+    }
+    return num < 0 ? NULL : PyArray_DescrFromType(num);
+}
+
+static int dl_from_descr(PyArray_Descr *d, DLDataType *t)
+{
+    t->lanes = 1;
+    t->bits = (uint8_t)(PyDataType_ELSIZE(d) * 8);
+    if (!PyDataType_ISNOTSWAPPED(d)) {
+        return -1;
+    }
+    switch (d->kind) {
+    case 'i': t->code = kDLInt; return 0;
+    case 'u': t->code = kDLUInt; return 0;
+    case 'f': t->code = kDLFloat; return 0;
+    case 'c': t->code = kDLComplex; return 0;
+    case 'b': t->code = kDLBool; return 0;
+    default: return -1;
+    }
+}
+
+/* Owner of an imported DLPack tensor: a capsule whose destructor calls the
+ * producer's deleter. */
+static void owner_versioned(PyObject *cap)
+{
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner_v");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+}
+
+static void owner_legacy(PyObject *cap)
+{
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+}
+
+static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
+                                    const char *argname)
+{
+    PyObject *cap = NULL, *owner = NULL, *stream = NULL, *kw = NULL, *meth = NULL;
+    PyArrayObject *res = NULL;
+    dpc_stream s = NULL;
+    dpc_status status = dpc_stream_get(dev_hint, 0, &s);
+    if (status.code != 0) {
+        dp_gpu_raise(st, status, "import __dlpack__: get a stream");
+        return NULL;
+    }
+    stream = PyLong_FromVoidPtr(s);
+    kw = Py_BuildValue("{sOs(ii)}", "stream", stream, "max_version", 1, 0);
+    meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (stream == NULL || kw == NULL || meth == NULL) {
+        goto done;
+    }
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) {
+        goto done;
+    }
+    cap = PyObject_Call(meth, empty, kw);
+    if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear(); /* a pre-1.0 producer: no max_version keyword */
+        PyDict_DelItemString(kw, "max_version");
+        cap = PyObject_Call(meth, empty, kw);
+    }
+    Py_DECREF(empty);
+    if (cap == NULL) {
+        goto done;
+    }
+    DLTensor *t;
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        if (m->version.major > DP_DLPACK_MAJOR) {
+            PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than dpmini "
+                         "understands (%d.x)", argname, m->version.major, m->version.minor,
+                         DP_DLPACK_MAJOR);
+            goto done;
+        }
+        owner = PyCapsule_New(m, "dpmini.dlpack_owner_v", owner_versioned);
+        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) {
+            goto done;
+        }
+        t = &m->dl_tensor;
+        if (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) {
+            PyErr_Format(PyExc_BufferError, "%s: read-only DLPack tensors are not supported",
+                         argname);
+            goto done;
+        }
+    } else if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+        owner = PyCapsule_New(m, "dpmini.dlpack_owner", owner_legacy);
+        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor") < 0) {
+            goto done;
+        }
+        t = &m->dl_tensor;
+    } else {
+        PyErr_Format(PyExc_BufferError, "%s: __dlpack__ did not return a DLPack capsule",
+                     argname);
+        goto done;
+    }
+    if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack tensor is not on a CUDA device "
+                     "(device type %d)", argname, (int)t->device.device_type);
+        goto done;
+    }
+    if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack ndim %d out of range", argname, t->ndim);
+        goto done;
+    }
+    PyArray_Descr *descr = descr_from_dl(t->dtype);
+    if (descr == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack dtype (code %d, bits %d, lanes %d) has no "
+                     "NumPy equivalent", argname, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        goto done;
+    }
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    for (int i = 0; i < t->ndim; i++) {
+        shape[i] = (npy_intp)t->shape[i];
+        if (t->strides != NULL) {
+            strides[i] = (npy_intp)(t->strides[i] * (int64_t)PyDataType_ELSIZE(descr));
+        }
+    }
+    {
+        Py_BEGIN_ALLOW_THREADS
+        status = dpc_stream_sync(t->device.device_id, s);
+        Py_END_ALLOW_THREADS
+        if (status.code != 0) {
+            Py_DECREF(descr);
+            dp_gpu_raise(st, status, "import __dlpack__: wait for the producer");
+            goto done;
+        }
+    }
+    res = make_shadow(st, t->device.device_id, (char *)t->data + t->byte_offset, descr,
+                      t->ndim, shape, t->strides ? strides : NULL, 0, owner);
+done:
+    Py_XDECREF(owner);
+    Py_XDECREF(cap);
+    Py_XDECREF(meth);
+    Py_XDECREF(kw);
+    Py_XDECREF(stream);
+    return res;
+}
+
+/* (device_type, device_id) from obj.__dlpack_device__(), or -1 (no error). */
+static int dlpack_device(PyObject *obj, int *type, int *id)
+{
+    PyObject *r = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (r == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int ok = PyArg_ParseTuple(r, "ii", type, id);
+    Py_DECREF(r);
+    if (!ok) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *argname)
+{
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        PyArrayObject *m = ((dp_ArrayObject *)obj)->meta;
+        Py_INCREF(m);
+        return m;
+    }
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+        PyArrayObject *r = import_cai(st, obj, cai, argname);
+        Py_DECREF(cai);
+        return r;
+    }
+    PyErr_Clear();
+    int type, id;
+    if (dlpack_device(obj, &type, &id) == 0 && (type == kDLCUDA || type == kDLCUDAManaged)) {
+        if (id < 0 || id >= dpc_device_count()) {
+            PyErr_Format(PyExc_BufferError, "%s: DLPack tensor on CUDA device %d, but dpmini "
+                         "sees %d", argname, id, dpc_device_count());
+            return NULL;
+        }
+        return import_dlpack(st, obj, id, argname);
+    }
+    PyErr_Format(PyExc_TypeError, "%s: %.100s is not a GPU array (no __cuda_array_interface__ "
+                 "or CUDA __dlpack_device__)", argname, Py_TYPE(obj)->tp_name);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Export: DLPack                                                      */
+/* ------------------------------------------------------------------ */
+
+/* One allocation per export: the managed tensor, its shape and strides, and
+ * a strong reference to the exported dpmini.Array. */
+typedef struct {
+    union {
+        DLManagedTensorVersioned v;
+        DLManagedTensor legacy;
+    } mt;
+    int versioned;
+    PyObject *owner;
+    int64_t shape[NPY_MAXDIMS];
+    int64_t strides[NPY_MAXDIMS];
+} export_ctx;
+
+static void export_release(export_ctx *ctx)
+{
+    /* The deleter may run on any thread (a consumer's), GIL or not. */
+    if (!Py_IsInitialized()) {
+        return; /* interpreter gone: leak rather than crash */
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF(ctx->owner);
+    PyMem_RawFree(ctx);
+    PyGILState_Release(g);
+}
+
+static void deleter_versioned(DLManagedTensorVersioned *self)
+{
+    export_release((export_ctx *)self->manager_ctx);
+}
+
+static void deleter_legacy(DLManagedTensor *self)
+{
+    export_release((export_ctx *)self->manager_ctx);
+}
+
+/* Destructor of an exported capsule: delete only when never consumed. */
+static void capsule_versioned(PyObject *cap)
+{
+    if (PyCapsule_IsValid(cap, "used_dltensor_versioned")) {
+        return;
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static void capsule_legacy(PyObject *cap)
+{
+    if (PyCapsule_IsValid(cap, "used_dltensor")) {
+        return;
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
+{
+    PyArrayObject *a = self->meta;
+    DLDataType dt;
+    if (dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
+        PyErr_Format(PyExc_BufferError, "__dlpack__: dtype %S has no DLPack equivalent",
+                     (PyObject *)PyArray_DESCR(a));
+        return NULL;
+    }
+    npy_intp is = PyArray_ITEMSIZE(a);
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        if (is > 0 && PyArray_STRIDES(a)[i] % is != 0) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: strides that are not a multiple "
+                            "of the item size cannot be expressed in DLPack");
+            return NULL;
+        }
+    }
+    export_ctx *ctx = PyMem_RawCalloc(1, sizeof *ctx);
+    if (ctx == NULL) {
+        return PyErr_NoMemory();
+    }
+    DLTensor *t = versioned ? &ctx->mt.v.dl_tensor : &ctx->mt.legacy.dl_tensor;
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        ctx->shape[i] = PyArray_DIM(a, i);
+        ctx->strides[i] = is > 0 ? PyArray_STRIDES(a)[i] / is : 0;
+    }
+    t->data = PyArray_DATA(a);
+    t->device.device_type = kDLCUDA;
+    t->device.device_id = self->dev.index;
+    t->ndim = PyArray_NDIM(a);
+    t->dtype = dt;
+    t->shape = ctx->shape;
+    t->strides = ctx->strides;
+    t->byte_offset = 0;
+    ctx->versioned = versioned;
+    ctx->owner = (PyObject *)self;
+    Py_INCREF(self);
+    PyObject *cap;
+    if (versioned) {
+        ctx->mt.v.version.major = DP_DLPACK_MAJOR;
+        ctx->mt.v.version.minor = DP_DLPACK_MINOR;
+        ctx->mt.v.manager_ctx = ctx;
+        ctx->mt.v.deleter = deleter_versioned;
+        ctx->mt.v.flags = copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0;
+        cap = PyCapsule_New(&ctx->mt.v, "dltensor_versioned", capsule_versioned);
+    } else {
+        ctx->mt.legacy.manager_ctx = ctx;
+        ctx->mt.legacy.deleter = deleter_legacy;
+        cap = PyCapsule_New(&ctx->mt.legacy, "dltensor", capsule_legacy);
+    }
+    if (cap == NULL) {
+        Py_DECREF(self);
+        PyMem_RawFree(ctx);
+    }
+    return cap;
+}
+
+static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    dp_ArrayObject *self = (dp_ArrayObject *)op;
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream,
+                                     &max_version, &dl_device, &copy)) {
+        return NULL;
+    }
+    if (stream != Py_None) {
+        if (!PyLong_Check(stream)) {
+            PyErr_Format(PyExc_TypeError, "__dlpack__: stream must be None or an int, got "
+                         "%.100s", Py_TYPE(stream)->tp_name);
+            return NULL;
+        }
+        long v = PyLong_AsLong(stream);
+        if (v == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (v == 0) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: stream 0 is disallowed for CUDA "
+                            "(ambiguous; use 1 for the legacy default stream)");
+            return NULL;
+        }
+        /* Nothing to order: dpmini arrays are always ready (see file comment). */
+    }
+    int versioned = 0;
+    if (max_version != Py_None) {
+        int major, minor;
+        if (!PyArg_ParseTuple(max_version, "ii:max_version", &major, &minor)) {
+            return NULL;
+        }
+        versioned = major >= 1;
+    }
+    int want_copy = -1; /* -1: None (copy only if needed) */
+    if (copy != Py_None) {
+        want_copy = PyObject_IsTrue(copy);
+        if (want_copy < 0) {
+            return NULL;
+        }
+    }
+    if (dl_device != Py_None) {
+        int type, id;
+        if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &type, &id)) {
+            return NULL;
+        }
+        if (type == kDLCPU) {
+            if (want_copy == 0) {
+                PyErr_SetString(PyExc_BufferError, "__dlpack__: the array is on a CUDA "
+                                "device; exporting to the CPU needs copy=True");
+                return NULL;
+            }
+            dp_device host = {DP_HOST, -1};
+            PyObject *h = dp_copy_to_device(st, self->meta, host);
+            if (h == NULL) {
+                return NULL;
+            }
+            PyObject *kwargs = max_version == Py_None ? NULL
+                             : Py_BuildValue("{sO}", "max_version", max_version);
+            PyObject *m = PyObject_GetAttrString(h, "__dlpack__");
+            PyObject *empty = PyTuple_New(0);
+            PyObject *cap = (m && empty && (max_version == Py_None || kwargs))
+                          ? PyObject_Call(m, empty, kwargs) : NULL;
+            Py_XDECREF(empty);
+            Py_XDECREF(m);
+            Py_XDECREF(kwargs);
+            Py_DECREF(h);
+            return cap;
+        }
+        if (type != kDLCUDA || id != self->dev.index) {
+            PyErr_Format(PyExc_BufferError, "__dlpack__: cannot export to device (%d, %d); "
+                         "the array is on (%d, %d)", type, id, (int)kDLCUDA, self->dev.index);
+            return NULL;
+        }
+    }
+    if (want_copy == 1) {
+        PyObject *c = dp_export(st, dp_copy_to_device(st, self->meta, self->dev));
+        if (c == NULL) {
+            return NULL;
+        }
+        PyObject *cap = to_capsule((dp_ArrayObject *)c, versioned, 1);
+        Py_DECREF(c);
+        return cap;
+    }
+    return to_capsule(self, versioned, 0);
+}
+
+static PyObject *array_dlpack_device(PyObject *op, PyObject *unused)
+{
+    return Py_BuildValue("(ii)", (int)kDLCUDA, ((dp_ArrayObject *)op)->dev.index);
+}
+
+/* ------------------------------------------------------------------ */
+/* dpmini.Array                                                        */
+/* ------------------------------------------------------------------ */
+
+static void array_dealloc(PyObject *op)
+{
+    PyTypeObject *tp = Py_TYPE(op);
+    Py_CLEAR(((dp_ArrayObject *)op)->meta);
+    PyObject_Free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *array_repr(PyObject *op)
+{
+    dp_ArrayObject *self = (dp_ArrayObject *)op;
+    PyObject *shape = PyArray_IntTupleFromIntp(PyArray_NDIM(self->meta),
+                                               PyArray_DIMS(self->meta));
+    if (shape == NULL) {
+        return NULL;
+    }
+    PyObject *r = PyUnicode_FromFormat("dpmini.Array(shape=%R, dtype=%S, device='cuda:%d')",
+                                       shape, (PyObject *)PyArray_DESCR(self->meta),
+                                       self->dev.index);
+    Py_DECREF(shape);
+    return r;
+}
+
+#define META(op) (((dp_ArrayObject *)(op))->meta)
+
+static PyObject *get_shape(PyObject *op, void *c)
+{
+    return PyArray_IntTupleFromIntp(PyArray_NDIM(META(op)), PyArray_DIMS(META(op)));
+}
+
+static PyObject *get_strides(PyObject *op, void *c)
+{
+    return PyArray_IntTupleFromIntp(PyArray_NDIM(META(op)), PyArray_STRIDES(META(op)));
+}
+
+static PyObject *get_dtype(PyObject *op, void *c)
+{
+    PyObject *d = (PyObject *)PyArray_DESCR(META(op));
+    Py_INCREF(d);
+    return d;
+}
+
+static PyObject *get_ndim(PyObject *op, void *c)
+{
+    return PyLong_FromLong(PyArray_NDIM(META(op)));
+}
+
+static PyObject *get_size(PyObject *op, void *c)
+{
+    return PyLong_FromSsize_t((Py_ssize_t)PyArray_SIZE(META(op)));
+}
+
+static PyObject *get_nbytes(PyObject *op, void *c)
+{
+    return PyLong_FromSsize_t((Py_ssize_t)PyArray_NBYTES(META(op)));
+}
+
+static PyObject *get_device(PyObject *op, void *c)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    return st ? dp_device_to_object(st, ((dp_ArrayObject *)op)->dev) : NULL;
+}
+
+static PyObject *get_data_ptr(PyObject *op, void *c)
+{
+    return PyLong_FromVoidPtr(PyArray_DATA(META(op)));
+}
+
+static PyObject *get_cai(PyObject *op, void *c)
+{
+    PyArrayObject *a = META(op);
+    PyObject *shape = NULL, *strides = NULL, *typestr = NULL, *descr = NULL, *res = NULL;
+    shape = PyArray_IntTupleFromIntp(PyArray_NDIM(a), PyArray_DIMS(a));
+    if (PyArray_IS_C_CONTIGUOUS(a)) {
+        strides = Py_NewRef(Py_None);
+    } else {
+        strides = PyArray_IntTupleFromIntp(PyArray_NDIM(a), PyArray_STRIDES(a));
+    }
+    typestr = PyObject_GetAttrString((PyObject *)PyArray_DESCR(a), "str");
+    if (shape == NULL || strides == NULL || typestr == NULL) {
+        goto done;
+    }
+    descr = Py_BuildValue("[(sO)]", "", typestr);
+    if (descr == NULL) {
+        goto done;
+    }
+    void *ptr = PyArray_SIZE(a) == 0 ? NULL : PyArray_DATA(a);
+    res = Py_BuildValue("{sOsOsOs(NO)sOsisO}", "shape", shape, "typestr", typestr, "descr",
+                        descr, "data", PyLong_FromVoidPtr(ptr),
+                        PyArray_ISWRITEABLE(a) ? Py_False : Py_True, "strides", strides,
+                        "version", 3, "stream", Py_None);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(typestr);
+    Py_XDECREF(descr);
+    return res;
+}
+
+static PyObject *array_numpy(PyObject *op, PyObject *unused)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    dp_device host = {DP_HOST, -1};
+    return dp_copy_to_device(st, META(op), host);
+}
+
+static PyObject *array_array(PyObject *op, PyObject *args, PyObject *kw)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "dpmini.Array lives on cuda:%d; NumPy cannot read device memory. Call "
+                 ".numpy() for an explicit copy to the host",
+                 ((dp_ArrayObject *)op)->dev.index);
+    return NULL;
+}
+
+static PyGetSetDef array_getset[] = {
+    {"shape", get_shape, NULL, "Tuple of sizes (elements).", NULL},
+    {"strides", get_strides, NULL, "Tuple of strides in BYTES (NumPy's convention).", NULL},
+    {"dtype", get_dtype, NULL, "numpy.dtype of the elements.", NULL},
+    {"ndim", get_ndim, NULL, "Number of dimensions.", NULL},
+    {"size", get_size, NULL, "Number of elements.", NULL},
+    {"nbytes", get_nbytes, NULL, "size * itemsize.", NULL},
+    {"device", get_device, NULL, "The dpmini.Device ('cuda:N') holding the memory.", NULL},
+    {"data_ptr", get_data_ptr, NULL, "Device address of element (0, ..., 0).", NULL},
+    {"__cuda_array_interface__", get_cai, NULL,
+     "CUDA Array Interface v3 (stream None: dpmini arrays are always ready).", NULL},
+    {NULL},
+};
+
+static PyMethodDef array_methods_tbl[] = {
+    {"numpy", array_numpy, METH_NOARGS,
+     "numpy() -> numpy.ndarray\n\nAn explicit copy to host memory (same shape, dtype; "
+     "C-contiguous unless the layout is dense, then the same strides)."},
+    {"__array__", (PyCFunction)(void (*)(void))array_array, METH_VARARGS | METH_KEYWORDS,
+     "Refused with TypeError: use .numpy()."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) -> capsule\n\n"
+     "DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
+     "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. Refusals "
+     "raise BufferError."},
+    {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
+     "__dlpack_device__() -> (2, device_index) (kDLCUDA)."},
+    {NULL},
+};
+
+PyDoc_STRVAR(array_doc,
+"An array in CUDA device memory (made by dpmini: scatter/gather/asarray results,\n"
+"shards of DataParallel on GPUs, or a zero-copy import of CuPy/PyTorch/Numba/JAX\n"
+"memory). Attributes shape, dtype, strides (bytes), device, nbytes, ndim, size;\n"
+"exports __cuda_array_interface__ (v3) and __dlpack__; .numpy() copies to the host.\n"
+"np.asarray() on it raises TypeError (no implicit device-to-host copy).\n"
+"Not created directly: use dpmini.asarray(x, device='cuda:0').");
+
+static PyType_Slot array_slots[] = {
+    {Py_tp_dealloc, array_dealloc},
+    {Py_tp_repr, array_repr},
+    {Py_tp_getset, array_getset},
+    {Py_tp_methods, array_methods_tbl},
+    {Py_tp_doc, (void *)array_doc},
+    {0, NULL},
+};
+
+PyType_Spec dp_array_spec = {
+    .name = "dpmini.Array",
+    .basicsize = sizeof(dp_ArrayObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = array_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module functions                                                    */
+/* ------------------------------------------------------------------ */
+
+PyDoc_STRVAR(from_dlpack_doc,
+"from_dlpack(obj) -> dpmini.Array or numpy.ndarray\n--\n\n"
+"Import obj without a copy through DLPack (or the CUDA Array Interface): CUDA memory\n"
+"becomes a dpmini.Array that keeps obj's memory alive; host memory becomes a\n"
+"numpy.ndarray (numpy.from_dlpack). Raises TypeError (not a DLPack/CAI object),\n"
+"BufferError (dtype or device dpmini cannot hold).");
+
+static PyObject *py_from_dlpack(PyObject *m, PyObject *obj)
+{
+    dp_state *st = dp_state_from_module(m);
+    int type, id;
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        return Py_NewRef(obj);
+    }
+    if (dlpack_device(obj, &type, &id) == 0 && (type == kDLCPU || type == kDLCUDAHost)) {
+        PyObject *np = PyImport_ImportModule("numpy");
+        PyObject *r = np ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
+        Py_XDECREF(np);
+        return r;
+    }
+    PyArrayObject *meta = dp_device_object_meta(st, obj, "obj");
+    return meta ? dp_export(st, (PyObject *)meta) : NULL;
+}
+
+PyDoc_STRVAR(empty_doc,
+"empty(shape, dtype=float, device='cpu', pin_memory=False) -> array\n--\n\n"
+"An uninitialised array: on a CUDA device a dpmini.Array; on the host a\n"
+"numpy.ndarray, in page-locked (pinned) memory when pin_memory=True (needs CUDA),\n"
+"so host<->GPU copies of it are direct DMA with no staging. Raises ValueError,\n"
+"TypeError, MemoryError, dpmini.CudaError.");
+
+static PyObject *py_empty(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"shape", "dtype", "device", "pin_memory", NULL};
+    PyObject *shape_obj, *dtype_obj = Py_None, *dev_obj = NULL;
+    int pin = 0;
+    PyArray_Dims shape = {NULL, 0};
+    PyArray_Descr *descr = NULL;
+    dp_state *st = dp_state_from_module(m);
+    dp_device dev = {DP_HOST, -1};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOp:empty", kwlist, &shape_obj, &dtype_obj,
+                                     &dev_obj, &pin)) {
+        return NULL;
+    }
+    if (!PyArray_IntpConverter(shape_obj, &shape)) {
+        return NULL;
+    }
+    if (!PyArray_DescrConverter(dtype_obj, &descr)) {
+        goto done;
+    }
+    if (PyDataType_REFCHK(descr)) {
+        PyErr_SetString(PyExc_TypeError, "dtype: object dtypes are not supported");
+        goto done;
+    }
+    if (dev_obj != NULL && dev_obj != Py_None &&
+        dp_device_from_object(st, dev_obj, "device", DP_DEV_ALLOW_HOST, &dev) < 0) {
+        goto done;
+    }
+    if (pin && dev.kind != DP_HOST) {
+        PyErr_SetString(PyExc_ValueError, "pin_memory: only host memory ('cpu') can be pinned");
+        goto done;
+    }
+    if (!pin) {
+        Py_INCREF(descr);
+        res = dp_export(st, (PyObject *)dp_empty(st, dev, descr, shape.len, shape.ptr, NULL));
+        goto done;
+    }
+    size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
+    for (int i = 0; i < shape.len; i++) {
+        if (shape.ptr[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "shape: negative dimensions are not allowed");
+            goto done;
+        }
+        nbytes *= (size_t)shape.ptr[i];
+    }
+    PyObject *buf = dp_buffer_new_pinned(st, nbytes);
+    if (buf == NULL) {
+        goto done;
+    }
+    Py_INCREF(descr);
+    res = PyArray_NewFromDescr(&PyArray_Type, descr, shape.len, shape.ptr, NULL,
+                               ((dp_BufferObject *)buf)->ptr,
+                               NPY_ARRAY_WRITEABLE | NPY_ARRAY_ALIGNED, NULL);
+    if (res == NULL || PyArray_SetBaseObject((PyArrayObject *)res, buf) < 0) {
+        if (res == NULL) {
+            Py_DECREF(buf);
+        }
+        Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(descr);
+    PyDimMem_FREE(shape.ptr);
+    return res;
+}
+
+static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
+{
+    int rt = 0, drv = 0;
+    dpc_versions(&rt, &drv);
+    const char *nccl = dp_nccl_describe();
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i}", "backend", dpc_backend(),
+                         "runtime_version", rt, "driver_version", drv, "device_count",
+                         dpc_device_count(), "nccl", nccl, "2d_min_run_default",
+                         DP_2D_MIN_RUN_DEFAULT);
+}
+
+PyMethodDef dp_array_methods[] = {
+    {"from_dlpack", py_from_dlpack, METH_O, from_dlpack_doc},
+    {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS, empty_doc},
+    {"cuda_build_info", py_cuda_build_info, METH_NOARGS,
+     "cuda_build_info() -> dict\n\nbackend ('cuda', 'emulated' or 'none'), CUDA runtime and "
+     "driver versions (1000*major + 10*minor; 0 unknown), device_count, nccl (version and "
+     "path once loaded, else why not), the 2D-copy run threshold."},
+    {NULL},
+};

@@ -1,0 +1,163 @@
+/* cuda_api.h - the only door from dpmini's C code to a CUDA runtime.
+ *
+ * No Python.h. Three implementations, chosen at build time (setup.py):
+ *   cuda/runtime.cu      the real one: CUDA runtime + kernels (nvcc found);
+ *                        defines DPMINI_HAVE_CUDA for the C files too;
+ *   csrc/cuda_emulate.c  DPMINI_CUDA_EMULATE=1: host memory, synchronous,
+ *                        $DPMINI_EMULATE_GPUS fake devices (default 2), so
+ *                        every GPU code path of dpmini runs in CI;
+ *   csrc/cuda_stub.c     neither: no device, every call fails cleanly.
+ *
+ * Conventions
+ *   - Every call returns a dpc_status by value; code 0 is success. A failed
+ *     status records the library, its code, the failing call's text, file,
+ *     line and device, so exactly one function (dp_gpu_raise in gpu.c) can
+ *     turn it into dpmini.CudaError / NcclError / MemoryError.
+ *   - Device pointers are `void *` that the HOST MUST NEVER DEREFERENCE
+ *     (under emulation they are tagged addresses that fault if touched).
+ *     Host pointers are ordinary memory, pinned or pageable.
+ *   - Sizes are bytes (size_t) unless named `numel` (elements).
+ *   - `dev` is the CUDA device index every call makes current first, so any
+ *     thread may call any function.
+ *   - Streams are dpmini's own non-blocking streams, cached per (device,
+ *     slot); they are never destroyed (like PyTorch's pool of streams).
+ *   - Nothing here takes the GIL or touches Python objects.
+ */
+#ifndef DPMINI_CUDA_API_H
+#define DPMINI_CUDA_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { DPC_LIB_NONE = 0, DPC_LIB_CUDA = 1, DPC_LIB_NCCL = 2, DPC_LIB_DPMINI = 3 };
+
+typedef struct {
+    int code;          /* 0: success; else the library's own status code      */
+    int lib;           /* DPC_LIB_*: whose code it is                           */
+    int oom;           /* 1 when the failure is an out-of-memory                */
+    int device;        /* device the call was made on; -1 for the host          */
+    int line;          /* source line of the failing call                      */
+    const char *call;  /* text of the failing call (static string)             */
+    const char *file;  /* source file of the failing call (static string)      */
+    const char *msg;   /* the library's message (static string), never NULL    */
+} dpc_status;
+
+static inline dpc_status dpc_ok(void)
+{
+    dpc_status s = {0, DPC_LIB_NONE, 0, -1, 0, "", "", "no error"};
+    return s;
+}
+
+static inline dpc_status dpc_fail(int lib, int code, int oom, int dev, const char *call,
+                                  const char *file, int line, const char *msg)
+{
+    dpc_status s = {code, lib, oom, dev, line, call, file, msg ? msg : "unknown error"};
+    return s;
+}
+
+/* Propagate a failed status out of a function that returns dpc_status. */
+#define DPC_TRY(expr)                                                           \
+    do {                                                                        \
+        dpc_status dpc_s_ = (expr);                                             \
+        if (dpc_s_.code != 0)                                                   \
+            return dpc_s_;                                                      \
+    } while (0)
+
+/* The goto twin: keep the first failure in `st`, jump to cleanup. */
+#define DPC_TRY_GOTO(st, expr, label)                                           \
+    do {                                                                        \
+        (st) = (expr);                                                          \
+        if ((st).code != 0)                                                     \
+            goto label;                                                         \
+    } while (0)
+
+/* Copy directions (the memcpy kinds of the runtime). */
+enum { DPC_H2D = 1, DPC_D2H = 2, DPC_D2D = 3 };
+
+typedef void *dpc_stream;
+
+/* Element types of the reduce kernel (dpc_launch_add). */
+enum {
+    DPC_T_I8, DPC_T_U8, DPC_T_I16, DPC_T_U16, DPC_T_I32, DPC_T_U32, DPC_T_I64, DPC_T_U64,
+    DPC_T_F32, DPC_T_F64, DPC_T_NONE
+};
+
+/* Most dims a kernel descriptor carries (after dim collapsing). */
+#define DPC_KMAXDIMS 16
+
+/* A strided element copy for the device kernels and the emulator: for every
+ * element index i (C order over shape), dst[dst_off(i)] = src[src_off(i)].
+ * Strides in bytes, any sign; itemsize bytes per element. See cuda/strided.h
+ * for the index arithmetic, shared by the kernels and the emulator. */
+typedef struct {
+    int ndim;                            /* 1..DPC_KMAXDIMS                  */
+    int itemsize;                        /* bytes, >= 1                      */
+    int64_t numel;                       /* product of shape, > 0            */
+    int64_t shape[DPC_KMAXDIMS];         /* elements                         */
+    int64_t src_strides[DPC_KMAXDIMS];   /* bytes                            */
+    int64_t dst_strides[DPC_KMAXDIMS];   /* bytes                            */
+} dpc_kdesc;
+
+/* ---- devices ---- */
+/* Number of devices; 0 when there is no driver, no GPU, or no CUDA build.
+ * Never fails; cached after the first call. */
+int dpc_device_count(void);
+/* "cuda", "emulated" or "none". */
+const char *dpc_backend(void);
+/* Versions: runtime and driver as CUDA encodes them (12040 = 12.4); 0 when
+ * unknown. */
+void dpc_versions(int *runtime, int *driver);
+dpc_status dpc_set_device(int dev);
+/* Enable peer access from dev to peer when the hardware allows; *on is 1
+ * when dev can read and write peer's memory directly afterwards. */
+dpc_status dpc_enable_peer(int dev, int peer, int *on);
+/* Clear the runtime's last (non-sticky) error after a failure, so the
+ * device stays usable. */
+void dpc_clear_error(int dev);
+
+/* ---- memory ---- */
+dpc_status dpc_malloc(int dev, size_t nbytes, void **out);
+dpc_status dpc_free(int dev, void *p);
+/* Page-locked host memory (cudaHostAlloc, portable to every device). */
+dpc_status dpc_host_alloc(size_t nbytes, void **out);
+dpc_status dpc_host_free(void *p);
+/* 1 when p is page-locked host memory the runtime knows, else 0. */
+int dpc_is_pinned(const void *p);
+/* 1 when p is device memory; *dev receives its device. */
+int dpc_is_device_ptr(const void *p, int *dev);
+
+/* ---- streams ---- */
+dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out);
+dpc_status dpc_stream_sync(int dev, dpc_stream s);
+/* Make `s` wait (on the device) for work queued so far on `other`. */
+dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other);
+
+/* ---- copies (asynchronous on s; sources must stay valid until s is synced) ---- */
+dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
+                            dpc_stream s);
+/* height rows of width bytes; pitches in bytes (>= width). */
+dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src,
+                              size_t spitch, size_t width, size_t height, int kind,
+                              dpc_stream s);
+/* Between devices: direct over NVLink/PCIe when peer access is on, staged by
+ * the runtime through the host otherwise. Queued on s of dst_dev. */
+dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int src_dev,
+                                 size_t nbytes, dpc_stream s);
+
+/* ---- kernels (both pointers on dev, or peer-accessible from it) ---- */
+/* The strided copy: pack (strided -> dense), unpack (dense -> strided), or
+ * any strided -> strided copy on one device. */
+dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const void *src,
+                                   dpc_stream s);
+/* acc[i] += x[i] for numel elements of type DPC_T_*. */
+dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t numel,
+                          dpc_stream s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

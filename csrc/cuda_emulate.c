@@ -1,0 +1,429 @@
+/* cuda_emulate.c - a CPU emulation of cuda_api.h, built only with
+ * DPMINI_CUDA_EMULATE=1, so that every GPU code path of dpmini (device
+ * arrays, staging, 2D copies, pack/unpack kernels, peer copies, the reduce
+ * kernel, errors and out-of-memory) runs in CI on a machine without a GPU.
+ *
+ * What it keeps from a GPU:
+ *   - $DPMINI_EMULATE_GPUS devices (1..64, default 2), each with a memory
+ *     limit of $DPMINI_EMULATE_MEM bytes (default 4 GiB) -> out-of-memory.
+ *   - Device memory is NOT host memory to the host: a device pointer is the
+ *     host address with bit 55 set and the device index in bits 48..54, an
+ *     address that faults when dereferenced (non-canonical on x86-64, outside
+ *     the 48-bit space on AArch64). Any place that hands a device pointer to
+ *     NumPy or memcpy crashes the test instead of passing silently.
+ *   - Every copy checks its direction and that each device range lies in a
+ *     live allocation (use-after-free and overruns fail as
+ *     cudaErrorInvalidValue); freed memory is poisoned with 0xDB first.
+ *   - Pinned memory is tracked, so "is this pinned" answers as the runtime
+ *     would.
+ * What it does not keep: asynchrony (every call completes before it returns,
+ * so missing stream synchronisation is NOT caught here), real bandwidth.
+ * Kernels run the index arithmetic of cuda/strided.h, element by element.
+ */
+#if defined(DPMINI_CUDA_EMULATE)
+#define _POSIX_C_SOURCE 200809L
+
+#include "cuda_api.h"
+#include "../cuda/strided.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EMU_TAG ((uintptr_t)1 << 55)
+#define EMU_DEV_SHIFT 48
+#define EMU_ADDR_MASK (((uintptr_t)1 << EMU_DEV_SHIFT) - 1)
+#define EMU_MAX_DEVICES 64
+
+/* CUDA's own codes, so messages and .status look like the real thing. */
+enum { E_INVALID_VALUE = 1, E_OOM = 2, E_INVALID_DEVICE = 101 };
+
+typedef struct emu_alloc {
+    struct emu_alloc *next;
+    char *host;       /* the real memory                                  */
+    size_t size;      /* bytes                                            */
+    int dev;          /* device index, -1 for pinned host memory          */
+} emu_alloc;
+
+static pthread_mutex_t emu_mu = PTHREAD_MUTEX_INITIALIZER;
+static emu_alloc *emu_live;                 /* guarded by emu_mu          */
+static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
+static int emu_count = -1;
+static size_t emu_limit;
+static __thread int emu_current;
+
+#define EMU_FAIL(code, call, dev, msg)                                          \
+    dpc_fail(DPC_LIB_CUDA, (code), (code) == E_OOM, (dev), (call), __FILE__, __LINE__, (msg))
+
+static const char *emu_msg(int code)
+{
+    switch (code) {
+    case E_INVALID_VALUE: return "invalid argument";
+    case E_OOM: return "out of memory";
+    case E_INVALID_DEVICE: return "invalid device ordinal";
+    default: return "unknown error";
+    }
+}
+
+int dpc_device_count(void)
+{
+    if (emu_count < 0) {
+        const char *e = getenv("DPMINI_EMULATE_GPUS");
+        long n = e && *e ? strtol(e, NULL, 10) : 2;
+        const char *m = getenv("DPMINI_EMULATE_MEM");
+        emu_limit = m && *m ? (size_t)strtoull(m, NULL, 10) : ((size_t)4 << 30);
+        emu_count = n < 0 ? 0 : (n > EMU_MAX_DEVICES ? EMU_MAX_DEVICES : (int)n);
+    }
+    return emu_count;
+}
+
+const char *dpc_backend(void) { return "emulated"; }
+
+void dpc_versions(int *runtime, int *driver)
+{
+    *runtime = 0;
+    *driver = 0;
+}
+
+static int bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }
+
+dpc_status dpc_set_device(int dev)
+{
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
+    emu_current = dev;
+    return dpc_ok();
+}
+
+dpc_status dpc_enable_peer(int dev, int peer, int *on)
+{
+    if (bad_dev(dev) || bad_dev(peer))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceEnablePeerAccess(peer)", dev,
+                        emu_msg(E_INVALID_DEVICE));
+    *on = dev != peer;
+    return dpc_ok();
+}
+
+void dpc_clear_error(int dev) { (void)dev; }
+
+/* ---- pointers ---- */
+
+static void *to_dev(char *host, int dev)
+{
+    return (void *)((uintptr_t)host | EMU_TAG | ((uintptr_t)dev << EMU_DEV_SHIFT));
+}
+
+int dpc_is_device_ptr(const void *p, int *dev)
+{
+    uintptr_t u = (uintptr_t)p;
+    if (!(u & EMU_TAG))
+        return 0;
+    if (dev)
+        *dev = (int)((u >> EMU_DEV_SHIFT) & 0x7f);
+    return 1;
+}
+
+static char *to_host(const void *p) { return (char *)((uintptr_t)p & EMU_ADDR_MASK); }
+
+/* Is [host, host+n) inside a live allocation of device `dev` (-1: pinned)? */
+static int live_range(const char *host, size_t n, int dev)
+{
+    int ok = 0;
+    pthread_mutex_lock(&emu_mu);
+    for (emu_alloc *a = emu_live; a; a = a->next) {
+        if (a->dev == dev && host >= a->host && host + n <= a->host + a->size) {
+            ok = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&emu_mu);
+    return ok;
+}
+
+/* Check a device range [p + lo, p + hi) and return its host address. */
+static char *dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
+{
+    int dev;
+    if (!dpc_is_device_ptr(p, &dev))
+        return NULL;
+    char *h = to_host(p);
+    if (hi > lo && !live_range(h + lo, (size_t)(hi - lo), dev))
+        return NULL;
+    if (dev_out)
+        *dev_out = dev;
+    return h;
+}
+
+static dpc_status track(char *host, size_t n, int dev, const char *call)
+{
+    emu_alloc *a = malloc(sizeof *a);
+    if (a == NULL)
+        return EMU_FAIL(E_OOM, call, dev, emu_msg(E_OOM));
+    a->host = host;
+    a->size = n;
+    a->dev = dev;
+    pthread_mutex_lock(&emu_mu);
+    a->next = emu_live;
+    emu_live = a;
+    pthread_mutex_unlock(&emu_mu);
+    return dpc_ok();
+}
+
+static int untrack(char *host, int dev, size_t *size)
+{
+    int found = 0;
+    pthread_mutex_lock(&emu_mu);
+    for (emu_alloc **l = &emu_live; *l; l = &(*l)->next) {
+        if ((*l)->host == host && (*l)->dev == dev) {
+            emu_alloc *a = *l;
+            *l = a->next;
+            *size = a->size;
+            if (dev >= 0)
+                emu_used[dev] -= a->size;
+            free(a);
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&emu_mu);
+    return found;
+}
+
+/* ---- memory ---- */
+
+dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
+{
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_INVALID_DEVICE));
+    pthread_mutex_lock(&emu_mu);
+    int over = emu_used[dev] + nbytes > emu_limit;
+    if (!over)
+        emu_used[dev] += nbytes;
+    pthread_mutex_unlock(&emu_mu);
+    if (over)
+        return EMU_FAIL(E_OOM, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_OOM));
+    char *h = NULL;
+    if (posix_memalign((void **)&h, 256, nbytes ? nbytes : 1) != 0) {
+        pthread_mutex_lock(&emu_mu);
+        emu_used[dev] -= nbytes;
+        pthread_mutex_unlock(&emu_mu);
+        return EMU_FAIL(E_OOM, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_OOM));
+    }
+    dpc_status s = track(h, nbytes, dev, "cudaMalloc(&p, nbytes)");
+    if (s.code) {
+        free(h);
+        return s;
+    }
+    *out = to_dev(h, dev);
+    return dpc_ok();
+}
+
+dpc_status dpc_free(int dev, void *p)
+{
+    int pdev;
+    size_t size;
+    if (p == NULL)
+        return dpc_ok();
+    if (!dpc_is_device_ptr(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
+        return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
+    memset(to_host(p), 0xDB, size); /* poison: a later read sees garbage */
+    free(to_host(p));
+    return dpc_ok();
+}
+
+dpc_status dpc_host_alloc(size_t nbytes, void **out)
+{
+    char *h = NULL;
+    if (posix_memalign((void **)&h, 4096, nbytes ? nbytes : 1) != 0)
+        return EMU_FAIL(E_OOM, "cudaHostAlloc(&p, nbytes, cudaHostAllocPortable)", -1,
+                        emu_msg(E_OOM));
+    dpc_status s = track(h, nbytes, -1, "cudaHostAlloc");
+    if (s.code) {
+        free(h);
+        return s;
+    }
+    *out = h;
+    return dpc_ok();
+}
+
+dpc_status dpc_host_free(void *p)
+{
+    size_t size;
+    if (p == NULL)
+        return dpc_ok();
+    if (!untrack(p, -1, &size))
+        return EMU_FAIL(E_INVALID_VALUE, "cudaFreeHost(p)", -1, emu_msg(E_INVALID_VALUE));
+    memset(p, 0xDB, size);
+    free(p);
+    return dpc_ok();
+}
+
+int dpc_is_pinned(const void *p)
+{
+    return !dpc_is_device_ptr(p, NULL) && live_range(p, 1, -1);
+}
+
+/* ---- streams: handles only; everything is already complete ---- */
+
+dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
+{
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamCreateWithFlags", dev,
+                        emu_msg(E_INVALID_DEVICE));
+    *out = (dpc_stream)(uintptr_t)(0x1000 + dev * 256 + slot);
+    return dpc_ok();
+}
+
+dpc_status dpc_stream_sync(int dev, dpc_stream s)
+{
+    (void)s;
+    return bad_dev(dev) ? EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
+                                   emu_msg(E_INVALID_DEVICE))
+                        : dpc_ok();
+}
+
+dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other)
+{
+    (void)s;
+    (void)other;
+    return dpc_stream_sync(dev, s);
+}
+
+/* ---- copies ---- */
+
+#define BAD_COPY(call, dev) EMU_FAIL(E_INVALID_VALUE, call, dev, emu_msg(E_INVALID_VALUE))
+
+/* Resolve one side of a copy: a device side must be a live device range; a
+ * host side must not be a device pointer. */
+static char *side(const void *p, size_t n, int on_device)
+{
+    if (on_device)
+        return dev_range(p, 0, (int64_t)n, NULL);
+    return dpc_is_device_ptr(p, NULL) ? NULL : (char *)p;
+}
+
+dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
+                            dpc_stream s)
+{
+    (void)s;
+    if (bad_dev(dev))
+        return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
+    if (nbytes == 0)
+        return dpc_ok();
+    char *d = side(dst, nbytes, kind != DPC_D2H);
+    char *c = side(src, nbytes, kind != DPC_H2D);
+    if (d == NULL || c == NULL)
+        return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
+    memmove(d, c, nbytes);
+    return dpc_ok();
+}
+
+dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src,
+                              size_t spitch, size_t width, size_t height, int kind,
+                              dpc_stream s)
+{
+    (void)s;
+    if (bad_dev(dev) || width > dpitch || width > spitch)
+        return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
+    if (width == 0 || height == 0)
+        return dpc_ok();
+    size_t dspan = dpitch * (height - 1) + width, sspan = spitch * (height - 1) + width;
+    char *d = side(dst, dspan, kind != DPC_D2H);
+    char *c = side(src, sspan, kind != DPC_H2D);
+    if (d == NULL || c == NULL)
+        return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
+    for (size_t r = 0; r < height; r++)
+        memcpy(d + r * dpitch, c + r * spitch, width);
+    return dpc_ok();
+}
+
+dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int src_dev,
+                                 size_t nbytes, dpc_stream s)
+{
+    (void)s;
+    int dd = -1, sd = -1;
+    if (nbytes == 0)
+        return dpc_ok();
+    char *d = dev_range(dst, 0, (int64_t)nbytes, &dd);
+    char *c = dev_range(src, 0, (int64_t)nbytes, &sd);
+    if (d == NULL || c == NULL || dd != dst_dev || sd != src_dev)
+        return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
+    memcpy(d, c, nbytes);
+    return dpc_ok();
+}
+
+/* ---- kernels ---- */
+
+/* The byte range [lo, hi) a strided side touches, relative to its base. */
+static void span(const dpc_kdesc *d, const int64_t *strides, int64_t *lo, int64_t *hi)
+{
+    int64_t l = 0, h = 0;
+    for (int k = 0; k < d->ndim; k++) {
+        int64_t e = strides[k] * (d->shape[k] - 1);
+        if (e < 0)
+            l += e;
+        else
+            h += e;
+    }
+    *lo = l;
+    *hi = h + d->itemsize;
+}
+
+dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const void *src,
+                                   dpc_stream s)
+{
+    (void)s;
+    int64_t slo, shi, dlo, dhi;
+    if (bad_dev(dev) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
+        return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
+    if (d->numel == 0)
+        return dpc_ok();
+    span(d, d->src_strides, &slo, &shi);
+    span(d, d->dst_strides, &dlo, &dhi);
+    char *hd = dev_range(dst, dlo, dhi, NULL);
+    char *hs = dev_range(src, slo, shi, NULL);
+    if (hd == NULL || hs == NULL)
+        return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
+    for (int64_t i = 0; i < d->numel; i++)
+        dp_strided_copy_one(d, hd, hs, i);
+    return dpc_ok();
+}
+
+#define EMU_ADD(T)                                                              \
+    do {                                                                        \
+        T *a_ = (T *)ha;                                                        \
+        const T *x_ = (const T *)hx;                                            \
+        for (int64_t i = 0; i < numel; i++)                                     \
+            a_[i] = (T)(a_[i] + x_[i]);                                         \
+    } while (0)
+
+static const int type_size[] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+
+dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t numel,
+                          dpc_stream s)
+{
+    (void)s;
+    if (bad_dev(dev) || type < 0 || type >= DPC_T_NONE)
+        return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
+    if (numel == 0)
+        return dpc_ok();
+    int64_t n = numel * type_size[type];
+    char *ha = dev_range(acc, 0, n, NULL), *hx = dev_range(x, 0, n, NULL);
+    if (ha == NULL || hx == NULL)
+        return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
+    switch (type) {
+    case DPC_T_I8: EMU_ADD(int8_t); break;
+    case DPC_T_U8: EMU_ADD(uint8_t); break;
+    case DPC_T_I16: EMU_ADD(int16_t); break;
+    case DPC_T_U16: EMU_ADD(uint16_t); break;
+    case DPC_T_I32: EMU_ADD(int32_t); break;
+    case DPC_T_U32: EMU_ADD(uint32_t); break;
+    case DPC_T_I64: EMU_ADD(int64_t); break;
+    case DPC_T_U64: EMU_ADD(uint64_t); break;
+    case DPC_T_F32: EMU_ADD(float); break;
+    case DPC_T_F64: EMU_ADD(double); break;
+    }
+    return dpc_ok();
+}
+
+#endif /* DPMINI_CUDA_EMULATE */

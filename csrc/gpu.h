@@ -1,0 +1,76 @@
+/* gpu.h - dpmini's GPU layer over cuda_api.h (gpu.c, nccl.c), shared by
+ * device.c, comm.c, array.c and dataparallel.c.
+ *
+ * No Python.h here: everything in this header may run on a device worker
+ * thread with the GIL released, except dp_gpu_raise (gpu.c, declared in
+ * dpmini.h because it needs Python).
+ */
+#ifndef DPMINI_GPU_H
+#define DPMINI_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "copy.h"
+#include "cuda_api.h"
+
+/* Contiguous runs at least this long (bytes) go through cudaMemcpy2DAsync
+ * (one DMA descriptor per row); shorter ones are packed first (on the host
+ * into pinned staging, or by the pack kernel on the device). Not measured
+ * here (no GPU in the session that wrote it): 1 KiB is where copy engines are
+ * commonly reported to approach full PCIe bandwidth per row;
+ * benchmarks/bench_gpu.py sweeps row lengths to measure the real crossover.
+ * $DPMINI_2D_MIN_RUN overrides it (bytes). */
+#define DP_2D_MIN_RUN_DEFAULT 1024
+
+/* Pinned staging per device: two halves used alternately (pack one while
+ * the other is in flight). Allocated on first use, kept for the process. */
+#define DP_STAGE_HALF ((size_t)16 << 20)
+
+/* Stream slots 0 .. DP_GPU_SLOTS-1 are for copies (one per replica chunk);
+ * the two staging halves use their own slots. */
+#define DP_GPU_SLOTS 12
+#define DP_STAGE_SLOT 12
+
+/* ---- device memory: a per-device caching allocator (never frees on the
+ * hot path; cudaFree synchronises the whole device) ---- */
+dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded);
+void dp_gpu_free(int dev, void *p, size_t rounded);
+void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved);
+void dp_gpu_empty_cache(void);
+
+/* ---- copies ----
+ * The streams a group of copy jobs on one device has used; synced once at
+ * the end of the group (stream syncs, never a device-wide sync). */
+typedef struct {
+    int dev;
+    unsigned used;       /* bit i: slot i of dev has queued work */
+} dp_gpu_sync;
+
+/* One strided copy (a simplified dp_copy_desc, numel > 0) between any two
+ * places of which at least one is a CUDA device: dst_dev / src_dev are CUDA
+ * device indices or -1 for host memory (pinned or not). Queued on stream
+ * `slot` of the executing device, recorded in *sync; staged paths finish
+ * before returning. The path (direct, 2D, host pack, pack kernel, peer) is
+ * chosen from the layout; see gpu.c. */
+dpc_status dp_gpu_copy(const dp_copy_desc *d, char *dst, int dst_dev, const char *src,
+                       int src_dev, int slot, dp_gpu_sync *sync);
+dpc_status dp_gpu_sync_finish(dp_gpu_sync *sync);
+
+/* acc[i] += x[i] on dev (both device pointers, numel elements of type). */
+dpc_status dp_gpu_add(int dev, int type, void *acc, const void *x, int64_t numel);
+
+/* ---- NCCL (nccl.c), loaded with dlopen on first use ---- */
+/* 1 when libnccl could be loaded (never under emulation). */
+int dp_nccl_available(void);
+/* "2.21.5", or "not loaded" / "not found: <dlerror>". */
+const char *dp_nccl_describe(void);
+/* Broadcast nbytes from bufs[root] to bufs[i] on devs[i] (distinct devices),
+ * as one NCCL group; returns when done. */
+dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t nbytes,
+                             int root);
+/* recv (on devs[root]) = sum of send[i] (on devs[i]); numel elements of
+ * DPC_T_* type; one group; returns when done. */
+dpc_status dp_nccl_reduce(int n, const int *devs, const void *const *send, void *recv,
+                          int64_t numel, int type, int root);
+
+#endif

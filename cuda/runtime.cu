@@ -1,0 +1,300 @@
+// runtime.cu - cuda_api.h on the real CUDA runtime: devices, memory,
+// dpmini's stream pool, copies, and the two kernel families (strided copy
+// for pack/unpack, elementwise add for reduce_add). Compiled by nvcc when
+// setup.py finds it; the runtime is linked statically (cudart_static), so
+// `import dpmini` works with no driver: cudaGetDeviceCount fails and
+// dpc_device_count() returns 0.
+//
+// Every runtime call goes through CUDA_TRY, which returns a dpc_status with
+// the call's text, file, line, device and cudaGetErrorString's message.
+// Kernels first, then launchers that take an explicit stream and check the
+// launch (cudaGetLastError), as llm.c does.
+#include <cuda_runtime.h>
+#include <pthread.h>
+
+#include "../csrc/cuda_api.h"
+#include "strided.h"
+
+#define CUDA_TRY(call, dev)                                                          \
+    do {                                                                             \
+        cudaError_t e_ = (call);                                                     \
+        if (e_ != cudaSuccess) {                                                     \
+            (void)cudaGetLastError(); /* clear a non-sticky error */                 \
+            return dpc_fail(DPC_LIB_CUDA, (int)e_, e_ == cudaErrorMemoryAllocation,  \
+                            (dev), #call, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+        }                                                                            \
+    } while (0)
+
+// ---------------------------------------------------------------- kernels
+
+// One thread per element, grid-stride. The index arithmetic is
+// dp_strided_copy_one from strided.h (the emulator runs the same).
+__global__ void dp_strided_copy_kernel(dpc_kdesc d, char *dst, const char *src)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < d.numel; i += stride)
+        dp_strided_copy_one(&d, dst, src, i);
+}
+
+template <typename T>
+__global__ void dp_add_kernel(T *acc, const T *x, int64_t n)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        acc[i] = (T)(acc[i] + x[i]);
+}
+
+// ---------------------------------------------------------------- devices
+
+static int g_count = -1;
+
+extern "C" int dpc_device_count(void)
+{
+    if (g_count < 0) {
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        g_count = n;
+    }
+    return g_count;
+}
+
+extern "C" const char *dpc_backend(void) { return "cuda"; }
+
+extern "C" void dpc_versions(int *runtime, int *driver)
+{
+    *runtime = 0;
+    *driver = 0;
+    if (cudaRuntimeGetVersion(runtime) != cudaSuccess)
+        *runtime = 0;
+    if (cudaDriverGetVersion(driver) != cudaSuccess)
+        *driver = 0;
+    (void)cudaGetLastError();
+}
+
+extern "C" dpc_status dpc_set_device(int dev)
+{
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_enable_peer(int dev, int peer, int *on)
+{
+    int can = 0;
+    *on = 0;
+    if (dev == peer)
+        return dpc_ok();
+    CUDA_TRY(cudaDeviceCanAccessPeer(&can, dev, peer), dev);
+    if (!can)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();
+    } else {
+        CUDA_TRY(e, dev);
+    }
+    *on = 1;
+    return dpc_ok();
+}
+
+extern "C" void dpc_clear_error(int dev)
+{
+    (void)dev;
+    (void)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- memory
+
+extern "C" dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
+{
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    CUDA_TRY(cudaMalloc(out, nbytes ? nbytes : 1), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_free(int dev, void *p)
+{
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    CUDA_TRY(cudaFree(p), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_host_alloc(size_t nbytes, void **out)
+{
+    CUDA_TRY(cudaHostAlloc(out, nbytes ? nbytes : 1, cudaHostAllocPortable), -1);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_host_free(void *p)
+{
+    CUDA_TRY(cudaFreeHost(p), -1);
+    return dpc_ok();
+}
+
+extern "C" int dpc_is_pinned(const void *p)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+extern "C" int dpc_is_device_ptr(const void *p, int *dev)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+        return 0;
+    if (dev)
+        *dev = a.device;
+    return 1;
+}
+
+// ---------------------------------------------------------------- streams
+
+#define DPC_MAX_DEV 64
+#define DPC_MAX_SLOTS 16
+
+static cudaStream_t g_streams[DPC_MAX_DEV][DPC_MAX_SLOTS]; // created lazily, never freed
+static pthread_mutex_t g_stream_mu = PTHREAD_MUTEX_INITIALIZER;
+
+extern "C" dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
+{
+    if (dev < 0 || dev >= DPC_MAX_DEV)
+        return dpc_fail(DPC_LIB_CUDA, (int)cudaErrorInvalidDevice, 0, dev, "dpc_stream_get",
+                        __FILE__, __LINE__, "device index out of range");
+    slot %= DPC_MAX_SLOTS;
+    pthread_mutex_lock(&g_stream_mu);
+    cudaStream_t s = g_streams[dev][slot];
+    cudaError_t e = cudaSuccess;
+    if (s == NULL) {
+        e = cudaSetDevice(dev);
+        if (e == cudaSuccess)
+            e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        if (e == cudaSuccess)
+            g_streams[dev][slot] = s;
+    }
+    pthread_mutex_unlock(&g_stream_mu);
+    CUDA_TRY(e, dev);
+    *out = (dpc_stream)s;
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_stream_sync(int dev, dpc_stream s)
+{
+    CUDA_TRY(cudaStreamSynchronize((cudaStream_t)s), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other)
+{
+    cudaEvent_t ev;
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), dev);
+    cudaError_t e = cudaEventRecord(ev, (cudaStream_t)other);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent((cudaStream_t)s, ev, 0);
+    (void)cudaEventDestroy(ev); // released once the wait is done
+    CUDA_TRY(e, dev);
+    return dpc_ok();
+}
+
+// ---------------------------------------------------------------- copies
+
+static cudaMemcpyKind kind_of(int kind)
+{
+    return kind == DPC_H2D ? cudaMemcpyHostToDevice
+         : kind == DPC_D2H ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
+}
+
+extern "C" dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes,
+                                       int kind, dpc_stream s)
+{
+    if (nbytes == 0)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    CUDA_TRY(cudaMemcpyAsync(dst, src, nbytes, kind_of(kind), (cudaStream_t)s), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src,
+                                         size_t spitch, size_t width, size_t height, int kind,
+                                         dpc_stream s)
+{
+    if (width == 0 || height == 0)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind_of(kind),
+                               (cudaStream_t)s), dev);
+    return dpc_ok();
+}
+
+extern "C" dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src,
+                                            int src_dev, size_t nbytes, dpc_stream s)
+{
+    if (nbytes == 0)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dst_dev), dst_dev);
+    CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, nbytes, (cudaStream_t)s), dst_dev);
+    return dpc_ok();
+}
+
+// ---------------------------------------------------------------- launchers
+
+static unsigned grid_for(int64_t n, int threads)
+{
+    int64_t blocks = (n + threads - 1) / threads;
+    return (unsigned)(blocks > 65535 * 8 ? 65535 * 8 : (blocks < 1 ? 1 : blocks));
+}
+
+extern "C" dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst,
+                                              const void *src, dpc_stream s)
+{
+    if (d->numel == 0)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    dp_strided_copy_kernel<<<grid_for(d->numel, 256), 256, 0, (cudaStream_t)s>>>(
+        *d, (char *)dst, (const char *)src);
+    CUDA_TRY(cudaGetLastError(), dev);
+    return dpc_ok();
+}
+
+template <typename T>
+static cudaError_t add_as(void *acc, const void *x, int64_t n, cudaStream_t s)
+{
+    dp_add_kernel<T><<<grid_for(n, 256), 256, 0, s>>>((T *)acc, (const T *)x, n);
+    return cudaGetLastError();
+}
+
+extern "C" dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x,
+                                     int64_t numel, dpc_stream s)
+{
+    if (numel == 0)
+        return dpc_ok();
+    CUDA_TRY(cudaSetDevice(dev), dev);
+    cudaStream_t st = (cudaStream_t)s;
+    cudaError_t e = cudaErrorInvalidValue;
+    switch (type) {
+    case DPC_T_I8: e = add_as<int8_t>(acc, x, numel, st); break;
+    case DPC_T_U8: e = add_as<uint8_t>(acc, x, numel, st); break;
+    case DPC_T_I16: e = add_as<int16_t>(acc, x, numel, st); break;
+    case DPC_T_U16: e = add_as<uint16_t>(acc, x, numel, st); break;
+    case DPC_T_I32: e = add_as<int32_t>(acc, x, numel, st); break;
+    case DPC_T_U32: e = add_as<uint32_t>(acc, x, numel, st); break;
+    case DPC_T_I64: e = add_as<int64_t>(acc, x, numel, st); break;
+    case DPC_T_U64: e = add_as<uint64_t>(acc, x, numel, st); break;
+    case DPC_T_F32: e = add_as<float>(acc, x, numel, st); break;
+    case DPC_T_F64: e = add_as<double>(acc, x, numel, st); break;
+    default: break;
+    }
+    CUDA_TRY(e, dev);
+    return dpc_ok();
+}
