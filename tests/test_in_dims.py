@@ -345,3 +345,49 @@ def test_dataparallel_out_dims_gradients():
 def test_single_device_path_skips_gather():
     dp = dpmini.DataParallel(lambda x: {"s": x.sum()}, ["cpu:0"], out_dims={"s": "sum"})
     assert float(dp(np.ones(3))["s"]) == 3.0
+
+
+# ---------------------------------------------------------------- leaks
+
+
+def test_no_refcount_or_memory_growth_with_extensions():
+    import gc
+    import sys
+    import tracemalloc
+
+    table = np.ones(7)
+    x = np.ones((8, 3))
+    spec_in = ({"x": 0, "t": None}, 1)
+    spec_out = {"s": "sum", "t": None, "y": 0}
+
+    def f(d, z):
+        return {"s": d["x"].sum(axis=0), "t": d["t"], "y": d["x"] + z.sum()}
+
+    dp = dpmini.DataParallel(f, D2, in_dims=spec_in, out_dims=spec_out, weights=[1, 3])
+
+    def call():
+        dp({"x": x, "t": table}, np.ones((2, 8)))
+        try:
+            dpmini.scatter_kwargs(({"x": x},), None, D2, in_dims=({"nope": 0},))
+        except ValueError:
+            pass
+        try:
+            dpmini.gather([{"a": 1}, {"a": 1}], "cpu:0", out_dims={"b": None})
+        except ValueError:
+            pass
+        assert dpmini.explain((x,), D2, in_dims=((0,),)).error
+        assert dpmini.explain((x, table), D2, in_dims=(0, None), chunk_sizes=[2, 2]).error
+
+    for _ in range(200):
+        call()
+    gc.collect()
+    refs = [sys.getrefcount(o) for o in (table, x, spec_in, spec_out)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(2000):
+        call()
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert [sys.getrefcount(o) for o in (table, x, spec_in, spec_out)] == refs
+    assert grown < 64 * 1024, grown
