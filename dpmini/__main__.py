@@ -28,7 +28,7 @@ __all__ = ["main"]
 
 def _shape(text):
     """'5,3' -> (5, 3); '7' -> (7,); '' or '()' -> () (a 0-dim array)."""
-    text = text.strip().strip("()").replace("x", ",")
+    text = text.strip().strip("()")
     if not text:
         return ()
     try:
