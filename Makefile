@@ -1,5 +1,6 @@
 # dpmini: `make demo` runs the main job, `make test` the whole test suite.
 # Both create ./.venv on first use and (re)build the extension in place.
+# `make test` also runs the notebooks in notebooks/ (nbmake, 60 s each).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -25,6 +26,7 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --nbmake --nbmake-timeout=60 notebooks
 	$(MAKE) --no-print-directory test-emulated
 
 build-emulated: $(VENV)/.installed

@@ -40,6 +40,13 @@ typedef struct {
     dp_device output_device;   /* gather target; may be the host */
     int dim;                   /* scatter/gather dim as given (wrapped per array) */
     int strict;                /* 1: different chunk counts raise (tree.c) */
+    PyObject *in_dims;         /* owned; None: dim for every input (tree.c,
+                                  dp_split_opts); types checked on set */
+    PyObject *out_dims;        /* owned; None: dim for every output */
+    PyObject *chunk_sizes;     /* owned; None or a tuple of ints >= 0 */
+    PyObject *weights;         /* owned; None or a tuple of numbers > 0;
+                                  never both set; lengths are checked
+                                  against device_ids on each call */
     PyObject *dict;            /* instance __dict__ (tp_dictoffset); may be NULL */
     PyObject *weakreflist;     /* weak references (tp_weaklistoffset); may be NULL */
 } dp_DataParallelObject;
@@ -1391,15 +1398,76 @@ fail:
 /* Helpers: forward                                                    */
 /* ------------------------------------------------------------------ */
 
+/* The split and gather options of one call (all borrowed; Py_None when not
+ * given). See dp_split_opts and dp_gather_outputs_ex in dpmini.h. */
+typedef struct {
+    int dim;
+    int strict;
+    PyObject *in_dims;
+    PyObject *out_dims;
+    PyObject *chunk_sizes;
+    PyObject *weights;
+} call_opts;
+
+static call_opts self_opts(dp_DataParallelObject *self)
+{
+    call_opts o = {self->dim, self->strict, self->in_dims, self->out_dims,
+                   self->chunk_sizes, self->weights};
+    return o;
+}
+
+/* scatter_kwargs with the options o over devs[0..ndev). */
+static int scatter_with(dp_state *st, PyObject *args, PyObject *kwargs, const dp_device *devs,
+                        Py_ssize_t ndev, const call_opts *o, PyObject **inputs,
+                        PyObject **kws)
+{
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts so;
+    if (dp_parse_split_sizes(o->chunk_sizes, o->weights, ndev, sizes_buf, weights_buf,
+                             &so) < 0) {
+        return -1;
+    }
+    so.dim = o->dim;
+    so.strict = o->strict;
+    so.in_dims = o->in_dims;
+    return dp_scatter_kwargs_ex(st, args, kwargs, devs, ndev, &so, inputs, kws);
+}
+
+/* Check in_dims, out_dims, chunk_sizes and weights as given to a
+ * constructor (ndev devices); replace chunk_sizes / weights (new
+ * references in *cs_out / *w_out) by tuples. */
+static int check_call_opts(PyObject *in_dims, PyObject *out_dims, PyObject *cs, PyObject *w,
+                           Py_ssize_t ndev, PyObject **cs_out, PyObject **w_out)
+{
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts so;
+    *cs_out = *w_out = NULL;
+    if (dp_check_dims_spec(in_dims, "in_dims", 0) < 0 ||
+        dp_check_dims_spec(out_dims, "out_dims", 1) < 0 ||
+        dp_parse_split_sizes(cs, w, ndev, sizes_buf, weights_buf, &so) < 0) {
+        return -1;
+    }
+    *cs_out = cs == Py_None ? Py_NewRef(Py_None) : PySequence_Tuple(cs);
+    *w_out = w == Py_None ? Py_NewRef(Py_None) : PySequence_Tuple(w);
+    if (*cs_out == NULL || *w_out == NULL) {
+        Py_CLEAR(*cs_out);
+        Py_CLEAR(*w_out);
+        return -1;
+    }
+    return 0;
+}
+
 /* DataParallel.forward with the C steps (the exact type, and
  * data_parallel): spec §2 in order. args: tuple; kwargs: dict or NULL. */
 static PyObject *forward_core(dp_state *st, PyObject *module, PyObject *args, PyObject *kwargs,
                               const dp_device *devs, Py_ssize_t ndev, dp_device out_dev,
-                              int dim, int strict)
+                              const call_opts *o)
 {
     PyObject *inputs = NULL, *kws = NULL, *replicas = NULL, *outputs = NULL, *res = NULL;
 
-    if (dp_scatter_kwargs(st, args, kwargs, devs, ndev, dim, strict, &inputs, &kws) < 0) {
+    if (scatter_with(st, args, kwargs, devs, ndev, o, &inputs, &kws) < 0) {
         return NULL;
     }
     if (fix_empty_call(&inputs, &kws) < 0) {
@@ -1419,7 +1487,7 @@ static PyObject *forward_core(dp_state *st, PyObject *module, PyObject *args, Py
     if (outputs == NULL) {
         goto fail;
     }
-    res = dp_gather_outputs(st, outputs, out_dev, dim);
+    res = dp_gather_outputs_ex(st, outputs, out_dev, o->dim, o->out_dims);
 fail:
     Py_XDECREF(inputs);
     Py_XDECREF(kws);
@@ -1510,8 +1578,9 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
         if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
             kwargs = NULL;
         }
+        call_opts o = self_opts(self);
         return forward_core(st, self->module, args, kwargs, self->devs, self->ndev,
-                            self->output_device, self->dim, self->strict);
+                            self->output_device, &o);
     }
     return forward_generic(self, st, args, kwargs);
 }
@@ -1535,21 +1604,29 @@ static PyObject *DataParallel_new(PyTypeObject *type, PyObject *args, PyObject *
     self->output_device.index = -1;
     self->dim = 0;
     self->strict = 0;
+    self->in_dims = Py_NewRef(Py_None);
+    self->out_dims = Py_NewRef(Py_None);
+    self->chunk_sizes = Py_NewRef(Py_None);
+    self->weights = Py_NewRef(Py_None);
     return (PyObject *)self;
 }
 
 static int DataParallel_init(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"module", "device_ids", "output_device", "dim", "strict", NULL};
+    static char *kwlist[] = {"module", "device_ids", "output_device", "dim", "strict",
+                             "in_dims", "out_dims", "chunk_sizes", "weights", NULL};
     PyObject *module, *ids = Py_None, *out = Py_None, *dimobj = NULL;
+    PyObject *in_dims = Py_None, *out_dims = Py_None, *cs = Py_None, *w = Py_None;
+    PyObject *cs_t = NULL, *w_t = NULL;
     int strict = 0, dim = 0;
     dp_device *devs = NULL, outdev;
     Py_ssize_t ndev = 0;
     dp_state *st = dp_state_from_type(Py_TYPE(self));
 
     if (st == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOOp:DataParallel", kwlist,
-                                     &module, &ids, &out, &dimobj, &strict)) {
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOOpOOOO:DataParallel", kwlist,
+                                     &module, &ids, &out, &dimobj, &strict, &in_dims,
+                                     &out_dims, &cs, &w)) {
         return -1;
     }
     if (!PyCallable_Check(module)) {
@@ -1572,7 +1649,14 @@ static int DataParallel_init(dp_DataParallelObject *self, PyObject *args, PyObje
     if (dimobj != NULL && dp_int_from_object(dimobj, "dim", &dim) < 0) {
         goto fail;
     }
+    if (check_call_opts(in_dims, out_dims, cs, w, ndev, &cs_t, &w_t) < 0) {
+        goto fail;
+    }
     Py_SETREF(self->module, Py_NewRef(module));
+    Py_SETREF(self->in_dims, Py_NewRef(in_dims));
+    Py_SETREF(self->out_dims, Py_NewRef(out_dims));
+    Py_SETREF(self->chunk_sizes, cs_t);
+    Py_SETREF(self->weights, w_t);
     PyMem_Free(self->devs);
     self->devs = devs;
     self->ndev = ndev;
@@ -1589,6 +1673,10 @@ static int DataParallel_traverse(dp_DataParallelObject *self, visitproc visit, v
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->module);
+    Py_VISIT(self->in_dims);
+    Py_VISIT(self->out_dims);
+    Py_VISIT(self->chunk_sizes);
+    Py_VISIT(self->weights);
     Py_VISIT(self->dict);
     return 0;
 }
@@ -1598,6 +1686,14 @@ static int DataParallel_clear(dp_DataParallelObject *self)
     /* module stays a valid object (None) for finalizers that still run. */
     if (self->module != NULL && self->module != Py_None) {
         Py_SETREF(self->module, Py_NewRef(Py_None));
+    }
+    /* The options hold only ints, None, str and containers of them, but a
+     * user may put anything in a list; they too stay valid objects. */
+    if (self->in_dims != NULL && self->in_dims != Py_None) {
+        Py_SETREF(self->in_dims, Py_NewRef(Py_None));
+    }
+    if (self->out_dims != NULL && self->out_dims != Py_None) {
+        Py_SETREF(self->out_dims, Py_NewRef(Py_None));
     }
     Py_CLEAR(self->dict);
     return 0;
@@ -1612,6 +1708,10 @@ static void DataParallel_dealloc(dp_DataParallelObject *self)
     }
     DataParallel_clear(self);
     Py_CLEAR(self->module);
+    Py_CLEAR(self->in_dims);
+    Py_CLEAR(self->out_dims);
+    Py_CLEAR(self->chunk_sizes);
+    Py_CLEAR(self->weights);
     PyMem_Free(self->devs);
     self->devs = NULL;
     tp->tp_free((PyObject *)self);
@@ -1672,9 +1772,24 @@ static PyObject *DataParallel_repr(dp_DataParallelObject *self)
         goto done;
     }
     dp_device_format(self->output_device, buf, sizeof buf);
-    res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', dim=%d%s)",
-                               name, self->module, ids, buf, self->dim,
-                               self->strict ? ", strict=True" : "");
+    {
+        /* The extension options, only when set. */
+        static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+        PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+        PyObject *extra = PyUnicode_FromString("");
+        for (int i = 0; i < 4 && extra != NULL; i++) {
+            if (vals[i] != Py_None) {
+                Py_SETREF(extra, PyUnicode_FromFormat("%U, %s=%R", extra, names[i], vals[i]));
+            }
+        }
+        if (extra == NULL) {
+            goto done;
+        }
+        res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', dim=%d%s%U)",
+                                   name, self->module, ids, buf, self->dim,
+                                   self->strict ? ", strict=True" : "", extra);
+        Py_DECREF(extra);
+    }
 done:
     Py_ReprLeave((PyObject *)self);
     Py_XDECREF(parts);
@@ -1791,6 +1906,71 @@ static int DataParallel_set_strict(dp_DataParallelObject *self, PyObject *value,
     return 0;
 }
 
+static PyObject *DataParallel_get_in_dims(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->in_dims);
+}
+
+static int DataParallel_set_in_dims(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "in_dims") < 0 || dp_check_dims_spec(value, "in_dims", 0) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->in_dims, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *DataParallel_get_out_dims(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->out_dims);
+}
+
+static int DataParallel_set_out_dims(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "out_dims") < 0 || dp_check_dims_spec(value, "out_dims", 1) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->out_dims, Py_NewRef(value));
+    return 0;
+}
+
+/* chunk_sizes / weights: checked against device_ids and the other one. */
+static int set_sizes_opt(dp_DataParallelObject *self, PyObject *value, int is_weights)
+{
+    PyObject *cs_t, *w_t;
+    if (refuse_delete(value, is_weights ? "weights" : "chunk_sizes") < 0 ||
+        check_initialised(self) < 0) {
+        return -1;
+    }
+    if (check_call_opts(Py_None, Py_None, is_weights ? self->chunk_sizes : value,
+                        is_weights ? value : self->weights, self->ndev, &cs_t, &w_t) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->chunk_sizes, cs_t);
+    Py_SETREF(self->weights, w_t);
+    return 0;
+}
+
+static PyObject *DataParallel_get_chunk_sizes(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->chunk_sizes);
+}
+
+static int DataParallel_set_chunk_sizes(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    return set_sizes_opt(self, value, 0);
+}
+
+static PyObject *DataParallel_get_weights(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->weights);
+}
+
+static int DataParallel_set_weights(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    return set_sizes_opt(self, value, 1);
+}
+
 /* --- methods --- */
 
 PyDoc_STRVAR(forward_doc,
@@ -1825,6 +2005,7 @@ PyDoc_STRVAR(scatter_doc,
 "tuples of positional arguments and k dicts. Both are empty when there are\n"
 "no arguments. Chunk counts that differ warn dpmini.SplitWarning, or raise\n"
 "ValueError when self.strict. device_ids None means self.device_ids.\n"
+"Uses self.in_dims, self.chunk_sizes and self.weights (see the class).\n"
 "Errors: TypeError for inputs/kwargs of the wrong type, ValueError for bad\n"
 "devices or 0-dim arrays, IndexError for a dim out of range.");
 
@@ -1861,8 +2042,9 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
         dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
         goto fail;
     }
-    if (dp_scatter_kwargs(st, in, kw == Py_None ? NULL : kw, devs ? devs : self->devs,
-                          devs ? ndev : self->ndev, self->dim, self->strict, &ins, &kws) < 0) {
+    call_opts o = self_opts(self);
+    if (scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : self->devs,
+                     devs ? ndev : self->ndev, &o, &ins, &kws) < 0) {
         goto fail;
     }
     res = PyTuple_Pack(2, ins, kws);
@@ -1952,8 +2134,9 @@ PyDoc_STRVAR(gather_doc,
 "Combine the per-replica outputs onto output_device along self.dim (PyTorch\n"
 "gather, spec §4, with dpmini's rules in docs/design.md). output_device:\n"
 "'cpu' or -1 for the host (-1 warns FutureWarning), 'cpu:N', 'cuda:N', an int\n"
-"or a Device; None means self.output_device. Errors: TypeError/ValueError\n"
-"naming the output path for mismatched structures or shapes.");
+"or a Device; None means self.output_device. Follows self.out_dims (see the\n"
+"class). Errors: TypeError/ValueError naming the output path for mismatched\n"
+"structures or shapes, or the out_dims entry that does not fit.");
 
 static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -1968,7 +2151,7 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     if (out != Py_None && parse_target_device(st, out, "output_device", &d) < 0) {
         return NULL;
     }
-    return dp_gather_outputs(st, outputs, d, self->dim);
+    return dp_gather_outputs_ex(st, outputs, d, self->dim, self->out_dims);
 }
 
 static PyMethodDef DataParallel_methods[] = {
@@ -1999,6 +2182,17 @@ static PyGetSetDef DataParallel_getset[] = {
     {"strict", (getter)DataParallel_get_strict, (setter)DataParallel_set_strict,
      "True: arrays with different chunk counts raise ValueError instead of\n"
      "warning dpmini.SplitWarning.", NULL},
+    {"in_dims", (getter)DataParallel_get_in_dims, (setter)DataParallel_set_in_dims,
+     "How each input is split (None: dim everywhere). A structure mirroring\n"
+     "the arguments: see DataParallel's docstring.", NULL},
+    {"out_dims", (getter)DataParallel_get_out_dims, (setter)DataParallel_set_out_dims,
+     "How each output is gathered (None: dim everywhere): an int dim, None\n"
+     "(replicas must agree), \"sum\", or a structure of them.", NULL},
+    {"chunk_sizes", (getter)DataParallel_get_chunk_sizes,
+     (setter)DataParallel_set_chunk_sizes,
+     "None, or a tuple of per-device sizes along the split dim.", NULL},
+    {"weights", (getter)DataParallel_get_weights, (setter)DataParallel_set_weights,
+     "None, or a tuple of per-device weights (sizes proportional to them).", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -2011,7 +2205,8 @@ static PyMemberDef DataParallel_members[] = {
 };
 
 PyDoc_STRVAR(DataParallel_doc,
-"DataParallel(module, device_ids=None, output_device=None, dim=0, strict=False)\n--\n\n"
+"DataParallel(module, device_ids=None, output_device=None, dim=0, strict=False,\n"
+"             in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n--\n\n"
 "Run module data-parallel over devices, as torch.nn.DataParallel does for\n"
 "tensors (spec §1-§2), with NumPy arrays as the tensors.\n"
 "module: any callable (TypeError otherwise). device_ids: a non-empty\n"
@@ -2024,7 +2219,39 @@ PyDoc_STRVAR(DataParallel_doc,
 "Calling the object runs forward(*args, **kwargs). Subclasses may override\n"
 "forward, scatter, replicate, parallel_apply and gather, and may add\n"
 "attributes. The module's arrays are not required to be on device_ids[0]\n"
-"(documented difference from PyTorch's device check, spec 2.2).");
+"(documented difference from PyTorch's device check, spec 2.2).\n"
+"\n"
+"Beyond PyTorch (all None by default, which is exactly PyTorch's behaviour):\n"
+"in_dims: how each input is split, modelled on JAX pmap's in_axes. A\n"
+"  structure mirroring the arguments: a tuple/list is a prefix of the\n"
+"  positional arguments; a dict addresses positional arguments by int key\n"
+"  and keyword arguments by name ({0: 1, 'table': None}); an int is a dim\n"
+"  for every argument. Inside, an int splits along that dim, None\n"
+"  broadcasts the whole array (any rank) to every replica (a copy on each\n"
+"  device, the array itself on its own device; never changes the replica\n"
+"  count), and tuples/lists/dicts mirror containers (a prefix / a subset of\n"
+"  keys; the rest uses dim). An int or None for a container applies to\n"
+"  every array under it. Entries that address nothing: ValueError naming\n"
+"  the entry (\"in_dims[1]['x']\"); wrong types: TypeError.\n"
+"out_dims: how each output is gathered, modelled on pmap's out_axes: an int\n"
+"  gathers along that dim; None returns replica 0's value after checking\n"
+"  that every replica returned an equal one (numpy.array_equal for arrays;\n"
+"  TypeError naming the path otherwise); \"sum\" adds the replicas' values\n"
+"  (arrays with comm.reduce_add onto output_device, numbers with +): the\n"
+"  sum of per-replica gradients, counts or summed losses. Structures mirror\n"
+"  the output as for in_dims (a dict also names dataclass fields).\n"
+"chunk_sizes: one int >= 0 per device in device_ids: the rows along the\n"
+"  split dim each device gets, for every split array (each must have\n"
+"  sum(chunk_sizes) rows, else ValueError naming it). From\n"
+"  torch.cuda.comm.scatter's chunk_sizes (PyTorch's DataParallel lacks it,\n"
+"  pytorch issue 46381). A 0 gives an empty chunk; devices after the last\n"
+"  non-empty chunk idle.\n"
+"weights: one finite number > 0 per device: sizes proportional to them,\n"
+"  rounded by largest remainder so they sum to n; no device gets an empty\n"
+"  chunk unless n < len(device_ids) (then the rows go to the largest\n"
+"  shares). For devices of unequal speed. At most one of chunk_sizes and\n"
+"  weights (ValueError); wrong length, negative sizes, zero, negative, NaN\n"
+"  or infinite weights: ValueError; wrong types: TypeError.");
 
 static PyType_Slot DataParallel_slots[] = {
     {Py_tp_doc, (void *)DataParallel_doc},
@@ -2104,28 +2331,33 @@ static PyObject *dp_parallel_apply(PyObject *mod, PyObject *args, PyObject *kwar
 }
 
 PyDoc_STRVAR(data_parallel_doc,
-"data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None)\n"
+"data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None,\n"
+"              *, in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n"
 "--\n\n"
 "Functional DataParallel (PyTorch data_parallel, spec 2.9): the same steps\n"
 "as DataParallel.forward (scatter, empty-call fix, one-device fast path,\n"
 "replicate, parallel_apply, gather). inputs: a tuple of positional arguments;\n"
 "anything else is one argument (a list counts as ONE argument), None means\n"
-"none. module_kwargs: None or a dict. device_ids/output_device/dim as for\n"
-"DataParallel. Errors: as DataParallel.");
+"none. module_kwargs: None or a dict. device_ids/output_device/dim and\n"
+"in_dims/out_dims/chunk_sizes/weights as for DataParallel (in_dims addresses\n"
+"inputs by position and module_kwargs by name). Errors: as DataParallel.");
 
 static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"module", "inputs", "device_ids", "output_device", "dim",
-                             "module_kwargs", NULL};
+                             "module_kwargs", "in_dims", "out_dims", "chunk_sizes",
+                             "weights", NULL};
     PyObject *module, *inputs, *ids = Py_None, *out = Py_None, *dimobj = NULL;
     PyObject *mkw = Py_None, *in = NULL, *res = NULL;
+    call_opts o = {0, 0, Py_None, Py_None, Py_None, Py_None};
     dp_device *devs = NULL, outdev;
     Py_ssize_t ndev = 0;
     int dim = 0;
     dp_state *st = dp_state_from_module(mod);
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOOO:data_parallel", kwlist, &module,
-                                     &inputs, &ids, &out, &dimobj, &mkw)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOOO$OOOO:data_parallel", kwlist,
+                                     &module, &inputs, &ids, &out, &dimobj, &mkw,
+                                     &o.in_dims, &o.out_dims, &o.chunk_sizes, &o.weights)) {
         return NULL;
     }
     if (!PyCallable_Check(module)) {
@@ -2141,6 +2373,11 @@ static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwarg
     if (dimobj != NULL && dp_int_from_object(dimobj, "dim", &dim) < 0) {
         return NULL;
     }
+    if (dp_check_dims_spec(o.in_dims, "in_dims", 0) < 0 ||
+        dp_check_dims_spec(o.out_dims, "out_dims", 1) < 0) {
+        return NULL;
+    }
+    o.dim = dim;
     if (ids == Py_None) {
         if (dp_default_devices(st, &devs, &ndev) < 0) {
             return NULL;
@@ -2164,7 +2401,7 @@ static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwarg
         goto fail;
     }
     res = forward_core(st, module, in, (mkw == Py_None || PyDict_GET_SIZE(mkw) == 0) ? NULL : mkw,
-                       devs, ndev, outdev, dim, 0);
+                       devs, ndev, outdev, &o);
 fail:
     Py_XDECREF(in);
     PyMem_Free(devs);

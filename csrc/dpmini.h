@@ -227,6 +227,58 @@ int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
                       const dp_device *devs, Py_ssize_t ndev, int dim, int strict,
                       PyObject **inputs_out, PyObject **kwargs_out);
 
+/* How one scatter splits its array leaves (dpmini's extensions; all
+ * pointers borrowed and owned by the caller).
+ *   in_dims: NULL or None: every array leaf is split along dim (PyTorch).
+ *     Otherwise a structure mirroring the arguments (JAX pmap's in_axes):
+ *     an int splits along that dim, None broadcasts the leaf whole to every
+ *     replica, a tuple/list/dict mirrors a container (a prefix of a tuple or
+ *     list, a subset of a dict's keys; what it leaves out uses dim), and an
+ *     int or None given for a container applies to every leaf under it. At
+ *     the top of dp_scatter_kwargs_ex a tuple/list addresses the positional
+ *     arguments and a dict addresses them by position (int keys) and name
+ *     (str keys, the keyword arguments). Broadcast leaves never change the
+ *     replica count.
+ *   chunk_sizes: ndev explicit sizes (>= 0) for every split leaf, or NULL.
+ *   weights: ndev weights for dp_weighted_sizes (plan.h), or NULL.
+ *   At most one of chunk_sizes and weights is set. */
+typedef struct {
+    int dim;                    /* default split dim, wrapped per array      */
+    int strict;                 /* 1: different chunk counts raise           */
+    PyObject *in_dims;          /* see above; may be NULL                    */
+    const int64_t *chunk_sizes; /* ndev entries, or NULL                     */
+    const double *weights;      /* ndev entries, or NULL                     */
+} dp_split_opts;
+
+/* dp_scatter_kwargs with in_dims, chunk_sizes and weights (opts). Errors in
+ * in_dims name its path (e.g. "in_dims[1]['x']"). */
+int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
+                         const dp_device *devs, Py_ssize_t ndev,
+                         const dp_split_opts *opts,
+                         PyObject **inputs_out, PyObject **kwargs_out);
+
+/* Parse the chunk_sizes= and weights= arguments (each None or a sequence of
+ * ndev numbers; at most one given) into caller arrays of DP_MAX_DEVICES
+ * entries, and point opts->chunk_sizes / opts->weights at them (NULL when
+ * not given). ValueError/TypeError naming the argument and entry. */
+int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t ndev,
+                         int64_t *sizes_buf, double *weights_buf,
+                         dp_split_opts *opts);
+
+/* Check the leaf types of an in_dims (is_out 0) or out_dims (is_out 1)
+ * structure: ints, None, "sum" (out_dims only), and tuples, lists and
+ * dicts of them. TypeError/ValueError naming the path, e.g. "out_dims['x']". */
+int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out);
+
+/* dp_gather_outputs with out_dims (NULL or None: dim everywhere, PyTorch).
+ * out_dims mirrors the outputs: an int gathers along that dim; None
+ * returns replica 0's value after checking every replica returned an equal
+ * one; "sum" adds the replicas' values (reduce_add onto target for arrays);
+ * a tuple/list/dict mirrors a container (prefix / subset of keys; the rest
+ * uses dim); int, None and "sum" apply to every leaf under a container. */
+PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+                               int dim, PyObject *out_dims);
+
 /* DataParallel's gather (spec 4, with dpmini's rules for dataclasses,
  * None/array mixes, str and number leaves). outputs: a sequence, one
  * entry per replica. */

@@ -11,6 +11,8 @@
  */
 #include "plan.h"
 
+#include <math.h>   /* isfinite (a macro: no libm needed) */
+
 /* ceil(a / b) for a >= 0, b >= 1, without forming a + b - 1. */
 static int64_t ceil_div(int64_t a, int64_t b)
 {
@@ -74,6 +76,122 @@ int dp_check_chunk_sizes(int64_t n, int k, const int64_t *sizes, int *bad_index)
     if (too_big || left != 0)
         return DP_ERR_SIZE_SUM;
     return DP_OK;
+}
+
+int dp_sizes_count(int k, const int64_t *sizes)
+{
+    if (k < 1 || sizes == NULL)
+        return DP_ERR_ARG;
+    for (int i = k - 1; i >= 0; i--)
+        if (sizes[i] != 0)
+            return i + 1;
+    return k;
+}
+
+/* Remainders (in rows, within [0, 1)) closer than this are ties. */
+#define DP_REM_EPS 1e-9L
+
+int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
+                      int *bad_index)
+{
+    if (bad_index != NULL)
+        *bad_index = -1;
+    if (n < 0 || k < 1 || k > DP_MAX_DEVICES || weights == NULL || sizes == NULL)
+        return DP_ERR_ARG;
+
+    /* Validate. The sum is formed in long double; when even that overflows
+     * (weights near DBL_MAX on a platform whose long double is double) the
+     * weights are scaled by the largest one first (only ratios matter). */
+    double wmax = 0.0;
+    for (int i = 0; i < k; i++) {
+        double w = weights[i];
+        if (!(w > 0.0) || !isfinite(w)) {   /* also catches NaN */
+            if (bad_index != NULL)
+                *bad_index = i;
+            return DP_ERR_WEIGHT;
+        }
+        if (w > wmax)
+            wmax = w;
+    }
+    long double scale = 1.0L, total = 0.0L;
+    for (int i = 0; i < k; i++)
+        total += (long double)weights[i];
+    if (!isfinite((double)total) || total > 1e300L) {
+        scale = (long double)wmax;
+        total = 0.0L;
+        for (int i = 0; i < k; i++)
+            total += (long double)weights[i] / scale;
+    }
+
+    /* 1. floor of each quota, clamped to [0, n] against rounding. */
+    long double rem[DP_MAX_DEVICES];
+    for (int i = 0; i < k; i++) {
+        long double quota = (long double)n * ((long double)weights[i] / scale) / total;
+        /* floor without libm: quota >= 0, so truncation is the floor once
+         * it is clamped into [0, n]. */
+        int64_t fl;
+        if (!(quota > 0.0L))
+            fl = 0, quota = 0.0L;
+        else if (quota >= (long double)n)   /* (long double)n may round up */
+            fl = n, quota = (long double)n;
+        else
+            fl = (int64_t)quota;
+        sizes[i] = fl;
+        rem[i] = quota - (long double)fl;
+    }
+
+    /* 2. Largest remainder: devices ordered by remainder (descending, ties
+     * to the lower index; remainders closer than DP_REM_EPS count as ties, so
+     * 10 rows at [1, 3] give [3, 7] whatever the rounding of 2.5 and 7.5);
+     * hand out what is left one row each in that order (a second round only
+     * when rounding lost more than k rows). Insertion sort: k <= 256. */
+    int order[DP_MAX_DEVICES];
+    for (int i = 0; i < k; i++) {
+        int j = i;
+        while (j > 0 && rem[order[j - 1]] < rem[i] - DP_REM_EPS) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    int64_t sum = 0;
+    int over = 0;
+    for (int i = 0; i < k; i++) {
+        if (sizes[i] > n - sum)
+            over = 1;
+        else
+            sum += sizes[i];
+    }
+    if (over) {
+        /* Rounding pushed the floors past n (only for huge n): start again
+         * from the floors capped in device order. */
+        int64_t left = n;
+        for (int i = 0; i < k; i++) {
+            if (sizes[i] > left)
+                sizes[i] = left;
+            left -= sizes[i];
+        }
+        sum = n;
+    }
+    for (int t = 0; sum < n; t = (t + 1) % k) {
+        sizes[order[t]]++;
+        sum++;
+    }
+
+    /* 3. No empty chunk when every device can have a row. */
+    if (n >= k) {
+        for (int i = 0; i < k; i++) {
+            if (sizes[i] != 0)
+                continue;
+            int donor = 0;
+            for (int j = 1; j < k; j++)
+                if (sizes[j] > sizes[donor])
+                    donor = j;
+            sizes[donor]--;  /* >= 2: n >= k rows and a device has none */
+            sizes[i] = 1;
+        }
+    }
+    return dp_sizes_count(k, sizes);
 }
 
 int dp_wrap_dim(int dim, int ndim)

@@ -18,6 +18,13 @@
  * that by identity and fails if user code changed the inputs in between.
  * _plan runs passes (a) and (b) only and describes the outcome as a dict.
  *
+ * in_dims (JAX pmap's in_axes as the model) is walked alongside the inputs
+ * in pass (a): it decides, per array leaf, the dim to split along or None
+ * (broadcast: the whole array to every replica, copied in pass (c) with
+ * dp_broadcast_coalesced). chunk_sizes / weights replace the torch.chunk
+ * sizes of every split leaf (plan.c). Pass (d) needs none of it: every
+ * array leaf has its k pieces ready, split or broadcast.
+ *
  * Gather walks the replicas' outputs side by side: outputs[0] picks the rule
  * (as in PyTorch) but every replica is checked against it, and array
  * positions are concatenated with dp_gather_arrays.
@@ -30,6 +37,8 @@
 #include "dpmini.h"
 
 #include <limits.h>
+#include <math.h>
+#include <stdarg.h>
 
 /* ------------------------------------------------------------------ */
 /* Paths and helpers                                                   */
@@ -286,6 +295,128 @@ static int is_caller_error(void)
            PyErr_ExceptionMatches(PyExc_BufferError);
 }
 
+/* Raise exc with "<path of seg>: <fmt...>" (the path is usually that of an
+ * in_dims / out_dims entry). Always returns -1. */
+static int raise_at(PyObject *exc, const path_seg *seg, const char *fmt, ...)
+{
+    va_list va;
+    va_start(va, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, va);
+    va_end(va);
+    PyObject *path = msg != NULL ? path_str(seg) : NULL;
+    if (path != NULL)
+        PyErr_Format(exc, "%U: %U", path, msg);
+    Py_XDECREF(path);
+    Py_XDECREF(msg);
+    return -1;
+}
+
+/* Is spec a container entry of in_dims / out_dims (tuple, list or dict)? */
+static int spec_is_container(PyObject *spec)
+{
+    return spec != NULL && (PyTuple_Check(spec) || PyList_Check(spec) || PyDict_Check(spec));
+}
+
+/* The entry of a container spec for child i (key: the child's dict key or
+ * field name, NULL for positions), borrowed, or NULL when the spec does not
+ * list it (the child then uses the default). *sseg becomes its path. A
+ * leaf spec (NULL, int, None, "sum") applies to every child: returned as is
+ * with *sseg = *up. -1 only on an error from a dict lookup. */
+static int spec_child(PyObject *spec, const path_seg *up, Py_ssize_t i, PyObject *key,
+                      PyObject **child, path_seg *sseg)
+{
+    *child = NULL;
+    *sseg = *up;
+    if (!spec_is_container(spec)) {
+        *child = spec;
+        return 0;
+    }
+    if (PyDict_Check(spec)) {
+        if (key == NULL)
+            return 0;
+        *sseg = seg_child(up, SEG_KEY, 0, key);
+        *child = PyDict_GetItemWithError(spec, key);
+        return *child == NULL && PyErr_Occurred() ? -1 : 0;
+    }
+    *sseg = seg_child(up, SEG_INDEX, i, NULL);
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(spec);
+    if (i < len)
+        *child = PySequence_Fast_GET_ITEM(spec, i);
+    return 0;
+}
+
+/* A short description of a spec container: "a tuple of 3 entries". */
+static PyObject *spec_what(PyObject *spec)
+{
+    return PyUnicode_FromFormat("a %.50s of %zd entr%s", Py_TYPE(spec)->tp_name,
+                                PyObject_Length(spec),
+                                PyObject_Length(spec) == 1 ? "y" : "ies");
+}
+
+/* A container spec at a position that is not a container of the matching
+ * kind: TypeError naming both paths. what: how the value is described. */
+static int spec_mismatch(const path_seg *sseg, PyObject *spec, const path_seg *seg,
+                         const char *what)
+{
+    PyObject *vp = path_str(seg), *sw = vp != NULL ? spec_what(spec) : NULL;
+    if (sw != NULL)
+        raise_at(PyExc_TypeError, sseg,
+                 "%U mirrors the children of %U, but %U is %s; give an int or None "
+                 "for it instead", sw, vp, vp, what);
+    Py_XDECREF(vp);
+    Py_XDECREF(sw);
+    return -1;
+}
+
+/* Check that a container spec addresses only children that exist: a
+ * tuple/list (a PySequence_Fast) at most n entries, a dict only keys of
+ * `keys_of` (a dict; NULL: names in `names`, a tuple of str, e.g. dataclass
+ * fields). ValueError naming the first entry that addresses nothing. */
+static int spec_check_children(PyObject *spec, const path_seg *sseg, const path_seg *seg,
+                               Py_ssize_t n, PyObject *keys_of, PyObject *names)
+{
+    if (!PyDict_Check(spec)) {
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(spec);
+        if (len <= n)
+            return 0;
+        PyObject *vp = path_str(seg);
+        if (vp != NULL)
+            raise_at(PyExc_ValueError, sseg,
+                     "has %zd entries, but %U has only %zd (entries past the end "
+                     "address nothing)", len, vp, n);
+        Py_XDECREF(vp);
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(spec, &pos, &key, &value)) {
+        int has;
+        if (keys_of != NULL) {
+            has = PyDict_Contains(keys_of, key);
+        }
+        else {
+            has = 0;
+            for (Py_ssize_t i = 0; names != NULL && i < PyTuple_GET_SIZE(names) && !has; i++) {
+                has = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, i), key, Py_EQ);
+                if (has < 0)
+                    return -1;
+            }
+        }
+        if (has < 0)
+            return -1;
+        if (has)
+            continue;
+        path_seg kseg = seg_child(sseg, SEG_KEY, 0, key);
+        PyObject *vp = path_str(seg);
+        if (vp != NULL)
+            raise_at(PyExc_ValueError, &kseg, "%U has no key %R (a dict in in_dims or "
+                     "out_dims may name only keys that exist)", vp, key);
+        Py_XDECREF(vp);
+        return -1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ */
 /* Scatter                                                             */
 /* ------------------------------------------------------------------ */
@@ -305,10 +436,12 @@ typedef struct {
     PyObject *obj;        /* the leaf as found in the structure (strong)   */
     PyArrayObject *arr;   /* dp_as_array(obj): what is split (strong)      */
     PyObject *path;       /* str, e.g. "args[1]['img']"                    */
+    int bcast;            /* 1: in_dims None: the whole array goes to every
+                             replica (dim, count, sizes unused)            */
     int dim;              /* wrapped against arr's rank: 0 <= dim < ndim   */
     int count;            /* chunks it makes on its own, 1..ndev           */
     int64_t *sizes;       /* ndev chunk sizes along dim (elements, PyMem);
-                             entries from `count` on are 0                 */
+                             entries from `count` on are 0; NULL if bcast  */
 } scatter_leaf;
 
 typedef struct {
@@ -316,6 +449,8 @@ typedef struct {
     const dp_device *devs;    /* borrowed, ndev entries                     */
     int ndev;                 /* 1..DP_MAX_DEVICES                          */
     int dim;                  /* as given; wrapped per leaf                 */
+    const int64_t *chunk_sizes;  /* ndev explicit sizes, or NULL (borrowed) */
+    const double *weights;    /* ndev weights, or NULL (borrowed)           */
     int plan;                 /* _plan: no copies; record shared paths and
                                  the first caller error instead of raising */
     scatter_leaf *leaves;     /* PyMem, nleaves used of cap                 */
@@ -458,14 +593,78 @@ static int absorb_error(scatter_ctx *c)
     return 0;
 }
 
-/* Pass (a) for one array leaf. */
-static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg)
+/* "[3, 2, 1]" for n sizes. */
+static PyObject *sizes_repr(const int64_t *v, int n)
+{
+    PyObject *list = PyList_New(n), *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (int j = 0; j < n; j++) {
+        PyObject *x = PyLong_FromLongLong((long long)v[j]);
+        if (x == NULL)
+            goto done;
+        PyList_SET_ITEM(list, j, x);
+    }
+    res = PyObject_Repr(list);
+done:
+    Py_DECREF(list);
+    return res;
+}
+
+/* The sizes of one split leaf of n rows: chunk_sizes, weights or the
+ * torch.chunk rule. Returns the chunk count (1..ndev) or -1 with an
+ * exception naming the leaf. */
+static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *cpath,
+                      int64_t *sizes)
+{
+    int64_t n = (int64_t)PyArray_DIM(arr, wdim);
+    int count;
+    if (c->chunk_sizes != NULL) {
+        /* torch.cuda.comm.scatter's chunk_sizes (spec 0.7, 8.5), for every
+         * split leaf: the sizes must add up to each one's length. */
+        memcpy(sizes, c->chunk_sizes, (size_t)c->ndev * sizeof(int64_t));
+        if (dp_check_chunk_sizes(n, c->ndev, sizes, NULL) != DP_OK) {
+            long long sum = 0;
+            for (int j = 0; j < c->ndev; j++)
+                sum += sizes[j];
+            PyObject *sz = sizes_repr(sizes, c->ndev);
+            PyObject *shape = sz != NULL ? shape_repr(arr) : NULL;
+            if (shape != NULL)
+                PyErr_Format(PyExc_ValueError,
+                             "%s: chunk_sizes %U sum to %lld, but the array has size "
+                             "%lld along dim %d (shape %U); chunk_sizes must sum to the "
+                             "size of every split array (give the others in_dims None "
+                             "to broadcast them)", cpath, sz, sum, (long long)n, wdim, shape);
+            Py_XDECREF(sz);
+            Py_XDECREF(shape);
+            return -1;
+        }
+        count = dp_sizes_count(c->ndev, sizes);
+    }
+    else if (c->weights != NULL) {
+        count = dp_weighted_sizes(n, c->ndev, c->weights, sizes, NULL);
+    }
+    else {
+        count = dp_chunk_sizes(n, c->ndev, sizes);
+    }
+    if (count < 1) {
+        PyErr_Format(PyExc_SystemError, "%s: computing the chunk sizes failed (%d)", cpath,
+                     count);
+        return -1;
+    }
+    return count;
+}
+
+/* Pass (a) for one array leaf. spec: its in_dims entry (NULL: c->dim, an
+ * int: that dim, None: broadcast); sseg its path. */
+static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+                        PyObject *spec, const path_seg *sseg)
 {
     PyObject *path = NULL;
     PyArrayObject *arr = NULL;
     int64_t *sizes = NULL;
     const char *cpath;
-    int wdim, count;
+    int wdim = 0, count = 0, dim = c->dim, bcast = spec == Py_None;
 
     path = path_str(seg);
     if (path == NULL)
@@ -473,6 +672,27 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg)
     cpath = PyUnicode_AsUTF8(path);
     if (cpath == NULL)
         goto fail;
+
+    if (spec_is_container(spec)) {
+        spec_mismatch(sseg, spec, seg, "an array");
+        goto leaf_error;
+    }
+    if (spec != NULL && spec != Py_None) {
+        PyObject *sp = path_str(sseg);
+        const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+        int r = csp != NULL ? dp_int_from_object(spec, csp, &dim) : -1;
+        Py_XDECREF(sp);
+        if (r < 0)
+            goto leaf_error;
+    }
+    if (bcast) {
+        /* in_dims None: the whole array, any rank (0-dim included), to every
+         * replica; it takes no part in the replica count. */
+        arr = dp_as_array(c->st, obj, cpath, 0);
+        if (arr == NULL)
+            goto leaf_error;
+        goto record;
+    }
 
     /* spec 0.5 / R22: never broadcast a 0-dim array, refuse it up front. */
     if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
@@ -486,7 +706,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg)
     if (arr == NULL)
         goto leaf_error;
     /* spec 0.6 / R27: a negative dim is wrapped for each array on its own. */
-    if (dp_wrap_dim_or_raise(c->dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
+    if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
         goto leaf_error;
 
     sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
@@ -494,12 +714,14 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg)
         PyErr_NoMemory();
         goto fail;
     }
-    count = dp_chunk_sizes((int64_t)PyArray_DIM(arr, wdim), c->ndev, sizes);
-    if (count < 1) {
-        PyErr_Format(PyExc_SystemError, "%s: dp_chunk_sizes failed (%d)", cpath, count);
-        goto fail;
+    count = leaf_sizes(c, arr, wdim, cpath, sizes);
+    if (count < 0) {
+        PyMem_Free(sizes);
+        sizes = NULL;
+        goto leaf_error;
     }
 
+record:
     if (c->nleaves == c->cap) {
         Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
         scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
@@ -514,6 +736,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg)
     lf->obj = Py_NewRef(obj);
     lf->arr = arr;
     lf->path = path;
+    lf->bcast = bcast;
     lf->dim = wdim;
     lf->count = count;
     lf->sizes = sizes;
@@ -532,13 +755,15 @@ fail:
     return -1;
 }
 
-static int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg);
+static int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+                   PyObject *spec, const path_seg *sseg);
 
-/* Pass (a) for the children of a container of the given kind. */
+/* Pass (a) for the children of a container of the given kind. spec: its
+ * in_dims entry (NULL: the default everywhere below), sseg its path. */
 static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
-                             const path_seg *seg)
+                             const path_seg *seg, PyObject *spec, const path_seg *sseg)
 {
-    PyObject *items = NULL, *names = NULL;
+    PyObject *items = NULL, *names = NULL, *fast = NULL;
     int rc = -1;
 
     if (Py_EnterRecursiveCall(" while scattering inputs"))
@@ -549,32 +774,68 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
     Py_ssize_t n = items_len(kind, items);
     if (kind == S_NAMEDTUPLE)
         names = namedtuple_names(obj, n);
+    if (spec_is_container(spec)) {
+        /* A tuple/list mirrors a tuple, list or namedtuple by position; a
+         * dict mirrors a dict by key. */
+        int dict_spec = PyDict_Check(spec);
+        if (dict_spec != (kind == S_DICT)) {
+            spec_mismatch(sseg, spec, seg, kind == S_DICT ? "a dict (give a dict)"
+                                                          : "a sequence (give a tuple or list)");
+            goto spec_error;
+        }
+        if (!dict_spec) {
+            fast = PySequence_Fast(spec, "in_dims");
+            if (fast == NULL)
+                goto done;
+            spec = fast;
+        }
+        if (spec_check_children(spec, sseg, seg, n, dict_spec ? obj : NULL, NULL) < 0)
+            goto spec_error;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        path_seg cseg;
+        path_seg cseg, csseg;
+        PyObject *cspec;
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
-        if (collect(c, child, &cseg) < 0)
+        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        if (spec_child(spec, sseg, i, key, &cspec, &csseg) < 0)
+            goto done;
+        if (collect(c, child, &cseg, cspec, &csseg) < 0)
             goto done;
     }
     rc = 0;
+    goto done;
+spec_error:
+    /* _plan records the mismatch and skips this container. */
+    if (absorb_error(c) == 0)
+        rc = 0;
 done:
     Py_XDECREF(items);
     Py_XDECREF(names);
+    Py_XDECREF(fast);
     Py_LeaveRecursiveCall();
     return rc;
 }
 
 /* Pass (a): record the array leaves under obj (and, for _plan, the paths of
- * the shared leaves). */
-static int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg)
+ * the shared leaves). spec: obj's in_dims entry (NULL: the default). */
+static int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+                   PyObject *spec, const path_seg *sseg)
 {
     int kind = scatter_kind(c->st, obj);
     if (kind < 0)
         return -1;
     if (kind == S_ARRAY)
-        return collect_leaf(c, obj, seg);
-    if (kind == S_SHARED)
+        return collect_leaf(c, obj, seg, spec, sseg);
+    if (kind == S_SHARED) {
+        /* Shared values are never split; an int or None for them is fine,
+         * but a non-empty structure addresses children that are not there. */
+        if (spec_is_container(spec) && PyObject_Length(spec) > 0) {
+            spec_mismatch(sseg, spec, seg, "not split (a value shared by every replica)");
+            return absorb_error(c);
+        }
         return c->plan ? append_steal(c->shared, path_str(seg)) : 0;
-    return collect_container(c, obj, kind, seg);
+    }
+    return collect_container(c, obj, kind, seg, spec, sseg);
 }
 
 /* Pass (b): the replica count and whether the leaves disagree. */
@@ -582,14 +843,15 @@ static void scatter_count(scatter_ctx *c)
 {
     c->k = c->ndev;
     c->mismatch = 0;
-    if (c->nleaves == 0)
-        return;
-    int k = c->leaves[0].count;
-    for (Py_ssize_t i = 1; i < c->nleaves; i++)
-        if (c->leaves[i].count < k)
-            k = c->leaves[i].count;
+    int k = c->ndev + 1;
+    /* Broadcast leaves (in_dims None) never limit the count. */
     for (Py_ssize_t i = 0; i < c->nleaves; i++)
-        if (c->leaves[i].count != k)
+        if (!c->leaves[i].bcast && c->leaves[i].count < k)
+            k = c->leaves[i].count;
+    if (k > c->ndev)
+        return;  /* no split leaf: every device runs a replica */
+    for (Py_ssize_t i = 0; i < c->nleaves; i++)
+        if (!c->leaves[i].bcast && c->leaves[i].count != k)
             c->mismatch = 1;
     c->k = k;
 }
@@ -607,6 +869,8 @@ static PyObject *strict_message(scatter_ctx *c)
         goto done;
     for (Py_ssize_t i = 0; i < c->nleaves; i++) {
         scatter_leaf *lf = &c->leaves[i];
+        if (lf->bcast)
+            continue;
         PyObject *shape = shape_repr(lf->arr);
         if (shape == NULL)
             goto done;
@@ -637,6 +901,8 @@ static PyObject *chunk_counts(scatter_ctx *c)
         return NULL;
     for (Py_ssize_t i = 0; i < c->nleaves; i++) {
         scatter_leaf *lf = &c->leaves[i];
+        if (lf->bcast)
+            continue;
         if (append_steal(parts, PyUnicode_FromFormat("%U: %d chunk%s", lf->path,
                                                      lf->count,
                                                      lf->count == 1 ? "" : "s")) < 0)
@@ -659,7 +925,7 @@ static int truncation_message(scatter_ctx *c, PyObject **out)
         return -1;
     for (Py_ssize_t i = 0; i < c->nleaves; i++) {
         scatter_leaf *lf = &c->leaves[i];
-        if (lf->count <= c->k)
+        if (lf->bcast || lf->count <= c->k)
             continue;
         int64_t n = (int64_t)PyArray_DIM(lf->arr, lf->dim), kept = 0;
         for (int j = 0; j < c->k; j++)
@@ -721,7 +987,37 @@ static int scatter_check(scatter_ctx *c, int strict)
     return r;
 }
 
-/* Pass (c): every leaf's first k chunks, in one dp_scatter_run. */
+/* Pass (c) for the broadcast leaves: the whole array on each of the k
+ * replica devices, in one dp_broadcast_coalesced (the array itself where it
+ * already lives on that device). */
+static int broadcast_copy(scatter_ctx *c, Py_ssize_t nbcast)
+{
+    PyObject *arrays = PyList_New(nbcast), *per_dev = NULL;
+    int rc = -1;
+    if (arrays == NULL)
+        return -1;
+    for (Py_ssize_t i = 0, b = 0; i < c->nleaves; i++)
+        if (c->leaves[i].bcast)
+            PyList_SET_ITEM(arrays, b++, Py_NewRef((PyObject *)c->leaves[i].arr));
+    per_dev = dp_broadcast_coalesced(c->st, arrays, c->devs, c->k, 0);
+    if (per_dev == NULL)
+        goto done;
+    for (Py_ssize_t i = 0, b = 0; i < c->nleaves; i++) {
+        if (!c->leaves[i].bcast)
+            continue;
+        for (int j = 0; j < c->k; j++)
+            c->chunks[i * c->k + j] = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, j), b));
+        b++;
+    }
+    rc = 0;
+done:
+    Py_DECREF(arrays);
+    Py_XDECREF(per_dev);
+    return rc;
+}
+
+/* Pass (c): every split leaf's first k chunks, in one dp_scatter_run, and
+ * every broadcast leaf's k copies. */
 static int scatter_copy(scatter_ctx *c)
 {
     if (c->nleaves == 0)
@@ -737,15 +1033,21 @@ static int scatter_copy(scatter_ctx *c)
         PyErr_NoMemory();
         return -1;
     }
+    int nitems = 0;
     for (Py_ssize_t i = 0; i < c->nleaves; i++) {
-        items[i].src = c->leaves[i].arr;
-        items[i].dim = c->leaves[i].dim;
-        items[i].nchunks = c->k;
-        items[i].sizes = c->leaves[i].sizes;
-        items[i].out = c->chunks + i * c->k;
+        if (c->leaves[i].bcast)
+            continue;
+        items[nitems].src = c->leaves[i].arr;
+        items[nitems].dim = c->leaves[i].dim;
+        items[nitems].nchunks = c->k;
+        items[nitems].sizes = c->leaves[i].sizes;
+        items[nitems].out = c->chunks + i * c->k;
+        nitems++;
     }
-    int r = dp_scatter_run(c->st, items, (int)c->nleaves, c->devs);
+    int r = nitems > 0 ? dp_scatter_run(c->st, items, nitems, c->devs) : 0;
     PyMem_Free(items);
+    if (r == 0 && nitems < c->nleaves)
+        r = broadcast_copy(c, c->nleaves - nitems);
     return r;
 }
 
@@ -915,14 +1217,147 @@ static int check_all_taken(scatter_ctx *c)
     return 0;
 }
 
+/* The top of in_dims for scatter_kwargs, split into the entries for the
+ * positional arguments and for the keyword arguments:
+ *   NULL / None  -> both NULL (dim everywhere);
+ *   int          -> that int for both (every leaf);
+ *   tuple / list -> *args_spec = it (a prefix of the positional arguments),
+ *                   *kw_spec NULL;
+ *   dict         -> int keys address positional arguments, str keys keyword
+ *                   arguments: *args_spec = a new dict {index: entry},
+ *                   *kw_spec = a new dict {name: entry} (NULL when empty).
+ * Every entry must address an argument of this call. New references (or
+ * borrowed ints) are returned in *own for the caller to release. */
+static int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
+                          PyObject **args_spec, PyObject **kw_spec, PyObject **own)
+{
+    path_seg sroot = seg_root("in_dims");
+    *args_spec = *kw_spec = NULL;
+    own[0] = own[1] = NULL;
+    if (in_dims == NULL || in_dims == Py_None)
+        return 0;
+    if (PyLong_Check(in_dims) && !PyBool_Check(in_dims)) {
+        *args_spec = *kw_spec = in_dims;
+        return 0;
+    }
+    if (PyTuple_Check(in_dims) || PyList_Check(in_dims)) {
+        Py_ssize_t len = PySequence_Length(in_dims);
+        if (len > nin)
+            return raise_at(PyExc_ValueError, &sroot,
+                            "has %zd entries, but the call has %zd positional argument%s "
+                            "(a tuple or list in_dims mirrors a prefix of the positional "
+                            "arguments; give keyword arguments in a dict by name)",
+                            len, nin, nin == 1 ? "" : "s");
+        *args_spec = in_dims;
+        return 0;
+    }
+    if (!PyDict_Check(in_dims))
+        return raise_at(PyExc_TypeError, &sroot,
+                        "expected None, an int, a tuple or list (one entry per positional "
+                        "argument) or a dict (int keys: positions, str keys: keyword "
+                        "names), got %.100s", Py_TYPE(in_dims)->tp_name);
+    PyObject *a = PyDict_New(), *k = PyDict_New();
+    own[0] = a;
+    own[1] = k;
+    if (a == NULL || k == NULL)
+        return -1;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(in_dims, &pos, &key, &value)) {
+        path_seg kseg = seg_child(&sroot, SEG_KEY, 0, key);
+        if (PyUnicode_Check(key)) {
+            int has = kwargs != NULL ? PyDict_Contains(kwargs, key) : 0;
+            if (has < 0)
+                return -1;
+            if (!has)
+                return raise_at(PyExc_ValueError, &kseg,
+                                "the call has no keyword argument %R", key);
+            if (PyDict_SetItem(k, key, value) < 0)
+                return -1;
+        }
+        else if (PyLong_Check(key) && !PyBool_Check(key)) {
+            Py_ssize_t i = PyLong_AsSsize_t(key);
+            if (i == -1 && PyErr_Occurred())
+                PyErr_Clear();
+            if (i < 0 || i >= nin)
+                return raise_at(PyExc_ValueError, &kseg,
+                                "the call has %zd positional argument%s, so int keys "
+                                "must be in 0..%zd", nin, nin == 1 ? "" : "s", nin - 1);
+            if (PyDict_SetItem(a, key, value) < 0)
+                return -1;
+        }
+        else {
+            return raise_at(PyExc_TypeError, &kseg,
+                            "a dict in_dims is keyed by argument position (int) or "
+                            "keyword name (str), got a key of type %.100s",
+                            Py_TYPE(key)->tp_name);
+        }
+    }
+    *args_spec = a;
+    *kw_spec = PyDict_GET_SIZE(k) > 0 ? k : NULL;
+    return 0;
+}
+
+/* Pass (a) for the positional arguments: argument i with its entry of
+ * args_spec (see split_top_spec). */
+static int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec)
+{
+    path_seg args_root = seg_root("args"), sroot = seg_root("in_dims");
+    PyObject *fast = NULL;
+    int rc = -1;
+    if (args_spec != NULL && (PyTuple_Check(args_spec) || PyList_Check(args_spec))) {
+        fast = PySequence_Fast(args_spec, "in_dims");
+        if (fast == NULL)
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) {
+        path_seg seg = seg_child(&args_root, SEG_INDEX, i, NULL), sseg = sroot;
+        PyObject *spec = args_spec;
+        if (fast != NULL) {
+            spec = i < PySequence_Fast_GET_SIZE(fast) ? PySequence_Fast_GET_ITEM(fast, i) : NULL;
+            sseg = seg_child(&sroot, SEG_INDEX, i, NULL);
+        }
+        else if (args_spec != NULL && PyDict_Check(args_spec)) {
+            PyObject *key = PyLong_FromSsize_t(i);
+            if (key == NULL)
+                goto done;
+            spec = PyDict_GetItemWithError(args_spec, key);
+            Py_DECREF(key);
+            if (spec == NULL && PyErr_Occurred())
+                goto done;
+            sseg = seg_child(&sroot, SEG_INDEX, i, NULL);
+        }
+        if (collect(c, PyTuple_GET_ITEM(inputs, i), &seg, spec, &sseg) < 0)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(fast);
+    return rc;
+}
+
 int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
                       const dp_device *devs, Py_ssize_t ndev, int dim, int strict,
                       PyObject **inputs_out, PyObject **kwargs_out)
 {
+    dp_split_opts opts = {dim, strict, NULL, NULL, NULL};
+    return dp_scatter_kwargs_ex(st, inputs, kwargs, devs, ndev, &opts, inputs_out,
+                                kwargs_out);
+}
+
+int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
+                         const dp_device *devs, Py_ssize_t ndev,
+                         const dp_split_opts *opts,
+                         PyObject **inputs_out, PyObject **kwargs_out)
+{
     scatter_ctx c;
     PyObject *ins = NULL, *kws = NULL, **tmp = NULL;
+    PyObject *args_spec = NULL, *kw_spec = NULL, *own[2] = {NULL, NULL};
     path_seg args_root = seg_root("args"), kw_root = seg_root("kwargs");
-    int rc = -1;
+    path_seg sroot = seg_root("in_dims");
+    int rc = -1, dim = opts->dim, strict = opts->strict;
+
+    memset(&c, 0, sizeof c);
 
     *inputs_out = *kwargs_out = NULL;
     if (inputs != NULL && !PyTuple_Check(inputs)) {
@@ -938,27 +1373,34 @@ int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
     Py_ssize_t nin = inputs != NULL ? PyTuple_GET_SIZE(inputs) : 0;
     int has_kw = kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0;
 
+    if (opts->in_dims != NULL && dp_check_dims_spec(opts->in_dims, "in_dims", 0) < 0)
+        return -1;
+    if (split_top_spec(opts->in_dims, nin, has_kw ? kwargs : NULL, &args_spec, &kw_spec,
+                       own) < 0)
+        goto fail;
+
     /* spec 2.7: nothing to scatter gives no groups at all; DataParallel then
      * runs one replica with ((),), ({},) (spec 2.4). */
     if (nin == 0 && !has_kw) {
         ins = PyTuple_New(0);
         kws = PyTuple_New(0);
-        if (ins == NULL || kws == NULL) {
-            Py_XDECREF(ins);
-            Py_XDECREF(kws);
-            return -1;
-        }
+        if (ins == NULL || kws == NULL)
+            goto fail;
         *inputs_out = ins;
         *kwargs_out = kws;
-        return 0;
+        ins = kws = NULL;
+        rc = 0;
+        goto fail;
     }
 
     if (ctx_init(&c, st, devs, ndev, dim, 0) < 0)
         goto fail;
+    c.chunk_sizes = opts->chunk_sizes;
+    c.weights = opts->weights;
     /* (a) args and kwargs together: one replica count for both (R04). */
-    if (nin > 0 && collect_container(&c, inputs, S_TUPLE, &args_root) < 0)
+    if (nin > 0 && collect_args(&c, inputs, args_spec) < 0)
         goto fail;
-    if (has_kw && collect(&c, kwargs, &kw_root) < 0)
+    if (has_kw && collect(&c, kwargs, &kw_root, kw_spec, &sroot) < 0)
         goto fail;
     scatter_count(&c);                       /* (b) */
     if (scatter_check(&c, strict) < 0)
@@ -1019,6 +1461,8 @@ fail:
     }
     Py_XDECREF(ins);
     Py_XDECREF(kws);
+    Py_XDECREF(own[0]);
+    Py_XDECREF(own[1]);
     ctx_clear(&c);
     return rc;
 }
@@ -1027,10 +1471,18 @@ fail:
 /* Gather                                                              */
 /* ------------------------------------------------------------------ */
 
+/* What gather does at a leaf (out_dims; OUT_CAT is PyTorch's rule). */
+enum {
+    OUT_CAT = 0,   /* concatenate arrays along dim (the rules of spec 4)  */
+    OUT_SAME,      /* out_dims None: every replica's value must be equal  */
+    OUT_SUM        /* out_dims "sum": add the replicas' values            */
+};
+
 typedef struct {
     dp_state *st;
     dp_device target;   /* where arrays are gathered                      */
     int dim;            /* as given; wrapped per array position           */
+    int mode;           /* OUT_*, from out_dims; OUT_CAT by default       */
 } gather_ctx;
 
 /* What gather does with the value at one position (outputs[0]'s kind picks
@@ -1155,7 +1607,7 @@ static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
 }
 
 static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                            const path_seg *seg);
+                            const path_seg *seg, PyObject *spec, const path_seg *sseg);
 
 /* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
 static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
@@ -1299,7 +1751,7 @@ static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
 /* Dicts: same number of keys, every key of replica 0 in every dict; key order
  * and type from replica 0 (spec 4.1, R14). */
 static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                             const path_seg *seg)
+                             const path_seg *seg, PyObject *spec, const path_seg *sseg)
 {
     PyObject *keys = NULL, *acc = NULL, *res = NULL, **child = NULL;
     int exact = PyDict_CheckExact(vals[0]);
@@ -1319,6 +1771,9 @@ static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     }
     keys = PyMapping_Keys(vals[0]);
     if (keys == NULL)
+        goto done;
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
         goto done;
     child = PyMem_Calloc((size_t)n, sizeof *child);
     acc = exact ? PyDict_New() : PyList_New(0);
@@ -1345,7 +1800,11 @@ static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
             if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL)
                 ok = 0;
         }
-        v = ok ? gather_map(g, child, n, &cseg) : NULL;
+        path_seg csseg;
+        PyObject *cspec;
+        if (ok && spec_child(spec, sseg, q, key, &cspec, &csseg) < 0)
+            ok = 0;
+        v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
         for (Py_ssize_t i = 0; i < n; i++)
             Py_CLEAR(child[i]);
         if (v == NULL)
@@ -1381,7 +1840,8 @@ done:
 /* Lists, tuples, namedtuples: position by position, same length everywhere
  * (spec 4.1's strict zip, R18). */
 static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                            int kind, const path_seg *seg)
+                            int kind, const path_seg *seg, PyObject *spec,
+                            const path_seg *sseg)
 {
     PyObject **snap = NULL, **child = NULL;
     PyObject *items = NULL, *names = NULL, *res = NULL;
@@ -1411,6 +1871,9 @@ static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         goto done;
     }
 
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, len0, NULL, NULL) < 0)
+        goto done;
     items = PyList_New(len0);
     if (items == NULL)
         goto done;
@@ -1420,9 +1883,13 @@ static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         path_seg cseg = names != NULL
             ? seg_child(seg, SEG_ATTR, 0, PyTuple_GET_ITEM(names, pos))
             : seg_child(seg, SEG_INDEX, pos, NULL);
+        path_seg csseg;
+        PyObject *cspec;
+        if (spec_child(spec, sseg, pos, NULL, &cspec, &csseg) < 0)
+            goto done;
         for (Py_ssize_t i = 0; i < n; i++)
             child[i] = PyTuple_GET_ITEM(snap[i], pos);  /* borrowed from snap */
-        PyObject *v = gather_map(g, child, n, &cseg);
+        PyObject *v = gather_map(g, child, n, &cseg, cspec, &csseg);
         if (v == NULL)
             goto done;
         PyList_SET_ITEM(items, pos, v);
@@ -1463,7 +1930,8 @@ done:
 /* Dataclass instances: field by field (dataclasses.fields), rebuilt as
  * cls(**init_fields) and object.__setattr__ for the others (R17). */
 static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                                  const path_seg *seg)
+                                  const path_seg *seg, PyObject *spec,
+                                  const path_seg *sseg)
 {
     PyObject *fields = NULL, *kw = NULL, *late = NULL, *empty = NULL, *inst = NULL;
     PyObject *res = NULL, **child = NULL;
@@ -1475,6 +1943,24 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
     if (!PyTuple_Check(fields)) {
         PyErr_SetString(PyExc_TypeError, "dataclasses.fields() did not return a tuple");
         goto done;
+    }
+    if (spec != NULL && PyDict_Check(spec)) {
+        /* A dict in out_dims names fields of the dataclass. */
+        PyObject *fnames = PyTuple_New(PyTuple_GET_SIZE(fields));
+        if (fnames == NULL)
+            goto done;
+        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+            PyObject *nm = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
+            if (nm == NULL) {
+                Py_DECREF(fnames);
+                goto done;
+            }
+            PyTuple_SET_ITEM(fnames, f, nm);
+        }
+        int r = spec_check_children(spec, sseg, seg, 0, NULL, fnames);
+        Py_DECREF(fnames);
+        if (r < 0)
+            goto done;
     }
     kw = PyDict_New();
     late = PyList_New(0);
@@ -1491,11 +1977,14 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
         int is_init = init != NULL ? PyObject_IsTrue(init) : -1;
         int ok = is_init >= 0;
         if (ok) {
-            path_seg cseg = seg_child(seg, SEG_ATTR, 0, name);
+            path_seg cseg = seg_child(seg, SEG_ATTR, 0, name), csseg;
+            PyObject *cspec;
+            if (spec_child(spec, sseg, f, name, &cspec, &csseg) < 0)
+                ok = 0;
             for (Py_ssize_t i = 0; i < n && ok; i++)
                 if ((child[i] = PyObject_GetAttr(vals[i], name)) == NULL)
                     ok = 0;
-            v = ok ? gather_map(g, child, n, &cseg) : NULL;
+            v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
             for (Py_ssize_t i = 0; i < n; i++)
                 Py_CLEAR(child[i]);
         }
@@ -1537,35 +2026,203 @@ done:
     return res;
 }
 
-/* The gathered value of one position; vals[i] is replica i's value there
- * (borrowed: the caller keeps them alive). */
-static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                            const path_seg *seg)
+/* out_dims None at an array position: every replica's array must equal
+ * replica 0's (numpy.array_equal: same shape, equal values); the result is
+ * replica 0's array on the target device (itself when it lives there). */
+static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                     const path_seg *seg)
 {
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq;
+        if (PyArray_Check(vals[0]) && PyArray_Check(vals[i])) {
+            PyArrayObject *a = (PyArrayObject *)vals[0], *b = (PyArrayObject *)vals[i];
+            eq = PyArray_NDIM(a) == PyArray_NDIM(b) && PyArray_SAMESHAPE(a, b);
+            if (eq) {
+                PyObject *cmp = PyObject_RichCompare(vals[0], vals[i], Py_EQ);
+                PyObject *all = cmp != NULL ? PyObject_CallMethod(cmp, "all", NULL) : NULL;
+                eq = all != NULL ? PyObject_IsTrue(all) : -1;
+                Py_XDECREF(cmp);
+                Py_XDECREF(all);
+            }
+        }
+        else {
+            eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        }
+        if (eq < 0)
+            return NULL;
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives None here (every replica returns the same "
+                         "value), but replica %zd returned an array that differs from "
+                         "replica 0's (shape or values); give an int to gather the "
+                         "replicas' arrays along that dim, or \"sum\" to add them",
+                         path, i);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    if (!PyArray_Check(vals[0]))
+        return Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
+    PyObject *one = PyList_New(1), *per_dev = NULL, *res = NULL;
+    if (one == NULL)
+        return NULL;
+    PyList_SET_ITEM(one, 0, Py_NewRef(vals[0]));
+    per_dev = dp_broadcast_coalesced(g->st, one, &g->target, 1, 0);
+    if (per_dev != NULL)
+        res = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, 0), 0));
+    Py_DECREF(one);
+    Py_XDECREF(per_dev);
+    return res;
+}
+
+/* out_dims "sum" at an array position: comm.reduce_add onto the target
+ * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays. */
+static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                   const path_seg *seg)
+{
+    PyObject *list = PyList_New(n), *path = NULL, *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
+                                             : PyArray_FromScalar(vals[i], NULL);
+        if (a == NULL)
+            goto done;
+        PyList_SET_ITEM(list, i, a);
+    }
+    path = path_str(seg);
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath != NULL)
+        res = dp_reduce_add(g->st, list, g->target, cpath);
+done:
+    Py_DECREF(list);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* out_dims "sum" at a number: v0 + v1 + ... in replica order. str and
+ * bytes (which + would concatenate) and non-numbers are refused. */
+static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                   const path_seg *seg)
+{
+    if (PyUnicode_Check(vals[0]) || PyBytes_Check(vals[0]) || !PyNumber_Check(vals[0])) {
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives \"sum\" here, but replica 0 returned a "
+                         "%.100s; \"sum\" adds arrays and numbers", path,
+                         Py_TYPE(vals[0])->tp_name);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    PyObject *acc = Py_NewRef(vals[0]);
+    for (Py_ssize_t i = 1; i < n && acc != NULL; i++)
+        Py_SETREF(acc, PyNumber_Add(acc, vals[i]));
+    return acc;
+}
+
+/* out_dims None at a str/number/other object: every value must equal
+ * replica 0's (==); the result is replica 0's value. */
+static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                     const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return NULL;
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+        if (path != NULL && joined != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives None here (every replica returns the same "
+                         "value), but the replicas returned different values (%U)",
+                         path, joined);
+        Py_XDECREF(path);
+        Py_XDECREF(joined);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* The gathered value of one position; vals[i] is replica i's value there
+ * (borrowed: the caller keeps them alive). spec: the out_dims entry for
+ * this position (NULL: g->mode and g->dim, inherited), sseg its path. */
+static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    if (spec != NULL && !spec_is_container(spec)) {
+        /* A leaf entry: it holds for everything under this position. */
+        gather_ctx g2 = *g;
+        if (spec == Py_None) {
+            g2.mode = OUT_SAME;
+        }
+        else if (PyUnicode_Check(spec)) {
+            g2.mode = OUT_SUM;  /* "sum": dp_check_dims_spec allowed nothing else */
+        }
+        else {
+            PyObject *sp = path_str(sseg);
+            const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+            int r = csp != NULL ? dp_int_from_object(spec, csp, &g2.dim) : -1;
+            Py_XDECREF(sp);
+            if (r < 0)
+                return NULL;
+            g2.mode = OUT_CAT;
+        }
+        return gather_map(&g2, vals, n, seg, NULL, sseg);
+    }
     int kind = gather_kind(g->st, vals[0]);
     if (kind < 0 || check_kinds(g, vals, n, kind, seg) < 0)
         return NULL;
+    if (spec != NULL) {
+        /* A container entry must mirror a container of its kind. */
+        int dict_spec = PyDict_Check(spec);
+        int fits = dict_spec ? (kind == G_DICT || kind == G_DATACLASS)
+                             : (kind == G_SEQ || kind == G_NAMEDTUPLE);
+        if (!fits) {
+            spec_mismatch(sseg, spec, seg, gather_kind_names[kind]);
+            return NULL;
+        }
+    }
     switch (kind) {
     case G_ARRAY:
+        if (g->mode == OUT_SAME)
+            return gather_equal_arrays(g, vals, n, seg);
+        if (g->mode == OUT_SUM)
+            return gather_sum_arrays(g, vals, n, seg);
         return gather_leaf(g, vals, n, seg);
     case G_NONE:
         Py_RETURN_NONE;
     case G_VALUE:
-        return gather_value(g, vals, n, seg);
     case G_OTHER:
-        return gather_same(g, vals, n, seg);
+        if (g->mode == OUT_SAME)
+            return gather_equal_values(g, vals, n, seg);
+        if (g->mode == OUT_SUM)
+            return gather_sum_values(g, vals, n, seg);
+        return kind == G_VALUE ? gather_value(g, vals, n, seg) : gather_same(g, vals, n, seg);
     default:
         break;
     }
     if (Py_EnterRecursiveCall(" while gathering outputs"))
         return NULL;
-    PyObject *res;
+    PyObject *res, *fast = NULL;
+    if (spec != NULL && !PyDict_Check(spec)) {
+        fast = PySequence_Fast(spec, "out_dims");
+        if (fast == NULL) {
+            Py_LeaveRecursiveCall();
+            return NULL;
+        }
+        spec = fast;
+    }
     if (kind == G_DICT)
-        res = gather_dict(g, vals, n, seg);
+        res = gather_dict(g, vals, n, seg, spec, sseg);
     else if (kind == G_DATACLASS)
-        res = gather_dataclass(g, vals, n, seg);
+        res = gather_dataclass(g, vals, n, seg, spec, sseg);
     else
-        res = gather_seq(g, vals, n, kind, seg);
+        res = gather_seq(g, vals, n, kind, seg, spec, sseg);
+    Py_XDECREF(fast);
     Py_LeaveRecursiveCall();
     return res;
 }
@@ -1573,6 +2230,16 @@ static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
 PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
                             int dim)
 {
+    return dp_gather_outputs_ex(st, outputs, target, dim, NULL);
+}
+
+PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+                               int dim, PyObject *out_dims)
+{
+    if (out_dims == Py_None)
+        out_dims = NULL;
+    if (dp_check_dims_spec(out_dims, "out_dims", 1) < 0)
+        return NULL;
     if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
         PyErr_Format(PyExc_TypeError,
                      "outputs: expected a list or tuple with one entry per replica, "
@@ -1590,9 +2257,9 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
                      Py_TYPE(outputs)->tp_name);
     }
     else {
-        gather_ctx g = {st, target, dim};
-        path_seg root = seg_root("out");
-        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root);
+        gather_ctx g = {st, target, dim, OUT_CAT};
+        path_seg root = seg_root("out"), sroot = seg_root("out_dims");
+        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, out_dims, &sroot);
     }
     Py_DECREF(snap);
     return res;
@@ -1619,9 +2286,37 @@ static PyObject *int_list(const int64_t *v, int n)
     return list;
 }
 
+/* plan['leaves'] entry of a broadcast leaf (in_dims None): 'dim',
+ * 'sizes' and 'starts' are None; 'nbytes' is the whole array's size for
+ * each device that runs a replica (none when the call would raise). */
+static PyObject *plan_bcast_leaf(scatter_ctx *c, scatter_leaf *lf, int ok)
+{
+    PyObject *shape = NULL, *nbytes = NULL, *res = NULL;
+    int64_t *nb = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
+    if (nb == NULL)
+        return PyErr_NoMemory();
+    for (int j = 0; j < c->ndev; j++)
+        nb[j] = (ok && j < c->k) ? (int64_t)PyArray_NBYTES(lf->arr) : 0;
+    shape = PyArray_IntTupleFromIntp(PyArray_NDIM(lf->arr), PyArray_DIMS(lf->arr));
+    nbytes = int_list(nb, c->ndev);
+    if (shape != NULL && nbytes != NULL)
+        res = Py_BuildValue("{s:O,s:O,s:O,s:n,s:O,s:O,s:O,s:O,s:O}",
+                            "path", lf->path, "shape", shape,
+                            "dtype", (PyObject *)PyArray_DESCR(lf->arr),
+                            "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
+                            "dim", Py_None, "broadcast", Py_True, "sizes", Py_None,
+                            "starts", Py_None, "nbytes", nbytes);
+    PyMem_Free(nb);
+    Py_XDECREF(shape);
+    Py_XDECREF(nbytes);
+    return res;
+}
+
 /* One entry of plan['leaves']. truncate: sizes past the replica count are 0. */
 static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
 {
+    if (lf->bcast)
+        return plan_bcast_leaf(c, lf, truncate);
     PyObject *shape = NULL, *sizes = NULL, *starts = NULL, *nbytes = NULL, *res = NULL;
     int64_t *buf = PyMem_Malloc(3 * (size_t)c->ndev * sizeof(int64_t));
     if (buf == NULL)
@@ -1645,12 +2340,12 @@ static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
     starts = int_list(st, c->ndev);
     nbytes = int_list(nb, c->ndev);
     if (shape != NULL && sizes != NULL && starts != NULL && nbytes != NULL)
-        res = Py_BuildValue("{s:O,s:O,s:O,s:n,s:i,s:O,s:O,s:O}",
+        res = Py_BuildValue("{s:O,s:O,s:O,s:n,s:i,s:O,s:O,s:O,s:O}",
                             "path", lf->path, "shape", shape,
                             "dtype", (PyObject *)PyArray_DESCR(lf->arr),
                             "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
-                            "dim", lf->dim, "sizes", sizes, "starts", starts,
-                            "nbytes", nbytes);
+                            "dim", lf->dim, "broadcast", Py_False, "sizes", sizes,
+                            "starts", starts, "nbytes", nbytes);
     PyMem_Free(buf);
     Py_XDECREF(shape);
     Py_XDECREF(sizes);
@@ -1694,11 +2389,13 @@ static PyObject *plan_result(scatter_ctx *c, int strict, int no_args)
     for (Py_ssize_t i = 0; i < c->nleaves; i++)
         if (append_steal(leaves, plan_leaf(c, &c->leaves[i], error == NULL)) < 0)
             goto done;
-    res = Py_BuildValue("{s:O,s:i,s:O,s:O,s:O,s:O}",
+    res = Py_BuildValue("{s:O,s:i,s:O,s:O,s:O,s:O,s:s}",
                         "devices", devices,
                         "replicas", error != NULL ? 0 : (no_args ? 1 : c->k),
                         "leaves", leaves, "shared", c->shared,
-                        "warnings", warnings, "error", error ? error : Py_None);
+                        "warnings", warnings, "error", error ? error : Py_None,
+                        "rule", c->chunk_sizes != NULL ? "chunk_sizes"
+                                : c->weights != NULL ? "weights" : "chunk");
 done:
     Py_XDECREF(devices);
     Py_XDECREF(leaves);
@@ -1744,8 +2441,181 @@ static int normalize_kwargs(PyObject *kwargs, PyObject **out)
     return 0;
 }
 
+/* Check one in_dims / out_dims entry (recursively). */
+static int check_spec(PyObject *spec, const path_seg *sseg, int is_out)
+{
+    if (spec == Py_None || (PyLong_Check(spec) && !PyBool_Check(spec))) {
+        if (spec == Py_None)
+            return 0;
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(spec, &overflow);
+        if ((v == -1 && PyErr_Occurred()) || overflow || v > INT32_MAX || v < INT32_MIN) {
+            PyErr_Clear();
+            return raise_at(PyExc_OverflowError, sseg, "%R is out of range for a dim", spec);
+        }
+        return 0;
+    }
+    if (is_out && PyUnicode_Check(spec)) {
+        if (PyUnicode_CompareWithASCIIString(spec, "sum") == 0)
+            return 0;
+        return raise_at(PyExc_ValueError, sseg,
+                        "unknown reduction %R (out_dims takes an int dim, None or "
+                        "\"sum\")", spec);
+    }
+    if (PyTuple_Check(spec) || PyList_Check(spec) || PyDict_Check(spec)) {
+        int rc = -1;
+        if (Py_EnterRecursiveCall(" while checking in_dims / out_dims"))
+            return -1;
+        if (PyDict_Check(spec)) {
+            Py_ssize_t pos = 0;
+            PyObject *key, *value;
+            while (PyDict_Next(spec, &pos, &key, &value)) {
+                path_seg cseg = seg_child(sseg, SEG_KEY, 0, key);
+                if (check_spec(value, &cseg, is_out) < 0)
+                    goto done;
+            }
+        }
+        else {
+            PyObject *fast = PySequence_Fast(spec, "spec");
+            if (fast == NULL)
+                goto done;
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+                path_seg cseg = seg_child(sseg, SEG_INDEX, i, NULL);
+                if (check_spec(PySequence_Fast_GET_ITEM(fast, i), &cseg, is_out) < 0) {
+                    Py_DECREF(fast);
+                    goto done;
+                }
+            }
+            Py_DECREF(fast);
+        }
+        rc = 0;
+    done:
+        Py_LeaveRecursiveCall();
+        return rc;
+    }
+    return raise_at(PyExc_TypeError, sseg,
+                    "expected an int (a dim), None (%s)%s or a tuple, list or dict of "
+                    "them, got %.100s %.80R",
+                    is_out ? "every replica returns the same value" : "broadcast the whole "
+                    "array to every replica", is_out ? ", \"sum\"" : "",
+                    Py_TYPE(spec)->tp_name, spec);
+}
+
+int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out)
+{
+    if (spec == NULL)
+        return 0;
+    path_seg root = seg_root(argname);
+    return check_spec(spec, &root, is_out);
+}
+
+/* One sequence argument of ndev entries (chunk_sizes or weights). */
+static PyObject *per_device_seq(PyObject *obj, const char *argname, const char *what,
+                                Py_ssize_t ndev)
+{
+    if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyDict_Check(obj) ||
+        !PySequence_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a sequence of %s (one per device), "
+                     "got %.100s", argname, what, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(obj, argname);
+    if (fast == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != ndev) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd entries (one per device in "
+                     "device_ids), got %zd", argname, ndev, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return NULL;
+    }
+    return fast;
+}
+
+int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t ndev,
+                         int64_t *sizes_buf, double *weights_buf, dp_split_opts *opts)
+{
+    opts->chunk_sizes = NULL;
+    opts->weights = NULL;
+    if (chunk_sizes == Py_None)
+        chunk_sizes = NULL;
+    if (weights == Py_None)
+        weights = NULL;
+    if (chunk_sizes != NULL && weights != NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "chunk_sizes and weights: give at most one (chunk_sizes fixes each "
+                        "device's rows, weights makes them proportional)");
+        return -1;
+    }
+    if (ndev < 1 || ndev > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "expected 1 to %d devices, got %zd", DP_MAX_DEVICES,
+                     ndev);
+        return -1;
+    }
+    if (chunk_sizes != NULL) {
+        PyObject *fast = per_device_seq(chunk_sizes, "chunk_sizes", "ints", ndev);
+        if (fast == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < ndev; i++) {
+            PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
+            if (PyBool_Check(v) || PyFloat_Check(v) || !PyIndex_Check(v)) {
+                PyErr_Format(PyExc_TypeError, "chunk_sizes[%zd]: expected an int, got "
+                             "%.100s", i, Py_TYPE(v)->tp_name);
+                Py_DECREF(fast);
+                return -1;
+            }
+            PyObject *idx = PyNumber_Index(v);
+            long long x = idx != NULL ? PyLong_AsLongLong(idx) : -1;
+            Py_XDECREF(idx);
+            if (x == -1 && PyErr_Occurred()) {
+                Py_DECREF(fast);
+                return -1;
+            }
+            if (x < 0) {
+                PyErr_Format(PyExc_ValueError, "chunk_sizes[%zd]: must be >= 0 (rows for "
+                             "device %zd), got %lld", i, i, x);
+                Py_DECREF(fast);
+                return -1;
+            }
+            sizes_buf[i] = (int64_t)x;
+        }
+        Py_DECREF(fast);
+        opts->chunk_sizes = sizes_buf;
+    }
+    if (weights != NULL) {
+        PyObject *fast = per_device_seq(weights, "weights", "numbers", ndev);
+        if (fast == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < ndev; i++) {
+            PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
+            if (PyBool_Check(v) || PyComplex_Check(v) || !PyNumber_Check(v) ||
+                PyUnicode_Check(v)) {
+                PyErr_Format(PyExc_TypeError, "weights[%zd]: expected a real number, got "
+                             "%.100s", i, Py_TYPE(v)->tp_name);
+                Py_DECREF(fast);
+                return -1;
+            }
+            double x = PyFloat_AsDouble(v);
+            if (x == -1.0 && PyErr_Occurred()) {
+                Py_DECREF(fast);
+                return -1;
+            }
+            if (!(x > 0.0) || !isfinite(x)) {
+                PyErr_Format(PyExc_ValueError, "weights[%zd]: must be a finite number > 0, "
+                             "got %R", i, v);
+                Py_DECREF(fast);
+                return -1;
+            }
+            weights_buf[i] = x;
+        }
+        Py_DECREF(fast);
+        opts->weights = weights_buf;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(scatter_doc,
-"scatter($module, inputs, target_devices, dim=0, strict=False)\n"
+"scatter($module, inputs, target_devices, dim=0, strict=False, in_dims=None,\n"
+"        chunk_sizes=None, weights=None)\n"
 "--\n"
 "\n"
 "Split inputs over target_devices as torch.nn.parallel.scatter does (spec 3).\n"
@@ -1757,6 +2627,22 @@ PyDoc_STRVAR(scatter_doc,
 "dim: the axis to split along; a negative dim is wrapped against each array's\n"
 "  own rank (R27).\n"
 "strict: raise instead of warning when arrays give different chunk counts.\n"
+"in_dims: None (every array split along dim, PyTorch), or a structure that\n"
+"  mirrors inputs (JAX pmap's in_axes): an int splits along that dim, None\n"
+"  broadcasts the whole array (any rank, 0-dim included) to every replica (a\n"
+"  copy per device; the array itself on its own device) without affecting\n"
+"  the replica count, a tuple/list mirrors a tuple/list/namedtuple by position\n"
+"  (a prefix: later items use dim), a dict mirrors a dict (a subset of its\n"
+"  keys: the others use dim), and an int or None given for a container\n"
+"  applies to every leaf under it.\n"
+"chunk_sizes: len(target_devices) ints >= 0, the rows along the split dim of\n"
+"  each device, the same for every split array, which must each have\n"
+"  sum(chunk_sizes) rows (torch.cuda.comm.scatter's chunk_sizes, spec 0.7;\n"
+"  PyTorch's DataParallel lacks it, pytorch issue 46381). A 0 gives that\n"
+"  device an empty chunk; devices after the last non-empty chunk idle.\n"
+"weights: len(target_devices) finite numbers > 0: sizes proportional to\n"
+"  them (largest remainder, so they sum to n; no device gets an empty chunk\n"
+"  unless n < len(target_devices)). At most one of chunk_sizes and weights.\n"
 "\n"
 "Returns\n"
 "  - a bare ndarray: a tuple of its chunks. torch.chunk rule (spec 0.1): pieces\n"
@@ -1776,10 +2662,15 @@ PyDoc_STRVAR(scatter_doc,
 "Raises\n"
 "  ValueError: a 0-dim array (\"<path>: chunk expects at least a 1-dimensional\n"
 "    array\"), before any copy (R22); with strict=True, arrays that split into\n"
-"    different chunk counts (each path, shape, dim and size is listed).\n"
+"    different chunk counts (each path, shape, dim and size is listed);\n"
+"    chunk_sizes that do not sum to an array's size (names it); bad\n"
+"    chunk_sizes / weights (wrong length, negative, not finite or not > 0,\n"
+"    both given); an in_dims entry that addresses a child that does not\n"
+"    exist (names the entry, e.g. in_dims[1]['x']).\n"
 "  IndexError: dim out of range for an array (names its path).\n"
 "  TypeError: a dict subclass or namedtuple that cannot be rebuilt from its\n"
-"    items (e.g. defaultdict), naming its path.\n"
+"    items (e.g. defaultdict), naming its path; an in_dims entry of the wrong\n"
+"    type or shape (a tuple for an array, a dict for a list, a str).\n"
 "Warns\n"
 "  dpmini.SplitWarning: arrays split into different chunk counts and\n"
 "    strict=False: every replica gets the first k chunks and the rows after\n"
@@ -1788,28 +2679,37 @@ PyDoc_STRVAR(scatter_doc,
 
 static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"inputs", "target_devices", "dim", "strict", NULL};
+    static char *kwlist[] = {"inputs", "target_devices", "dim", "strict", "in_dims",
+                             "chunk_sizes", "weights", NULL};
     PyObject *inputs, *devobj, *dimobj = NULL, *out = NULL, **res = NULL;
+    PyObject *in_dims = Py_None, *csobj = Py_None, *wobj = Py_None;
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
     int dim, strict = 0, kind;
     scatter_ctx c;
-    path_seg root = seg_root("inputs");
+    path_seg root = seg_root("inputs"), sroot = seg_root("in_dims");
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts opts;
 
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Op:scatter", kwlist, &inputs,
-                                     &devobj, &dimobj, &strict))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Op$OOO:scatter", kwlist, &inputs,
+                                     &devobj, &dimobj, &strict, &in_dims, &csobj, &wobj))
         return NULL;
     dp_state *st = dp_state_from_module(module);
-    if (parse_dim(dimobj, &dim) < 0)
+    if (parse_dim(dimobj, &dim) < 0 || dp_check_dims_spec(in_dims, "in_dims", 0) < 0)
         return NULL;
     if (dp_device_list_from_object(st, devobj, "target_devices", &devs, &ndev) < 0)
         return NULL;
+    if (dp_parse_split_sizes(csobj, wobj, ndev, sizes_buf, weights_buf, &opts) < 0)
+        goto done;
     if (ctx_init(&c, st, devs, ndev, dim, 0) < 0)
         goto done;
+    c.chunk_sizes = opts.chunk_sizes;
+    c.weights = opts.weights;
     if ((kind = scatter_kind(st, inputs)) < 0)
         goto done;
-    if (collect(&c, inputs, &root) < 0)
+    if (collect(&c, inputs, &root, in_dims == Py_None ? NULL : in_dims, &sroot) < 0)
         goto done;
     scatter_count(&c);
     if (scatter_check(&c, strict) < 0 || scatter_copy(&c) < 0)
@@ -1844,7 +2744,8 @@ done:
 }
 
 PyDoc_STRVAR(scatter_kwargs_doc,
-"scatter_kwargs($module, inputs, kwargs, target_devices, dim=0, strict=False)\n"
+"scatter_kwargs($module, inputs, kwargs, target_devices, dim=0, strict=False,\n"
+"               in_dims=None, chunk_sizes=None, weights=None)\n"
 "--\n"
 "\n"
 "Split positional and keyword arguments for each replica, as\n"
@@ -1853,7 +2754,14 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "inputs: the positional arguments, a tuple; None means none, any other\n"
 "  object is one positional argument (inputs,) (spec 2.9).\n"
 "kwargs: a dict or None.\n"
-"target_devices, dim, strict: as in dpmini.scatter.\n"
+"target_devices, dim, strict, chunk_sizes, weights: as in dpmini.scatter.\n"
+"in_dims: None (every array split along dim), an int or None for every\n"
+"  argument, a tuple/list mirroring a prefix of the positional arguments\n"
+"  (in_dims=(0, None): args[0] split on dim 0, args[1] broadcast, the rest\n"
+"  on dim), or a dict addressing arguments by position (int keys) and by\n"
+"  keyword name (str keys): {0: 1, 'mask': None}. Entries nest as in\n"
+"  dpmini.scatter; every entry must name an argument of the call\n"
+"  (ValueError naming it, e.g. in_dims['mask']).\n"
 "\n"
 "Returns (inputs_tuple, kwargs_tuple), each with exactly k entries: a tuple\n"
 "of positional arguments and a dict of keyword arguments per replica. k is\n"
@@ -1869,15 +2777,21 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 
 static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"inputs", "kwargs", "target_devices", "dim", "strict", NULL};
+    static char *kwlist[] = {"inputs", "kwargs", "target_devices", "dim", "strict",
+                             "in_dims", "chunk_sizes", "weights", NULL};
     PyObject *inputs, *kwobj, *devobj, *dimobj = NULL;
+    PyObject *in_dims = Py_None, *csobj = Py_None, *wobj = Py_None;
     PyObject *ins = NULL, *kw = NULL, *in_out = NULL, *kw_out = NULL, *res = NULL;
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
     int dim, strict = 0;
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts opts;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|Op:scatter_kwargs", kwlist,
-                                     &inputs, &kwobj, &devobj, &dimobj, &strict))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|Op$OOO:scatter_kwargs", kwlist,
+                                     &inputs, &kwobj, &devobj, &dimobj, &strict,
+                                     &in_dims, &csobj, &wobj))
         return NULL;
     dp_state *st = dp_state_from_module(module);
     if (parse_dim(dimobj, &dim) < 0 || normalize_kwargs(kwobj, &kw) < 0)
@@ -1886,7 +2800,12 @@ static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *k
         return NULL;
     if (dp_device_list_from_object(st, devobj, "target_devices", &devs, &ndev) < 0)
         goto done;
-    if (dp_scatter_kwargs(st, ins, kw, devs, ndev, dim, strict, &in_out, &kw_out) < 0)
+    if (dp_parse_split_sizes(csobj, wobj, ndev, sizes_buf, weights_buf, &opts) < 0)
+        goto done;
+    opts.dim = dim;
+    opts.strict = strict;
+    opts.in_dims = in_dims;
+    if (dp_scatter_kwargs_ex(st, ins, kw, devs, ndev, &opts, &in_out, &kw_out) < 0)
         goto done;
     res = PyTuple_Pack(2, in_out, kw_out);
 done:
@@ -1898,7 +2817,7 @@ done:
 }
 
 PyDoc_STRVAR(gather_doc,
-"gather($module, outputs, target_device, dim=0)\n"
+"gather($module, outputs, target_device, dim=0, out_dims=None)\n"
 "--\n"
 "\n"
 "Combine the replicas' outputs onto target_device, as\n"
@@ -1908,6 +2827,18 @@ PyDoc_STRVAR(gather_doc,
 "target_device: a device, or the host (\"cpu\" or -1; -1 warns FutureWarning\n"
 "  as PyTorch does).\n"
 "dim: the axis to concatenate along, wrapped against each array's rank.\n"
+"out_dims: None (the rules below along dim, PyTorch), or a structure that\n"
+"  mirrors replica 0's output (JAX pmap's out_axes): an int gathers along\n"
+"  that dim; None returns replica 0's value (arrays copied to target_device)\n"
+"  after checking that every replica returned an equal one (numpy\n"
+"  array_equal for arrays: same shape and values), TypeError naming the\n"
+"  path otherwise; \"sum\" adds the replicas' values: arrays (same shape)\n"
+"  with comm.reduce_add onto target_device, in replica order, in replica\n"
+"  0's dtype; numbers with +; None stays None; str/bytes are refused. A\n"
+"  tuple/list mirrors a list/tuple/namedtuple by position (a prefix), a dict\n"
+"  mirrors a dict by key or a dataclass by field name (a subset); what it\n"
+"  leaves out uses dim. An int, None or \"sum\" given for a container\n"
+"  applies to every leaf under it.\n"
 "\n"
 "outputs[0] picks the rule at each position and every replica is checked:\n"
 "  ndarray (or NumPy scalar, taken as a 0-dim array): concatenated along\n"
@@ -1934,13 +2865,13 @@ PyDoc_STRVAR(gather_doc,
 
 static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"outputs", "target_device", "dim", NULL};
-    PyObject *outputs, *target_obj, *dimobj = NULL;
+    static char *kwlist[] = {"outputs", "target_device", "dim", "out_dims", NULL};
+    PyObject *outputs, *target_obj, *dimobj = NULL, *out_dims = Py_None;
     dp_device target;
     int dim;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:gather", kwlist, &outputs,
-                                     &target_obj, &dimobj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$O:gather", kwlist, &outputs,
+                                     &target_obj, &dimobj, &out_dims))
         return NULL;
     dp_state *st = dp_state_from_module(module);
     if (parse_dim(dimobj, &dim) < 0)
@@ -1960,25 +2891,33 @@ static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
         if (PyErr_Occurred())
             return NULL;
     }
-    return dp_gather_outputs(st, outputs, target, dim);
+    return dp_gather_outputs_ex(st, outputs, target, dim, out_dims);
 }
 
 PyDoc_STRVAR(plan_doc,
-"_plan($module, inputs, kwargs, device_ids, dim=0, strict=False)\n"
+"_plan($module, inputs, kwargs, device_ids, dim=0, strict=False, in_dims=None,\n"
+"      chunk_sizes=None, weights=None)\n"
 "--\n"
 "\n"
 "Describe what scatter_kwargs(inputs, kwargs, device_ids, dim, strict) would\n"
 "do, without copying anything (the data behind dpmini.explain / Plan).\n"
 "\n"
-"inputs, kwargs, dim, strict: as in dpmini.scatter_kwargs; device_ids: a\n"
+"inputs, kwargs, dim, strict, in_dims, chunk_sizes, weights: as in\n"
+"dpmini.scatter_kwargs (in_dims and chunk_sizes/weights of the wrong type or\n"
+"length raise, as DataParallel's constructor does); device_ids: a\n"
 "sequence of devices, or None for the default devices.\n"
 "\n"
 "Returns a dict:\n"
 "  'devices': [Device, ...] (all of device_ids);\n"
 "  'replicas': k, the number of replicas that would run (1 when there are no\n"
 "    arguments at all, as DataParallel runs it; 0 when 'error' is set);\n"
+"  'rule': how sizes are computed: 'chunk' (torch.chunk), 'chunk_sizes' or\n"
+"    'weights';\n"
 "  'leaves': one dict per array, in argument order: 'path' (str), 'shape'\n"
-"    (tuple), 'dtype' (numpy.dtype), 'itemsize' (int), 'dim' (wrapped int),\n"
+"    (tuple), 'dtype' (numpy.dtype), 'itemsize' (int), 'broadcast' (bool:\n"
+"    in_dims None; then 'dim', 'sizes' and 'starts' are None and 'nbytes'\n"
+"    the whole array's bytes on every device that runs a replica), 'dim'\n"
+"    (wrapped int),\n"
 "    and lists with one int per device: 'sizes' (rows along dim; 0 for a\n"
 "    device that gets nothing), 'starts' (first row along dim), 'nbytes'\n"
 "    (bytes of the chunk). With 'error' set the sizes are each array's own\n"
@@ -1988,25 +2927,34 @@ PyDoc_STRVAR(plan_doc,
 "  'warnings': the SplitWarning texts the call would issue;\n"
 "  'error': None, or the message of the ValueError / IndexError / TypeError\n"
 "    the call would raise for its arguments (0-dim array, dim out of range,\n"
-"    strict mismatch).");
+"    strict mismatch, chunk_sizes not summing to an array's size, an in_dims\n"
+"    structure that does not match the arguments).");
 
 static PyObject *py_plan(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"inputs", "kwargs", "device_ids", "dim", "strict", NULL};
+    static char *kwlist[] = {"inputs", "kwargs", "device_ids", "dim", "strict", "in_dims",
+                             "chunk_sizes", "weights", NULL};
     PyObject *inputs, *kwobj, *devobj, *dimobj = NULL;
+    PyObject *in_dims = Py_None, *csobj = Py_None, *wobj = Py_None;
     PyObject *ins = NULL, *kw = NULL, *res = NULL;
+    PyObject *args_spec = NULL, *kw_spec = NULL, *own[2] = {NULL, NULL};
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
     int dim, strict = 0;
     scatter_ctx c;
-    path_seg args_root = seg_root("args"), kw_root = seg_root("kwargs");
+    path_seg kw_root = seg_root("kwargs"), sroot = seg_root("in_dims");
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts opts;
 
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|Op:_plan", kwlist, &inputs,
-                                     &kwobj, &devobj, &dimobj, &strict))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|Op$OOO:_plan", kwlist, &inputs,
+                                     &kwobj, &devobj, &dimobj, &strict, &in_dims, &csobj,
+                                     &wobj))
         return NULL;
     dp_state *st = dp_state_from_module(module);
-    if (parse_dim(dimobj, &dim) < 0 || normalize_kwargs(kwobj, &kw) < 0)
+    if (parse_dim(dimobj, &dim) < 0 || normalize_kwargs(kwobj, &kw) < 0 ||
+        dp_check_dims_spec(in_dims, "in_dims", 0) < 0)
         return NULL;
     if ((ins = normalize_inputs(inputs)) == NULL)
         return NULL;
@@ -2017,16 +2965,30 @@ static PyObject *py_plan(PyObject *module, PyObject *args, PyObject *kwds)
     else if (dp_device_list_from_object(st, devobj, "device_ids", &devs, &ndev) < 0) {
         goto done;
     }
+    if (dp_parse_split_sizes(csobj, wobj, ndev, sizes_buf, weights_buf, &opts) < 0)
+        goto done;
     if (ctx_init(&c, st, devs, ndev, dim, 1) < 0)
         goto done;
+    c.chunk_sizes = opts.chunk_sizes;
+    c.weights = opts.weights;
     int has_kw = kw != NULL && PyDict_GET_SIZE(kw) > 0;
-    if (PyTuple_GET_SIZE(ins) > 0 && collect_container(&c, ins, S_TUPLE, &args_root) < 0)
-        goto done;
-    if (has_kw && collect(&c, kw, &kw_root) < 0)
-        goto done;
+    /* An in_dims that does not fit the call is recorded as the plan's error. */
+    if (split_top_spec(in_dims, PyTuple_GET_SIZE(ins), has_kw ? kw : NULL, &args_spec,
+                       &kw_spec, own) < 0) {
+        if (absorb_error(&c) < 0)
+            goto done;
+    }
+    else {
+        if (PyTuple_GET_SIZE(ins) > 0 && collect_args(&c, ins, args_spec) < 0)
+            goto done;
+        if (has_kw && collect(&c, kw, &kw_root, kw_spec, &sroot) < 0)
+            goto done;
+    }
     scatter_count(&c);
     res = plan_result(&c, strict, PyTuple_GET_SIZE(ins) == 0 && !has_kw);
 done:
+    Py_XDECREF(own[0]);
+    Py_XDECREF(own[1]);
     ctx_clear(&c);
     Py_DECREF(ins);
     PyMem_Free(devs);

@@ -11,7 +11,15 @@ are max(ceil(n / split), 1) chunks, which can be fewer than k; n == 0 gives k
 empty chunks (spec 0.2). Chunk i goes to device_ids[i] (spec 0.4). The replica
 count is the smallest chunk count over all array leaves of args and kwargs
 together (design.md, R04); non-array leaves are shared by reference (R13).
+
+Beyond PyTorch, `in_dims` (JAX pmap's in_axes) picks a dim per argument or
+broadcasts an array whole (None), and `chunk_sizes` / `weights` replace the
+torch.chunk sizes (see DataParallel's docstring). `Plan.plot()` draws the plan
+with matplotlib (an optional dependency: `pip install dpmini[plot]`).
 """
+import os
+import sys
+
 from . import _dpmini
 
 __all__ = ["Plan", "explain"]
@@ -19,7 +27,8 @@ __all__ = ["Plan", "explain"]
 _SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
-def explain(inputs, device_ids, dim=0, kwargs=None, strict=False):
+def explain(inputs, device_ids, dim=0, kwargs=None, strict=False, in_dims=None,
+            chunk_sizes=None, weights=None):
     """Return the `Plan` DataParallel would follow for a call with these arguments.
 
     inputs: the positional arguments. A tuple is taken as the argument tuple;
@@ -30,19 +39,28 @@ def explain(inputs, device_ids, dim=0, kwargs=None, strict=False):
     dim: the split dim (int, may be negative; wrapped per array leaf).
     kwargs: the keyword arguments (a mapping) or None.
     strict: as DataParallel(strict=True): different chunk counts become an error.
+    in_dims, chunk_sizes, weights: as for DataParallel (in_dims addresses the
+        positional arguments by position and kwargs by name; None leaves are
+        broadcast whole; chunk_sizes / weights give one entry per device).
 
     Nothing is copied and the module is not needed. Mistakes DataParallel
     rejects at construction (a bad device, a host device in device_ids) raise
-    ValueError/TypeError as there. Mistakes it would raise while scattering (a
-    0-dim array leaf, a dim out of range, chunk counts that differ under
-    strict=True) do not raise: they are recorded in `plan.error`, so the table
+    ValueError/TypeError as there (so do in_dims entries of the wrong type and
+    chunk_sizes / weights of the wrong length or value). Mistakes it would
+    raise while scattering (a 0-dim array leaf, a dim out of range, chunk
+    counts that differ under strict=True, chunk_sizes that do not sum to an
+    array's size, an in_dims that does not match the arguments) do not raise: they are recorded in `plan.error`, so the table
     still shows everything found up to that point.
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     kwargs = {} if kwargs is None else dict(kwargs)
-    record = _dpmini._plan(inputs, kwargs, device_ids, dim, strict)
+    record = _dpmini._plan(inputs, kwargs, device_ids, dim, strict, in_dims=in_dims,
+                           chunk_sizes=chunk_sizes, weights=weights)
     record["dim"] = dim
+    record["in_dims"] = in_dims
+    record["chunk_sizes"] = None if chunk_sizes is None else list(chunk_sizes)
+    record["weights"] = None if weights is None else list(weights)
     return Plan(record)
 
 
@@ -55,10 +73,16 @@ class Plan:
     replicas: int k, the number of replicas that would run (<= len(devices);
         1 for a call without arguments; 0 when error is set).
     dim: the split dim as given to explain (each leaf also has its wrapped dim).
+    rule: how the sizes were computed: "chunk" (torch.chunk), "chunk_sizes" or
+        "weights"; chunk_sizes / weights: the lists given, or None.
     leaves: one dict per array leaf, in argument order, with
         'path'     the argument path, e.g. "args[0]" or "kwargs['mask']";
         'shape'    the full shape (tuple of ints); 'dtype' a numpy.dtype;
-        'itemsize' bytes per element; 'dim' the wrapped split dim (0 <= dim < ndim);
+        'itemsize' bytes per element;
+        'broadcast' True for an in_dims None leaf: the whole array goes to every
+                   replica; then 'dim', 'sizes' and 'starts' are None and
+                   'nbytes' holds the whole array's bytes per replica device;
+        'dim'      the wrapped split dim (0 <= dim < ndim);
         'sizes'    len(devices) ints: rows along dim each device gets (0: none;
                    with error set, each array's own torch.chunk sizes);
         'starts'   len(devices) ints: the first of those rows;
@@ -78,6 +102,9 @@ class Plan:
         self.shared = list(record.get("shared", ()))
         self.warnings = list(record.get("warnings", ()))
         self.error = record.get("error")
+        self.rule = record.get("rule", "chunk")
+        self.chunk_sizes = record.get("chunk_sizes")
+        self.weights = record.get("weights")
 
     def to_dict(self):
         """The plan as a plain dict (the keys listed in the class docstring, plus 'dim')."""
@@ -91,8 +118,13 @@ class Plan:
                 f"{_count(len(self.warnings), 'warning')}{extra}>")
 
     def __str__(self):
+        rule = ""
+        if self.rule == "chunk_sizes":
+            rule = f", chunk_sizes={self.chunk_sizes}"
+        elif self.rule == "weights":
+            rule = f", weights={self.weights}"
         lines = [f"DataParallel plan: {_count(self.replicas, 'replica')} on "
-                 f"{_count(len(self.devices), 'device')} (dim={self.dim})"
+                 f"{_count(len(self.devices), 'device')} (dim={self.dim}{rule})"
                  + (", the call would raise (error below)" if self.error else "")]
         for leaf in self.leaves:
             lines.append("")
@@ -107,9 +139,163 @@ class Plan:
             lines.append(f"error: {self.error}")
         return "\n".join(lines)
 
+    def idle_devices(self):
+        """The devices that get nothing: no replica runs there (a list of str)."""
+        return [str(d) for i, d in enumerate(self.devices) if i >= self.replicas]
+
+    def plot(self, ax=None, title=None):
+        """Draw the plan: one horizontal strip per array leaf, along its split dim.
+
+        Each strip is the leaf's split dim scaled to the full width; the rows
+        of each device are a segment in that device's colour, labelled with
+        the device and its row range. A broadcast leaf (in_dims None) is one
+        hatched strip (the whole array on every replica). Devices that get
+        nothing (no replica) are listed in the legend as "(nothing)" with no
+        fill, and rows lost to truncation are drawn as a red hatched tail.
+
+        ax: a matplotlib Axes to draw into (None: a new Figure).
+        title: the title (None: "DataParallel plan: k replicas on n devices").
+        Returns the matplotlib Figure. Needs matplotlib (an optional
+        dependency: pip install "dpmini[plot]"); ImportError otherwise. With
+        no display (no $DISPLAY and no $MPLBACKEND, on Linux) the Agg backend
+        is used, so this works on servers and in CI; save with fig.savefig(path).
+        """
+        plt = _pyplot()
+        from matplotlib.patches import Patch
+
+        leaves = self.leaves
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(8.0, 1.4 + 0.6 * max(len(leaves), 1)))
+        else:
+            fig = ax.figure
+        colours = _device_colours(len(self.devices))
+        for row, leaf in enumerate(leaves):
+            y = len(leaves) - 1 - row
+            _draw_leaf(ax, y, leaf, self.devices, self.replicas, colours)
+        ax.set_yticks(range(len(leaves)))
+        ax.set_yticklabels([_leaf_label(leaf) for leaf in reversed(leaves)], fontsize=8)
+        ax.set_xlim(0.0, 1.0)
+        ax.set_ylim(-0.6, max(len(leaves), 1) - 0.4)
+        ax.set_xlabel("position along the split dim (fraction of its rows)", fontsize=8)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        handles = []
+        for i, dev in enumerate(self.devices):
+            if i < self.replicas:
+                handles.append(Patch(facecolor=colours[i], label=str(dev)))
+            else:
+                handles.append(Patch(facecolor="white", edgecolor="grey", linestyle="--",
+                                     label=f"{dev} (nothing)"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8, frameon=False, title="devices", title_fontsize=8)
+        if title is None:
+            title = (f"DataParallel plan: {_count(self.replicas, 'replica')} on "
+                     f"{_count(len(self.devices), 'device')}")
+            if self.rule != "chunk":
+                title += f" ({self.rule})"
+        ax.set_title(title, fontsize=10)
+        notes = [f"warning: {w}" for w in self.warnings]
+        if self.error:
+            notes.append(f"error: {self.error}")
+        if notes:
+            fig.text(0.01, 0.01, "\n".join(_shorten(n, 120) for n in notes), fontsize=6,
+                     va="bottom", color="firebrick")
+        fig.tight_layout(rect=(0, 0.06 * min(len(notes), 3), 1, 1))
+        return fig
+
+
+def _pyplot():
+    """matplotlib.pyplot, on the Agg backend when there is no display."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(
+            "Plan.plot() needs matplotlib, an optional dependency of dpmini: "
+            "pip install 'dpmini[plot]' (or pip install matplotlib)") from exc
+    if ("matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND")
+            and not os.environ.get("DISPLAY") and sys.platform.startswith("linux")):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _device_colours(n):
+    """n distinct colours, device i -> colours[i] (tab10, then tab20, then a ramp)."""
+    import matplotlib
+
+    if n <= 10:
+        cmap = matplotlib.colormaps["tab10"]
+        return [cmap(i) for i in range(n)]
+    if n <= 20:
+        cmap = matplotlib.colormaps["tab20"]
+        return [cmap(i) for i in range(n)]
+    cmap = matplotlib.colormaps["viridis"]
+    return [cmap(i / max(n - 1, 1)) for i in range(n)]
+
+
+def _leaf_label(leaf):
+    """The y tick label of a leaf: its path, shape and split dim."""
+    how = "broadcast" if leaf.get("broadcast") else f"dim {leaf['dim']}"
+    return f"{leaf['path']}\n{_shape_text(leaf['shape'])}, {how}"
+
+
+def _draw_leaf(ax, y, leaf, devices, replicas, colours):
+    """One strip of Plan.plot for a leaf at height y."""
+    height = 0.6
+    if leaf.get("broadcast"):
+        ax.barh(y, 1.0, left=0.0, height=height, color="0.88", hatch="//",
+                edgecolor="0.5", linewidth=0.8)
+        ax.text(0.5, y, f"whole array on each of the {_count(replicas, 'replica')}",
+                ha="center", va="center", fontsize=8)
+        return
+    total = int(leaf["shape"][leaf["dim"]])
+    if total == 0:
+        ax.barh(y, 1.0, left=0.0, height=height, color="white", edgecolor="0.4",
+                linestyle="--", linewidth=0.8)
+        ax.text(0.5, y, f"0 rows: each of the {_count(replicas, 'replica')} gets an "
+                "empty chunk", ha="center", va="center", fontsize=8)
+        return
+    kept = 0
+    for i, dev in enumerate(devices):
+        size, start = int(leaf["sizes"][i]), int(leaf["starts"][i])
+        if size == 0:
+            continue
+        kept = max(kept, start + size)
+        left, width = start / total, size / total
+        ax.barh(y, width, left=left, height=height, color=colours[i], edgecolor="white",
+                linewidth=1.0)
+        if width >= 0.07:
+            ax.text(left + width / 2, y, f"{dev}\n[{start}:{start + size})", ha="center",
+                    va="center", fontsize=7)
+    if kept < total:
+        # Rows no replica receives (truncation to the smallest chunk count, R06).
+        ax.barh(y, (total - kept) / total, left=kept / total, height=height, color="white",
+                hatch="xx", edgecolor="firebrick", linewidth=0.8)
+        ax.text((kept + total) / 2 / total, y, f"dropped\n[{kept}:{total})", ha="center",
+                va="center", fontsize=7, color="firebrick",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
+
+
+def _shorten(text, width):
+    """text cut to width characters with an ellipsis."""
+    return text if len(text) <= width else text[:width - 3] + "..."
+
 
 def _leaf_block(leaf, devices, replicas):
     """Lines of the table for one array leaf: a title, a header and one row per device."""
+    if leaf.get("broadcast"):
+        title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
+                 f"{_dtype_name(leaf['dtype'])}, broadcast whole (in_dims None)")
+        header = ("device", "rows", "chunk shape", "size")
+        rows = []
+        for i, dev in enumerate(devices):
+            if i >= replicas:
+                rows.append((str(dev), "-", "-", "(no replica)"))
+            else:
+                rows.append((str(dev), "all", _shape_text(leaf["shape"]),
+                             _bytes_text(leaf["nbytes"][i])))
+        return [title] + _columns([header] + rows, indent="  ")
     dim = leaf["dim"]
     title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
              f"{_dtype_name(leaf['dtype'])}, split along dim {dim}")

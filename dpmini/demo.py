@@ -3,9 +3,10 @@
 Run as `python -m dpmini.demo` (`make demo`). It trains a 64 -> 64 (tanh) -> 10
 (softmax) network, float64, on scikit-learn's bundled digits data (1,797 real
 8x8 images shipped inside the package, no download) with mini-batch SGD, the
-gradient of every batch computed by `GradientParallel`, a dpmini.DataParallel
-whose replicas each return the summed loss and gradients of their shard and
-whose gather sums them (what PyTorch's Broadcast backward does, spec 7.3). It
+gradient of every batch computed by a dpmini.DataParallel whose replicas each
+return the summed loss and gradients of their shard, with
+out_dims={'loss_sum': 'sum', 'grads': 'sum'} so that the gather adds them up
+(what PyTorch's Broadcast backward does, spec 7.3). It
 then trains the same network from the same seed on one device, with plain
 calls on the whole batch, and compares the parameters. The output ends with
 
@@ -76,21 +77,11 @@ class MLP:
         return {"loss_sum": float(loss_sum), "grads": grads}
 
 
-class GradientParallel(dpmini.DataParallel):
-    """DataParallel whose gather sums the replicas' losses and gradients.
-
-    Each replica returns {'loss_sum': float, 'grads': {name: array}} for its
-    shard; the result has the same form for the whole batch. Gradients are
-    summed with dpmini.comm.reduce_add onto output_device, as PyTorch's
-    Broadcast backward sums per-replica parameter gradients (spec 7.3).
-    """
-
-    def gather(self, outputs, output_device):
-        loss_sum = sum(float(out["loss_sum"]) for out in outputs)
-        grads = {name: dpmini.comm.reduce_add([out["grads"][name] for out in outputs],
-                                              destination=output_device)
-                 for name in outputs[0]["grads"]}
-        return {"loss_sum": loss_sum, "grads": grads}
+# How DataParallel combines the replicas' results: out_dims mirrors what the
+# model returns. "sum" adds the per-shard summed losses (numbers) and reduces the
+# per-shard gradients with comm.reduce_add onto output_device, which is what
+# PyTorch's Broadcast backward does to per-replica parameter gradients (spec 7.3).
+OUT_DIMS = {"loss_sum": "sum", "grads": "sum"}
 
 
 def load_digits_split(seed=0):
@@ -186,7 +177,7 @@ def main(argv=None):
 
     device_ids, why = choose_devices(args.devices)
     model = MLP(seed=args.seed)
-    parallel = GradientParallel(model, device_ids=device_ids)
+    parallel = dpmini.DataParallel(model, device_ids=device_ids, out_dims=OUT_DIMS)
     print(f"devices: {', '.join(str(d) for d in parallel.device_ids)} ({why})")
     first = batches(len(x_train), args.batch_size, 0, args.seed)[0]
     print(dpmini.explain((x_train[first], y_train[first]), parallel.device_ids))
