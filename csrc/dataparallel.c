@@ -1424,15 +1424,61 @@ static int check_initialised(dp_DataParallelObject *self)
     return 0;
 }
 
+/* What one call uses of a DataParallel's settings. User code run during the
+ * call (a dict subclass's items(), a replica, another thread while the GIL
+ * is released) may reassign dp.module or dp.device_ids; the call keeps its
+ * own reference and its own copy of the device list, so it neither reads
+ * freed memory nor mixes old and new settings. */
+#define DP_SNAP_INLINE 16
+typedef struct {
+    PyObject *module;          /* owned                                      */
+    dp_device *devs;           /* inline_devs or PyMem_Malloc'ed; ndev items */
+    Py_ssize_t ndev;
+    dp_device output_device;
+    int dim;
+    int strict;
+    dp_device inline_devs[DP_SNAP_INLINE];
+} dp_snapshot;
+
+/* Fill *s from self (initialised; GIL held). -1 with MemoryError. */
+static int snapshot_take(dp_DataParallelObject *self, dp_snapshot *s)
+{
+    s->ndev = self->ndev;
+    if (s->ndev <= DP_SNAP_INLINE) {
+        s->devs = s->inline_devs;
+    } else {
+        s->devs = PyMem_Malloc((size_t)s->ndev * sizeof *s->devs);
+        if (s->devs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    memcpy(s->devs, self->devs, (size_t)s->ndev * sizeof *s->devs);
+    s->module = Py_NewRef(self->module);
+    s->output_device = self->output_device;
+    s->dim = self->dim;
+    s->strict = self->strict;
+    return 0;
+}
+
+static void snapshot_release(dp_snapshot *s)
+{
+    Py_CLEAR(s->module);
+    if (s->devs != s->inline_devs) {
+        PyMem_Free(s->devs);
+    }
+    s->devs = NULL;
+}
+
 /* forward on a Python subclass: each step through attribute lookup. */
 static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
-                                 PyObject *args, PyObject *kwargs)
+                                 const dp_snapshot *snap, PyObject *args, PyObject *kwargs)
 {
     PyObject *kw = NULL, *ids = NULL, *pair = NULL, *inputs = NULL, *kws = NULL;
     PyObject *used = NULL, *replicas = NULL, *outputs = NULL, *outdev = NULL, *res = NULL;
 
     kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
-    ids = device_list(st, self->devs, self->ndev);
+    ids = device_list(st, snap->devs, snap->ndev);
     if (kw == NULL || ids == NULL) {
         goto fail;
     }
@@ -1451,15 +1497,15 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     if (inputs == NULL || kws == NULL || fix_empty_call(&inputs, &kws) < 0) {
         goto fail;
     }
-    if (self->ndev == 1) {
-        res = call_first(self->module, inputs, kws);
+    if (snap->ndev == 1) {
+        res = call_first(snap->module, inputs, kws);
         goto fail;
     }
     used = PyList_GetSlice(ids, 0, PyTuple_GET_SIZE(inputs));
     if (used == NULL) {
         goto fail;
     }
-    replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", self->module, used);
+    replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", snap->module, used);
     if (replicas == NULL) {
         goto fail;
     }
@@ -1467,7 +1513,7 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     if (outputs == NULL) {
         goto fail;
     }
-    outdev = dp_device_to_object(st, self->output_device);
+    outdev = dp_device_to_object(st, snap->output_device);
     if (outdev == NULL) {
         goto fail;
     }
@@ -1491,14 +1537,22 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
     if (st == NULL || check_initialised(self) < 0) {
         return NULL;
     }
+    dp_snapshot snap;
+    PyObject *res;
+    if (snapshot_take(self, &snap) < 0) {
+        return NULL;
+    }
     if (Py_TYPE(self) == st->DataParallelType) {
         if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
             kwargs = NULL;
         }
-        return forward_core(st, self->module, args, kwargs, self->devs, self->ndev,
-                            self->output_device, self->dim, self->strict);
+        res = forward_core(st, snap.module, args, kwargs, snap.devs, snap.ndev,
+                           snap.output_device, snap.dim, snap.strict);
+    } else {
+        res = forward_generic(self, st, &snap, args, kwargs);
     }
-    return forward_generic(self, st, args, kwargs);
+    snapshot_release(&snap);
+    return res;
 }
 
 /* ------------------------------------------------------------------ */
@@ -1657,9 +1711,14 @@ static PyObject *DataParallel_repr(dp_DataParallelObject *self)
         goto done;
     }
     dp_device_format(self->output_device, buf, sizeof buf);
-    res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', dim=%d%s)",
-                               name, self->module, ids, buf, self->dim,
-                               self->strict ? ", strict=True" : "");
+    {
+        /* repr(module) runs user code that may reassign dp.module. */
+        PyObject *module = Py_NewRef(self->module);
+        res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', dim=%d%s)",
+                                   name, module, ids, buf, self->dim,
+                                   self->strict ? ", strict=True" : "");
+        Py_DECREF(module);
+    }
 done:
     Py_ReprLeave((PyObject *)self);
     Py_XDECREF(parts);
@@ -1822,8 +1881,11 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     Py_ssize_t ndev = 0;
     dp_state *st = dp_state_from_type(Py_TYPE(self));
 
+    dp_snapshot snap;
+
     if (st == NULL || check_initialised(self) < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids)) {
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids) ||
+        snapshot_take(self, &snap) < 0) {
         return NULL;
     }
     if (inputs == Py_None) {
@@ -1846,12 +1908,13 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
         dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
         goto fail;
     }
-    if (dp_scatter_kwargs(st, in, kw == Py_None ? NULL : kw, devs ? devs : self->devs,
-                          devs ? ndev : self->ndev, self->dim, self->strict, &ins, &kws) < 0) {
+    if (dp_scatter_kwargs(st, in, kw == Py_None ? NULL : kw, devs ? devs : snap.devs,
+                          devs ? ndev : snap.ndev, snap.dim, snap.strict, &ins, &kws) < 0) {
         goto fail;
     }
     res = PyTuple_Pack(2, ins, kws);
 fail:
+    snapshot_release(&snap);
     PyMem_Free(devs);
     Py_XDECREF(in);
     Py_XDECREF(ins);
@@ -1924,12 +1987,18 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
                                      &replicas, &inputs, &kw)) {
         return NULL;
     }
-    Py_ssize_t m = PyObject_Length(replicas);
-    if (m < 0) {
+    dp_snapshot snap;
+    if (snapshot_take(self, &snap) < 0) {
         return NULL;
     }
-    return parallel_apply_run(st, replicas, inputs, kw, NULL, self->devs,
-                              m < self->ndev ? m : self->ndev);
+    PyObject *res = NULL;
+    Py_ssize_t m = PyObject_Length(replicas);
+    if (m >= 0) {
+        res = parallel_apply_run(st, replicas, inputs, kw, NULL, snap.devs,
+                                 m < snap.ndev ? m : snap.ndev);
+    }
+    snapshot_release(&snap);
+    return res;
 }
 
 PyDoc_STRVAR(gather_doc,
@@ -1945,6 +2014,7 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     static char *kwlist[] = {"outputs", "output_device", NULL};
     PyObject *outputs, *out = Py_None;
     dp_device d = self->output_device;
+    int dim = self->dim;   /* read before any user code runs (a snapshot) */
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     if (st == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:gather", kwlist, &outputs, &out)) {
@@ -1953,7 +2023,7 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     if (out != Py_None && parse_target_device(st, out, "output_device", &d) < 0) {
         return NULL;
     }
-    return dp_gather_outputs(st, outputs, d, self->dim);
+    return dp_gather_outputs(st, outputs, d, dim);
 }
 
 static PyMethodDef DataParallel_methods[] = {
