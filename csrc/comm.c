@@ -80,6 +80,89 @@ static int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
     return 0;
 }
 
+/* Refuse an out= destination that the copy engine cannot write correctly
+ * (PyTorch's assert_no_internal_overlap / assert_no_partial_overlap): dst
+ * writing one byte from two elements (a zero stride, overlapping strides),
+ * or dst sharing memory with any of srcs (a conservative bounds check,
+ * copy.c). ValueError naming argname (and srcname[i] when nsrc > 1). */
+static int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t nsrc,
+                             const char *argname, const char *srcname)
+{
+    int64_t sh[DP_MAXDIMS], dst_st[DP_MAXDIMS], src_sh[DP_MAXDIMS], src_st[DP_MAXDIMS];
+    int nd = PyArray_NDIM(dst);
+    size_t item = (size_t)PyArray_ITEMSIZE(dst);
+    for (int d = 0; d < nd; d++) {
+        sh[d] = PyArray_DIM(dst, d);
+        dst_st[d] = PyArray_STRIDE(dst, d);
+    }
+    if (dp_layout_has_internal_overlap(nd, sh, dst_st, item)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: unsupported operation: more than one element of the written-to "
+                     "array refers to a single memory location (a zero or overlapping "
+                     "stride); pass an array with its own memory, e.g. numpy.empty_like(...)",
+                     argname);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nsrc; i++) {
+        PyArrayObject *src = srcs[i];
+        int snd = PyArray_NDIM(src);
+        for (int d = 0; d < snd; d++) {
+            src_sh[d] = PyArray_DIM(src, d);
+            src_st[d] = PyArray_STRIDE(src, d);
+        }
+        if (dp_layouts_may_overlap(PyArray_BYTES(dst), nd, sh, dst_st, item,
+                                   PyArray_BYTES(src), snd, src_sh, src_st,
+                                   (size_t)PyArray_ITEMSIZE(src))) {
+            if (nsrc > 1) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of %s[%zd] (some elements of the input and the output "
+                             "may refer to a single memory location); use a separate output "
+                             "array", argname, srcname, i);
+            } else {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of %s (some elements of the input and the output may "
+                             "refer to a single memory location); use a separate output "
+                             "array", argname, srcname);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Refuse out[i] and out[j] (i < j) sharing memory: each is written by its
+ * own job, possibly at the same time, so the result would be undefined. */
+static int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n)
+{
+    char name[48];
+    for (Py_ssize_t j = 1; j < n; j++) {
+        PyOS_snprintf(name, sizeof name, "out[%zd]", j);
+        for (Py_ssize_t i = 0; i < j; i++) {
+            int64_t a_sh[DP_MAXDIMS], a_st[DP_MAXDIMS], b_sh[DP_MAXDIMS], b_st[DP_MAXDIMS];
+            for (int d = 0; d < PyArray_NDIM(outs[i]); d++) {
+                a_sh[d] = PyArray_DIM(outs[i], d);
+                a_st[d] = PyArray_STRIDE(outs[i], d);
+            }
+            for (int d = 0; d < PyArray_NDIM(outs[j]); d++) {
+                b_sh[d] = PyArray_DIM(outs[j], d);
+                b_st[d] = PyArray_STRIDE(outs[j], d);
+            }
+            if (dp_layouts_may_overlap(PyArray_BYTES(outs[i]), PyArray_NDIM(outs[i]), a_sh,
+                                       a_st, (size_t)PyArray_ITEMSIZE(outs[i]),
+                                       PyArray_BYTES(outs[j]), PyArray_NDIM(outs[j]), b_sh,
+                                       b_st, (size_t)PyArray_ITEMSIZE(outs[j]))) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of out[%zd]; pass separate output arrays", name, i);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 typedef struct {
     copy_job *jobs;
     Py_ssize_t n;
@@ -399,7 +482,15 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
             PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
             goto done;
         }
+        char name[48];
+        PyOS_snprintf(name, sizeof name, "out[%zd]", i);
+        if (check_out_overlap(outs[i], &src, 1, name, "array") < 0) {
+            goto done;
+        }
         total += PyArray_DIM(outs[i], dim);
+    }
+    if (check_outs_disjoint(outs, n) < 0) {
+        goto done;
     }
     if (total != PyArray_DIM(src, dim)) {
         PyErr_Format(PyExc_ValueError,
@@ -638,6 +729,9 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         }
         if (!PyArray_ISWRITEABLE(out)) {
             PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
+            return NULL;
+        }
+        if (check_out_overlap(out, parts, n, "out", argname) < 0) {
             return NULL;
         }
         Py_INCREF(out);
@@ -923,7 +1017,8 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     if (out_obj != Py_None) {
-        if (arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0) {
+        if (arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0 ||
+            check_outs_disjoint(outs, nout) < 0) {
             goto done;
         }
         for (Py_ssize_t i = 0; i < nout; i++) {
@@ -936,6 +1031,11 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
             }
             if (!PyArray_ISWRITEABLE(outs[i])) {
                 PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
+                goto done;
+            }
+            char name[48];
+            PyOS_snprintf(name, sizeof name, "out[%zd]", i);
+            if (check_out_overlap(outs[i], &arr, 1, name, "array") < 0) {
                 goto done;
             }
             if (jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr),
