@@ -13,7 +13,8 @@
  * replica is a shallow copy of every object on a path to an array, with the
  * arrays swapped for that device's copies. Everything else is shared.
  *
- * parallel_apply: replica i runs on the persistent worker of its device,
+ * parallel_apply: replica i runs on a persistent worker thread of its device
+ * (a device has more than one when its jobs overlap, pool.h),
  * which takes the GIL and enters a copy of the caller's contextvars context
  * (the analogue of PyTorch copying grad mode, spec 6.2). The caller waits
  * with the GIL released, in 50 ms slices so that Ctrl-C still works.
@@ -2136,8 +2137,9 @@ PyDoc_STRVAR(parallel_apply_doc,
 "the caller's contextvars context (numpy.errstate etc. apply, like PyTorch\n"
 "copying grad mode, spec 6.2). With one module, or when called from inside\n"
 "a replica running on a worker, the calls run inline in the caller thread.\n"
-"Replicas sharing a device (e.g. ['cpu:0', 'cpu:0']) run one after another\n"
-"on that device's worker. Ctrl-C while waiting raises KeyboardInterrupt in\n"
+"Replicas sharing a device (e.g. ['cpu:0', 'cpu:0']) run at the same time on\n"
+"threads of that device (like PyTorch's one thread per replica; the GIL is\n"
+"shared as usual). Ctrl-C while waiting raises KeyboardInterrupt in\n"
 "the running replicas, waits for them, and re-raises it.\n"
 "Errors: ValueError 'parallel_apply: the number of modules (M) is not equal\n"
 "to the number of inputs (N)' (likewise kwargs_tup and devices); the first\n"

@@ -164,3 +164,33 @@ def test_f06_sliced_and_transposed_out_still_accepted():
     assert np.array_equal(out, x)
     outT = np.zeros((6, 4)).T
     assert np.array_equal(dpmini.comm.gather([x[:2], x[2:]], out=outT), x)
+
+
+# --- f07: a device has more than one thread to wait on -----------------------
+
+def test_f07_replica_handing_work_to_a_helper_thread_does_not_deadlock():
+    run_script("""
+        import numpy as np, dpmini
+        from concurrent.futures import ThreadPoolExecutor
+        ex = ThreadPoolExecutor(1)
+        big = np.ones(100000)               # > 256 KiB: goes to the device workers
+        def replica(x):
+            f = ex.submit(dpmini.comm.broadcast, big, ["cpu:0", "cpu:1"])
+            return x + f.result()[1][:1]
+        y = dpmini.DataParallel(replica, ["cpu:0", "cpu:1"])(np.ones(4))
+        assert np.array_equal(y, np.full(4, 2.0)), y
+        print("OK")
+    """, timeout=30)
+
+
+def test_f07_replicas_on_a_repeated_device_run_concurrently():
+    run_script("""
+        import threading, numpy as np, dpmini
+        barrier = threading.Barrier(2, timeout=10)   # each replica waits for the other
+        def replica(x):
+            barrier.wait()
+            return x * 2
+        y = dpmini.DataParallel(replica, ["cpu:0", "cpu:0"])(np.arange(4.0))
+        assert np.array_equal(y, np.arange(4.0) * 2), y
+        print("OK")
+    """, timeout=30)
