@@ -1353,7 +1353,8 @@ static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     PyArrayObject *arr;
-    if (PyList_Check(obj) || PyTuple_Check(obj) || PyNumber_Check(obj)) {
+    if (!PyArray_Check(obj) &&
+        (PyList_Check(obj) || PyTuple_Check(obj) || PyNumber_Check(obj))) {
         /* Nested lists and Python numbers, as numpy.asarray takes them. */
         arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
         if (arr != NULL && PyDataType_REFCHK(PyArray_DESCR(arr))) {

@@ -644,7 +644,18 @@ static int rep_classify(dp_state *st, PyObject *o)
         return RK_ERROR;
     }
     if (r > 0) {
-        return RK_ARRAY;
+        /* Shared by reference, as PyTorch shares a module's non-parameter
+         * attributes: object-dtype arrays (they cannot be copied between
+         * devices), and MaskedArray / matrix (a plain copy would lose their
+         * meaning). */
+        if (PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)o))) {
+            return RK_LEAF;
+        }
+        r = dp_refused_array_subclass(o, NULL);
+        if (r < 0) {
+            return RK_ERROR;
+        }
+        return r ? RK_LEAF : RK_ARRAY;
     }
     if (PyList_Check(o)) {
         return PyList_CheckExact(o) ? RK_LIST : RK_LIST_SUB;

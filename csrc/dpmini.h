@@ -155,6 +155,15 @@ dp_device dp_array_device(dp_state *st, PyArrayObject *a);
  * included)? NumPy scalars and Python numbers are not. */
 int dp_is_array_leaf(dp_state *st, PyObject *obj);
 
+/* The ndarray subclasses dpmini refuses as array leaves, because plain
+ * chunks would silently change their meaning: numpy.ma.MaskedArray (the mask
+ * would be lost) and numpy.matrix (its operators). Other subclasses (memmap,
+ * recarray, user subclasses) are accepted; their chunks and gathered results
+ * are plain ndarrays. Returns 1 for a refused one (with TypeError naming
+ * argname and what to do when argname is not NULL; no exception when it is
+ * NULL), 0 otherwise, -1 with an exception set. */
+int dp_refused_array_subclass(PyObject *obj, const char *argname);
+
 /* obj (ndarray, buffer-protocol object or __array_interface__ object) as an
  * ndarray without a copy. Refuses object dtypes and, with min_ndim 1,
  * 0-dim arrays ("argname: chunk expects at least a 1-dimensional array"). */

@@ -1184,6 +1184,8 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
         arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
                                          : PyArray_FromScalar(vals[i], NULL);
         if (arrs[i] == NULL)
