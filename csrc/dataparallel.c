@@ -174,31 +174,16 @@ static void restore_exception(PyObject *exc)
 }
 
 /* msg as a str whose repr() is itself, so that str(KeyError(m)) shows the
- * text unquoted (PyTorch's KeyErrorMessage, spec 6.5). Falls back to msg. */
-static PyObject *keyerror_message(PyObject *msg)
+ * text unquoted (PyTorch's KeyErrorMessage, spec 6.5): an instance of the
+ * module's dpmini._dpmini._KeyErrorMessage, which pickles by name. Falls
+ * back to msg. */
+static PyObject *keyerror_message(dp_state *st, PyObject *msg)
 {
-    PyObject *str_str = NULL, *ns = NULL, *tp = NULL, *res = NULL;
-    str_str = PyObject_GetAttrString((PyObject *)&PyUnicode_Type, "__str__");
-    ns = Py_BuildValue("{sOss}", "__repr__", str_str ? str_str : Py_None,
-                       "__module__", "dpmini");
-    if (str_str == NULL || ns == NULL) {
-        goto fail;
-    }
-    /* Made per error (rare); a str subclass with __repr__ = str.__str__. */
-    tp = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O)O", "KeyErrorMessage",
-                               (PyObject *)&PyUnicode_Type, ns);
-    if (tp == NULL) {
-        goto fail;
-    }
-    res = PyObject_CallOneArg(tp, msg);
-fail:
+    PyObject *res = PyObject_CallOneArg(st->KeyErrorMessage, msg);
     if (res == NULL) {
         PyErr_Clear();
         res = Py_NewRef(msg);
     }
-    Py_XDECREF(str_str);
-    Py_XDECREF(ns);
-    Py_XDECREF(tp);
     return res;
 }
 
@@ -265,7 +250,7 @@ static void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_de
     }
 
     if (tp == PyExc_KeyError) {
-        arg = keyerror_message(msg);
+        arg = keyerror_message(st, msg);
     } else {
         arg = Py_NewRef(msg);
     }

@@ -571,11 +571,17 @@ static PyObject *device_repr(PyObject *op)
     return PyUnicode_FromFormat("dpmini.Device('%s')", name);
 }
 
+/* hash(d) == hash(str(d)), since d == str(d): a dict or set keyed by
+ * devices finds them by their spelling too. */
 static Py_hash_t device_hash(PyObject *op)
 {
-    dp_device d = ((dp_DeviceObject *)op)->dev;
-    Py_hash_t h = (Py_hash_t)(d.kind * 1000003 + d.index + 7);
-    return h == -1 ? -2 : h;
+    PyObject *s = device_str(op);
+    if (s == NULL) {
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(s);
+    Py_DECREF(s);
+    return h;
 }
 
 static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
@@ -587,13 +593,18 @@ static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
     if (Py_TYPE(b) == Py_TYPE(a) || PyObject_TypeCheck(b, Py_TYPE(a))) {
         db = ((dp_DeviceObject *)b)->dev;
     } else if (PyUnicode_Check(b)) {
-        const char *s = PyUnicode_AsUTF8(b);
+        /* Only the canonical spelling str(a) is equal, so that equal objects
+         * hash equal ("cuda" names cuda:0 but is not == Device('cuda:0')). */
+        PyObject *s = device_str(a);
         if (s == NULL) {
             return NULL;
         }
-        if (parse_device_text(s, &db) < 0) {
-            Py_RETURN_NOTIMPLEMENTED;
+        int eq = PyUnicode_Compare(s, b) == 0;
+        Py_DECREF(s);
+        if (PyErr_Occurred()) {
+            return NULL;
         }
+        return PyBool_FromLong(op == Py_EQ ? eq : !eq);
     } else {
         Py_RETURN_NOTIMPLEMENTED;
     }

@@ -55,6 +55,8 @@ typedef struct {
     PyObject *copy_copy;             /* copy.copy                          */
     PyObject *dataclasses_fields;    /* dataclasses.fields                 */
     PyObject *format_exception;      /* traceback.format_exception         */
+    PyObject *KeyErrorMessage;       /* dpmini._dpmini._KeyErrorMessage(str):
+                                        repr() is the text itself (spec 6.5) */
 } dp_state;
 
 extern struct PyModuleDef dp_module_def;

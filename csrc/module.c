@@ -86,6 +86,33 @@ static PyObject *import_attr(const char *module, const char *attr)
     return res;
 }
 
+/* dpmini._dpmini._KeyErrorMessage: a str whose repr() is itself, so that
+ * str(KeyError(msg)) shows a replica's traceback unquoted (PyTorch's
+ * torch._utils.KeyErrorMessage). Made once, reachable by name for pickle. */
+static int add_keyerror_message(PyObject *m, PyObject **slot)
+{
+    PyObject *str_str = PyObject_GetAttrString((PyObject *)&PyUnicode_Type, "__str__");
+    if (str_str == NULL) {
+        return -1;
+    }
+    PyObject *ns = Py_BuildValue(
+        "{sOssssss}", "__repr__", str_str, "__module__", "dpmini._dpmini",
+        "__qualname__", "_KeyErrorMessage",
+        "__doc__", "str subclass whose repr() is the text itself (for KeyError messages).");
+    Py_DECREF(str_str);
+    if (ns == NULL) {
+        return -1;
+    }
+    PyObject *tp = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O)O", "_KeyErrorMessage",
+                                         (PyObject *)&PyUnicode_Type, ns);
+    Py_DECREF(ns);
+    if (tp == NULL) {
+        return -1;
+    }
+    *slot = tp;
+    return PyModule_AddObjectRef(m, "_KeyErrorMessage", tp);
+}
+
 static int dp_exec(PyObject *m)
 {
     dp_state *st = dp_state_from_module(m);
@@ -117,7 +144,8 @@ static int dp_exec(PyObject *m)
     st->dataclasses_fields = import_attr("dataclasses", "fields");
     st->format_exception = import_attr("traceback", "format_exception");
     if (st->copy_copy == NULL || st->dataclasses_fields == NULL ||
-        st->format_exception == NULL) {
+        st->format_exception == NULL ||
+        add_keyerror_message(m, &st->KeyErrorMessage) < 0) {
         return -1;
     }
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
@@ -146,6 +174,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->copy_copy);
     Py_VISIT(st->dataclasses_fields);
     Py_VISIT(st->format_exception);
+    Py_VISIT(st->KeyErrorMessage);
     return 0;
 }
 
@@ -162,6 +191,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->copy_copy);
     Py_CLEAR(st->dataclasses_fields);
     Py_CLEAR(st->format_exception);
+    Py_CLEAR(st->KeyErrorMessage);
     return 0;
 }
 

@@ -257,3 +257,32 @@ def test_f10_object_array_input_is_still_a_type_error_naming_the_path():
     objs = np.array([object(), object()], dtype=object)
     with pytest.raises(TypeError, match=r"^kwargs\['x'\]: arrays holding Python objects"):
         dpmini.DataParallel(lambda x: x, D2)(x=objs)
+
+
+# --- f11: a replica's KeyError pickles ---------------------------------------
+
+def test_f11_wrapped_keyerror_pickles_and_keeps_its_text():
+    import pickle
+
+    def f(x):
+        raise KeyError("k")
+    with pytest.raises(KeyError) as info:
+        dpmini.DataParallel(f, D2)(np.ones(4))
+    e = info.value
+    assert type(e.args[0]) is dpmini._dpmini._KeyErrorMessage
+    assert dpmini._dpmini._KeyErrorMessage.__module__ == "dpmini._dpmini"
+    assert str(e).startswith("Caught KeyError in replica 0 on device cpu:0.\nOriginal Traceback")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is KeyError and str(back) == str(e)
+
+
+# --- f12: Device hash agrees with its string equality ------------------------
+
+def test_f12_device_hash_equals_hash_of_its_spelling():
+    for spec in ["cpu", "cpu:0", "cpu:1", "cpu:255"]:
+        d = dpmini.Device(spec)
+        assert d == spec and hash(d) == hash(spec) == hash(str(d))
+    assert "cpu:1" in {dpmini.Device("cpu:1")}
+    assert {"cpu:1": 1}[dpmini.Device("cpu:1")] == 1
+    assert dpmini.Device(-1) == "cpu" and hash(dpmini.Device(-1)) == hash("cpu")
+    assert dpmini.Device("cpu:1") != "cpu:01"       # only the canonical spelling
