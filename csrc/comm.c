@@ -523,18 +523,24 @@ done:
 }
 
 PyDoc_STRVAR(comm_scatter_doc,
-"scatter(array, devices=None, chunk_sizes=None, dim=0, out=None) -> tuple\n--\n\n"
+"scatter(array, devices=None, chunk_sizes=None, dim=0, out=None)\n"
+"--\n"
+"\n"
+"Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
 "Split `array` along `dim` and copy chunk i to devices[i] (torch.cuda.comm.scatter,\n"
-"spec 8.5). array: ndarray, buffer-protocol or __array_interface__ object, ndim >= 1,\n"
-"any non-object dtype, any strides. Without chunk_sizes the rule is torch.chunk:\n"
-"split = ceil(n / k) elements per chunk with a shorter last one, so there may be\n"
-"fewer chunks than devices; n == 0 gives k empty chunks. chunk_sizes: one size per\n"
-"device (elements along dim, >= 0, summing to n). A chunk whose device is the\n"
-"array's own device is a view; others are copies (dense chunks keep their strides,\n"
-"others are C-contiguous). out: preallocated arrays to fill instead of devices and\n"
-"chunk_sizes. The copies run on the device threads with the GIL released.\n"
-"Raises ValueError (no devices, bad chunk_sizes, out mismatches), TypeError (not an\n"
-"array, object dtype), IndexError (dim out of range).");
+"spec 8.5). array: ndarray, buffer-protocol object (bytes read as 1-D uint8) or\n"
+"__array_interface__ object, ndim >= 1, any non-object dtype, any strides. Without\n"
+"chunk_sizes the rule is torch.chunk: split = ceil(n / k) elements per chunk with a\n"
+"shorter last one, so there may be fewer chunks than devices; n == 0 gives k empty\n"
+"chunks. chunk_sizes: one int per device (elements along dim, >= 0, summing to n).\n"
+"A chunk whose device is the array's own device is a view; others are copies (dense\n"
+"chunks keep their strides, others are C-contiguous). out: a sequence of preallocated\n"
+"arrays to fill instead of devices and chunk_sizes. The copies run on the device\n"
+"threads with the GIL released.\n"
+"Raises ValueError (no devices, bad chunk_sizes naming chunk_sizes[i], out\n"
+"mismatches, an out[i] overlapping array, another out[j] or itself), TypeError (not\n"
+"an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
+"IndexError (dim out of range).");
 
 static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -854,16 +860,21 @@ static void arrays_free(PyArrayObject **arrs, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(comm_gather_doc,
-"gather(arrays, dim=0, destination=None, out=None) -> ndarray\n--\n\n"
+"gather(arrays, dim=0, destination=None, out=None)\n"
+"--\n"
+"\n"
+"Returns the gathered ndarray (out itself when given).\n"
 "Concatenate arrays along dim onto one device (torch.cuda.comm.gather, spec 4.6-4.8).\n"
 "arrays: a non-empty sequence of arrays of equal ndim whose sizes agree except along\n"
 "dim; dim may be negative (wrapped against arrays[0]). destination: 'cpu' or None\n"
 "(the host; -1 also, with a FutureWarning), 'cpu:N' or a CUDA device. The result is a\n"
-"fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast). out: an\n"
-"array of the gathered shape, written in place and returned (then destination must\n"
-"be None). Copies run on the device threads with the GIL released.\n"
+"fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast), from\n"
+"dpmini's caching allocator. out: an ndarray of the gathered shape, written in place\n"
+"and returned (then destination must be None). Copies run on the device threads with\n"
+"the GIL released.\n"
 "Raises ValueError (empty list, shape or rank mismatch, out mismatch, out with\n"
-"destination, read-only out), IndexError (dim), TypeError (not arrays).");
+"destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
+"TypeError (not arrays, object dtype, MaskedArray/matrix).");
 
 static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -984,12 +995,17 @@ fail:
 }
 
 PyDoc_STRVAR(comm_broadcast_doc,
-"broadcast(array, devices=None, out=None) -> tuple\n--\n\n"
+"broadcast(array, devices=None, out=None)\n"
+"--\n"
+"\n"
+"Returns a tuple with one array per device (or out's arrays).\n"
 "Copy array to every device (torch.cuda.comm.broadcast, spec 8.1). Exactly one of\n"
 "devices / out. The entry for the array's own device is the array itself; the others\n"
 "are copies (dense layouts keep their strides). out: arrays of the same shape and dtype\n"
-"to fill in place. Raises ValueError (both or neither of devices/out, shape mismatch,\n"
-"read-only out), TypeError (not an array, object dtype).");
+"to fill in place.\n"
+"Raises ValueError (both or neither of devices/out, shape mismatch, read-only out,\n"
+"out[i] overlapping array, another out[j] or itself), TypeError (not an array, object\n"
+"dtype, MaskedArray/matrix).");
 
 static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1103,13 +1119,18 @@ static int parse_buffer_size(PyObject *obj, size_t *out)
 }
 
 PyDoc_STRVAR(comm_broadcast_coalesced_doc,
-"broadcast_coalesced(arrays, devices, buffer_size=10485760) -> list of lists\n--\n\n"
-"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, spec 5.3).\n"
-"Returns one list per device, in the order of arrays. Entries for an array's own\n"
-"device are the array itself (PyTorch requires all arrays on devices[0]; dpmini\n"
-"accepts them anywhere and copies to devices[0] too when needed). buffer_size (bytes,\n"
-"> 0) is validated for compatibility: on CPU devices all copies already run in one\n"
-"batched pass, so no flat staging buffer is used. Raises ValueError, TypeError.");
+"broadcast_coalesced(arrays, devices, buffer_size=10485760)\n"
+"--\n"
+"\n"
+"Returns a list of lists: entry d holds every array's copy on devices[d].\n"
+"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, spec 5.3), in\n"
+"the order of arrays. Entries for an array's own device are the array itself (PyTorch\n"
+"requires all arrays on devices[0]; dpmini accepts them anywhere and copies to\n"
+"devices[0] too when needed). buffer_size (bytes, > 0) is validated for\n"
+"compatibility: on CPU devices all copies already run in one batched pass, so no flat\n"
+"staging buffer is used.\n"
+"Raises ValueError (no devices, bad buffer_size), TypeError (not arrays, object\n"
+"dtype).");
 
 static PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1203,12 +1224,17 @@ done:
 }
 
 PyDoc_STRVAR(comm_reduce_add_doc,
-"reduce_add(arrays, destination=None) -> ndarray\n--\n\n"
-"Sum arrays of one shape onto destination (torch.cuda.comm.reduce_add, spec 8.3): the\n"
-"sum is (a0 + a1) + a2 ..., in index order, with arrays[0]'s dtype. destination None:\n"
-"the device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
-"returned as is. Raises ValueError (empty, size mismatch: 'input i has invalid size'),\n"
-"TypeError (not arrays, object dtype).");
+"reduce_add(arrays, destination=None)\n"
+"--\n"
+"\n"
+"Returns the sum as an ndarray on destination.\n"
+"Sum arrays of one shape and one dtype onto destination (torch.cuda.comm.reduce_add,\n"
+"spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
+"device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
+"returned as is.\n"
+"Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
+"arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
+"dtypes).");
 
 static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1239,11 +1265,15 @@ static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 PyDoc_STRVAR(comm_reduce_add_coalesced_doc,
-"reduce_add_coalesced(per_device, destination=None, buffer_size=10485760) -> tuple\n--\n\n"
-"per_device[d][t] is array t on device d; returns a tuple whose entry t is the sum over\n"
-"d (torch.cuda.comm.reduce_add_coalesced, spec 8.4; the rule of reduce_add for each t).\n"
-"All inner sequences must have the same length. buffer_size (bytes, > 0) is validated\n"
-"for compatibility. Raises ValueError, TypeError.");
+"reduce_add_coalesced(per_device, destination=None, buffer_size=10485760)\n"
+"--\n"
+"\n"
+"Returns a tuple whose entry t is the sum over d of per_device[d][t].\n"
+"per_device[d][t] is array t on device d (torch.cuda.comm.reduce_add_coalesced, spec\n"
+"8.4; the rule of reduce_add for each t). All inner sequences must have the same\n"
+"length. buffer_size (bytes, > 0) is validated for compatibility.\n"
+"Raises ValueError (empty, lengths or sizes that differ, bad buffer_size), TypeError\n"
+"(as reduce_add).");
 
 static PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1335,11 +1365,20 @@ done:
 /* ------------------------------------------------------------------ */
 
 PyDoc_STRVAR(asarray_doc,
-"asarray(obj, device=None) -> ndarray\n--\n\n"
-"obj (ndarray, buffer-protocol or __array_interface__ object, nested list or number;\n"
-"any shape, non-object dtype) as an ndarray without a copy; with device ('cpu', 'cpu:N', ...), a copy on that\n"
-"device unless obj already lives there (then obj itself). Dense layouts keep their\n"
-"strides. Raises TypeError (not an array, object dtype), ValueError (bad device).");
+"asarray(obj, device=None)\n"
+"--\n"
+"\n"
+"Returns an ndarray (on device when one is given).\n"
+"obj as an ndarray without a copy, like numpy.asarray: an ndarray (subclasses other\n"
+"than MaskedArray and matrix are accepted), a buffer-protocol object (bytes,\n"
+"bytearray, memoryview, array.array: read through a memoryview, so bytes become a 1-D\n"
+"uint8 array), an __array_interface__ / __array_struct__ object, a nested list or a\n"
+"number; any shape, non-object dtype. With device ('cpu', 'cpu:N', a CUDA device or a\n"
+"dpmini.Device), a copy on that device (from dpmini's caching allocator) unless obj\n"
+"already lives there (then the array itself). Dense layouts keep their strides.\n"
+"Rule source: torch.as_tensor(obj, device=device) (a copy only when needed).\n"
+"Raises TypeError (not an array, object dtype, MaskedArray/matrix), ValueError\n"
+"(ragged nested lists: 'obj: ...', bad device).");
 
 static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1390,19 +1429,25 @@ done:
 }
 
 PyMethodDef dp_comm_methods[] = {
-    {"comm_scatter", (PyCFunction)(void (*)(void))comm_scatter, METH_VARARGS | METH_KEYWORDS,
-     comm_scatter_doc},
-    {"comm_gather", (PyCFunction)(void (*)(void))comm_gather, METH_VARARGS | METH_KEYWORDS,
-     comm_gather_doc},
-    {"comm_broadcast", (PyCFunction)(void (*)(void))comm_broadcast,
-     METH_VARARGS | METH_KEYWORDS, comm_broadcast_doc},
-    {"comm_broadcast_coalesced", (PyCFunction)(void (*)(void))comm_broadcast_coalesced,
-     METH_VARARGS | METH_KEYWORDS, comm_broadcast_coalesced_doc},
-    {"comm_reduce_add", (PyCFunction)(void (*)(void))comm_reduce_add,
-     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_doc},
-    {"comm_reduce_add_coalesced", (PyCFunction)(void (*)(void))comm_reduce_add_coalesced,
-     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_coalesced_doc},
     {"asarray", (PyCFunction)(void (*)(void))py_asarray, METH_VARARGS | METH_KEYWORDS,
      asarray_doc},
+    {NULL},
+};
+
+/* The functions of dpmini.comm (module.c makes the submodule; self is the
+ * dpmini._dpmini module). */
+PyMethodDef dp_comm_submodule_methods[] = {
+    {"scatter", (PyCFunction)(void (*)(void))comm_scatter, METH_VARARGS | METH_KEYWORDS,
+     comm_scatter_doc},
+    {"gather", (PyCFunction)(void (*)(void))comm_gather, METH_VARARGS | METH_KEYWORDS,
+     comm_gather_doc},
+    {"broadcast", (PyCFunction)(void (*)(void))comm_broadcast,
+     METH_VARARGS | METH_KEYWORDS, comm_broadcast_doc},
+    {"broadcast_coalesced", (PyCFunction)(void (*)(void))comm_broadcast_coalesced,
+     METH_VARARGS | METH_KEYWORDS, comm_broadcast_coalesced_doc},
+    {"reduce_add", (PyCFunction)(void (*)(void))comm_reduce_add,
+     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_doc},
+    {"reduce_add_coalesced", (PyCFunction)(void (*)(void))comm_reduce_add_coalesced,
+     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_coalesced_doc},
     {NULL},
 };

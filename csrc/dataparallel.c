@@ -1953,7 +1953,10 @@ PyDoc_STRVAR(dp_replicate_doc,
 "replicate(module, device_ids)\n--\n\n"
 "dpmini.replicate(module, device_ids): one replica of module per device, as\n"
 "a list (shallow copies holding each device's copies of the module's arrays;\n"
-"the module itself when it holds none). See dpmini.replicate.");
+"the module itself when it holds none). See dpmini.replicate.\n"
+"Errors: ValueError for a bad device list (empty entries, the host, a CUDA\n"
+"device that does not exist), TypeError for a device of the wrong type or\n"
+"when an object holding arrays cannot be copied (copy.copy fails).");
 
 static PyObject *DataParallel_replicate(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -1971,7 +1974,12 @@ PyDoc_STRVAR(dp_parallel_apply_doc,
 "parallel_apply(replicas, inputs, kwargs=None)\n--\n\n"
 "dpmini.parallel_apply(replicas, inputs, kwargs, self.device_ids[:len(replicas)]):\n"
 "replica i runs as replicas[i](*inputs[i], **kwargs[i]) on device_ids[i]'s\n"
-"worker thread; results in replica order. See dpmini.parallel_apply.");
+"worker thread; results in replica order. See dpmini.parallel_apply.\n"
+"Errors: RuntimeError when DataParallel.__init__ was not called; ValueError\n"
+"'parallel_apply: the number of modules (M) is not equal to the number of\n"
+"inputs (N)' (likewise kwargs); TypeError for inputs/kwargs of the wrong\n"
+"type; a failing replica's exception re-raised as 'Caught T in replica i on\n"
+"device d.' with the original as __cause__ (spec 6.5).");
 
 static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObject *args,
                                              PyObject *kwargs)
@@ -2164,7 +2172,14 @@ PyDoc_STRVAR(data_parallel_doc,
 "replicate, parallel_apply, gather). inputs: a tuple of positional arguments;\n"
 "anything else is one argument (a list counts as ONE argument), None means\n"
 "none. module_kwargs: None or a dict. device_ids/output_device/dim as for\n"
-"DataParallel. Errors: as DataParallel.");
+"DataParallel.\n"
+"Errors: TypeError when module is not callable or module_kwargs is not a\n"
+"dict; ValueError for bad device_ids/output_device (empty, the host in\n"
+"device_ids, a missing CUDA device), 0-dim array inputs, or (as\n"
+"DataParallel) structure mismatches in the outputs; IndexError for a dim out\n"
+"of range; TypeError/OverflowError for a dim that is not an int; a failing\n"
+"replica's exception as 'Caught T in replica i on device d.' (spec 6.5).\n"
+"Different chunk counts warn dpmini.SplitWarning (no strict here).");
 
 static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
 {

@@ -751,25 +751,26 @@ static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
 
 PyMethodDef dp_device_methods[] = {
     {"device_count", py_device_count, METH_NOARGS,
-     "device_count() -> int\n\nNumber of CUDA devices dpmini can use (0 without a GPU, a "
+     "device_count()\n--\n\nReturns an int: the number of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},
     {"cpu_device_count", py_cpu_device_count, METH_NOARGS,
-     "cpu_device_count() -> int\n\nNumber of virtual CPU devices ('cpu:0'..) that "
+     "cpu_device_count()\n--\n\nReturns an int: the number of virtual CPU devices ('cpu:0'..) that "
      "DataParallel uses when device_ids is None and there is no GPU: $DPMINI_CPU_DEVICES "
      "when set (1..256), else the number of usable cores, at least 2."},
     {"device_of", py_device_of, METH_O,
-     "device_of(array) -> Device\n\nThe device that owns an ndarray's memory: the dpmini "
+     "device_of(array)\n--\n\nReturns a dpmini.Device: the device that owns an ndarray's memory: the dpmini "
      "device for arrays dpmini allocated (and views of them), else the host ('cpu').\n"
+     "Rule source: torch.Tensor.device (a view lives where its base's memory lives).\n"
      "Raises TypeError when array is not a numpy.ndarray."},
     {"memory_allocated", py_memory_allocated, METH_O,
-     "memory_allocated(device) -> int\n\nBytes (rounded to the allocator's block sizes) "
+     "memory_allocated(device)\n--\n\nReturns an int: bytes (rounded to the allocator's block sizes) "
      "held by live dpmini arrays on a device ('cpu' counts dpmini's host allocations "
      "only). Source: torch.cuda.memory_allocated."},
     {"memory_reserved", py_memory_reserved, METH_O,
-     "memory_reserved(device) -> int\n\nmemory_allocated plus the bytes the caching "
+     "memory_reserved(device)\n--\n\nReturns an int: memory_allocated plus the bytes the caching "
      "allocator keeps for reuse on that device. Source: torch.cuda.memory_reserved."},
     {"empty_cache", py_empty_cache, METH_NOARGS,
-     "empty_cache() -> None\n\nReturn every cached block of every device to the system. "
+     "empty_cache()\n--\n\nReturn every cached block of every device to the system. "
      "Source: torch.cuda.empty_cache."},
     {NULL},
 };

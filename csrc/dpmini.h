@@ -249,6 +249,7 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
 
 extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
+extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
 extern PyMethodDef dp_tree_methods[];         /* tree.c     */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyType_Spec dp_device_spec;            /* device.c   */

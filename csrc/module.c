@@ -113,6 +113,34 @@ static int add_keyerror_message(PyObject *m, PyObject **slot)
     return PyModule_AddObjectRef(m, "_KeyErrorMessage", tp);
 }
 
+/* dpmini._dpmini.comm: a module object holding the torch.cuda.comm
+ * counterparts, named as in PyTorch, with __module__ 'dpmini.comm' (which
+ * re-exports them) and the main module as their self (for the state). */
+static int add_comm_submodule(PyObject *m)
+{
+    PyObject *sub = PyModule_New("dpmini.comm");
+    PyObject *modname = PyUnicode_FromString("dpmini.comm");
+    int rc = -1;
+    if (sub == NULL || modname == NULL ||
+        PyModule_SetDocString(sub, "torch.cuda.comm for NumPy arrays on dpmini devices "
+                                   "(spec section 8); see each function's docstring.") < 0) {
+        goto done;
+    }
+    for (PyMethodDef *def = dp_comm_submodule_methods; def->ml_name != NULL; def++) {
+        PyObject *fn = PyCFunction_NewEx(def, m, modname);
+        if (fn == NULL || PyModule_AddObjectRef(sub, def->ml_name, fn) < 0) {
+            Py_XDECREF(fn);
+            goto done;
+        }
+        Py_DECREF(fn);
+    }
+    rc = PyModule_AddObjectRef(m, "comm", sub);
+done:
+    Py_XDECREF(sub);
+    Py_XDECREF(modname);
+    return rc;
+}
+
 static int dp_exec(PyObject *m)
 {
     dp_state *st = dp_state_from_module(m);
@@ -151,7 +179,8 @@ static int dp_exec(PyObject *m)
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
         PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
         PyModule_AddFunctions(m, dp_tree_methods) < 0 ||
-        PyModule_AddFunctions(m, dp_dataparallel_methods) < 0) {
+        PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
+        add_comm_submodule(m) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||

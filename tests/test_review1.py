@@ -286,3 +286,39 @@ def test_f12_device_hash_equals_hash_of_its_spelling():
     assert {"cpu:1": 1}[dpmini.Device("cpu:1")] == 1
     assert dpmini.Device(-1) == "cpu" and hash(dpmini.Device(-1)) == hash("cpu")
     assert dpmini.Device("cpu:1") != "cpu:01"       # only the canonical spelling
+
+
+# --- f13: signatures and the dpmini.comm submodule ---------------------------
+
+COMM_NAMES = ["scatter", "gather", "broadcast", "broadcast_coalesced", "reduce_add",
+              "reduce_add_coalesced"]
+
+
+@pytest.mark.parametrize("name", COMM_NAMES)
+def test_f13_comm_functions_have_signatures_and_names(name):
+    import inspect
+    import pickle
+    fn = getattr(dpmini.comm, name)
+    assert fn is getattr(dpmini._dpmini.comm, name)
+    assert fn.__name__ == name and fn.__module__ == "dpmini.comm"
+    sig = inspect.signature(fn)
+    assert list(sig.parameters)[0] in ("array", "arrays", "per_device")
+    assert "--" not in fn.__doc__.splitlines()[:2]
+    assert "Raises" in fn.__doc__
+    assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+def test_f13_every_public_function_has_a_signature():
+    import inspect
+    for name in dpmini.__all__:
+        obj = getattr(dpmini, name)
+        if callable(obj) and not isinstance(obj, type):
+            inspect.signature(obj)
+    for meth in ["forward", "scatter", "replicate", "parallel_apply", "gather"]:
+        inspect.signature(getattr(dpmini.DataParallel, meth))
+    assert list(inspect.signature(dpmini.asarray).parameters) == ["obj", "device"]
+    assert "Rule source" in dpmini.asarray.__doc__
+    assert "Rule source" in dpmini.device_of.__doc__
+    assert "Errors" in dpmini.DataParallel.replicate.__doc__
+    assert "Errors" in dpmini.DataParallel.parallel_apply.__doc__
+    assert "TypeError when module is not callable" in dpmini.data_parallel.__doc__
