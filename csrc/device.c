@@ -26,7 +26,8 @@
 
 #define DP_ALIGN 64
 #define DP_HUGE_ALIGN ((size_t)2 << 20)            /* 2 MiB: transparent huge pages */
-#define DP_CACHE_LIMIT_DEFAULT ((size_t)4 << 30)   /* bytes cached per device       */
+#define DP_CACHE_LIMIT_DEFAULT ((size_t)1 << 30)   /* bytes cached per device; the
+                                                      $DPMINI_CACHE_LIMIT default */
 
 typedef struct dp_block {
     struct dp_block *next;
@@ -44,7 +45,10 @@ typedef struct {
  * in cuda/ and is accounted there. */
 static dp_heap heaps[1 + DP_POOL_MAX_INDEX];
 static pthread_mutex_t heap_mu = PTHREAD_MUTEX_INITIALIZER;
+/* Set once, with the GIL held, by the first dp_buffer_new (before any block
+ * can be freed); read by raw_free under heap_mu. */
 static size_t cache_limit = DP_CACHE_LIMIT_DEFAULT;
+static int cache_limit_read;
 
 static dp_heap *heap_of(dp_device d)
 {
@@ -155,8 +159,37 @@ typedef struct {
     size_t rounded;   /* size of the block taken from the heap */
 } BufferImpl;
 
+/* $DPMINI_CACHE_LIMIT: bytes each device's cache may hold (a non-negative
+ * decimal integer; 0 disables caching). Read once; an invalid value warns
+ * RuntimeWarning and keeps the default. GIL held. -1 if the warning raised. */
+static int read_cache_limit(void)
+{
+    if (cache_limit_read) {
+        return 0;
+    }
+    cache_limit_read = 1;
+    const char *env = getenv("DPMINI_CACHE_LIMIT");
+    if (env == NULL || *env == '\0') {
+        return 0;
+    }
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(env, &end, 10);
+    if (*env < '0' || *env > '9' || *end != '\0' || errno == ERANGE || v > SIZE_MAX) {
+        return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                "DPMINI_CACHE_LIMIT=%.50s is not a byte count (a non-negative "
+                                "integer); using the default, %zu bytes (1 GiB)",
+                                env, (size_t)DP_CACHE_LIMIT_DEFAULT);
+    }
+    cache_limit = (size_t)v;
+    return 0;
+}
+
 PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
 {
+    if (!cache_limit_read && read_cache_limit() < 0) {
+        return NULL;
+    }
     BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
     if (self == NULL) {
         return NULL;
@@ -303,10 +336,36 @@ int dp_cpu_device_count(void)
     return n < 2 ? 2 : (n > DP_POOL_MAX_INDEX ? DP_POOL_MAX_INDEX : n);
 }
 
+/* dp_cpu_device_count, warning RuntimeWarning when $DPMINI_CPU_DEVICES is
+ * set but not an int in 1..DP_POOL_MAX_INDEX (GIL held). -1 if the warning
+ * raised (warnings turned into errors). */
+static int cpu_device_count_checked(int *out)
+{
+    int n = dp_cpu_device_count();
+    const char *env = getenv("DPMINI_CPU_DEVICES");
+    if (env != NULL && *env != '\0') {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end != '\0' || v < 1 || v > DP_POOL_MAX_INDEX) {
+            if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                 "DPMINI_CPU_DEVICES=%.50s is not an int in 1..%d; using %d "
+                                 "virtual CPU devices (the usable cores, at least 2) instead",
+                                 env, DP_POOL_MAX_INDEX, n) < 0) {
+                return -1;
+            }
+        }
+    }
+    *out = n;
+    return 0;
+}
+
 int dp_default_devices(dp_state *st, dp_device **out, Py_ssize_t *n)
 {
     int ncuda = dp_cuda_device_count();
-    int count = ncuda > 0 ? ncuda : dp_cpu_device_count();
+    int count = ncuda;
+    if (ncuda <= 0 && cpu_device_count_checked(&count) < 0) {
+        return -1;
+    }
     dp_device *devs = PyMem_Malloc(sizeof(dp_device) * (size_t)count);
     if (devs == NULL) {
         PyErr_NoMemory();
@@ -689,7 +748,11 @@ static PyObject *py_device_count(PyObject *m, PyObject *unused)
 
 static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
 {
-    return PyLong_FromLong(dp_cpu_device_count());
+    int n;
+    if (cpu_device_count_checked(&n) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(n);
 }
 
 static PyObject *py_device_of(PyObject *m, PyObject *arg)
@@ -756,7 +819,8 @@ PyMethodDef dp_device_methods[] = {
     {"cpu_device_count", py_cpu_device_count, METH_NOARGS,
      "cpu_device_count()\n--\n\nReturns an int: the number of virtual CPU devices ('cpu:0'..) that "
      "DataParallel uses when device_ids is None and there is no GPU: $DPMINI_CPU_DEVICES "
-     "when set (1..256), else the number of usable cores, at least 2."},
+     "when set (1..256), else the number of usable cores, at least 2. An invalid\n"
+     "$DPMINI_CPU_DEVICES warns RuntimeWarning naming it and the count used instead."},
     {"device_of", py_device_of, METH_O,
      "device_of(array)\n--\n\nReturns a dpmini.Device: the device that owns an ndarray's memory: the dpmini "
      "device for arrays dpmini allocated (and views of them), else the host ('cpu').\n"

@@ -322,3 +322,58 @@ def test_f13_every_public_function_has_a_signature():
     assert "Errors" in dpmini.DataParallel.replicate.__doc__
     assert "Errors" in dpmini.DataParallel.parallel_apply.__doc__
     assert "TypeError when module is not callable" in dpmini.data_parallel.__doc__
+
+
+# --- f18 and DPMINI_CACHE_LIMIT: environment variables ----------------------
+
+@pytest.mark.parametrize("value", ["300", "0", "abc", "4x"])
+def test_f18_invalid_cpu_devices_env_warns(value):
+    res = run_script(f"""
+        import os, warnings
+        os.environ["DPMINI_CPU_DEVICES"] = {value!r}
+        import dpmini
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            n = dpmini.cpu_device_count()
+            dp = dpmini.DataParallel(abs)
+        msgs = [str(x.message) for x in w if x.category is RuntimeWarning]
+        assert len(msgs) == 2, msgs
+        assert "DPMINI_CPU_DEVICES={value}" in msgs[0] and f"using {{n}}" in msgs[0], msgs
+        assert len(dp.device_ids) == n >= 2
+        print("OK")
+    """)
+
+
+def test_f18_valid_cpu_devices_env_is_silent():
+    run_script("""
+        import os, warnings
+        os.environ["DPMINI_CPU_DEVICES"] = "3"
+        warnings.simplefilter("error")
+        import dpmini
+        assert dpmini.cpu_device_count() == 3
+        print("OK")
+    """)
+
+
+def test_cache_limit_env_caps_the_cache():
+    run_script("""
+        import os, warnings
+        os.environ["DPMINI_CACHE_LIMIT"] = "0"
+        import numpy as np, dpmini
+        a = dpmini.asarray(np.ones(1000), "cpu:5")
+        del a
+        assert dpmini.memory_reserved("cpu:5") == 0
+        print("OK")
+    """)
+    run_script("""
+        import os, warnings
+        os.environ["DPMINI_CACHE_LIMIT"] = "lots"
+        import numpy as np, dpmini
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a = dpmini.asarray(np.ones(1000), "cpu:5")
+        assert any("DPMINI_CACHE_LIMIT=lots" in str(x.message) for x in w), w
+        del a
+        assert dpmini.memory_reserved("cpu:5") > 0     # the default still caches
+        print("OK")
+    """)
