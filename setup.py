@@ -1,8 +1,9 @@
 """Build script for dpmini's C extension.
 
-The C core (csrc/*.c) is always built. CUDA sources (cuda/*.cu) join the
-build only when nvcc is found at build time; nothing is looked up when this
-file is merely imported.
+The C core (csrc/*.c) is always built; today that is the whole build. When
+the CUDA backend is present (cuda/*.cu), its sources are to join the build
+only when nvcc is found at build time; nothing is looked up when this file is
+merely imported.
 """
 import glob
 import os
