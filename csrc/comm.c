@@ -374,8 +374,10 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
 {
     PyObject *seq = PySequence_Fast(obj, "");
     if (seq == NULL) {
-        PyErr_Format(PyExc_TypeError, "chunk_sizes: expected a sequence of ints, got %.100s",
-                     Py_TYPE(obj)->tp_name);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "chunk_sizes: expected a sequence of ints, got %.100s",
+                         Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
@@ -396,11 +398,17 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
         }
         PyObject *idx = PyNumber_Index(v);
         long long x = idx ? PyLong_AsLongLong(idx) : -1;
-        Py_XDECREF(idx);
         if (x == -1 && PyErr_Occurred()) {
+            if (idx != NULL && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Format(PyExc_ValueError,
+                             "chunk_sizes[%zd]: %S is out of range (a chunk size is a "
+                             "non-negative int64)", i, idx);
+            }
+            Py_XDECREF(idx);
             Py_DECREF(seq);
             return -1;
         }
+        Py_XDECREF(idx);
         sizes[i] = x;
     }
     Py_DECREF(seq);
@@ -435,6 +443,11 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     Py_ssize_t n = 0, i;
     int nd = PyArray_NDIM(src);
 
+    if (PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj)) {
+        PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %.100s",
+                     Py_TYPE(out_obj)->tp_name);
+        return NULL;
+    }
     seq = PySequence_Fast(out_obj, "out: expected a sequence of arrays");
     if (seq == NULL) {
         return NULL;
@@ -821,8 +834,10 @@ static int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname
     }
     PyObject *seq = PySequence_Fast(obj, "");
     if (seq == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a sequence of arrays, got %.100s",
-                     argname, Py_TYPE(obj)->tp_name);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "%s: expected a sequence of arrays, got %.100s",
+                         argname, Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
@@ -1172,6 +1187,30 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         PyErr_Format(PyExc_ValueError, "%s: expected at least one array to reduce", argname);
         goto done;
     }
+    {
+        /* Sums need a numeric dtype: structured, string and datetime arrays
+         * have no addition. */
+        PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+        char k = d0->kind;
+        if (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M') {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: arrays of dtype %S cannot be summed (structured, void, string "
+                         "and datetime dtypes have no addition); sum numeric fields one by "
+                         "one", argname, (PyObject *)d0);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (!PyArray_EquivTypes(PyArray_DESCR(parts[i]), PyArray_DESCR(parts[0]))) {
+            /* PyTorch's reduce_add needs one dtype; no silent casting. */
+            PyErr_Format(PyExc_TypeError,
+                         "%s[%zd]: expected dtype %S (the dtype of %s[0]), got %S; convert "
+                         "the arrays to one dtype first", argname, i,
+                         (PyObject *)PyArray_DESCR(parts[0]), argname,
+                         (PyObject *)PyArray_DESCR(parts[i]));
+            goto done;
+        }
+    }
     for (Py_ssize_t i = 1; i < n; i++) {
         if (!PyArray_SAMESHAPE(parts[i], parts[0])) {
             PyObject *got = shape_str(PyArray_NDIM(parts[i]), PyArray_SHAPE(parts[i]));
@@ -1396,6 +1435,17 @@ static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
         (PyList_Check(obj) || PyTuple_Check(obj) || PyNumber_Check(obj))) {
         /* Nested lists and Python numbers, as numpy.asarray takes them. */
         arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+        if (arr == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            /* e.g. ragged nested lists: say which argument */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            PyErr_Format(PyExc_ValueError, "obj: cannot make an array of this %.100s (%S)",
+                         Py_TYPE(obj)->tp_name, v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
         if (arr != NULL && PyDataType_REFCHK(PyArray_DESCR(arr))) {
             Py_CLEAR(arr);
             PyErr_Format(PyExc_TypeError, "obj: %.100s does not convert to a numeric array",

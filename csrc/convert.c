@@ -7,6 +7,23 @@ int dp_is_array_leaf(dp_state *st, PyObject *obj)
     return PyArray_Check(obj);
 }
 
+/* hasattr(obj, name) that lets errors other than AttributeError through
+ * (an __array_interface__ property that raises KeyboardInterrupt, say):
+ * 1, 0, or -1 with an exception set. */
+static int has_attr(PyObject *obj, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v != NULL) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
 /* Is obj an instance of module.name? Only looked up when the module is
  * already imported (an object cannot be an instance of a class that does
  * not exist yet), with a subtype check that runs no user code. 1, 0, or -1
@@ -76,17 +93,38 @@ int dp_refused_array_subclass(PyObject *obj, const char *argname)
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
 {
     PyArrayObject *arr;
+    int kind = 0;   /* 1: buffer protocol, 2: __array_interface__/__array_struct__ */
+    if (!PyArray_Check(obj)) {
+        if (PyObject_CheckBuffer(obj)) {
+            kind = 1;
+        } else {
+            int r = has_attr(obj, "__array_interface__");
+            if (r == 0) {
+                r = has_attr(obj, "__array_struct__");
+            }
+            if (r < 0) {
+                return NULL;   /* the getter's own error, e.g. KeyboardInterrupt */
+            }
+            kind = r ? 2 : 0;
+        }
+    }
     if (PyArray_Check(obj)) {
         if (dp_refused_array_subclass(obj, argname) != 0) {
             return NULL;
         }
         Py_INCREF(obj);
         arr = (PyArrayObject *)obj;
-    } else if (PyObject_CheckBuffer(obj) ||
-               PyObject_HasAttrString(obj, "__array_interface__") ||
-               PyObject_HasAttrString(obj, "__array_struct__")) {
-        /* No copy: NumPy wraps the exporter's memory. */
-        arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    } else if (kind != 0) {
+        /* No copy: NumPy wraps the exporter's memory. A buffer (bytes,
+         * bytearray, memoryview, array.array) is read through a memoryview,
+         * so its format decides the dtype: bytes are a 1-D uint8 array, not
+         * NumPy's 0-dim 'S' scalar. */
+        PyObject *src = kind == 1 ? PyMemoryView_FromObject(obj) : Py_NewRef(obj);
+        arr = src ? (PyArrayObject *)PyArray_FromAny(src, NULL, 0, 0, 0, NULL) : NULL;
+        Py_XDECREF(src);
+        if (arr == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;   /* KeyboardInterrupt, SystemExit: let them through */
+        }
         if (arr == NULL) {
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);

@@ -601,10 +601,25 @@ static int rep_add_edge(rep_walk *w, Py_ssize_t parent, Py_ssize_t child,
     return 0;
 }
 
+/* 1, 0, or -1 with an exception set (only AttributeError means "no"). */
+static int type_has_attr(PyTypeObject *tp, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString((PyObject *)tp, name);
+    if (v != NULL) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
 static int is_namedtuple_type(PyTypeObject *tp)
 {
-    return PyObject_HasAttrString((PyObject *)tp, "_fields") &&
-           PyObject_HasAttrString((PyObject *)tp, "_make");
+    int r = type_has_attr(tp, "_fields");
+    return r <= 0 ? r : type_has_attr(tp, "_make");
 }
 
 static int has_instance_dict(PyTypeObject *tp)
@@ -652,7 +667,8 @@ static int rep_classify(dp_state *st, PyObject *o)
         if (PyTuple_CheckExact(o)) {
             return RK_TUPLE;
         }
-        return is_namedtuple_type(tp) ? RK_NAMEDTUPLE : RK_LEAF;
+        int nt = is_namedtuple_type(tp);
+        return nt < 0 ? RK_ERROR : nt ? RK_NAMEDTUPLE : RK_LEAF;
     }
     if (PyType_Check(o) || PyModule_Check(o) || PyFunction_Check(o) || PyCFunction_Check(o) ||
         PyMethod_Check(o) || PyInstanceMethod_Check(o) || !has_instance_dict(tp)) {

@@ -377,3 +377,94 @@ def test_cache_limit_env_caps_the_cache():
         assert dpmini.memory_reserved("cpu:5") > 0     # the default still caches
         print("OK")
     """)
+
+
+# --- f14: README's API table uses the real parameter names --------------------
+
+def test_f14_readme_api_table_matches_the_signatures():
+    import inspect
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    checked = 0
+    for name in ["DataParallel", "data_parallel", "scatter", "scatter_kwargs", "gather",
+                 "replicate", "parallel_apply", "explain"]:
+        for m in re.finditer(r"`%s\(([^`]*)\)`" % name, readme):
+            assert m.group(1) == str(inspect.signature(getattr(dpmini, name)))[1:-1], m.group(0)
+            checked += 1
+    assert checked >= 8
+
+
+# --- f15: messages name the argument; buffers read as memoryviews -------------
+
+def test_f15_reduce_add_refuses_mixed_and_structured_dtypes():
+    with pytest.raises(TypeError, match=r"^arrays\[1\]: expected dtype int64 .*got float64"):
+        dpmini.comm.reduce_add([np.arange(3), np.ones(3) / 2])
+    with pytest.raises(TypeError, match=r"^arrays: arrays of dtype .* cannot be summed"):
+        dpmini.comm.reduce_add([np.zeros(2, "i4,f8")] * 2)
+    assert np.array_equal(dpmini.comm.reduce_add([np.arange(3)] * 2), [0, 2, 4])
+
+
+def test_f15_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^chunk_sizes\[0\]: .* out of range"):
+        dpmini.comm.scatter(np.ones(5), D2, chunk_sizes=[2**70, 3])
+    with pytest.raises(TypeError, match=r"^out: expected a sequence of arrays"):
+        dpmini.comm.scatter(np.ones(4), out=np.zeros(4))
+    with pytest.raises(ValueError, match=r"^obj: "):
+        dpmini.asarray([[1], [1, 2]], "cpu:1")
+
+
+@pytest.mark.parametrize("make", [lambda: b"abcdef", lambda: bytearray(b"abcdef"),
+                                  lambda: memoryview(b"abcdef")])
+def test_f15_bytes_like_objects_are_uint8_vectors(make):
+    chunks = dpmini.comm.scatter(make(), D2)
+    assert [c.tolist() for c in chunks] == [[97, 98, 99], [100, 101, 102]]
+    assert chunks[0].dtype == np.uint8
+    assert dpmini.asarray(make()).shape == (6,)
+
+
+def test_f15_array_array_keeps_its_type():
+    import array
+    a = array.array("d", [1.0, 2.0, 3.0, 4.0])
+    chunks = dpmini.comm.scatter(a, D2)
+    assert chunks[0].dtype == np.float64 and chunks[1].tolist() == [3.0, 4.0]
+
+
+# --- f16: an __array_interface__ getter's own error propagates ----------------
+
+@pytest.mark.parametrize("attr", ["__array_interface__", "__array_struct__"])
+def test_f16_array_interface_getter_errors_propagate(attr):
+    class Boom(Exception):
+        pass
+
+    def getter(self):
+        raise Boom("from the getter")
+    Raises = type("Raises", (), {attr: property(getter)})
+    with pytest.raises(Boom):
+        dpmini.comm.scatter(Raises(), D2)
+    with pytest.raises(Boom):
+        dpmini.asarray(Raises(), "cpu:1")
+
+    class NoAttr:
+        pass
+    with pytest.raises(TypeError, match=r"^array: expected an array"):
+        dpmini.comm.scatter(NoAttr(), D2)
+
+
+def test_f16_namedtuple_probe_errors_propagate_in_replicate():
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == "_fields":
+                raise RuntimeError("probe")
+            return super().__getattribute__(name)
+
+    class Odd(tuple, metaclass=Meta):
+        pass
+
+    class Mod:
+        def __init__(s):
+            s.t = Odd((np.ones(2),))
+        def __call__(s, x):
+            return x
+    with pytest.raises(RuntimeError, match="probe"):
+        dpmini.replicate(Mod(), D2)
