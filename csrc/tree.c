@@ -1253,7 +1253,21 @@ done:
     return res;
 }
 
-/* str, bytes, numbers: returned once when every replica's value is equal. */
+/* Two floats/complexes that differ only by being NaN in the same places
+ * (nan != nan in Python, but every replica returning nan is one value). */
+static int same_nan_value(PyObject *a, PyObject *b)
+{
+    if (!(PyFloat_Check(a) || PyComplex_Check(a)) || !(PyFloat_Check(b) || PyComplex_Check(b)))
+        return 0;
+    double ar = PyFloat_Check(a) ? PyFloat_AS_DOUBLE(a) : PyComplex_RealAsDouble(a);
+    double ai = PyFloat_Check(a) ? 0.0 : PyComplex_ImagAsDouble(a);
+    double br = PyFloat_Check(b) ? PyFloat_AS_DOUBLE(b) : PyComplex_RealAsDouble(b);
+    double bi = PyFloat_Check(b) ? 0.0 : PyComplex_ImagAsDouble(b);
+    return (ar == br || (ar != ar && br != br)) && (ai == bi || (ai != ai && bi != bi));
+}
+
+/* str, bytes, numbers: returned once when every replica's value is equal
+ * (NaN counting as equal to NaN). */
 static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                               const path_seg *seg)
 {
@@ -1261,6 +1275,8 @@ static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
             return NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);
         if (eq)
             continue;
         PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);

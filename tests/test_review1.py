@@ -468,3 +468,17 @@ def test_f16_namedtuple_probe_errors_propagate_in_replicate():
             return x
     with pytest.raises(RuntimeError, match="probe"):
         dpmini.replicate(Mod(), D2)
+
+
+# --- f17: NaN outputs count as one value ---------------------------------------
+
+def test_f17_nan_outputs_are_equal_values():
+    import math
+    out = dpmini.DataParallel(lambda x: float("nan"), D2)(np.ones(4))
+    assert math.isnan(out)
+    out = dpmini.DataParallel(lambda x: complex(float("nan"), 1.0), D2)(np.ones(4))
+    assert math.isnan(out.real) and out.imag == 1.0
+    with pytest.raises(TypeError, match="different values"):
+        dpmini.DataParallel(lambda x: complex(float("nan"), float(x[0])), D2)(np.arange(4.0))
+    with pytest.raises(TypeError, match="different values"):
+        dpmini.DataParallel(lambda x: float("nan") if x[0] == 0 else 1.0, D2)(np.arange(4.0))
