@@ -1873,6 +1873,57 @@ static PyObject *DataParallel_forward(dp_DataParallelObject *self, PyObject *arg
     return forward_dispatch(self, args, kwargs);
 }
 
+PyDoc_STRVAR(reduce_doc,
+"__reduce__()\n--\n\n"
+"Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
+"type(self)(module, device_ids as strings, output_device as a string, dim,\n"
+"strict) and restores the instance __dict__. A subclass whose __init__ takes\n"
+"other arguments overrides __reduce__. The module must itself be picklable\n"
+"for pickle. Errors: RuntimeError when __init__ was not called.");
+
+static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
+{
+    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *res = NULL;
+    char buf[32];
+    if (check_initialised(self) < 0) {
+        return NULL;
+    }
+    ids = PyList_New(self->ndev);
+    if (ids == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < self->ndev; i++) {
+        dp_device_format(self->devs[i], buf, sizeof buf);
+        PyObject *s = PyUnicode_FromString(buf);
+        if (s == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(ids, i, s);
+    }
+    dp_device_format(self->output_device, buf, sizeof buf);
+    out = PyUnicode_FromString(buf);
+    if (out == NULL) {
+        goto done;
+    }
+    args = Py_BuildValue("(OOOiO)", self->module, ids, out, self->dim,
+                         self->strict ? Py_True : Py_False);
+    if (args == NULL) {
+        goto done;
+    }
+    state = (self->dict != NULL && PyDict_GET_SIZE(self->dict) > 0)
+            ? PyDict_Copy(self->dict) : Py_NewRef(Py_None);
+    if (state == NULL) {
+        goto done;
+    }
+    res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(out);
+    Py_XDECREF(args);
+    Py_XDECREF(state);
+    return res;
+}
+
 PyDoc_STRVAR(scatter_doc,
 "scatter(inputs, kwargs=None, device_ids=None)\n--\n\n"
 "Returns (inputs_tuple, kwargs_tuple).\n"
@@ -2058,6 +2109,7 @@ static PyMethodDef DataParallel_methods[] = {
      METH_VARARGS | METH_KEYWORDS, dp_parallel_apply_doc},
     {"gather", (PyCFunction)(void (*)(void))DataParallel_gather,
      METH_VARARGS | METH_KEYWORDS, gather_doc},
+    {"__reduce__", (PyCFunction)DataParallel_reduce, METH_NOARGS, reduce_doc},
     {NULL, NULL, 0, NULL},
 };
 

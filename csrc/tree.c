@@ -666,11 +666,14 @@ static int truncation_message(scatter_ctx *c, PyObject **out)
             kept += lf->sizes[j];
         if (kept >= n)
             continue;
+        /* "rows" only along dim 0; "indices" along any other dim. */
+        const char *one = lf->dim == 0 ? "row" : "index";
+        const char *many = lf->dim == 0 ? "rows" : "indices";
         PyObject *part = kept == n - 1
-            ? PyUnicode_FromFormat("%U: row %lld of %lld along dim %d is dropped",
-                                   lf->path, (long long)kept, (long long)n, lf->dim)
-            : PyUnicode_FromFormat("%U: rows %lld..%lld of %lld along dim %d are dropped",
-                                   lf->path, (long long)kept, (long long)(n - 1),
+            ? PyUnicode_FromFormat("%U: %s %lld of %lld along dim %d is dropped",
+                                   lf->path, one, (long long)kept, (long long)n, lf->dim)
+            : PyUnicode_FromFormat("%U: %s %lld..%lld of %lld along dim %d are dropped",
+                                   lf->path, many, (long long)kept, (long long)(n - 1),
                                    (long long)n, lf->dim);
         if (append_steal(parts, part) < 0)
             goto done;

@@ -482,3 +482,49 @@ def test_f17_nan_outputs_are_equal_values():
         dpmini.DataParallel(lambda x: complex(float("nan"), float(x[0])), D2)(np.arange(4.0))
     with pytest.raises(TypeError, match="different values"):
         dpmini.DataParallel(lambda x: float("nan") if x[0] == 0 else 1.0, D2)(np.arange(4.0))
+
+
+# --- f19: DataParallel copies and pickles; SplitWarning wording ---------------
+
+class _Scale:
+    def __init__(self, s):
+        self.s = np.full(1, s)
+
+    def __call__(self, x):
+        return x * self.s[0]
+
+
+class _TaggedDP(dpmini.DataParallel):
+    pass
+
+
+def test_f19_dataparallel_pickles_and_copies():
+    import copy
+    import pickle
+    dp = _TaggedDP(_Scale(3.0), ["cpu:2", "cpu:1"], output_device="cpu", dim=-1, strict=True)
+    dp.tag = "hello"
+    for clone in [pickle.loads(pickle.dumps(dp)), copy.copy(dp), copy.deepcopy(dp)]:
+        assert type(clone) is _TaggedDP and clone is not dp
+        assert [str(d) for d in clone.device_ids] == ["cpu:2", "cpu:1"]
+        assert str(clone.output_device) == "cpu"
+        assert clone.dim == -1 and clone.strict is True and clone.tag == "hello"
+        assert np.array_equal(clone(np.ones((2, 4))), np.full((2, 4), 3.0))
+    assert copy.copy(dp).module is dp.module
+    assert copy.deepcopy(dp).module is not dp.module
+    plain = dpmini.DataParallel(abs, D2)
+    back = pickle.loads(pickle.dumps(plain))
+    assert back.module is abs and str(back.output_device) == "cpu:0"
+    with pytest.raises(RuntimeError, match="__init__"):
+        _TaggedDP.__new__(_TaggedDP).__reduce__()
+
+
+def test_f19_split_warning_says_rows_only_along_dim_0():
+    dp = dpmini.DataParallel(lambda a, b: a, ["cpu:0", "cpu:1", "cpu:2"], dim=1)
+    with pytest.warns(dpmini.SplitWarning) as rec:
+        dp(np.ones((2, 3)), np.ones((2, 2)))
+    msg = str(rec[0].message)
+    assert "index 2 of 3 along dim 1 is dropped" in msg and "row" not in msg, msg
+    dp0 = dpmini.DataParallel(lambda a, b: a, ["cpu:0", "cpu:1", "cpu:2"])
+    with pytest.warns(dpmini.SplitWarning) as rec:
+        dp0(np.ones((5, 1)), np.ones((2, 1)))
+    assert "row 4 of 5 along dim 0 is dropped" in str(rec[0].message)
