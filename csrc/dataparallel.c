@@ -8,8 +8,8 @@
  * On the exact type the four steps are the C functions below; on a Python
  * subclass they are looked up on self, so overriding any of them works.
  *
- * replicate: the arrays reachable from the module (instance __dict__s,
- * lists, tuples, dicts) are broadcast in one coalesced call (comm.c); each
+ * replicate: the arrays reachable from the module (instance __dict__s and
+ * __slots__ members, lists, tuples, namedtuples, dicts) are broadcast in one coalesced call (comm.c); each
  * replica is a shallow copy of every object on a path to an array, with the
  * arrays swapped for that device's copies. Everything else is shared.
  *
@@ -88,10 +88,14 @@ typedef struct {
     Py_ssize_t nedges;
 } rep_node;
 
+#define REP_SLOT_EDGE (-2)      /* rep_edge.index of a __slots__ member   */
+
 typedef struct {
     Py_ssize_t parent, child;  /* node indices                                */
-    Py_ssize_t index;          /* list/tuple position                         */
-    PyObject *key;             /* owned: dict key or attribute name; NULL for
+    Py_ssize_t index;          /* list/tuple position; -1 for a dict key or
+                                  attribute; REP_SLOT_EDGE for a slot         */
+    PyObject *key;             /* owned: dict key or attribute name; the slot's
+                                  member descriptor for REP_SLOT_EDGE; NULL for
                                   list/tuple positions                        */
 } rep_edge;
 
@@ -632,6 +636,21 @@ static int has_instance_dict(PyTypeObject *tp)
     return tp->tp_dictoffset != 0;
 }
 
+/* Does a Python class in tp's MRO declare __slots__? Only heap types are
+ * looked at: slots come from class statements, whose tp_dict is a dict. */
+static int has_slots(PyTypeObject *tp)
+{
+    PyObject *mro = tp->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if ((base->tp_flags & Py_TPFLAGS_HEAPTYPE) && base->tp_dict != NULL &&
+            PyDict_GetItemString(base->tp_dict, "__slots__") != NULL) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static int rep_classify(dp_state *st, PyObject *o)
 {
     PyTypeObject *tp = Py_TYPE(o);
@@ -671,7 +690,8 @@ static int rep_classify(dp_state *st, PyObject *o)
         return nt < 0 ? RK_ERROR : nt ? RK_NAMEDTUPLE : RK_LEAF;
     }
     if (PyType_Check(o) || PyModule_Check(o) || PyFunction_Check(o) || PyCFunction_Check(o) ||
-        PyMethod_Check(o) || PyInstanceMethod_Check(o) || !has_instance_dict(tp)) {
+        PyMethod_Check(o) || PyInstanceMethod_Check(o) ||
+        (!has_instance_dict(tp) && !has_slots(tp))) {
         return RK_LEAF;
     }
     return RK_OBJECT;
@@ -708,6 +728,85 @@ static int rep_walk_dict(rep_walk *w, Py_ssize_t parent, PyObject *dict, int dep
         if (rc < 0) {
             return -1;
         }
+    }
+    return 0;
+}
+
+/* Walk the __slots__ members of o, class by class along its MRO (a slot
+ * named __x is stored mangled, as _Cls__x). Each member is read and later
+ * written through its member descriptor, so properties or __getattr__ of the
+ * same name do not interfere. Unset slots are skipped. */
+static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth)
+{
+    PyObject *mro = Py_TYPE(o)->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *cls = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!(cls->tp_flags & Py_TPFLAGS_HEAPTYPE) || cls->tp_dict == NULL) {
+            continue;
+        }
+        PyObject *slots = PyDict_GetItemString(cls->tp_dict, "__slots__");
+        if (slots == NULL) {
+            continue;
+        }
+        PyObject *names = PyUnicode_Check(slots) ? PyTuple_Pack(1, slots)
+                                                 : PySequence_Tuple(slots);
+        if (names == NULL) {
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++) {
+            PyObject *name = PyTuple_GET_ITEM(names, j), *attr = NULL, *desc, *value;
+            if (!PyUnicode_Check(name) ||
+                PyUnicode_CompareWithASCIIString(name, "__dict__") == 0 ||
+                PyUnicode_CompareWithASCIIString(name, "__weakref__") == 0) {
+                continue;
+            }
+            Py_ssize_t len = PyUnicode_GetLength(name);
+            const char *cname = cls->tp_name, *dot = strrchr(cname, '.');
+            cname = dot ? dot + 1 : cname;
+            while (*cname == '_') {
+                cname++;
+            }
+            int priv = len > 2 && PyUnicode_READ_CHAR(name, 0) == '_' &&
+                       PyUnicode_READ_CHAR(name, 1) == '_' &&
+                       !(PyUnicode_READ_CHAR(name, len - 1) == '_' &&
+                         PyUnicode_READ_CHAR(name, len - 2) == '_') && *cname != '\0';
+            attr = priv ? PyUnicode_FromFormat("_%s%U", cname, name) : Py_NewRef(name);
+            if (attr == NULL) {
+                Py_DECREF(names);
+                return -1;
+            }
+            desc = PyDict_GetItemWithError(cls->tp_dict, attr);   /* borrowed */
+            Py_DECREF(attr);
+            if (desc == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(names);
+                    return -1;
+                }
+                continue;
+            }
+            if (Py_TYPE(desc)->tp_descr_get == NULL || Py_TYPE(desc)->tp_descr_set == NULL) {
+                continue;
+            }
+            Py_INCREF(desc);
+            value = Py_TYPE(desc)->tp_descr_get(desc, o, (PyObject *)Py_TYPE(o));
+            if (value == NULL) {
+                Py_DECREF(desc);
+                if (PyErr_ExceptionMatches(PyExc_AttributeError)) {   /* unset */
+                    PyErr_Clear();
+                    continue;
+                }
+                Py_DECREF(names);
+                return -1;
+            }
+            int rc = rep_walk_child(w, parent, value, REP_SLOT_EDGE, desc, depth);
+            Py_DECREF(value);
+            Py_DECREF(desc);
+            if (rc < 0) {
+                Py_DECREF(names);
+                return -1;
+            }
+        }
+        Py_DECREF(names);
     }
     return 0;
 }
@@ -759,14 +858,19 @@ static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
         }
         break;
     case RK_OBJECT: {
-        PyObject *d = PyObject_GenericGetDict(o, NULL);
-        if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__: shared */
-            PyErr_Clear();
-            Py_XDECREF(d);
-            break;
+        if (has_instance_dict(Py_TYPE(o))) {
+            PyObject *d = PyObject_GenericGetDict(o, NULL);
+            if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__ */
+                PyErr_Clear();
+                Py_XDECREF(d);
+            } else {
+                w->nodes[n].dict = d;
+                if (rep_walk_dict(w, n, d, depth + 1) < 0) {
+                    return RK_ERROR;
+                }
+            }
         }
-        w->nodes[n].dict = d;
-        if (rep_walk_dict(w, n, d, depth + 1) < 0) {
+        if (rep_walk_slots(w, n, o, depth + 1) < 0) {
             return RK_ERROR;
         }
         break;
@@ -866,7 +970,7 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
             goto fail;
         }
     }
-    if (node->kind == RK_OBJECT) {
+    if (node->kind == RK_OBJECT && node->dict != NULL) {
         cdict = PyObject_GenericGetDict(copy, NULL);
         if (cdict == NULL) {
             goto fail;
@@ -911,7 +1015,11 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
             rc = PyObject_SetItem(copy, ed->key, v);
             break;
         default:   /* RK_OBJECT */
-            rc = PyDict_SetItem(cdict, ed->key, v);
+            if (ed->index == REP_SLOT_EDGE) {
+                rc = Py_TYPE(ed->key)->tp_descr_set(ed->key, copy, v);
+            } else {
+                rc = PyDict_SetItem(cdict, ed->key, v);
+            }
             break;
         }
         Py_CLEAR(v);
@@ -1992,7 +2100,9 @@ PyDoc_STRVAR(replicate_doc,
 "One replica of module per device, in order (PyTorch replicate, spec §5).\n"
 "devices: a sequence of devices ('cpu:N', 'cuda:N', int, dpmini.Device); an\n"
 "empty sequence gives []. Arrays reachable from module through instance\n"
-"__dict__ attributes, lists, tuples, dicts and sub-objects (depth <= 64) are\n"
+"__dict__ attributes, __slots__ members (of every class in the MRO), lists,\n"
+"tuples, namedtuples, dicts (and their subclasses) and sub-objects (depth\n"
+"<= 64) are\n"
 "broadcast with one broadcast_coalesced call (10 MiB buckets); replica d is a\n"
 "shallow copy (copy.copy; lists/dicts/tuples rebuilt) of every object on a\n"
 "path to an array, with the arrays replaced by device d's copies. Objects\n"
