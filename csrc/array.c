@@ -827,7 +827,8 @@ PyType_Spec dp_array_spec = {
 /* ------------------------------------------------------------------ */
 
 PyDoc_STRVAR(from_dlpack_doc,
-"from_dlpack(obj) -> dpmini.Array or numpy.ndarray\n--\n\n"
+"from_dlpack(obj, /)\n--\n\n"
+"Returns a dpmini.Array (CUDA memory) or a numpy.ndarray (host memory).\n"
 "Import obj without a copy through DLPack (or the CUDA Array Interface): CUDA memory\n"
 "becomes a dpmini.Array that keeps obj's memory alive; host memory becomes a\n"
 "numpy.ndarray (numpy.from_dlpack). Raises TypeError (not a DLPack/CAI object),\n"
@@ -851,8 +852,8 @@ static PyObject *py_from_dlpack(PyObject *m, PyObject *obj)
 }
 
 PyDoc_STRVAR(empty_doc,
-"empty(shape, dtype=float, device='cpu', pin_memory=False) -> array\n--\n\n"
-"An uninitialised array: on a CUDA device a dpmini.Array; on the host a\n"
+"empty(shape, dtype=None, device='cpu', pin_memory=False)\n--\n\n"
+"An uninitialised array (dtype None means float64): on a CUDA device a dpmini.Array; on the host a\n"
 "numpy.ndarray, in page-locked (pinned) memory when pin_memory=True (needs CUDA),\n"
 "so host<->GPU copies of it are direct DMA with no staging. Raises ValueError,\n"
 "TypeError, MemoryError, dpmini.CudaError.");

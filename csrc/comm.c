@@ -90,6 +90,89 @@ static int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
     return 0;
 }
 
+/* Refuse an out= destination that the copy engine cannot write correctly
+ * (PyTorch's assert_no_internal_overlap / assert_no_partial_overlap): dst
+ * writing one byte from two elements (a zero stride, overlapping strides),
+ * or dst sharing memory with any of srcs (a conservative bounds check,
+ * copy.c). ValueError naming argname (and srcname[i] when nsrc > 1). */
+static int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t nsrc,
+                             const char *argname, const char *srcname)
+{
+    int64_t sh[DP_MAXDIMS], dst_st[DP_MAXDIMS], src_sh[DP_MAXDIMS], src_st[DP_MAXDIMS];
+    int nd = PyArray_NDIM(dst);
+    size_t item = (size_t)PyArray_ITEMSIZE(dst);
+    for (int d = 0; d < nd; d++) {
+        sh[d] = PyArray_DIM(dst, d);
+        dst_st[d] = PyArray_STRIDE(dst, d);
+    }
+    if (dp_layout_has_internal_overlap(nd, sh, dst_st, item)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: unsupported operation: more than one element of the written-to "
+                     "array refers to a single memory location (a zero or overlapping "
+                     "stride); pass an array with its own memory, e.g. numpy.empty_like(...)",
+                     argname);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nsrc; i++) {
+        PyArrayObject *src = srcs[i];
+        int snd = PyArray_NDIM(src);
+        for (int d = 0; d < snd; d++) {
+            src_sh[d] = PyArray_DIM(src, d);
+            src_st[d] = PyArray_STRIDE(src, d);
+        }
+        if (dp_layouts_may_overlap(PyArray_BYTES(dst), nd, sh, dst_st, item,
+                                   PyArray_BYTES(src), snd, src_sh, src_st,
+                                   (size_t)PyArray_ITEMSIZE(src))) {
+            if (nsrc > 1) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of %s[%zd] (some elements of the input and the output "
+                             "may refer to a single memory location); use a separate output "
+                             "array", argname, srcname, i);
+            } else {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of %s (some elements of the input and the output may "
+                             "refer to a single memory location); use a separate output "
+                             "array", argname, srcname);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Refuse out[i] and out[j] (i < j) sharing memory: each is written by its
+ * own job, possibly at the same time, so the result would be undefined. */
+static int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n)
+{
+    char name[48];
+    for (Py_ssize_t j = 1; j < n; j++) {
+        PyOS_snprintf(name, sizeof name, "out[%zd]", j);
+        for (Py_ssize_t i = 0; i < j; i++) {
+            int64_t a_sh[DP_MAXDIMS], a_st[DP_MAXDIMS], b_sh[DP_MAXDIMS], b_st[DP_MAXDIMS];
+            for (int d = 0; d < PyArray_NDIM(outs[i]); d++) {
+                a_sh[d] = PyArray_DIM(outs[i], d);
+                a_st[d] = PyArray_STRIDE(outs[i], d);
+            }
+            for (int d = 0; d < PyArray_NDIM(outs[j]); d++) {
+                b_sh[d] = PyArray_DIM(outs[j], d);
+                b_st[d] = PyArray_STRIDE(outs[j], d);
+            }
+            if (dp_layouts_may_overlap(PyArray_BYTES(outs[i]), PyArray_NDIM(outs[i]), a_sh,
+                                       a_st, (size_t)PyArray_ITEMSIZE(outs[i]),
+                                       PyArray_BYTES(outs[j]), PyArray_NDIM(outs[j]), b_sh,
+                                       b_st, (size_t)PyArray_ITEMSIZE(outs[j]))) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: unsupported operation: the written-to array overlaps the "
+                             "memory of out[%zd]; pass separate output arrays", name, i);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 typedef struct {
     copy_job *jobs;
     Py_ssize_t n;
@@ -383,8 +466,10 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
 {
     PyObject *seq = PySequence_Fast(obj, "");
     if (seq == NULL) {
-        PyErr_Format(PyExc_TypeError, "chunk_sizes: expected a sequence of ints, got %.100s",
-                     Py_TYPE(obj)->tp_name);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "chunk_sizes: expected a sequence of ints, got %.100s",
+                         Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
@@ -405,11 +490,17 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
         }
         PyObject *idx = PyNumber_Index(v);
         long long x = idx ? PyLong_AsLongLong(idx) : -1;
-        Py_XDECREF(idx);
         if (x == -1 && PyErr_Occurred()) {
+            if (idx != NULL && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Format(PyExc_ValueError,
+                             "chunk_sizes[%zd]: %S is out of range (a chunk size is a "
+                             "non-negative int64)", i, idx);
+            }
+            Py_XDECREF(idx);
             Py_DECREF(seq);
             return -1;
         }
+        Py_XDECREF(idx);
         sizes[i] = x;
     }
     Py_DECREF(seq);
@@ -444,6 +535,11 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     Py_ssize_t n = 0, i;
     int nd = PyArray_NDIM(src);
 
+    if (PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj)) {
+        PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %.100s",
+                     Py_TYPE(out_obj)->tp_name);
+        return NULL;
+    }
     seq = PySequence_Fast(out_obj, "out: expected a sequence of arrays");
     if (seq == NULL) {
         return NULL;
@@ -494,7 +590,15 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
             PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
             goto done;
         }
+        char name[48];
+        PyOS_snprintf(name, sizeof name, "out[%zd]", i);
+        if (check_out_overlap(outs[i], &src, 1, name, "array") < 0) {
+            goto done;
+        }
         total += PyArray_DIM(outs[i], dim);
+    }
+    if (check_outs_disjoint(outs, n) < 0) {
+        goto done;
     }
     if (total != PyArray_DIM(src, dim)) {
         PyErr_Format(PyExc_ValueError,
@@ -530,18 +634,24 @@ done:
 }
 
 PyDoc_STRVAR(comm_scatter_doc,
-"scatter(array, devices=None, chunk_sizes=None, dim=0, out=None) -> tuple\n--\n\n"
+"scatter(array, devices=None, chunk_sizes=None, dim=0, out=None)\n"
+"--\n"
+"\n"
+"Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
 "Split `array` along `dim` and copy chunk i to devices[i] (torch.cuda.comm.scatter,\n"
-"spec 8.5). array: ndarray, buffer-protocol or __array_interface__ object, ndim >= 1,\n"
-"any non-object dtype, any strides. Without chunk_sizes the rule is torch.chunk:\n"
-"split = ceil(n / k) elements per chunk with a shorter last one, so there may be\n"
-"fewer chunks than devices; n == 0 gives k empty chunks. chunk_sizes: one size per\n"
-"device (elements along dim, >= 0, summing to n). A chunk whose device is the\n"
-"array's own device is a view; others are copies (dense chunks keep their strides,\n"
-"others are C-contiguous). out: preallocated arrays to fill instead of devices and\n"
-"chunk_sizes. The copies run on the device threads with the GIL released.\n"
-"Raises ValueError (no devices, bad chunk_sizes, out mismatches), TypeError (not an\n"
-"array, object dtype), IndexError (dim out of range).");
+"spec 8.5). array: ndarray, buffer-protocol object (bytes read as 1-D uint8) or\n"
+"__array_interface__ object, ndim >= 1, any non-object dtype, any strides. Without\n"
+"chunk_sizes the rule is torch.chunk: split = ceil(n / k) elements per chunk with a\n"
+"shorter last one, so there may be fewer chunks than devices; n == 0 gives k empty\n"
+"chunks. chunk_sizes: one int per device (elements along dim, >= 0, summing to n).\n"
+"A chunk whose device is the array's own device is a view; others are copies (dense\n"
+"chunks keep their strides, others are C-contiguous). out: a sequence of preallocated\n"
+"arrays to fill instead of devices and chunk_sizes. The copies run on the device\n"
+"threads with the GIL released.\n"
+"Raises ValueError (no devices, bad chunk_sizes naming chunk_sizes[i], out\n"
+"mismatches, an out[i] overlapping array, another out[j] or itself), TypeError (not\n"
+"an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
+"IndexError (dim out of range).");
 
 static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -738,6 +848,9 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
             PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
             return NULL;
         }
+        if (check_out_overlap(out, parts, n, "out", argname) < 0) {
+            return NULL;
+        }
         Py_INCREF(out);
         result = out;
         dest = dp_array_device(st, out);
@@ -851,8 +964,10 @@ static int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname
     }
     PyObject *seq = PySequence_Fast(obj, "");
     if (seq == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a sequence of arrays, got %.100s",
-                     argname, Py_TYPE(obj)->tp_name);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "%s: expected a sequence of arrays, got %.100s",
+                         argname, Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
@@ -890,16 +1005,21 @@ static void arrays_free(PyArrayObject **arrs, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(comm_gather_doc,
-"gather(arrays, dim=0, destination=None, out=None) -> ndarray\n--\n\n"
+"gather(arrays, dim=0, destination=None, out=None)\n"
+"--\n"
+"\n"
+"Returns the gathered ndarray (out itself when given).\n"
 "Concatenate arrays along dim onto one device (torch.cuda.comm.gather, spec 4.6-4.8).\n"
 "arrays: a non-empty sequence of arrays of equal ndim whose sizes agree except along\n"
 "dim; dim may be negative (wrapped against arrays[0]). destination: 'cpu' or None\n"
 "(the host; -1 also, with a FutureWarning), 'cpu:N' or a CUDA device. The result is a\n"
-"fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast). out: an\n"
-"array of the gathered shape, written in place and returned (then destination must\n"
-"be None). Copies run on the device threads with the GIL released.\n"
+"fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast), from\n"
+"dpmini's caching allocator. out: an ndarray of the gathered shape, written in place\n"
+"and returned (then destination must be None). Copies run on the device threads with\n"
+"the GIL released.\n"
 "Raises ValueError (empty list, shape or rank mismatch, out mismatch, out with\n"
-"destination, read-only out), IndexError (dim), TypeError (not arrays).");
+"destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
+"TypeError (not arrays, object dtype, MaskedArray/matrix).");
 
 static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1115,12 +1235,17 @@ fail:
 }
 
 PyDoc_STRVAR(comm_broadcast_doc,
-"broadcast(array, devices=None, out=None) -> tuple\n--\n\n"
+"broadcast(array, devices=None, out=None)\n"
+"--\n"
+"\n"
+"Returns a tuple with one array per device (or out's arrays).\n"
 "Copy array to every device (torch.cuda.comm.broadcast, spec 8.1). Exactly one of\n"
 "devices / out. The entry for the array's own device is the array itself; the others\n"
 "are copies (dense layouts keep their strides). out: arrays of the same shape and dtype\n"
-"to fill in place. Raises ValueError (both or neither of devices/out, shape mismatch,\n"
-"read-only out), TypeError (not an array, object dtype).");
+"to fill in place.\n"
+"Raises ValueError (both or neither of devices/out, shape mismatch, read-only out,\n"
+"out[i] overlapping array, another out[j] or itself), TypeError (not an array, object\n"
+"dtype, MaskedArray/matrix).");
 
 static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1148,7 +1273,8 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     if (out_obj != Py_None) {
-        if (arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0) {
+        if (arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0 ||
+            check_outs_disjoint(outs, nout) < 0) {
             goto done;
         }
         for (Py_ssize_t i = 0; i < nout; i++) {
@@ -1161,6 +1287,11 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
             }
             if (!PyArray_ISWRITEABLE(outs[i])) {
                 PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
+                goto done;
+            }
+            char name[48];
+            PyOS_snprintf(name, sizeof name, "out[%zd]", i);
+            if (check_out_overlap(outs[i], &arr, 1, name, "array") < 0) {
                 goto done;
             }
             if (jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr),
@@ -1228,13 +1359,18 @@ static int parse_buffer_size(PyObject *obj, size_t *out)
 }
 
 PyDoc_STRVAR(comm_broadcast_coalesced_doc,
-"broadcast_coalesced(arrays, devices, buffer_size=10485760) -> list of lists\n--\n\n"
-"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, spec 5.3).\n"
-"Returns one list per device, in the order of arrays. Entries for an array's own\n"
-"device are the array itself (PyTorch requires all arrays on devices[0]; dpmini\n"
-"accepts them anywhere and copies to devices[0] too when needed). buffer_size (bytes,\n"
-"> 0) is validated for compatibility: on CPU devices all copies already run in one\n"
-"batched pass, so no flat staging buffer is used. Raises ValueError, TypeError.");
+"broadcast_coalesced(arrays, devices, buffer_size=10485760)\n"
+"--\n"
+"\n"
+"Returns a list of lists: entry d holds every array's copy on devices[d].\n"
+"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, spec 5.3), in\n"
+"the order of arrays. Entries for an array's own device are the array itself (PyTorch\n"
+"requires all arrays on devices[0]; dpmini accepts them anywhere and copies to\n"
+"devices[0] too when needed). buffer_size (bytes, > 0) is validated for\n"
+"compatibility: on CPU devices all copies already run in one batched pass, so no flat\n"
+"staging buffer is used.\n"
+"Raises ValueError (no devices, bad buffer_size), TypeError (not arrays, object\n"
+"dtype).");
 
 static PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1410,6 +1546,30 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         PyErr_Format(PyExc_ValueError, "%s: expected at least one array to reduce", argname);
         goto done;
     }
+    {
+        /* Sums need a numeric dtype: structured, string and datetime arrays
+         * have no addition. */
+        PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+        char k = d0->kind;
+        if (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M') {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: arrays of dtype %S cannot be summed (structured, void, string "
+                         "and datetime dtypes have no addition); sum numeric fields one by "
+                         "one", argname, (PyObject *)d0);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (!PyArray_EquivTypes(PyArray_DESCR(parts[i]), PyArray_DESCR(parts[0]))) {
+            /* PyTorch's reduce_add needs one dtype; no silent casting. */
+            PyErr_Format(PyExc_TypeError,
+                         "%s[%zd]: expected dtype %S (the dtype of %s[0]), got %S; convert "
+                         "the arrays to one dtype first", argname, i,
+                         (PyObject *)PyArray_DESCR(parts[0]), argname,
+                         (PyObject *)PyArray_DESCR(parts[i]));
+            goto done;
+        }
+    }
     for (Py_ssize_t i = 1; i < n; i++) {
         if (!PyArray_SAMESHAPE(parts[i], parts[0])) {
             PyObject *got = shape_str(PyArray_NDIM(parts[i]), PyArray_SHAPE(parts[i]));
@@ -1470,12 +1630,17 @@ done:
 }
 
 PyDoc_STRVAR(comm_reduce_add_doc,
-"reduce_add(arrays, destination=None) -> ndarray\n--\n\n"
-"Sum arrays of one shape onto destination (torch.cuda.comm.reduce_add, spec 8.3): the\n"
-"sum is (a0 + a1) + a2 ..., in index order, with arrays[0]'s dtype. destination None:\n"
-"the device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
-"returned as is. Raises ValueError (empty, size mismatch: 'input i has invalid size'),\n"
-"TypeError (not arrays, object dtype).");
+"reduce_add(arrays, destination=None)\n"
+"--\n"
+"\n"
+"Returns the sum as an ndarray on destination.\n"
+"Sum arrays of one shape and one dtype onto destination (torch.cuda.comm.reduce_add,\n"
+"spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
+"device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
+"returned as is.\n"
+"Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
+"arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
+"dtypes).");
 
 static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1506,11 +1671,15 @@ static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 PyDoc_STRVAR(comm_reduce_add_coalesced_doc,
-"reduce_add_coalesced(per_device, destination=None, buffer_size=10485760) -> tuple\n--\n\n"
-"per_device[d][t] is array t on device d; returns a tuple whose entry t is the sum over\n"
-"d (torch.cuda.comm.reduce_add_coalesced, spec 8.4; the rule of reduce_add for each t).\n"
-"All inner sequences must have the same length. buffer_size (bytes, > 0) is validated\n"
-"for compatibility. Raises ValueError, TypeError.");
+"reduce_add_coalesced(per_device, destination=None, buffer_size=10485760)\n"
+"--\n"
+"\n"
+"Returns a tuple whose entry t is the sum over d of per_device[d][t].\n"
+"per_device[d][t] is array t on device d (torch.cuda.comm.reduce_add_coalesced, spec\n"
+"8.4; the rule of reduce_add for each t). All inner sequences must have the same\n"
+"length. buffer_size (bytes, > 0) is validated for compatibility.\n"
+"Raises ValueError (empty, lengths or sizes that differ, bad buffer_size), TypeError\n"
+"(as reduce_add).");
 
 static PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1602,11 +1771,20 @@ done:
 /* ------------------------------------------------------------------ */
 
 PyDoc_STRVAR(asarray_doc,
-"asarray(obj, device=None) -> ndarray\n--\n\n"
-"obj (ndarray, buffer-protocol or __array_interface__ object, nested list or number;\n"
-"any shape, non-object dtype) as an ndarray without a copy; with device ('cpu', 'cpu:N', ...), a copy on that\n"
-"device unless obj already lives there (then obj itself). Dense layouts keep their\n"
-"strides. Raises TypeError (not an array, object dtype), ValueError (bad device).");
+"asarray(obj, device=None)\n"
+"--\n"
+"\n"
+"Returns an ndarray (on device when one is given).\n"
+"obj as an ndarray without a copy, like numpy.asarray: an ndarray (subclasses other\n"
+"than MaskedArray and matrix are accepted), a buffer-protocol object (bytes,\n"
+"bytearray, memoryview, array.array: read through a memoryview, so bytes become a 1-D\n"
+"uint8 array), an __array_interface__ / __array_struct__ object, a nested list or a\n"
+"number; any shape, non-object dtype. With device ('cpu', 'cpu:N', a CUDA device or a\n"
+"dpmini.Device), a copy on that device (from dpmini's caching allocator) unless obj\n"
+"already lives there (then the array itself). Dense layouts keep their strides.\n"
+"Rule source: torch.as_tensor(obj, device=device) (a copy only when needed).\n"
+"Raises TypeError (not an array, object dtype, MaskedArray/matrix), ValueError\n"
+"(ragged nested lists: 'obj: ...', bad device).");
 
 static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -1621,9 +1799,21 @@ static PyObject *py_asarray(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     PyArrayObject *arr;
-    if (PyList_Check(obj) || PyTuple_Check(obj) || PyNumber_Check(obj)) {
+    if (!PyArray_Check(obj) &&
+        (PyList_Check(obj) || PyTuple_Check(obj) || PyNumber_Check(obj))) {
         /* Nested lists and Python numbers, as numpy.asarray takes them. */
         arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+        if (arr == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            /* e.g. ragged nested lists: say which argument */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            PyErr_Format(PyExc_ValueError, "obj: cannot make an array of this %.100s (%S)",
+                         Py_TYPE(obj)->tp_name, v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
         if (arr != NULL && PyDataType_REFCHK(PyArray_DESCR(arr))) {
             Py_CLEAR(arr);
             PyErr_Format(PyExc_TypeError, "obj: %.100s does not convert to a numeric array",
@@ -1704,19 +1894,25 @@ done:
 }
 
 PyMethodDef dp_comm_methods[] = {
-    {"comm_scatter", (PyCFunction)(void (*)(void))comm_scatter, METH_VARARGS | METH_KEYWORDS,
-     comm_scatter_doc},
-    {"comm_gather", (PyCFunction)(void (*)(void))comm_gather, METH_VARARGS | METH_KEYWORDS,
-     comm_gather_doc},
-    {"comm_broadcast", (PyCFunction)(void (*)(void))comm_broadcast,
-     METH_VARARGS | METH_KEYWORDS, comm_broadcast_doc},
-    {"comm_broadcast_coalesced", (PyCFunction)(void (*)(void))comm_broadcast_coalesced,
-     METH_VARARGS | METH_KEYWORDS, comm_broadcast_coalesced_doc},
-    {"comm_reduce_add", (PyCFunction)(void (*)(void))comm_reduce_add,
-     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_doc},
-    {"comm_reduce_add_coalesced", (PyCFunction)(void (*)(void))comm_reduce_add_coalesced,
-     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_coalesced_doc},
     {"asarray", (PyCFunction)(void (*)(void))py_asarray, METH_VARARGS | METH_KEYWORDS,
      asarray_doc},
+    {NULL},
+};
+
+/* The functions of dpmini.comm (module.c makes the submodule; self is the
+ * dpmini._dpmini module). */
+PyMethodDef dp_comm_submodule_methods[] = {
+    {"scatter", (PyCFunction)(void (*)(void))comm_scatter, METH_VARARGS | METH_KEYWORDS,
+     comm_scatter_doc},
+    {"gather", (PyCFunction)(void (*)(void))comm_gather, METH_VARARGS | METH_KEYWORDS,
+     comm_gather_doc},
+    {"broadcast", (PyCFunction)(void (*)(void))comm_broadcast,
+     METH_VARARGS | METH_KEYWORDS, comm_broadcast_doc},
+    {"broadcast_coalesced", (PyCFunction)(void (*)(void))comm_broadcast_coalesced,
+     METH_VARARGS | METH_KEYWORDS, comm_broadcast_coalesced_doc},
+    {"reduce_add", (PyCFunction)(void (*)(void))comm_reduce_add,
+     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_doc},
+    {"reduce_add_coalesced", (PyCFunction)(void (*)(void))comm_reduce_add_coalesced,
+     METH_VARARGS | METH_KEYWORDS, comm_reduce_add_coalesced_doc},
     {NULL},
 };

@@ -9,10 +9,111 @@ int dp_is_array_leaf(dp_state *st, PyObject *obj)
     return PyArray_Check(obj) || dp_is_device_object(st, obj);
 }
 
+/* hasattr(obj, name) that lets errors other than AttributeError through
+ * (an __array_interface__ property that raises KeyboardInterrupt, say):
+ * 1, 0, or -1 with an exception set. */
+static int has_attr(PyObject *obj, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v != NULL) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* Is obj an instance of module.name? Only looked up when the module is
+ * already imported (an object cannot be an instance of a class that does
+ * not exist yet), with a subtype check that runs no user code. 1, 0, or -1
+ * with an exception set. */
+static int is_instance_of(PyObject *obj, const char *module, const char *name)
+{
+    PyObject *modname = PyUnicode_FromString(module);
+    if (modname == NULL) {
+        return -1;
+    }
+    PyObject *mod = PyImport_GetModule(modname);
+    Py_DECREF(modname);
+    if (mod == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *cls = PyObject_GetAttrString(mod, name);
+    Py_DECREF(mod);
+    if (cls == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int r = PyType_Check(cls) && PyType_IsSubtype(Py_TYPE(obj), (PyTypeObject *)cls);
+    Py_DECREF(cls);
+    return r;
+}
+
+int dp_refused_array_subclass(PyObject *obj, const char *argname)
+{
+    if (!PyArray_Check(obj) || PyArray_CheckExact(obj)) {
+        return 0;
+    }
+    int r = is_instance_of(obj, "numpy.ma", "MaskedArray");
+    if (r < 0) {
+        return -1;
+    }
+    if (r) {
+        if (argname != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: numpy.ma.MaskedArray is not supported (dpmini's chunks and "
+                         "gathered results are plain arrays: the mask would be lost); pass "
+                         "a.filled(fill_value), "
+                         "or np.asarray(a) to drop the mask knowingly, and pass the mask "
+                         "as an array of its own if the replicas need it", argname);
+        }
+        return 1;
+    }
+    r = is_instance_of(obj, "numpy", "matrix");
+    if (r < 0) {
+        return -1;
+    }
+    if (r) {
+        if (argname != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: numpy.matrix is not supported (dpmini's chunks and gathered "
+                         "results are plain 2-D arrays, on which * is no longer a matrix "
+                         "product); pass "
+                         "np.asarray(m)", argname);
+        }
+        return 1;
+    }
+    return 0;
+}
+
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
 {
     PyArrayObject *arr;
+    int kind = 0;   /* 1: buffer protocol, 2: __array_interface__/__array_struct__ */
+    if (!PyArray_Check(obj)) {
+        if (PyObject_CheckBuffer(obj)) {
+            kind = 1;
+        } else {
+            int r = has_attr(obj, "__array_interface__");
+            if (r == 0) {
+                r = has_attr(obj, "__array_struct__");
+            }
+            if (r < 0) {
+                return NULL;   /* the getter's own error, e.g. KeyboardInterrupt */
+            }
+            kind = r ? 2 : 0;
+        }
+    }
     if (PyArray_Check(obj)) {
+        if (dp_refused_array_subclass(obj, argname) != 0) {
+            return NULL;
+        }
         Py_INCREF(obj);
         arr = (PyArrayObject *)obj;
     } else if (dp_is_device_object(st, obj)) {
@@ -21,11 +122,17 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
         if (arr == NULL) {
             return NULL;
         }
-    } else if (PyObject_CheckBuffer(obj) ||
-               PyObject_HasAttrString(obj, "__array_interface__") ||
-               PyObject_HasAttrString(obj, "__array_struct__")) {
-        /* No copy: NumPy wraps the exporter's memory. */
-        arr = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    } else if (kind != 0) {
+        /* No copy: NumPy wraps the exporter's memory. A buffer (bytes,
+         * bytearray, memoryview, array.array) is read through a memoryview,
+         * so its format decides the dtype: bytes are a 1-D uint8 array, not
+         * NumPy's 0-dim 'S' scalar. */
+        PyObject *src = kind == 1 ? PyMemoryView_FromObject(obj) : Py_NewRef(obj);
+        arr = src ? (PyArrayObject *)PyArray_FromAny(src, NULL, 0, 0, 0, NULL) : NULL;
+        Py_XDECREF(src);
+        if (arr == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;   /* KeyboardInterrupt, SystemExit: let them through */
+        }
         if (arr == NULL) {
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);

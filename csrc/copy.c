@@ -316,3 +316,92 @@ void dp_dense_strides(int ndim, const int64_t *shape, size_t itemsize,
         acc *= (uint64_t)(shape[dim] > 1 ? shape[dim] : 1);
     }
 }
+
+/* ------------------------------------------------------------------ */
+/* Overlap checks                                                      */
+/* ------------------------------------------------------------------ */
+
+int dp_layout_extent(int ndim, const int64_t *shape, const int64_t *strides,
+                     size_t itemsize, int64_t *lo, int64_t *hi)
+{
+    uint64_t neg = 0, pos = (uint64_t)itemsize;
+    *lo = 0;
+    *hi = (int64_t)itemsize;
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] == 0)
+            return 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] <= 1)
+            continue;
+        uint64_t m = magnitude(strides[i]), n = (uint64_t)(shape[i] - 1);
+        if (m != 0 && n > (uint64_t)INT64_MAX / m)
+            return -1;
+        if (strides[i] < 0)
+            neg += m * n;
+        else
+            pos += m * n;
+        if (neg > (uint64_t)INT64_MAX || pos > (uint64_t)INT64_MAX)
+            return -1;
+    }
+    *lo = -(int64_t)neg;
+    *hi = (int64_t)pos;
+    return 1;
+}
+
+int dp_layouts_may_overlap(const char *pa, int ndim_a, const int64_t *shape_a,
+                           const int64_t *strides_a, size_t itemsize_a,
+                           const char *pb, int ndim_b, const int64_t *shape_b,
+                           const int64_t *strides_b, size_t itemsize_b)
+{
+    int64_t alo, ahi, blo, bhi;
+    int ra = dp_layout_extent(ndim_a, shape_a, strides_a, itemsize_a, &alo, &ahi);
+    int rb = dp_layout_extent(ndim_b, shape_b, strides_b, itemsize_b, &blo, &bhi);
+    if (ra == 0 || rb == 0)
+        return 0;
+    if (ra < 0 || rb < 0)
+        return 1;
+    /* Compare as addresses; pointer arithmetic outside a buffer is undefined,
+     * so work on uintptr_t (wrap-around is well defined there). */
+    uintptr_t a0 = (uintptr_t)pa - (uintptr_t)(uint64_t)-alo;
+    uintptr_t a1 = (uintptr_t)pa + (uintptr_t)ahi;
+    uintptr_t b0 = (uintptr_t)pb - (uintptr_t)(uint64_t)-blo;
+    uintptr_t b1 = (uintptr_t)pb + (uintptr_t)bhi;
+    return a0 < b1 && b0 < a1;
+}
+
+int dp_layout_has_internal_overlap(int ndim, const int64_t *shape,
+                                   const int64_t *strides, size_t itemsize)
+{
+    int order[DP_MAXDIMS];
+    int n = 0;
+    if (ndim < 0 || ndim > DP_MAXDIMS)
+        return 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 0)
+            return 0;   /* no element at all */
+        if (shape[i] <= 1)
+            continue;
+        if (strides[i] == 0)
+            return 1;
+        /* insertion sort by |stride|, smallest first */
+        int j = n++;
+        while (j > 0 && magnitude(strides[order[j - 1]]) > magnitude(strides[i])) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    /* Each dim must step over the whole byte extent of the dims inside it. */
+    uint64_t extent = (uint64_t)itemsize;
+    for (int k = 0; k < n; k++) {
+        int d = order[k];
+        uint64_t m = magnitude(strides[d]);
+        if (m < extent)
+            return 1;
+        uint64_t steps = (uint64_t)(shape[d] - 1);
+        if (steps > ((uint64_t)INT64_MAX - extent) / m)
+            return 1;   /* no real buffer is this large */
+        extent += m * steps;
+    }
+    return 0;
+}

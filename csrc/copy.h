@@ -65,4 +65,32 @@ int dp_layout_is_dense(int ndim, const int64_t *shape, const int64_t *strides,
 void dp_dense_strides(int ndim, const int64_t *shape, size_t itemsize,
                       const int *perm, int64_t *strides_out);
 
+/* Overlap checks (PyTorch's assert_no_internal_overlap and
+ * assert_no_partial_overlap, for copies with a caller-given destination).
+ *
+ * dp_layout_extent: the byte range [*lo, *hi) a strided layout can touch, as
+ * offsets from its element [0,...,0] (*lo <= 0 < *hi). Returns 0 for an
+ * empty layout (a dim of size 0: nothing is touched), 1 otherwise, and -1
+ * when the range does not fit in int64 (no real buffer is that large). */
+int dp_layout_extent(int ndim, const int64_t *shape, const int64_t *strides,
+                     size_t itemsize, int64_t *lo, int64_t *hi);
+
+/* May layout a (element [0,...,0] at pa) and layout b (at pb) share a byte?
+ * Conservative: 1 when their byte extents intersect, so two interleaved
+ * views such as x[::2] and x[1::2] count as overlapping; 0 when either is
+ * empty or the extents are disjoint. */
+int dp_layouts_may_overlap(const char *pa, int ndim_a, const int64_t *shape_a,
+                           const int64_t *strides_a, size_t itemsize_a,
+                           const char *pb, int ndim_b, const int64_t *shape_b,
+                           const int64_t *strides_b, size_t itemsize_b);
+
+/* May two different indices of one layout address a common byte? 1 for a
+ * zero stride on a dim of size > 1, and whenever, with the dims of size > 1
+ * ordered by |stride|, a stride is smaller than the byte extent of the dims
+ * inside it. Every view made by slicing (any steps, signs and dim order) of
+ * a dense array passes (0); exotic as_strided layouts that interleave
+ * without sharing bytes are refused too (conservative). */
+int dp_layout_has_internal_overlap(int ndim, const int64_t *shape,
+                                   const int64_t *strides, size_t itemsize);
+
 #endif

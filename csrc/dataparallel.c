@@ -8,12 +8,13 @@
  * On the exact type the four steps are the C functions below; on a Python
  * subclass they are looked up on self, so overriding any of them works.
  *
- * replicate: the arrays reachable from the module (instance __dict__s,
- * lists, tuples, dicts) are broadcast in one coalesced call (comm.c); each
+ * replicate: the arrays reachable from the module (instance __dict__s and
+ * __slots__ members, lists, tuples, namedtuples, dicts) are broadcast in one coalesced call (comm.c); each
  * replica is a shallow copy of every object on a path to an array, with the
  * arrays swapped for that device's copies. Everything else is shared.
  *
- * parallel_apply: replica i runs on the persistent worker of its device,
+ * parallel_apply: replica i runs on a persistent worker thread of its device
+ * (a device has more than one when its jobs overlap, pool.h),
  * which takes the GIL and enters a copy of the caller's contextvars context
  * (the analogue of PyTorch copying grad mode, spec 6.2). The caller waits
  * with the GIL released, in 50 ms slices so that Ctrl-C still works.
@@ -94,10 +95,14 @@ typedef struct {
     Py_ssize_t nedges;
 } rep_node;
 
+#define REP_SLOT_EDGE (-2)      /* rep_edge.index of a __slots__ member   */
+
 typedef struct {
     Py_ssize_t parent, child;  /* node indices                                */
-    Py_ssize_t index;          /* list/tuple position                         */
-    PyObject *key;             /* owned: dict key or attribute name; NULL for
+    Py_ssize_t index;          /* list/tuple position; -1 for a dict key or
+                                  attribute; REP_SLOT_EDGE for a slot         */
+    PyObject *key;             /* owned: dict key or attribute name; the slot's
+                                  member descriptor for REP_SLOT_EDGE; NULL for
                                   list/tuple positions                        */
 } rep_edge;
 
@@ -180,31 +185,16 @@ static void restore_exception(PyObject *exc)
 }
 
 /* msg as a str whose repr() is itself, so that str(KeyError(m)) shows the
- * text unquoted (PyTorch's KeyErrorMessage, spec 6.5). Falls back to msg. */
-static PyObject *keyerror_message(PyObject *msg)
+ * text unquoted (PyTorch's KeyErrorMessage, spec 6.5): an instance of the
+ * module's dpmini._dpmini._KeyErrorMessage, which pickles by name. Falls
+ * back to msg. */
+static PyObject *keyerror_message(dp_state *st, PyObject *msg)
 {
-    PyObject *str_str = NULL, *ns = NULL, *tp = NULL, *res = NULL;
-    str_str = PyObject_GetAttrString((PyObject *)&PyUnicode_Type, "__str__");
-    ns = Py_BuildValue("{sOss}", "__repr__", str_str ? str_str : Py_None,
-                       "__module__", "dpmini");
-    if (str_str == NULL || ns == NULL) {
-        goto fail;
-    }
-    /* Made per error (rare); a str subclass with __repr__ = str.__str__. */
-    tp = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O)O", "KeyErrorMessage",
-                               (PyObject *)&PyUnicode_Type, ns);
-    if (tp == NULL) {
-        goto fail;
-    }
-    res = PyObject_CallOneArg(tp, msg);
-fail:
+    PyObject *res = PyObject_CallOneArg(st->KeyErrorMessage, msg);
     if (res == NULL) {
         PyErr_Clear();
         res = Py_NewRef(msg);
     }
-    Py_XDECREF(str_str);
-    Py_XDECREF(ns);
-    Py_XDECREF(tp);
     return res;
 }
 
@@ -271,7 +261,7 @@ static void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_de
     }
 
     if (tp == PyExc_KeyError) {
-        arg = keyerror_message(msg);
+        arg = keyerror_message(st, msg);
     } else {
         arg = Py_NewRef(msg);
     }
@@ -622,10 +612,25 @@ static int rep_add_edge(rep_walk *w, Py_ssize_t parent, Py_ssize_t child,
     return 0;
 }
 
+/* 1, 0, or -1 with an exception set (only AttributeError means "no"). */
+static int type_has_attr(PyTypeObject *tp, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString((PyObject *)tp, name);
+    if (v != NULL) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
 static int is_namedtuple_type(PyTypeObject *tp)
 {
-    return PyObject_HasAttrString((PyObject *)tp, "_fields") &&
-           PyObject_HasAttrString((PyObject *)tp, "_make");
+    int r = type_has_attr(tp, "_fields");
+    return r <= 0 ? r : type_has_attr(tp, "_make");
 }
 
 static int has_instance_dict(PyTypeObject *tp)
@@ -636,6 +641,21 @@ static int has_instance_dict(PyTypeObject *tp)
     }
 #endif
     return tp->tp_dictoffset != 0;
+}
+
+/* Does a Python class in tp's MRO declare __slots__? Only heap types are
+ * looked at: slots come from class statements, whose tp_dict is a dict. */
+static int has_slots(PyTypeObject *tp)
+{
+    PyObject *mro = tp->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if ((base->tp_flags & Py_TPFLAGS_HEAPTYPE) && base->tp_dict != NULL &&
+            PyDict_GetItemString(base->tp_dict, "__slots__") != NULL) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static int rep_classify(dp_state *st, PyObject *o)
@@ -650,7 +670,18 @@ static int rep_classify(dp_state *st, PyObject *o)
         return RK_ERROR;
     }
     if (r > 0) {
-        return RK_ARRAY;
+        /* Shared by reference, as PyTorch shares a module's non-parameter
+         * attributes: object-dtype arrays (they cannot be copied between
+         * devices), and MaskedArray / matrix (a plain copy would lose their
+         * meaning). */
+        if (PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)o))) {
+            return RK_LEAF;
+        }
+        r = dp_refused_array_subclass(o, NULL);
+        if (r < 0) {
+            return RK_ERROR;
+        }
+        return r ? RK_LEAF : RK_ARRAY;
     }
     if (PyList_Check(o)) {
         return PyList_CheckExact(o) ? RK_LIST : RK_LIST_SUB;
@@ -662,10 +693,12 @@ static int rep_classify(dp_state *st, PyObject *o)
         if (PyTuple_CheckExact(o)) {
             return RK_TUPLE;
         }
-        return is_namedtuple_type(tp) ? RK_NAMEDTUPLE : RK_LEAF;
+        int nt = is_namedtuple_type(tp);
+        return nt < 0 ? RK_ERROR : nt ? RK_NAMEDTUPLE : RK_LEAF;
     }
     if (PyType_Check(o) || PyModule_Check(o) || PyFunction_Check(o) || PyCFunction_Check(o) ||
-        PyMethod_Check(o) || PyInstanceMethod_Check(o) || !has_instance_dict(tp)) {
+        PyMethod_Check(o) || PyInstanceMethod_Check(o) ||
+        (!has_instance_dict(tp) && !has_slots(tp))) {
         return RK_LEAF;
     }
     return RK_OBJECT;
@@ -702,6 +735,85 @@ static int rep_walk_dict(rep_walk *w, Py_ssize_t parent, PyObject *dict, int dep
         if (rc < 0) {
             return -1;
         }
+    }
+    return 0;
+}
+
+/* Walk the __slots__ members of o, class by class along its MRO (a slot
+ * named __x is stored mangled, as _Cls__x). Each member is read and later
+ * written through its member descriptor, so properties or __getattr__ of the
+ * same name do not interfere. Unset slots are skipped. */
+static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth)
+{
+    PyObject *mro = Py_TYPE(o)->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *cls = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!(cls->tp_flags & Py_TPFLAGS_HEAPTYPE) || cls->tp_dict == NULL) {
+            continue;
+        }
+        PyObject *slots = PyDict_GetItemString(cls->tp_dict, "__slots__");
+        if (slots == NULL) {
+            continue;
+        }
+        PyObject *names = PyUnicode_Check(slots) ? PyTuple_Pack(1, slots)
+                                                 : PySequence_Tuple(slots);
+        if (names == NULL) {
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++) {
+            PyObject *name = PyTuple_GET_ITEM(names, j), *attr = NULL, *desc, *value;
+            if (!PyUnicode_Check(name) ||
+                PyUnicode_CompareWithASCIIString(name, "__dict__") == 0 ||
+                PyUnicode_CompareWithASCIIString(name, "__weakref__") == 0) {
+                continue;
+            }
+            Py_ssize_t len = PyUnicode_GetLength(name);
+            const char *cname = cls->tp_name, *dot = strrchr(cname, '.');
+            cname = dot ? dot + 1 : cname;
+            while (*cname == '_') {
+                cname++;
+            }
+            int priv = len > 2 && PyUnicode_READ_CHAR(name, 0) == '_' &&
+                       PyUnicode_READ_CHAR(name, 1) == '_' &&
+                       !(PyUnicode_READ_CHAR(name, len - 1) == '_' &&
+                         PyUnicode_READ_CHAR(name, len - 2) == '_') && *cname != '\0';
+            attr = priv ? PyUnicode_FromFormat("_%s%U", cname, name) : Py_NewRef(name);
+            if (attr == NULL) {
+                Py_DECREF(names);
+                return -1;
+            }
+            desc = PyDict_GetItemWithError(cls->tp_dict, attr);   /* borrowed */
+            Py_DECREF(attr);
+            if (desc == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(names);
+                    return -1;
+                }
+                continue;
+            }
+            if (Py_TYPE(desc)->tp_descr_get == NULL || Py_TYPE(desc)->tp_descr_set == NULL) {
+                continue;
+            }
+            Py_INCREF(desc);
+            value = Py_TYPE(desc)->tp_descr_get(desc, o, (PyObject *)Py_TYPE(o));
+            if (value == NULL) {
+                Py_DECREF(desc);
+                if (PyErr_ExceptionMatches(PyExc_AttributeError)) {   /* unset */
+                    PyErr_Clear();
+                    continue;
+                }
+                Py_DECREF(names);
+                return -1;
+            }
+            int rc = rep_walk_child(w, parent, value, REP_SLOT_EDGE, desc, depth);
+            Py_DECREF(value);
+            Py_DECREF(desc);
+            if (rc < 0) {
+                Py_DECREF(names);
+                return -1;
+            }
+        }
+        Py_DECREF(names);
     }
     return 0;
 }
@@ -753,14 +865,19 @@ static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
         }
         break;
     case RK_OBJECT: {
-        PyObject *d = PyObject_GenericGetDict(o, NULL);
-        if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__: shared */
-            PyErr_Clear();
-            Py_XDECREF(d);
-            break;
+        if (has_instance_dict(Py_TYPE(o))) {
+            PyObject *d = PyObject_GenericGetDict(o, NULL);
+            if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__ */
+                PyErr_Clear();
+                Py_XDECREF(d);
+            } else {
+                w->nodes[n].dict = d;
+                if (rep_walk_dict(w, n, d, depth + 1) < 0) {
+                    return RK_ERROR;
+                }
+            }
         }
-        w->nodes[n].dict = d;
-        if (rep_walk_dict(w, n, d, depth + 1) < 0) {
+        if (rep_walk_slots(w, n, o, depth + 1) < 0) {
             return RK_ERROR;
         }
         break;
@@ -860,7 +977,7 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
             goto fail;
         }
     }
-    if (node->kind == RK_OBJECT) {
+    if (node->kind == RK_OBJECT && node->dict != NULL) {
         cdict = PyObject_GenericGetDict(copy, NULL);
         if (cdict == NULL) {
             goto fail;
@@ -905,7 +1022,11 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
             rc = PyObject_SetItem(copy, ed->key, v);
             break;
         default:   /* RK_OBJECT */
-            rc = PyDict_SetItem(cdict, ed->key, v);
+            if (ed->index == REP_SLOT_EDGE) {
+                rc = Py_TYPE(ed->key)->tp_descr_set(ed->key, copy, v);
+            } else {
+                rc = PyDict_SetItem(cdict, ed->key, v);
+            }
             break;
         }
         Py_CLEAR(v);
@@ -1409,13 +1530,6 @@ typedef struct {
     PyObject *weights;
 } call_opts;
 
-static call_opts self_opts(dp_DataParallelObject *self)
-{
-    call_opts o = {self->dim, self->strict, self->in_dims, self->out_dims,
-                   self->chunk_sizes, self->weights};
-    return o;
-}
-
 /* scatter_kwargs with the options o over devs[0..ndev). */
 static int scatter_with(dp_state *st, PyObject *args, PyObject *kwargs, const dp_device *devs,
                         Py_ssize_t ndev, const call_opts *o, PyObject **inputs,
@@ -1507,15 +1621,80 @@ static int check_initialised(dp_DataParallelObject *self)
     return 0;
 }
 
+/* What one call uses of a DataParallel's settings. User code run during the
+ * call (a dict subclass's items(), a replica, another thread while the GIL
+ * is released) may reassign dp.module or dp.device_ids; the call keeps its
+ * own reference and its own copy of the device list, so it neither reads
+ * freed memory nor mixes old and new settings. */
+#define DP_SNAP_INLINE 16
+typedef struct {
+    PyObject *module;          /* owned                                      */
+    dp_device *devs;           /* inline_devs or PyMem_Malloc'ed; ndev items */
+    Py_ssize_t ndev;
+    dp_device output_device;
+    int dim;
+    int strict;
+    PyObject *in_dims;         /* owned; the extension options (issue 3)     */
+    PyObject *out_dims;        /* owned                                      */
+    PyObject *chunk_sizes;     /* owned                                      */
+    PyObject *weights;         /* owned                                      */
+    dp_device inline_devs[DP_SNAP_INLINE];
+} dp_snapshot;
+
+/* Fill *s from self (initialised; GIL held). -1 with MemoryError. */
+static int snapshot_take(dp_DataParallelObject *self, dp_snapshot *s)
+{
+    s->ndev = self->ndev;
+    if (s->ndev <= DP_SNAP_INLINE) {
+        s->devs = s->inline_devs;
+    } else {
+        s->devs = PyMem_Malloc((size_t)s->ndev * sizeof *s->devs);
+        if (s->devs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    memcpy(s->devs, self->devs, (size_t)s->ndev * sizeof *s->devs);
+    s->module = Py_NewRef(self->module);
+    s->output_device = self->output_device;
+    s->dim = self->dim;
+    s->strict = self->strict;
+    s->in_dims = Py_NewRef(self->in_dims);
+    s->out_dims = Py_NewRef(self->out_dims);
+    s->chunk_sizes = Py_NewRef(self->chunk_sizes);
+    s->weights = Py_NewRef(self->weights);
+    return 0;
+}
+
+/* The call options a snapshot holds (borrowed from it). */
+static call_opts snap_opts(const dp_snapshot *s)
+{
+    call_opts o = {s->dim, s->strict, s->in_dims, s->out_dims, s->chunk_sizes, s->weights};
+    return o;
+}
+
+static void snapshot_release(dp_snapshot *s)
+{
+    Py_CLEAR(s->module);
+    Py_CLEAR(s->in_dims);
+    Py_CLEAR(s->out_dims);
+    Py_CLEAR(s->chunk_sizes);
+    Py_CLEAR(s->weights);
+    if (s->devs != s->inline_devs) {
+        PyMem_Free(s->devs);
+    }
+    s->devs = NULL;
+}
+
 /* forward on a Python subclass: each step through attribute lookup. */
 static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
-                                 PyObject *args, PyObject *kwargs)
+                                 const dp_snapshot *snap, PyObject *args, PyObject *kwargs)
 {
     PyObject *kw = NULL, *ids = NULL, *pair = NULL, *inputs = NULL, *kws = NULL;
     PyObject *used = NULL, *replicas = NULL, *outputs = NULL, *outdev = NULL, *res = NULL;
 
     kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
-    ids = device_list(st, self->devs, self->ndev);
+    ids = device_list(st, snap->devs, snap->ndev);
     if (kw == NULL || ids == NULL) {
         goto fail;
     }
@@ -1534,15 +1713,15 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     if (inputs == NULL || kws == NULL || fix_empty_call(&inputs, &kws) < 0) {
         goto fail;
     }
-    if (self->ndev == 1) {
-        res = call_first(self->module, inputs, kws);
+    if (snap->ndev == 1) {
+        res = call_first(snap->module, inputs, kws);
         goto fail;
     }
     used = PyList_GetSlice(ids, 0, PyTuple_GET_SIZE(inputs));
     if (used == NULL) {
         goto fail;
     }
-    replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", self->module, used);
+    replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", snap->module, used);
     if (replicas == NULL) {
         goto fail;
     }
@@ -1550,7 +1729,7 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     if (outputs == NULL) {
         goto fail;
     }
-    outdev = dp_device_to_object(st, self->output_device);
+    outdev = dp_device_to_object(st, snap->output_device);
     if (outdev == NULL) {
         goto fail;
     }
@@ -1574,15 +1753,23 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
     if (st == NULL || check_initialised(self) < 0) {
         return NULL;
     }
+    dp_snapshot snap;
+    PyObject *res;
+    if (snapshot_take(self, &snap) < 0) {
+        return NULL;
+    }
     if (Py_TYPE(self) == st->DataParallelType) {
         if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
             kwargs = NULL;
         }
-        call_opts o = self_opts(self);
-        return forward_core(st, self->module, args, kwargs, self->devs, self->ndev,
-                            self->output_device, &o);
+        call_opts o = snap_opts(&snap);
+        res = forward_core(st, snap.module, args, kwargs, snap.devs, snap.ndev,
+                           snap.output_device, &o);
+    } else {
+        res = forward_generic(self, st, &snap, args, kwargs);
     }
-    return forward_generic(self, st, args, kwargs);
+    snapshot_release(&snap);
+    return res;
 }
 
 /* ------------------------------------------------------------------ */
@@ -1773,22 +1960,28 @@ static PyObject *DataParallel_repr(dp_DataParallelObject *self)
     }
     dp_device_format(self->output_device, buf, sizeof buf);
     {
-        /* The extension options, only when set. */
+        /* The extension options, only when set. repr(module) and the
+         * options' reprs run user code that may reassign dp.module. */
+        PyObject *module = Py_NewRef(self->module);
         static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
-        PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+        PyObject *vals[] = {Py_NewRef(self->in_dims), Py_NewRef(self->out_dims),
+                            Py_NewRef(self->chunk_sizes), Py_NewRef(self->weights)};
         PyObject *extra = PyUnicode_FromString("");
         for (int i = 0; i < 4 && extra != NULL; i++) {
             if (vals[i] != Py_None) {
                 Py_SETREF(extra, PyUnicode_FromFormat("%U, %s=%R", extra, names[i], vals[i]));
             }
         }
-        if (extra == NULL) {
-            goto done;
+        if (extra != NULL) {
+            res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', "
+                                       "dim=%d%s%U)", name, module, ids, buf, self->dim,
+                                       self->strict ? ", strict=True" : "", extra);
+            Py_DECREF(extra);
         }
-        res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', dim=%d%s%U)",
-                                   name, self->module, ids, buf, self->dim,
-                                   self->strict ? ", strict=True" : "", extra);
-        Py_DECREF(extra);
+        for (int i = 0; i < 4; i++) {
+            Py_DECREF(vals[i]);
+        }
+        Py_DECREF(module);
     }
 done:
     Py_ReprLeave((PyObject *)self);
@@ -1996,6 +2189,57 @@ static PyObject *DataParallel_forward(dp_DataParallelObject *self, PyObject *arg
     return forward_dispatch(self, args, kwargs);
 }
 
+PyDoc_STRVAR(reduce_doc,
+"__reduce__()\n--\n\n"
+"Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
+"type(self)(module, device_ids as strings, output_device as a string, dim,\n"
+"strict) and restores the instance __dict__. A subclass whose __init__ takes\n"
+"other arguments overrides __reduce__. The module must itself be picklable\n"
+"for pickle. Errors: RuntimeError when __init__ was not called.");
+
+static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
+{
+    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *res = NULL;
+    char buf[32];
+    if (check_initialised(self) < 0) {
+        return NULL;
+    }
+    ids = PyList_New(self->ndev);
+    if (ids == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < self->ndev; i++) {
+        dp_device_format(self->devs[i], buf, sizeof buf);
+        PyObject *s = PyUnicode_FromString(buf);
+        if (s == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(ids, i, s);
+    }
+    dp_device_format(self->output_device, buf, sizeof buf);
+    out = PyUnicode_FromString(buf);
+    if (out == NULL) {
+        goto done;
+    }
+    args = Py_BuildValue("(OOOiO)", self->module, ids, out, self->dim,
+                         self->strict ? Py_True : Py_False);
+    if (args == NULL) {
+        goto done;
+    }
+    state = (self->dict != NULL && PyDict_GET_SIZE(self->dict) > 0)
+            ? PyDict_Copy(self->dict) : Py_NewRef(Py_None);
+    if (state == NULL) {
+        goto done;
+    }
+    res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(out);
+    Py_XDECREF(args);
+    Py_XDECREF(state);
+    return res;
+}
+
 PyDoc_STRVAR(scatter_doc,
 "scatter(inputs, kwargs=None, device_ids=None)\n--\n\n"
 "Returns (inputs_tuple, kwargs_tuple).\n"
@@ -2018,8 +2262,11 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     Py_ssize_t ndev = 0;
     dp_state *st = dp_state_from_type(Py_TYPE(self));
 
+    dp_snapshot snap;
+
     if (st == NULL || check_initialised(self) < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids)) {
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids) ||
+        snapshot_take(self, &snap) < 0) {
         return NULL;
     }
     if (inputs == Py_None) {
@@ -2042,13 +2289,14 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
         dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
         goto fail;
     }
-    call_opts o = self_opts(self);
-    if (scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : self->devs,
-                     devs ? ndev : self->ndev, &o, &ins, &kws) < 0) {
+    call_opts o = snap_opts(&snap);
+    if (scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : snap.devs,
+                     devs ? ndev : snap.ndev, &o, &ins, &kws) < 0) {
         goto fail;
     }
     res = PyTuple_Pack(2, ins, kws);
 fail:
+    snapshot_release(&snap);
     PyMem_Free(devs);
     Py_XDECREF(in);
     Py_XDECREF(ins);
@@ -2062,7 +2310,9 @@ PyDoc_STRVAR(replicate_doc,
 "One replica of module per device, in order (PyTorch replicate, spec §5).\n"
 "devices: a sequence of devices ('cpu:N', 'cuda:N', int, dpmini.Device); an\n"
 "empty sequence gives []. Arrays reachable from module through instance\n"
-"__dict__ attributes, lists, tuples, dicts and sub-objects (depth <= 64) are\n"
+"__dict__ attributes, __slots__ members (of every class in the MRO), lists,\n"
+"tuples, namedtuples, dicts (and their subclasses) and sub-objects (depth\n"
+"<= 64) are\n"
 "broadcast with one broadcast_coalesced call (10 MiB buckets); replica d is a\n"
 "shallow copy (copy.copy; lists/dicts/tuples rebuilt) of every object on a\n"
 "path to an array, with the arrays replaced by device d's copies. Objects\n"
@@ -2090,7 +2340,10 @@ PyDoc_STRVAR(dp_replicate_doc,
 "replicate(module, device_ids)\n--\n\n"
 "dpmini.replicate(module, device_ids): one replica of module per device, as\n"
 "a list (shallow copies holding each device's copies of the module's arrays;\n"
-"the module itself when it holds none). See dpmini.replicate.");
+"the module itself when it holds none). See dpmini.replicate.\n"
+"Errors: ValueError for a bad device list (empty entries, the host, a CUDA\n"
+"device that does not exist), TypeError for a device of the wrong type or\n"
+"when an object holding arrays cannot be copied (copy.copy fails).");
 
 static PyObject *DataParallel_replicate(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -2108,7 +2361,12 @@ PyDoc_STRVAR(dp_parallel_apply_doc,
 "parallel_apply(replicas, inputs, kwargs=None)\n--\n\n"
 "dpmini.parallel_apply(replicas, inputs, kwargs, self.device_ids[:len(replicas)]):\n"
 "replica i runs as replicas[i](*inputs[i], **kwargs[i]) on device_ids[i]'s\n"
-"worker thread; results in replica order. See dpmini.parallel_apply.");
+"worker thread; results in replica order. See dpmini.parallel_apply.\n"
+"Errors: RuntimeError when DataParallel.__init__ was not called; ValueError\n"
+"'parallel_apply: the number of modules (M) is not equal to the number of\n"
+"inputs (N)' (likewise kwargs); TypeError for inputs/kwargs of the wrong\n"
+"type; a failing replica's exception re-raised as 'Caught T in replica i on\n"
+"device d.' with the original as __cause__ (spec 6.5).");
 
 static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObject *args,
                                              PyObject *kwargs)
@@ -2121,12 +2379,18 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
                                      &replicas, &inputs, &kw)) {
         return NULL;
     }
-    Py_ssize_t m = PyObject_Length(replicas);
-    if (m < 0) {
+    dp_snapshot snap;
+    if (snapshot_take(self, &snap) < 0) {
         return NULL;
     }
-    return parallel_apply_run(st, replicas, inputs, kw, NULL, self->devs,
-                              m < self->ndev ? m : self->ndev);
+    PyObject *res = NULL;
+    Py_ssize_t m = PyObject_Length(replicas);
+    if (m >= 0) {
+        res = parallel_apply_run(st, replicas, inputs, kw, NULL, snap.devs,
+                                 m < snap.ndev ? m : snap.ndev);
+    }
+    snapshot_release(&snap);
+    return res;
 }
 
 PyDoc_STRVAR(gather_doc,
@@ -2143,15 +2407,19 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     static char *kwlist[] = {"outputs", "output_device", NULL};
     PyObject *outputs, *out = Py_None;
     dp_device d = self->output_device;
+    int dim = self->dim;   /* read before any user code runs (a snapshot) */
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     if (st == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:gather", kwlist, &outputs, &out)) {
         return NULL;
     }
-    if (out != Py_None && parse_target_device(st, out, "output_device", &d) < 0) {
-        return NULL;
+    PyObject *out_dims = Py_NewRef(self->out_dims);
+    PyObject *res = NULL;
+    if (out == Py_None || parse_target_device(st, out, "output_device", &d) == 0) {
+        res = dp_gather_outputs_ex(st, outputs, d, dim, out_dims);
     }
-    return dp_gather_outputs_ex(st, outputs, d, self->dim, self->out_dims);
+    Py_DECREF(out_dims);
+    return res;
 }
 
 static PyMethodDef DataParallel_methods[] = {
@@ -2165,6 +2433,7 @@ static PyMethodDef DataParallel_methods[] = {
      METH_VARARGS | METH_KEYWORDS, dp_parallel_apply_doc},
     {"gather", (PyCFunction)(void (*)(void))DataParallel_gather,
      METH_VARARGS | METH_KEYWORDS, gather_doc},
+    {"__reduce__", (PyCFunction)DataParallel_reduce, METH_NOARGS, reduce_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2308,8 +2577,9 @@ PyDoc_STRVAR(parallel_apply_doc,
 "the caller's contextvars context (numpy.errstate etc. apply, like PyTorch\n"
 "copying grad mode, spec 6.2). With one module, or when called from inside\n"
 "a replica running on a worker, the calls run inline in the caller thread.\n"
-"Replicas sharing a device (e.g. ['cpu:0', 'cpu:0']) run one after another\n"
-"on that device's worker. Ctrl-C while waiting raises KeyboardInterrupt in\n"
+"Replicas sharing a device (e.g. ['cpu:0', 'cpu:0']) run at the same time on\n"
+"threads of that device (like PyTorch's one thread per replica; the GIL is\n"
+"shared as usual). Ctrl-C while waiting raises KeyboardInterrupt in\n"
 "the running replicas, waits for them, and re-raises it.\n"
 "Errors: ValueError 'parallel_apply: the number of modules (M) is not equal\n"
 "to the number of inputs (N)' (likewise kwargs_tup and devices); the first\n"
@@ -2340,7 +2610,15 @@ PyDoc_STRVAR(data_parallel_doc,
 "anything else is one argument (a list counts as ONE argument), None means\n"
 "none. module_kwargs: None or a dict. device_ids/output_device/dim and\n"
 "in_dims/out_dims/chunk_sizes/weights as for DataParallel (in_dims addresses\n"
-"inputs by position and module_kwargs by name). Errors: as DataParallel.");
+"inputs by position and module_kwargs by name).\n"
+"Errors: TypeError when module is not callable or module_kwargs is not a\n"
+"dict; ValueError for bad device_ids/output_device (empty, the host in\n"
+"device_ids, a missing CUDA device), 0-dim array inputs, bad in_dims/out_dims/\n"
+"chunk_sizes/weights, or (as DataParallel) structure mismatches in the\n"
+"outputs; IndexError for a dim out of range; TypeError/OverflowError for a dim\n"
+"that is not an int; a failing replica's exception as 'Caught T in replica i\n"
+"on device d.' (spec 6.5). Different chunk counts warn dpmini.SplitWarning\n"
+"(no strict here).");
 
 static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
 {

@@ -27,7 +27,8 @@
 
 #define DP_ALIGN 64
 #define DP_HUGE_ALIGN ((size_t)2 << 20)            /* 2 MiB: transparent huge pages */
-#define DP_CACHE_LIMIT_DEFAULT ((size_t)4 << 30)   /* bytes cached per device       */
+#define DP_CACHE_LIMIT_DEFAULT ((size_t)1 << 30)   /* bytes cached per device; the
+                                                      $DPMINI_CACHE_LIMIT default */
 
 typedef struct dp_block {
     struct dp_block *next;
@@ -45,7 +46,10 @@ typedef struct {
  * in cuda/ and is accounted there. */
 static dp_heap heaps[1 + DP_POOL_MAX_INDEX];
 static pthread_mutex_t heap_mu = PTHREAD_MUTEX_INITIALIZER;
+/* Set once, with the GIL held, by the first dp_buffer_new (before any block
+ * can be freed); read by raw_free under heap_mu. */
 static size_t cache_limit = DP_CACHE_LIMIT_DEFAULT;
+static int cache_limit_read;
 
 static dp_heap *heap_of(dp_device d)
 {
@@ -200,8 +204,37 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
     return (PyObject *)self;
 }
 
+/* $DPMINI_CACHE_LIMIT: bytes each device's cache may hold (a non-negative
+ * decimal integer; 0 disables caching). Read once; an invalid value warns
+ * RuntimeWarning and keeps the default. GIL held. -1 if the warning raised. */
+static int read_cache_limit(void)
+{
+    if (cache_limit_read) {
+        return 0;
+    }
+    cache_limit_read = 1;
+    const char *env = getenv("DPMINI_CACHE_LIMIT");
+    if (env == NULL || *env == '\0') {
+        return 0;
+    }
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(env, &end, 10);
+    if (*env < '0' || *env > '9' || *end != '\0' || errno == ERANGE || v > SIZE_MAX) {
+        return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                "DPMINI_CACHE_LIMIT=%.50s is not a byte count (a non-negative "
+                                "integer); using the default, %zu bytes (1 GiB)",
+                                env, (size_t)DP_CACHE_LIMIT_DEFAULT);
+    }
+    cache_limit = (size_t)v;
+    return 0;
+}
+
 PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
 {
+    if (!cache_limit_read && read_cache_limit() < 0) {
+        return NULL;
+    }
     BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
     if (self == NULL) {
         return NULL;
@@ -373,10 +406,36 @@ int dp_cpu_device_count(void)
     return n < 2 ? 2 : (n > DP_POOL_MAX_INDEX ? DP_POOL_MAX_INDEX : n);
 }
 
+/* dp_cpu_device_count, warning RuntimeWarning when $DPMINI_CPU_DEVICES is
+ * set but not an int in 1..DP_POOL_MAX_INDEX (GIL held). -1 if the warning
+ * raised (warnings turned into errors). */
+static int cpu_device_count_checked(int *out)
+{
+    int n = dp_cpu_device_count();
+    const char *env = getenv("DPMINI_CPU_DEVICES");
+    if (env != NULL && *env != '\0') {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end != '\0' || v < 1 || v > DP_POOL_MAX_INDEX) {
+            if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                 "DPMINI_CPU_DEVICES=%.50s is not an int in 1..%d; using %d "
+                                 "virtual CPU devices (the usable cores, at least 2) instead",
+                                 env, DP_POOL_MAX_INDEX, n) < 0) {
+                return -1;
+            }
+        }
+    }
+    *out = n;
+    return 0;
+}
+
 int dp_default_devices(dp_state *st, dp_device **out, Py_ssize_t *n)
 {
     int ncuda = dp_cuda_device_count();
-    int count = ncuda > 0 ? ncuda : dp_cpu_device_count();
+    int count = ncuda;
+    if (ncuda <= 0 && cpu_device_count_checked(&count) < 0) {
+        return -1;
+    }
     dp_device *devs = PyMem_Malloc(sizeof(dp_device) * (size_t)count);
     if (devs == NULL) {
         PyErr_NoMemory();
@@ -641,11 +700,17 @@ static PyObject *device_repr(PyObject *op)
     return PyUnicode_FromFormat("dpmini.Device('%s')", name);
 }
 
+/* hash(d) == hash(str(d)), since d == str(d): a dict or set keyed by
+ * devices finds them by their spelling too. */
 static Py_hash_t device_hash(PyObject *op)
 {
-    dp_device d = ((dp_DeviceObject *)op)->dev;
-    Py_hash_t h = (Py_hash_t)(d.kind * 1000003 + d.index + 7);
-    return h == -1 ? -2 : h;
+    PyObject *s = device_str(op);
+    if (s == NULL) {
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(s);
+    Py_DECREF(s);
+    return h;
 }
 
 static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
@@ -657,13 +722,18 @@ static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
     if (Py_TYPE(b) == Py_TYPE(a) || PyObject_TypeCheck(b, Py_TYPE(a))) {
         db = ((dp_DeviceObject *)b)->dev;
     } else if (PyUnicode_Check(b)) {
-        const char *s = PyUnicode_AsUTF8(b);
+        /* Only the canonical spelling str(a) is equal, so that equal objects
+         * hash equal ("cuda" names cuda:0 but is not == Device('cuda:0')). */
+        PyObject *s = device_str(a);
         if (s == NULL) {
             return NULL;
         }
-        if (parse_device_text(s, &db) < 0) {
-            Py_RETURN_NOTIMPLEMENTED;
+        int eq = PyUnicode_Compare(s, b) == 0;
+        Py_DECREF(s);
+        if (PyErr_Occurred()) {
+            return NULL;
         }
+        return PyBool_FromLong(op == Py_EQ ? eq : !eq);
     } else {
         Py_RETURN_NOTIMPLEMENTED;
     }
@@ -748,7 +818,11 @@ static PyObject *py_device_count(PyObject *m, PyObject *unused)
 
 static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
 {
-    return PyLong_FromLong(dp_cpu_device_count());
+    int n;
+    if (cpu_device_count_checked(&n) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(n);
 }
 
 static PyObject *py_device_of(PyObject *m, PyObject *arg)
@@ -846,25 +920,27 @@ static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
 
 PyMethodDef dp_device_methods[] = {
     {"device_count", py_device_count, METH_NOARGS,
-     "device_count() -> int\n\nNumber of CUDA devices dpmini can use (0 without a GPU, a "
+     "device_count()\n--\n\nReturns an int: the number of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},
     {"cpu_device_count", py_cpu_device_count, METH_NOARGS,
-     "cpu_device_count() -> int\n\nNumber of virtual CPU devices ('cpu:0'..) that "
+     "cpu_device_count()\n--\n\nReturns an int: the number of virtual CPU devices ('cpu:0'..) that "
      "DataParallel uses when device_ids is None and there is no GPU: $DPMINI_CPU_DEVICES "
-     "when set (1..256), else the number of usable cores, at least 2."},
+     "when set (1..256), else the number of usable cores, at least 2. An invalid\n"
+     "$DPMINI_CPU_DEVICES warns RuntimeWarning naming it and the count used instead."},
     {"device_of", py_device_of, METH_O,
-     "device_of(array) -> Device\n\nThe device that owns an ndarray's memory: the dpmini "
+     "device_of(array)\n--\n\nReturns a dpmini.Device: the device that owns an ndarray's memory: the dpmini "
      "device for arrays dpmini allocated (and views of them), else the host ('cpu').\n"
+     "Rule source: torch.Tensor.device (a view lives where its base's memory lives).\n"
      "Raises TypeError when array is not a numpy.ndarray."},
     {"memory_allocated", py_memory_allocated, METH_O,
-     "memory_allocated(device) -> int\n\nBytes (rounded to the allocator's block sizes) "
+     "memory_allocated(device)\n--\n\nReturns an int: bytes (rounded to the allocator's block sizes) "
      "held by live dpmini arrays on a device ('cpu' counts dpmini's host allocations "
      "only). Source: torch.cuda.memory_allocated."},
     {"memory_reserved", py_memory_reserved, METH_O,
-     "memory_reserved(device) -> int\n\nmemory_allocated plus the bytes the caching "
+     "memory_reserved(device)\n--\n\nReturns an int: memory_allocated plus the bytes the caching "
      "allocator keeps for reuse on that device. Source: torch.cuda.memory_reserved."},
     {"empty_cache", py_empty_cache, METH_NOARGS,
-     "empty_cache() -> None\n\nReturn every cached block of every device to the system. "
+     "empty_cache()\n--\n\nReturn every cached block of every device to the system. "
      "Source: torch.cuda.empty_cache."},
     {NULL},
 };

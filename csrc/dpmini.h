@@ -56,6 +56,8 @@ typedef struct {
     PyObject *copy_copy;             /* copy.copy                          */
     PyObject *dataclasses_fields;    /* dataclasses.fields                 */
     PyObject *format_exception;      /* traceback.format_exception         */
+    PyObject *KeyErrorMessage;       /* dpmini._dpmini._KeyErrorMessage(str):
+                                        repr() is the text itself (spec 6.5) */
 } dp_state;
 
 extern struct PyModuleDef dp_module_def;
@@ -155,6 +157,15 @@ dp_device dp_array_device(dp_state *st, PyArrayObject *a);
 /* Is obj an array leaf for scatter/gather (a numpy.ndarray, subclasses
  * included)? NumPy scalars and Python numbers are not. */
 int dp_is_array_leaf(dp_state *st, PyObject *obj);
+
+/* The ndarray subclasses dpmini refuses as array leaves, because plain
+ * chunks would silently change their meaning: numpy.ma.MaskedArray (the mask
+ * would be lost) and numpy.matrix (its operators). Other subclasses (memmap,
+ * recarray, user subclasses) are accepted; their chunks and gathered results
+ * are plain ndarrays. Returns 1 for a refused one (with TypeError naming
+ * argname and what to do when argname is not NULL; no exception when it is
+ * NULL), 0 otherwise, -1 with an exception set. */
+int dp_refused_array_subclass(PyObject *obj, const char *argname);
 
 /* obj (ndarray, buffer-protocol object or __array_interface__ object) as an
  * ndarray without a copy. Refuses object dtypes and, with min_ndim 1,
@@ -343,6 +354,7 @@ PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
 
 extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
+extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
 extern PyMethodDef dp_tree_methods[];         /* tree.c     */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyMethodDef dp_array_methods[];        /* array.c    */

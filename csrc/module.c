@@ -86,6 +86,61 @@ static PyObject *import_attr(const char *module, const char *attr)
     return res;
 }
 
+/* dpmini._dpmini._KeyErrorMessage: a str whose repr() is itself, so that
+ * str(KeyError(msg)) shows a replica's traceback unquoted (PyTorch's
+ * torch._utils.KeyErrorMessage). Made once, reachable by name for pickle. */
+static int add_keyerror_message(PyObject *m, PyObject **slot)
+{
+    PyObject *str_str = PyObject_GetAttrString((PyObject *)&PyUnicode_Type, "__str__");
+    if (str_str == NULL) {
+        return -1;
+    }
+    PyObject *ns = Py_BuildValue(
+        "{sOssssss}", "__repr__", str_str, "__module__", "dpmini._dpmini",
+        "__qualname__", "_KeyErrorMessage",
+        "__doc__", "str subclass whose repr() is the text itself (for KeyError messages).");
+    Py_DECREF(str_str);
+    if (ns == NULL) {
+        return -1;
+    }
+    PyObject *tp = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O)O", "_KeyErrorMessage",
+                                         (PyObject *)&PyUnicode_Type, ns);
+    Py_DECREF(ns);
+    if (tp == NULL) {
+        return -1;
+    }
+    *slot = tp;
+    return PyModule_AddObjectRef(m, "_KeyErrorMessage", tp);
+}
+
+/* dpmini._dpmini.comm: a module object holding the torch.cuda.comm
+ * counterparts, named as in PyTorch, with __module__ 'dpmini.comm' (which
+ * re-exports them) and the main module as their self (for the state). */
+static int add_comm_submodule(PyObject *m)
+{
+    PyObject *sub = PyModule_New("dpmini.comm");
+    PyObject *modname = PyUnicode_FromString("dpmini.comm");
+    int rc = -1;
+    if (sub == NULL || modname == NULL ||
+        PyModule_SetDocString(sub, "torch.cuda.comm for NumPy arrays on dpmini devices "
+                                   "(spec section 8); see each function's docstring.") < 0) {
+        goto done;
+    }
+    for (PyMethodDef *def = dp_comm_submodule_methods; def->ml_name != NULL; def++) {
+        PyObject *fn = PyCFunction_NewEx(def, m, modname);
+        if (fn == NULL || PyModule_AddObjectRef(sub, def->ml_name, fn) < 0) {
+            Py_XDECREF(fn);
+            goto done;
+        }
+        Py_DECREF(fn);
+    }
+    rc = PyModule_AddObjectRef(m, "comm", sub);
+done:
+    Py_XDECREF(sub);
+    Py_XDECREF(modname);
+    return rc;
+}
+
 static int dp_exec(PyObject *m)
 {
     dp_state *st = dp_state_from_module(m);
@@ -118,14 +173,16 @@ static int dp_exec(PyObject *m)
     st->dataclasses_fields = import_attr("dataclasses", "fields");
     st->format_exception = import_attr("traceback", "format_exception");
     if (st->copy_copy == NULL || st->dataclasses_fields == NULL ||
-        st->format_exception == NULL) {
+        st->format_exception == NULL ||
+        add_keyerror_message(m, &st->KeyErrorMessage) < 0) {
         return -1;
     }
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
         PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
         PyModule_AddFunctions(m, dp_tree_methods) < 0 ||
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
-        PyModule_AddFunctions(m, dp_array_methods) < 0) {
+        PyModule_AddFunctions(m, dp_array_methods) < 0 ||
+        add_comm_submodule(m) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||
@@ -152,6 +209,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->copy_copy);
     Py_VISIT(st->dataclasses_fields);
     Py_VISIT(st->format_exception);
+    Py_VISIT(st->KeyErrorMessage);
     return 0;
 }
 
@@ -169,6 +227,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->copy_copy);
     Py_CLEAR(st->dataclasses_fields);
     Py_CLEAR(st->format_exception);
+    Py_CLEAR(st->KeyErrorMessage);
     return 0;
 }
 

@@ -1,8 +1,15 @@
 /* pool.c - the per-device worker threads and job batches declared in pool.h.
  *
- * One slot per (kind, index): a mutex, a condition, a FIFO of heap nodes and
- * a "started" flag. The worker of a slot is a detached pthread, started under
- * the slot mutex on the first submit, that runs queued jobs in order forever.
+ * One slot per (kind, index): a mutex, a condition, a queue of heap nodes
+ * and counts of the slot's threads and of those that are idle (not running
+ * a job). A submit queues the job and, when the queue is longer than the
+ * number of idle threads, starts one more detached thread for the slot (at
+ * most DP_POOL_MAX_THREADS); so a job never waits behind a running job
+ * while the slot is under its cap, and a replica that waits on work it
+ * handed to another thread cannot deadlock its own device. Threads take
+ * jobs from the queue head; beyond DP_POOL_KEEP_THREADS, a thread idle for
+ * IDLE_EXIT_MS exits, so a burst does not leave dozens of threads behind.
+ * In the common case (one job per device at a time) a slot has one thread.
  *
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
@@ -10,9 +17,12 @@
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
- * Deadlock note: a job may submit to its own worker (submit only queues), but
- * it must not then wait for that job - the worker would wait for itself.
- * dp_pool_on_worker() lets callers detect this case and run the job inline.
+ * Deadlock note: a job may submit to its own device and wait for that job
+ * (another thread of the device runs it) as long as the device is under
+ * DP_POOL_MAX_THREADS busy threads; at the cap the job queues and such a
+ * wait can deadlock. dpmini's callers therefore still run copies and nested
+ * replicas inline when they are on a worker (dp_pool_in_worker), so pool
+ * threads never wait on the pool themselves.
  */
 #define _GNU_SOURCE
 #include "pool.h"
@@ -24,6 +34,7 @@
 
 #define NKINDS 2
 #define STACK_BYTES ((size_t)8 << 20)   /* Python runs on workers: deep stacks */
+#define IDLE_EXIT_MS 10000L             /* extra threads idle this long exit */
 #define WORKER_SPIN_NS 50000L           /* idle worker polls its queue this long */
 #define WAIT_SPIN_NS 50000L             /* dp_batch_wait polls this long */
 #define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
@@ -37,9 +48,15 @@ typedef struct job_node {
 
 typedef struct {
     pthread_mutex_t mu;
-    pthread_cond_t cv;       /* signalled when a job is queued */
+    pthread_cond_t cv;       /* signalled when a job is queued (monotonic clock) */
     job_node *head, *tail;   /* guarded by mu; head also read as a spin hint */
-    int started;             /* guarded by mu */
+    int nqueued;             /* jobs in the queue; guarded by mu */
+    int nthreads;            /* threads started and not exited; guarded by mu */
+    int nidle;               /* of those, the ones not running a job (spinning,
+                                waiting or about to take one); guarded by mu.
+                                Invariant: every idle thread takes a queued job
+                                before it blocks, so nqueued <= nidle means
+                                every queued job has a thread coming for it. */
     int kind, index;
 } slot;
 
@@ -85,12 +102,24 @@ static void reset_slots(void)
     for (int k = 0; k < NKINDS; k++)
         for (int i = 0; i < DP_POOL_MAX_INDEX; i++) {
             slot *s = &slots[k][i];
+            pthread_condattr_t ca;
             pthread_mutex_init(&s->mu, NULL);
-            pthread_cond_init(&s->cv, NULL);
+            /* Idle threads time out on the monotonic clock. If the attribute
+             * cannot be set, the condition uses the default clock: timeouts
+             * then follow wall-clock jumps, which is harmless here. */
+            if (pthread_condattr_init(&ca) == 0) {
+                pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+                pthread_cond_init(&s->cv, &ca);
+                pthread_condattr_destroy(&ca);
+            } else {
+                pthread_cond_init(&s->cv, NULL);
+            }
             /* In a fork child, queued nodes are leaked on purpose: the parent
              * may have been halfway through changing the list. */
             s->head = s->tail = NULL;
-            s->started = 0;
+            s->nqueued = 0;
+            s->nthreads = 0;
+            s->nidle = 0;
             s->kind = k + 1;
             s->index = i;
         }
@@ -150,12 +179,30 @@ static void *worker_main(void *p)
                 break;
         }
         pthread_mutex_lock(&s->mu);
-        while (!s->head)
-            pthread_cond_wait(&s->cv, &s->mu);
+        while (!s->head) {
+            if (s->nthreads <= DP_POOL_KEEP_THREADS) {
+                pthread_cond_wait(&s->cv, &s->mu);
+                continue;
+            }
+            /* An extra thread: exit when idle for IDLE_EXIT_MS. */
+            struct timespec deadline;
+            long long d = now_ns() + IDLE_EXIT_MS * 1000000LL;
+            deadline.tv_sec = (time_t)(d / 1000000000LL);
+            deadline.tv_nsec = (long)(d % 1000000000LL);
+            if (pthread_cond_timedwait(&s->cv, &s->mu, &deadline) == ETIMEDOUT &&
+                !s->head && s->nthreads > DP_POOL_KEEP_THREADS) {
+                s->nthreads--;
+                s->nidle--;
+                pthread_mutex_unlock(&s->mu);
+                return NULL;
+            }
+        }
         job_node *j = s->head;
         __atomic_store_n(&s->head, j->next, __ATOMIC_RELAXED);
         if (!j->next)
             s->tail = NULL;
+        s->nqueued--;
+        s->nidle--;
         pthread_mutex_unlock(&s->mu);
 
         j->fn(j->arg);
@@ -163,6 +210,12 @@ static void *worker_main(void *p)
         free(j);
         if (gen != fork_gen)
             return NULL;
+        /* Idle again before the batch can see the job finished: a caller
+         * that submits its next batch right away then finds this thread
+         * idle instead of starting another one. */
+        pthread_mutex_lock(&s->mu);
+        s->nidle++;
+        pthread_mutex_unlock(&s->mu);
         finish_job(b);
     }
 }
@@ -184,8 +237,10 @@ static int start_worker(slot *s)
     if (!rc)
         rc = pthread_create(&tid, &attr, worker_main, s);
     pthread_attr_destroy(&attr);
-    if (!rc)
-        s->started = 1;
+    if (!rc) {
+        s->nthreads++;
+        s->nidle++;   /* it will take a queued job before it blocks */
+    }
     return rc;
 }
 
@@ -229,10 +284,13 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
     *j = (job_node){ .next = NULL, .fn = fn, .arg = arg, .batch = b };
 
     pthread_mutex_lock(&s->mu);
-    /* Starting under the slot mutex: concurrent first submits start one worker. */
-    if (!s->started) {
+    /* Start a thread under the slot mutex when this job would otherwise
+     * wait: more queued jobs (this one included) than idle threads. When the
+     * start fails but the slot has threads, the job waits for one of them;
+     * with no thread at all it is refused. */
+    if (s->nqueued + 1 > s->nidle && s->nthreads < DP_POOL_MAX_THREADS) {
         int rc = start_worker(s);
-        if (rc) {
+        if (rc && s->nthreads == 0) {
             pthread_mutex_unlock(&s->mu);
             free(j);
             return rc;
@@ -248,7 +306,8 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
     else
         __atomic_store_n(&s->head, j, __ATOMIC_RELAXED);
     s->tail = j;
-    pthread_cond_signal(&s->cv);   /* no syscall when the worker is spinning */
+    s->nqueued++;
+    pthread_cond_signal(&s->cv);   /* no syscall when no thread is blocked */
     pthread_mutex_unlock(&s->mu);
     return 0;
 }
@@ -300,4 +359,15 @@ int dp_pool_on_worker(int kind, int index)
 int dp_pool_in_worker(void)
 {
     return tl_index >= 0;
+}
+
+int dp_pool_threads(int kind, int index)
+{
+    slot *s = get_slot(kind, index);
+    if (!s)
+        return -1;
+    pthread_mutex_lock(&s->mu);
+    int n = s->nthreads;
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }

@@ -1,13 +1,21 @@
 /* pool.h - one persistent worker thread per device, and batches of jobs.
  *
  * No Python.h. Workers are process-wide (devices are process-wide
- * resources); a worker is started the first time a job is sent to its device
- * and lives until the process exits. After fork() the child starts with no
- * workers and starts new ones on demand (pthread_atfork).
+ * resources). Each device has a small set of persistent threads: a job goes
+ * to an idle thread of its device, and when every thread of the device is
+ * busy, a new one is started (up to DP_POOL_MAX_THREADS per device; beyond
+ * that, jobs queue until a thread is free). A device's first thread is
+ * started by its first job and lives until the process exits; threads beyond
+ * DP_POOL_KEEP_THREADS exit after a while idle. After fork() the child starts
+ * with no workers and starts new ones on demand (pthread_atfork).
  *
- * A job is a function and an argument. Jobs sent to one device run one after
- * another, in submission order, on that device's thread. Jobs of different
- * devices run at the same time.
+ * A job is a function and an argument. Jobs are taken in submission order,
+ * but jobs sent to one device may run at the same time (on different
+ * threads of that device), and so do jobs of different devices: there is no
+ * ordering between the jobs of a batch. This is what lets a job wait for
+ * work that another thread sends to its own device (no deadlock below the
+ * cap), and what runs replicas on a repeated device concurrently, like
+ * PyTorch's one thread per replica.
  *
  * The pool knows nothing of the GIL. A job that touches Python objects takes
  * the GIL itself (PyGILState_Ensure), and a caller that waits for such a job
@@ -21,6 +29,12 @@
 /* Worker slots: one per (device kind, index). kind 1 = virtual CPU device,
  * kind 2 = CUDA device; index 0 .. DP_POOL_MAX_INDEX-1. */
 #define DP_POOL_MAX_INDEX 256
+
+/* Threads per device: at most DP_POOL_MAX_THREADS run jobs at once; the
+ * first DP_POOL_KEEP_THREADS stay when idle, the others exit after ~10 s
+ * without work. */
+#define DP_POOL_MAX_THREADS 64
+#define DP_POOL_KEEP_THREADS 4
 
 typedef void (*dp_job_fn)(void *arg);
 
@@ -37,22 +51,29 @@ typedef struct {
 int dp_batch_init(dp_batch *b);
 void dp_batch_destroy(dp_batch *b);
 
-/* Queue fn(arg) on the worker of (kind, index), starting the worker if needed.
- * Returns 0, or an errno value (EINVAL for a bad kind/index, or the error of
- * pthread_create / malloc); on failure the job is not queued and the batch's
- * count is unchanged. */
+/* Queue fn(arg) for a thread of device (kind, index), starting one if every
+ * thread of the device is busy (and the device is under its cap). Returns 0,
+ * or an errno value (EINVAL for a bad kind/index, or the error of
+ * pthread_create / malloc when the device has no thread at all); on failure
+ * the job is not queued and the batch's count is unchanged. */
 int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg);
 
 /* Wait until every job of the batch has finished. timeout_ms < 0 waits
  * forever. Returns 1 when all are finished, 0 on timeout. */
 int dp_batch_wait(dp_batch *b, long timeout_ms);
 
-/* True when the calling thread is the worker of (kind, index). */
+/* True when the calling thread is a worker thread of (kind, index). */
 int dp_pool_on_worker(int kind, int index);
 
-/* True when the calling thread is any pool worker. Code running inside a
- * job (a replica) that wants more copies done must run them inline: waiting
- * on another worker could deadlock when that worker waits on this one. */
+/* True when the calling thread is any pool worker. dpmini runs the copies
+ * and nested replicas of code that runs inside a job (a replica) inline in
+ * that thread: a pool thread then never waits on the pool, so no chain of
+ * waits can exhaust a device's DP_POOL_MAX_THREADS and deadlock, and small
+ * nested work does not grow the thread count. */
 int dp_pool_in_worker(void);
+
+/* Threads the device (kind, index) has now (0 before its first job), or -1
+ * for a bad kind/index. For tests and diagnostics. */
+int dp_pool_threads(int kind, int index);
 
 #endif

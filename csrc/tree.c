@@ -932,11 +932,14 @@ static int truncation_message(scatter_ctx *c, PyObject **out)
             kept += lf->sizes[j];
         if (kept >= n)
             continue;
+        /* "rows" only along dim 0; "indices" along any other dim. */
+        const char *one = lf->dim == 0 ? "row" : "index";
+        const char *many = lf->dim == 0 ? "rows" : "indices";
         PyObject *part = kept == n - 1
-            ? PyUnicode_FromFormat("%U: row %lld of %lld along dim %d is dropped",
-                                   lf->path, (long long)kept, (long long)n, lf->dim)
-            : PyUnicode_FromFormat("%U: rows %lld..%lld of %lld along dim %d are dropped",
-                                   lf->path, (long long)kept, (long long)(n - 1),
+            ? PyUnicode_FromFormat("%U: %s %lld of %lld along dim %d is dropped",
+                                   lf->path, one, (long long)kept, (long long)n, lf->dim)
+            : PyUnicode_FromFormat("%U: %s %lld..%lld of %lld along dim %d are dropped",
+                                   lf->path, many, (long long)kept, (long long)(n - 1),
                                    (long long)n, lf->dim);
         if (append_steal(parts, part) < 0)
             goto done;
@@ -1636,6 +1639,8 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
         arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
                 : PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
                 : (PyObject *)dp_as_array(g->st, vals[i], cpath, 0); /* GPU arrays */
@@ -1704,7 +1709,21 @@ done:
     return res;
 }
 
-/* str, bytes, numbers: returned once when every replica's value is equal. */
+/* Two floats/complexes that differ only by being NaN in the same places
+ * (nan != nan in Python, but every replica returning nan is one value). */
+static int same_nan_value(PyObject *a, PyObject *b)
+{
+    if (!(PyFloat_Check(a) || PyComplex_Check(a)) || !(PyFloat_Check(b) || PyComplex_Check(b)))
+        return 0;
+    double ar = PyFloat_Check(a) ? PyFloat_AS_DOUBLE(a) : PyComplex_RealAsDouble(a);
+    double ai = PyFloat_Check(a) ? 0.0 : PyComplex_ImagAsDouble(a);
+    double br = PyFloat_Check(b) ? PyFloat_AS_DOUBLE(b) : PyComplex_RealAsDouble(b);
+    double bi = PyFloat_Check(b) ? 0.0 : PyComplex_ImagAsDouble(b);
+    return (ar == br || (ar != ar && br != br)) && (ai == bi || (ai != ai && bi != bi));
+}
+
+/* str, bytes, numbers: returned once when every replica's value is equal
+ * (NaN counting as equal to NaN). */
 static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                               const path_seg *seg)
 {
@@ -1712,6 +1731,8 @@ static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
             return NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);
         if (eq)
             continue;
         PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);

@@ -1,17 +1,18 @@
 """dpmini.comm: collective copies between devices, mirroring ``torch.cuda.comm``.
 
-Every function is implemented in C (``dpmini._dpmini``); see each docstring for
-shapes, dtypes, units and errors. Rules follow PyTorch's ``torch.cuda.comm``
-(spec §8) with the differences listed in the README.
+Every function is implemented in C (the ``dpmini._dpmini.comm`` submodule, whose
+functions report ``__module__ == "dpmini.comm"``); see each docstring for shapes,
+dtypes, units and errors. Rules follow PyTorch's ``torch.cuda.comm`` (spec §8) with
+the differences listed in the README.
 """
-from ._dpmini import (
-    comm_broadcast as broadcast,
-    comm_broadcast_coalesced as broadcast_coalesced,
-    comm_gather as gather,
-    comm_reduce_add as reduce_add,
-    comm_reduce_add_coalesced as reduce_add_coalesced,
-    comm_scatter as scatter,
-)
+from ._dpmini import comm as _comm
+
+scatter = _comm.scatter
+gather = _comm.gather
+broadcast = _comm.broadcast
+broadcast_coalesced = _comm.broadcast_coalesced
+reduce_add = _comm.reduce_add
+reduce_add_coalesced = _comm.reduce_add_coalesced
 
 __all__ = [
     "scatter",

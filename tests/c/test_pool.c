@@ -33,27 +33,31 @@ static void sleep_ms(long ms)
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
 }
 
-/* ---- FIFO order on one device ---- */
-#define NFIFO 2000
-static int fifo_log[NFIFO], fifo_len;
-static int fifo_ids[NFIFO];
+static atomic_int counter;
+static void job_inc(void *arg) { (void)arg; atomic_fetch_add(&counter, 1); }
 
-static void job_log(void *arg) { fifo_log[fifo_len++] = *(int *)arg; }
+/* ---- many jobs on one device: each runs exactly once ---- */
+#define NMANY 2000
+static atomic_int many_runs[NMANY];
+static int many_ids[NMANY];
 
-static void test_fifo(void)
+static void job_log(void *arg) { atomic_fetch_add(&many_runs[*(int *)arg], 1); }
+
+static void test_many_on_one_device(void)
 {
     dp_batch b;
     CHECK(dp_batch_init(&b) == 0);
-    for (int i = 0; i < NFIFO; i++) {
-        fifo_ids[i] = i;
-        CHECK(dp_batch_submit(&b, 1, 0, job_log, &fifo_ids[i]) == 0);
+    for (int i = 0; i < NMANY; i++) {
+        many_ids[i] = i;
+        atomic_store(&many_runs[i], 0);
+        CHECK(dp_batch_submit(&b, 1, 0, job_log, &many_ids[i]) == 0);
     }
     CHECK(dp_batch_wait(&b, -1) == 1);
-    CHECK(fifo_len == NFIFO);
-    int in_order = 1;
-    for (int i = 0; i < fifo_len; i++)
-        in_order &= fifo_log[i] == i;
-    CHECK(in_order);
+    int once = 1;
+    for (int i = 0; i < NMANY; i++)
+        once &= atomic_load(&many_runs[i]) == 1;
+    CHECK(once);
+    CHECK(dp_pool_threads(1, 0) >= 1 && dp_pool_threads(1, 0) <= DP_POOL_MAX_THREADS);
     dp_batch_destroy(&b);
 }
 
@@ -86,9 +90,104 @@ static void test_parallel(int kind)
     dp_batch_destroy(&b);
 }
 
+/* ---- jobs of one device run at the same time (a repeated device) ---- */
+static void test_parallel_same_device(void)
+{
+    dp_batch b;
+    atomic_store(&flag_a, 0);
+    atomic_store(&flag_b, 0);
+    meet_a = meet_b = 0;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_submit(&b, 1, 30, job_a, NULL) == 0);
+    CHECK(dp_batch_submit(&b, 1, 30, job_b, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(meet_a && meet_b);
+    dp_batch_destroy(&b);
+}
+
+/* ---- a job waits for work that a helper thread sends to its own device
+ * (review1 f07: with one thread per device this deadlocked) ---- */
+static void *helper_main(void *arg)
+{
+    (void)arg;
+    dp_batch c;
+    int ok = dp_batch_init(&c) == 0 && dp_batch_submit(&c, 1, 31, job_inc, NULL) == 0
+             && dp_batch_wait(&c, 5000) == 1;
+    dp_batch_destroy(&c);
+    return ok ? (void *)1 : NULL;
+}
+static int helper_ok;
+static void job_uses_helper(void *arg)
+{
+    (void)arg;
+    pthread_t t;
+    void *res = NULL;
+    if (pthread_create(&t, NULL, helper_main, NULL) == 0 && pthread_join(t, &res) == 0)
+        helper_ok = res != NULL;
+}
+
+static void test_helper_thread_on_own_device(void)
+{
+    dp_batch b;
+    helper_ok = 0;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_submit(&b, 1, 31, job_uses_helper, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 10000) == 1);
+    CHECK(helper_ok);
+    dp_batch_destroy(&b);
+}
+
+/* ---- beyond DP_POOL_MAX_THREADS busy threads, a job queues ---- */
+static atomic_int gate_open, blocked_running, late_ran;
+static void job_blocked(void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&blocked_running, 1);
+    double end = secs() + 10.0;
+    while (!atomic_load(&gate_open) && secs() < end)
+        sleep_ms(1);
+}
+static void job_late(void *arg) { (void)arg; atomic_store(&late_ran, 1); }
+
+static void test_cap(void)
+{
+    dp_batch b;
+    atomic_store(&gate_open, 0);
+    atomic_store(&blocked_running, 0);
+    atomic_store(&late_ran, 0);
+    CHECK(dp_batch_init(&b) == 0);
+    for (int i = 0; i < DP_POOL_MAX_THREADS; i++)
+        CHECK(dp_batch_submit(&b, 1, 32, job_blocked, NULL) == 0);
+    CHECK(dp_batch_submit(&b, 1, 32, job_late, NULL) == 0);
+    double end = secs() + 5.0;
+    while (atomic_load(&blocked_running) < DP_POOL_MAX_THREADS && secs() < end)
+        sleep_ms(1);
+    CHECK(atomic_load(&blocked_running) == DP_POOL_MAX_THREADS);
+    sleep_ms(50);
+    CHECK(!atomic_load(&late_ran));
+    CHECK(dp_pool_threads(1, 32) == DP_POOL_MAX_THREADS);
+    atomic_store(&gate_open, 1);
+    CHECK(dp_batch_wait(&b, 10000) == 1);
+    CHECK(atomic_load(&late_ran));
+    dp_batch_destroy(&b);
+}
+
+/* ---- one job at a time on a device keeps one thread ---- */
+static void test_sequential_keeps_one_thread(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    for (int i = 0; i < 2000; i++) {
+        CHECK(dp_batch_submit(&b, 1, 33, job_inc, NULL) == 0);
+        CHECK(dp_batch_wait(&b, -1) == 1);
+        if (i % 100 == 0)
+            sleep_ms(1);   /* let the thread leave its spin and block, too */
+    }
+    CHECK(dp_pool_threads(1, 33) == 1);
+    dp_batch_destroy(&b);
+}
+
 /* ---- many batches, reused and recreated ---- */
-static atomic_int counter;
-static void job_inc(void *arg) { (void)arg; atomic_fetch_add(&counter, 1); }
 
 static void test_many_batches(void)
 {
@@ -284,9 +383,13 @@ static void test_latency(void)
 
 int main(void)
 {
-    test_fifo();
+    test_many_on_one_device();
     test_parallel(1);
     test_parallel(2);
+    test_parallel_same_device();
+    test_helper_thread_on_own_device();
+    test_cap();
+    test_sequential_keeps_one_thread();
     test_many_batches();
     test_timeout();
     test_einval();
