@@ -7,8 +7,19 @@
  * has synchronised its streams before it returns, so a dpmini.Array is always
  * ready: __cuda_array_interface__ reports stream None ("no synchronisation
  * needed") and __dlpack__(stream=...) has nothing to wait for. On import,
- * dpmini synchronises the producer's stream (CAI "stream", or the stream it
- * passes to __dlpack__) before using the memory.
+ * dpmini waits for the producer: an object with a CUDA __dlpack_device__ is
+ * imported through __dlpack__(stream=<a dpmini stream>) (the producer orders
+ * its work before that stream, which is then synchronised), even when it
+ * also has __cuda_array_interface__ (PyTorch, CuPy); a CAI-only object's
+ * "stream" is synchronised, and when the key is absent (CAI v2, e.g.
+ * PyTorch's) or the version is < 3 the producer promises nothing, so the
+ * legacy default stream of the array's device is synchronised (the CAI
+ * spec's advice; PyTorch's and CuPy's default stream is that stream).
+ *
+ * Exported memory (a CAI or DLPack export of a dpmini.Array) is marked on its
+ * buffer: when it is freed, the device is synchronised before the caching
+ * allocator may hand the block out again (the consumer's kernels may still
+ * be reading it on the consumer's stream).
  */
 #include "dpmini.h"
 #include "dlpack.h"
@@ -44,6 +55,66 @@ PyObject *dp_export(dp_state *st, PyObject *obj)
     return array_wrap(st, (PyArrayObject *)obj, d);
 }
 
+/* obj.__dlpack_device__(): 1 with (type, id); 0 when obj has none
+ * (AttributeError); -1 with the exception set otherwise. */
+static int dlpack_device_ex(PyObject *obj, int *type, int *id)
+{
+    PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
+    if (m == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    PyObject *r = PyObject_CallNoArgs(m);
+    Py_DECREF(m);
+    if (r == NULL) {
+        return -1;
+    }
+    int ok = PyTuple_Check(r) && PyArg_ParseTuple(r, "ii", type, id);
+    Py_DECREF(r);
+    if (!ok) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "__dlpack_device__() must return a tuple "
+                            "(device_type, device_id)");
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* The pending exception, re-raised (same type, the original as __cause__)
+ * with the argument path and the failing protocol named. */
+static void reraise_named(const char *argname, PyObject *obj, const char *what)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v == NULL) {
+        Py_XDECREF(t);
+        Py_XDECREF(tb);
+        PyErr_Format(PyExc_TypeError, "%s: %.100s.%s failed", argname, Py_TYPE(obj)->tp_name,
+                     what);
+        return;
+    }
+    if (tb != NULL) {
+        PyException_SetTraceback(v, tb);
+    }
+    PyErr_Format(t, "%s: cannot use %.100s as a GPU array: its %s raised %.100s: %S", argname,
+                 Py_TYPE(obj)->tp_name, what, Py_TYPE(v)->tp_name, v);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && PyExceptionInstance_Check(v2)) {
+        PyException_SetCause(v2, Py_NewRef(v));
+    }
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
 int dp_is_device_object(dp_state *st, PyObject *obj)
 {
     if (PyObject_TypeCheck(obj, st->ArrayType)) {
@@ -52,9 +123,39 @@ int dp_is_device_object(dp_state *st, PyObject *obj)
     if (PyArray_Check(obj) || PyType_Check(obj)) {
         return 0;
     }
-    /* hasattr: a torch CPU tensor's property raises AttributeError -> False */
-    int r = PyObject_HasAttrString(obj, "__cuda_array_interface__");
-    return r > 0;
+    /* Only AttributeError means "no such protocol" (a torch CPU tensor's
+     * property raises it). Any other error (a CUDA tensor that requires
+     * grad, a dtype the exporter cannot describe) makes obj a device object,
+     * so that dp_device_object_meta, which knows the argument's name, raises
+     * it instead of obj being silently treated as a non-array. */
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+        Py_DECREF(cai);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    PyErr_Clear();
+    int type, id, r = dlpack_device_ex(obj, &type, &id);
+    if (r < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    return r == 1 && (type == kDLCUDA || type == kDLCUDAManaged);
+}
+
+/* Mark the buffer that owns a's memory as exported (see the file comment). */
+static void mark_exported(dp_state *st, PyArrayObject *a)
+{
+    PyObject *b = (PyObject *)a;
+    while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
+        b = PyArray_BASE((PyArrayObject *)b);
+    }
+    if (Py_IS_TYPE(b, st->BufferType)) {
+        ((dp_BufferObject *)b)->exported = 1;
+    }
 }
 
 /* ------------------------------------------------------------------ */
@@ -126,6 +227,11 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
     PyObject *strides_o = PyDict_GetItemString(cai, "strides");
     PyObject *mask = PyDict_GetItemString(cai, "mask");
     PyObject *stream = PyDict_GetItemString(cai, "stream");
+    PyObject *version = PyDict_GetItemString(cai, "version");
+    long ver = version != NULL && PyLong_Check(version) ? PyLong_AsLong(version) : 0;
+    if (ver == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
     if (shape_o == NULL || typestr == NULL || data == NULL || !PyTuple_Check(data) ||
         PyTuple_GET_SIZE(data) != 2) {
         PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ lacks 'shape', 'typestr' "
@@ -177,7 +283,23 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
                      argname, dev, dpc_device_count());
         return NULL;
     }
-    if (stream != NULL && stream != Py_None) {
+    if (stream == NULL || ver < 3) {
+        /* No 'stream' key (CAI v2, e.g. PyTorch) or version < 3: the producer
+         * promises nothing. Its work is most likely on the legacy default
+         * stream (PyTorch's and CuPy's default), which dpmini's non-blocking
+         * streams do not wait for: synchronise it (GIL released). */
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dpc_stream_sync(dev, DPC_STREAM_LEGACY);
+        Py_END_ALLOW_THREADS
+        __atomic_add_fetch(&dp_gpu_stat_legacy_syncs, 1, __ATOMIC_RELAXED);
+        if (s.code != 0) {
+            Py_DECREF(descr);
+            dp_gpu_raise(st, s, "import __cuda_array_interface__ (no 'stream' key): wait for "
+                         "the legacy default stream");
+            return NULL;
+        }
+    } else if (stream != Py_None) {
         /* v3: the producer's work is ordered on this stream; wait for it */
         void *sp = PyLong_AsVoidPtr(stream);
         if (sp == NULL && PyErr_Occurred()) {
@@ -192,10 +314,7 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
         }
         dpc_status s;
         Py_BEGIN_ALLOW_THREADS
-        s = dpc_set_device(dev);
-        if (s.code == 0) {
-            s = dpc_stream_sync(dev, sp);
-        }
+        s = dpc_stream_sync(dev, sp); /* on dev, the caller's device left as it was */
         Py_END_ALLOW_THREADS
         if (s.code != 0) {
             Py_DECREF(descr);
@@ -284,6 +403,7 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
 {
     PyObject *cap = NULL, *owner = NULL, *stream = NULL, *kw = NULL, *meth = NULL;
     PyArrayObject *res = NULL;
+    int readonly = 0;
     dpc_stream s = NULL;
     dpc_status status = dpc_stream_get(dev_hint, 0, &s);
     if (status.code != 0) {
@@ -308,6 +428,7 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
     }
     Py_DECREF(empty);
     if (cap == NULL) {
+        reraise_named(argname, obj, "__dlpack__()");
         goto done;
     }
     DLTensor *t;
@@ -324,11 +445,7 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
             goto done;
         }
         t = &m->dl_tensor;
-        if (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) {
-            PyErr_Format(PyExc_BufferError, "%s: read-only DLPack tensors are not supported",
-                         argname);
-            goto done;
-        }
+        readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0; /* a read-only shadow */
     } else if (PyCapsule_IsValid(cap, "dltensor")) {
         DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
         owner = PyCapsule_New(m, "dpmini.dlpack_owner", owner_legacy);
@@ -373,8 +490,14 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
             goto done;
         }
     }
+    if (t->device.device_id != dev_hint) {
+        Py_DECREF(descr);
+        PyErr_Format(PyExc_BufferError, "%s: __dlpack_device__ said CUDA device %d, the tensor "
+                     "is on %d", argname, dev_hint, (int)t->device.device_id);
+        goto done;
+    }
     res = make_shadow(st, t->device.device_id, (char *)t->data + t->byte_offset, descr,
-                      t->ndim, shape, t->strides ? strides : NULL, 0, owner);
+                      t->ndim, shape, t->strides ? strides : NULL, readonly, owner);
 done:
     Py_XDECREF(owner);
     Py_XDECREF(cap);
@@ -387,18 +510,11 @@ done:
 /* (device_type, device_id) from obj.__dlpack_device__(), or -1 (no error). */
 static int dlpack_device(PyObject *obj, int *type, int *id)
 {
-    PyObject *r = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-    if (r == NULL) {
+    int r = dlpack_device_ex(obj, type, id);
+    if (r < 0) {
         PyErr_Clear();
-        return -1;
     }
-    int ok = PyArg_ParseTuple(r, "ii", type, id);
-    Py_DECREF(r);
-    if (!ok) {
-        PyErr_Clear();
-        return -1;
-    }
-    return 0;
+    return r == 1 ? 0 : -1;
 }
 
 PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *argname)
@@ -408,15 +524,14 @@ PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *ar
         Py_INCREF(m);
         return m;
     }
-    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
-    if (cai != NULL) {
-        PyArrayObject *r = import_cai(st, obj, cai, argname);
-        Py_DECREF(cai);
-        return r;
+    /* DLPack first: __dlpack__(stream=ours) lets the producer order its work
+     * before our stream (CAI v2 producers such as PyTorch promise nothing). */
+    int type, id, r = dlpack_device_ex(obj, &type, &id);
+    if (r < 0) {
+        reraise_named(argname, obj, "__dlpack_device__()");
+        return NULL;
     }
-    PyErr_Clear();
-    int type, id;
-    if (dlpack_device(obj, &type, &id) == 0 && (type == kDLCUDA || type == kDLCUDAManaged)) {
+    if (r == 1 && (type == kDLCUDA || type == kDLCUDAManaged)) {
         if (id < 0 || id >= dpc_device_count()) {
             PyErr_Format(PyExc_BufferError, "%s: DLPack tensor on CUDA device %d, but dpmini "
                          "sees %d", argname, id, dpc_device_count());
@@ -424,6 +539,17 @@ PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *ar
         }
         return import_dlpack(st, obj, id, argname);
     }
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+        PyArrayObject *a = import_cai(st, obj, cai, argname);
+        Py_DECREF(cai);
+        return a;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        reraise_named(argname, obj, "__cuda_array_interface__");
+        return NULL;
+    }
+    PyErr_Clear();
     PyErr_Format(PyExc_TypeError, "%s: %.100s is not a GPU array (no __cuda_array_interface__ "
                  "or CUDA __dlpack_device__)", argname, Py_TYPE(obj)->tp_name);
     return NULL;
@@ -535,6 +661,7 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
     t->byte_offset = 0;
     ctx->versioned = versioned;
     ctx->owner = (PyObject *)self;
+    mark_exported(dp_state_from_type(Py_TYPE(self)), a);
     Py_INCREF(self);
     PyObject *cap;
     if (versioned) {
@@ -542,7 +669,8 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
         ctx->mt.v.version.minor = DP_DLPACK_MINOR;
         ctx->mt.v.manager_ctx = ctx;
         ctx->mt.v.deleter = deleter_versioned;
-        ctx->mt.v.flags = copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0;
+        ctx->mt.v.flags = (copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0) |
+                          (PyArray_ISWRITEABLE(a) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY);
         cap = PyCapsule_New(&ctx->mt.v, "dltensor_versioned", capsule_versioned);
     } else {
         ctx->mt.legacy.manager_ctx = ctx;
@@ -740,6 +868,7 @@ static PyObject *get_cai(PyObject *op, void *c)
         goto done;
     }
     void *ptr = PyArray_SIZE(a) == 0 ? NULL : PyArray_DATA(a);
+    mark_exported(dp_state_from_type(Py_TYPE(op)), a);
     res = Py_BuildValue("{sOsOsOs(NO)sOsisO}", "shape", shape, "typestr", typestr, "descr",
                         descr, "data", PyLong_FromVoidPtr(ptr),
                         PyArray_ISWRITEABLE(a) ? Py_False : Py_True, "strides", strides,
@@ -934,7 +1063,71 @@ static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
                          DP_2D_MIN_RUN_DEFAULT);
 }
 
+/* Private hooks for the tests (tests/test_gpu_*.py); not API. */
+static PyObject *py_cuda_debug(PyObject *m, PyObject *unused)
+{
+    long calls, destroyed, aborted;
+    dp_nccl_stats(&calls, &destroyed, &aborted);
+    return Py_BuildValue("{s:i,s:l,s:l,s:l,s:l,s:l,s:i}", "current_device",
+                         dpc_current_device(), "legacy_syncs",
+                         __atomic_load_n(&dp_gpu_stat_legacy_syncs, __ATOMIC_RELAXED),
+                         "export_syncs",
+                         __atomic_load_n(&dp_gpu_stat_export_syncs, __ATOMIC_RELAXED),
+                         "nccl_calls", calls, "nccl_destroyed", destroyed, "nccl_aborted",
+                         aborted, "nccl_live_comms", dp_nccl_live_comms());
+}
+
+static PyObject *py_nccl_dtypes(PyObject *m, PyObject *unused)
+{
+    static const char *names[] = {"int8", "uint8", "int16", "uint16", "int32", "uint32",
+                                  "int64", "uint64", "float32", "float64"};
+    PyObject *d = PyDict_New();
+    for (int t = 0; d != NULL && t < DPC_T_NONE; t++) {
+        if (PyDict_SetItemString(d, names[t], dp_nccl_supports(t) ? Py_True : Py_False) < 0) {
+            Py_CLEAR(d);
+        }
+    }
+    return d;
+}
+
+static PyObject *py_emulated_nccl(PyObject *m, PyObject *args)
+{
+    int on = -1, fail_next = 0;
+    if (!PyArg_ParseTuple(args, "|ii:_emulated_nccl", &on, &fail_next)) {
+        return NULL;
+    }
+    int prev = dp_nccl_emulate(on, fail_next);
+    if (prev < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_emulated_nccl: not an emulated build");
+        return NULL;
+    }
+    return PyBool_FromLong(prev);
+}
+
+static PyObject *py_emulate_fault(PyObject *m, PyObject *arg)
+{
+#ifdef DPMINI_CUDA_EMULATE
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    dpc_emu_inject_fault((int)code);
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "_emulate_fault: not an emulated build");
+    return NULL;
+#endif
+}
+
 PyMethodDef dp_array_methods[] = {
+    {"_cuda_debug", py_cuda_debug, METH_NOARGS,
+     "Private (tests): the thread's current CUDA device and dpmini's sync/NCCL counters."},
+    {"_nccl_dtypes", py_nccl_dtypes, METH_NOARGS,
+     "Private (tests): which reduce_add kernel dtypes dpmini hands to NCCL."},
+    {"_emulated_nccl", py_emulated_nccl, METH_VARARGS,
+     "Private (tests, emulated builds): _emulated_nccl(on=-1, fail_next=0) -> was_on."},
+    {"_emulate_fault", py_emulate_fault, METH_O,
+     "Private (tests, emulated builds): the next copy or kernel fails with this CUDA code."},
     {"from_dlpack", py_from_dlpack, METH_O, from_dlpack_doc},
     {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS, empty_doc},
     {"cuda_build_info", py_cuda_build_info, METH_NOARGS,

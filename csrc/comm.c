@@ -1445,7 +1445,8 @@ static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev
 
 /* reduce_add with a GPU among the inputs or as the destination (shapes
  * already checked, n >= 1). NCCL reduce when every input is a contiguous
- * array on a distinct GPU, dest is one of them, and NCCL loads; else the
+ * array on a distinct GPU, dest is one of them, NCCL has the dtype (not
+ * int16/uint16) and NCCL loads; else the
  * fallback: copies onto dest and the add kernel; dtypes the kernel cannot
  * add (or mixed dtypes) are summed on the host by NumPy and copied. */
 static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
@@ -1494,7 +1495,7 @@ static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t 
         return r;
     }
     int64_t numel = (int64_t)PyArray_SIZE(parts[0]) * scale;
-    if (distinct && root >= 0 && n > 1 && dp_nccl_available()) {
+    if (distinct && root >= 0 && n > 1 && dp_nccl_supports(type) && dp_nccl_available()) {
         Py_INCREF(d0);
         PyArrayObject *out = dp_empty(st, dest, d0, PyArray_NDIM(parts[0]),
                                       PyArray_SHAPE(parts[0]), NULL);

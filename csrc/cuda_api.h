@@ -17,10 +17,19 @@
  *     (under emulation they are tagged addresses that fault if touched).
  *     Host pointers are ordinary memory, pinned or pageable.
  *   - Sizes are bytes (size_t) unless named `numel` (elements).
- *   - `dev` is the CUDA device index every call makes current first, so any
- *     thread may call any function.
+ *   - `dev` is the CUDA device index a call works on. Every call that needs
+ *     it current saves the calling thread's current device, switches only
+ *     when it differs, and switches back before returning, so dpmini never
+ *     changes the caller's current device (PyTorch's device guard). Only
+ *     dpc_set_device changes it for good (replica worker threads). The real
+ *     backend does not switch back to a device whose primary context is not
+ *     active (a fresh thread's default device 0): that would create a context
+ *     (hundreds of MiB) on a GPU dpmini never used; such a thread is left on
+ *     the device dpmini used, as PyTorch's guard does.
  *   - Streams are dpmini's own non-blocking streams, cached per (device,
- *     slot); they are never destroyed (like PyTorch's pool of streams).
+ *     slot); they are never destroyed (like PyTorch's pool of streams). They
+ *     are NOT ordered after the legacy default stream, so work another library
+ *     queued there is waited for explicitly on import (array.c).
  *   - Nothing here takes the GIL or touches Python objects.
  */
 #ifndef DPMINI_CUDA_API_H
@@ -115,9 +124,42 @@ dpc_status dpc_set_device(int dev);
 /* Enable peer access from dev to peer when the hardware allows; *on is 1
  * when dev can read and write peer's memory directly afterwards. */
 dpc_status dpc_enable_peer(int dev, int peer, int *on);
-/* Clear the runtime's last (non-sticky) error after a failure, so the
- * device stays usable. */
-void dpc_clear_error(int dev);
+/* The calling thread's current device (cudaGetDevice; -1 on failure). For
+ * tests of the device guard (_dpmini._cuda_debug). */
+int dpc_current_device(void);
+/* Largest row pitch (bytes) cudaMemcpy2D accepts on dev
+ * (cudaDevAttrMaxPitch, at most INT_MAX); cached. */
+size_t dpc_max_pitch(int dev);
+/* Wait for all work on dev, every stream (cudaDeviceSynchronize). */
+dpc_status dpc_device_sync(int dev);
+
+/* Sticky errors: after one of these CUDA codes the CUDA context of the
+ * process is corrupted and every later call fails; only a restart helps
+ * (CUDA 13 driver_types.h: "the process must be terminated and relaunched").
+ * Any other code is recoverable: CUDA_TRY clears the failing thread's last
+ * error (cudaGetLastError is per thread, so it is done there, not later on
+ * the Python thread). */
+static inline int dpc_cuda_error_is_sticky(int code)
+{
+    switch (code) {
+    case 226: /* cudaErrorContained */
+    case 700: /* cudaErrorIllegalAddress */
+    case 702: /* cudaErrorLaunchTimeout */
+    case 710: /* cudaErrorAssert */
+    case 714: /* cudaErrorHardwareStackError */
+    case 715: /* cudaErrorIllegalInstruction */
+    case 716: /* cudaErrorMisalignedAddress */
+    case 717: /* cudaErrorInvalidAddressSpace */
+    case 718: /* cudaErrorInvalidPc */
+    case 719: /* cudaErrorLaunchFailure */
+    case 721: /* cudaErrorTensorMemoryLeak */
+    case 810: /* cudaErrorMpsClientTerminated */
+    case 911: /* cudaErrorExternalDevice */
+        return 1;
+    default:
+        return 0;
+    }
+}
 
 /* ---- memory ---- */
 dpc_status dpc_malloc(int dev, size_t nbytes, void **out);
@@ -125,16 +167,21 @@ dpc_status dpc_free(int dev, void *p);
 /* Page-locked host memory (cudaHostAlloc, portable to every device). */
 dpc_status dpc_host_alloc(size_t nbytes, void **out);
 dpc_status dpc_host_free(void *p);
-/* 1 when p is page-locked host memory the runtime knows, else 0. */
-int dpc_is_pinned(const void *p);
+/* 1 when p is page-locked host memory the runtime knows, else 0. Asked on
+ * dev (the device the copy runs on), so a fresh thread does not create a
+ * context on device 0 for the question. */
+int dpc_is_pinned(int dev, const void *p);
 /* 1 when p is device memory; *dev receives its device. */
 int dpc_is_device_ptr(const void *p, int *dev);
 
 /* ---- streams ---- */
 dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out);
+/* Wait on the host for s on dev. s may also be another library's stream
+ * handle, or DPC_STREAM_LEGACY / DPC_STREAM_PER_THREAD (the values CUDA and
+ * the CUDA Array Interface give them): the default streams of dev. */
 dpc_status dpc_stream_sync(int dev, dpc_stream s);
-/* Make `s` wait (on the device) for work queued so far on `other`. */
-dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other);
+#define DPC_STREAM_LEGACY ((dpc_stream)(uintptr_t)1)
+#define DPC_STREAM_PER_THREAD ((dpc_stream)(uintptr_t)2)
 
 /* ---- copies (asynchronous on s; sources must stay valid until s is synced) ---- */
 dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
@@ -156,6 +203,11 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
 /* acc[i] += x[i] for numel elements of type DPC_T_*. */
 dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t numel,
                           dpc_stream s);
+
+#ifdef DPMINI_CUDA_EMULATE
+/* Emulator only: the next copy or kernel fails with CUDA code `code`. */
+void dpc_emu_inject_fault(int code);
+#endif
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,14 @@
  *     cudaErrorInvalidValue); freed memory is poisoned with 0xDB first.
  *   - Pinned memory is tracked, so "is this pinned" answers as the runtime
  *     would.
+ *   - A current device per thread (cudaGetDevice), changed only by
+ *     dpc_set_device, as the real backend's device guard promises.
+ *   - cudaMemcpy2D's pitch limit: pitches or widths over INT_MAX (the
+ *     cudaDevAttrMaxPitch of current GPUs) fail with
+ *     cudaErrorInvalidPitchValue, as on a GPU.
+ *   - dpc_emu_inject_fault(code): the next copy or kernel fails with that
+ *     CUDA code (tests of sticky-error messages; the emulator itself stays
+ *     usable afterwards, a real GPU would not).
  * What it does not keep: asynchrony (every call completes before it returns,
  * so missing stream synchronisation is NOT caught here), real bandwidth.
  * Kernels run the index arithmetic of cuda/strided.h, element by element.
@@ -26,6 +34,7 @@
 #include "cuda_api.h"
 #include "../cuda/strided.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +45,7 @@
 #define EMU_MAX_DEVICES 64
 
 /* CUDA's own codes, so messages and .status look like the real thing. */
-enum { E_INVALID_VALUE = 1, E_OOM = 2, E_INVALID_DEVICE = 101 };
+enum { E_INVALID_VALUE = 1, E_OOM = 2, E_INVALID_PITCH = 12, E_INVALID_DEVICE = 101 };
 
 typedef struct emu_alloc {
     struct emu_alloc *next;
@@ -51,6 +60,7 @@ static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
 static int emu_count = -1;
 static size_t emu_limit;
 static __thread int emu_current;
+static int emu_fault;                       /* next failing code, 0: none */
 
 #define EMU_FAIL(code, call, dev, msg)                                          \
     dpc_fail(DPC_LIB_CUDA, (code), (code) == E_OOM, (dev), (call), __FILE__, __LINE__, (msg))
@@ -60,7 +70,10 @@ static const char *emu_msg(int code)
     switch (code) {
     case E_INVALID_VALUE: return "invalid argument";
     case E_OOM: return "out of memory";
+    case E_INVALID_PITCH: return "invalid pitch argument";
     case E_INVALID_DEVICE: return "invalid device ordinal";
+    case 700: return "an illegal memory access was encountered";
+    case 719: return "unspecified launch failure";
     default: return "unknown error";
     }
 }
@@ -104,7 +117,25 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
     return dpc_ok();
 }
 
-void dpc_clear_error(int dev) { (void)dev; }
+int dpc_current_device(void) { return emu_current; }
+
+size_t dpc_max_pitch(int dev)
+{
+    (void)dev;
+    return (size_t)INT_MAX;
+}
+
+dpc_status dpc_device_sync(int dev)
+{
+    return bad_dev(dev) ? EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
+                                   emu_msg(E_INVALID_DEVICE))
+                        : dpc_ok();
+}
+
+void dpc_emu_inject_fault(int code) { __atomic_store_n(&emu_fault, code, __ATOMIC_SEQ_CST); }
+
+/* The injected fault, once (0: none). */
+static int take_fault(void) { return __atomic_exchange_n(&emu_fault, 0, __ATOMIC_SEQ_CST); }
 
 /* ---- pointers ---- */
 
@@ -226,7 +257,9 @@ dpc_status dpc_free(int dev, void *p)
         return dpc_ok();
     if (!dpc_is_device_ptr(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
-    memset(to_host(p), 0xDB, size); /* poison: a later read sees garbage */
+    /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):
+     * a later read sees garbage */
+    memset(to_host(p), 0xDB, size < ((size_t)64 << 20) ? size : ((size_t)64 << 20));
     free(to_host(p));
     return dpc_ok();
 }
@@ -258,8 +291,9 @@ dpc_status dpc_host_free(void *p)
     return dpc_ok();
 }
 
-int dpc_is_pinned(const void *p)
+int dpc_is_pinned(int dev, const void *p)
 {
+    (void)dev;
     return !dpc_is_device_ptr(p, NULL) && live_range(p, 1, -1);
 }
 
@@ -280,13 +314,6 @@ dpc_status dpc_stream_sync(int dev, dpc_stream s)
     return bad_dev(dev) ? EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
                                    emu_msg(E_INVALID_DEVICE))
                         : dpc_ok();
-}
-
-dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other)
-{
-    (void)s;
-    (void)other;
-    return dpc_stream_sync(dev, s);
 }
 
 /* ---- copies ---- */
@@ -310,6 +337,9 @@ dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, 
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
     if (nbytes == 0)
         return dpc_ok();
+    int f = take_fault();
+    if (f)
+        return EMU_FAIL(f, "cudaMemcpyAsync(dst, src, n, kind, s)", dev, emu_msg(f));
     char *d = side(dst, nbytes, kind != DPC_D2H);
     char *c = side(src, nbytes, kind != DPC_H2D);
     if (d == NULL || c == NULL)
@@ -327,6 +357,10 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
         return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
     if (width == 0 || height == 0)
         return dpc_ok();
+    if (dpitch > (size_t)INT_MAX || spitch > (size_t)INT_MAX || width > (size_t)INT_MAX)
+        return EMU_FAIL(E_INVALID_PITCH,
+                        "cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev,
+                        emu_msg(E_INVALID_PITCH));
     size_t dspan = dpitch * (height - 1) + width, sspan = spitch * (height - 1) + width;
     char *d = side(dst, dspan, kind != DPC_D2H);
     char *c = side(src, sspan, kind != DPC_H2D);
@@ -378,6 +412,9 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
     if (d->numel == 0)
         return dpc_ok();
+    int f = take_fault();
+    if (f)
+        return EMU_FAIL(f, "dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev, emu_msg(f));
     span(d, d->src_strides, &slo, &shi);
     span(d, d->dst_strides, &dlo, &dhi);
     char *hd = dev_range(dst, dlo, dhi, NULL);

@@ -17,7 +17,9 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
     (void)dev; (void)peer; *on = 0;
     return NO_CUDA("cudaDeviceEnablePeerAccess");
 }
-void dpc_clear_error(int dev) { (void)dev; }
+int dpc_current_device(void) { return -1; }
+size_t dpc_max_pitch(int dev) { (void)dev; return 0; }
+dpc_status dpc_device_sync(int dev) { (void)dev; return NO_CUDA("cudaDeviceSynchronize"); }
 dpc_status dpc_malloc(int dev, size_t n, void **out)
 {
     (void)dev; (void)n; *out = NULL;
@@ -30,7 +32,7 @@ dpc_status dpc_host_alloc(size_t n, void **out)
     return NO_CUDA("cudaHostAlloc");
 }
 dpc_status dpc_host_free(void *p) { (void)p; return NO_CUDA("cudaFreeHost"); }
-int dpc_is_pinned(const void *p) { (void)p; return 0; }
+int dpc_is_pinned(int dev, const void *p) { (void)dev; (void)p; return 0; }
 int dpc_is_device_ptr(const void *p, int *dev) { (void)p; (void)dev; return 0; }
 dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 {
@@ -38,11 +40,6 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
     return NO_CUDA("cudaStreamCreate");
 }
 dpc_status dpc_stream_sync(int dev, dpc_stream s) { (void)dev; (void)s; return NO_CUDA("cudaStreamSynchronize"); }
-dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream o)
-{
-    (void)dev; (void)s; (void)o;
-    return NO_CUDA("cudaStreamWaitEvent");
-}
 dpc_status dpc_memcpy_async(int dev, void *d, const void *s, size_t n, int k, dpc_stream st)
 {
     (void)dev; (void)d; (void)s; (void)n; (void)k; (void)st;

@@ -172,6 +172,7 @@ PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes, Py
     self->base.dev = d;
     self->base.nbytes = nbytes;
     self->base.ptr = ptr;
+    self->base.exported = 0;
     self->rounded = 0;
     self->pinned = 0;
     self->owner = Py_NewRef(owner);
@@ -198,6 +199,7 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
     self->base.dev.index = -1;
     self->base.nbytes = nbytes;
     self->base.ptr = p;
+    self->base.exported = 0;
     self->rounded = 0;
     self->pinned = 1;
     self->owner = NULL;
@@ -241,6 +243,7 @@ PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
     }
     self->base.dev = d;
     self->base.nbytes = nbytes;
+    self->base.exported = 0;
     self->owner = NULL;
     self->pinned = 0;
     if (d.kind == DP_CUDA) {
@@ -279,9 +282,16 @@ static void buffer_dealloc(PyObject *op)
     if (self->owner != NULL) {
         Py_CLEAR(self->owner);
     } else if (self->pinned) {
+        /* cudaFreeHost synchronises the device: not with the GIL held */
+        Py_BEGIN_ALLOW_THREADS
         (void)dpc_host_free(self->base.ptr);
+        Py_END_ALLOW_THREADS
     } else if (self->base.dev.kind == DP_CUDA) {
-        if (self->base.ptr != NULL) {
+        if (self->base.ptr != NULL && self->base.exported) {
+            Py_BEGIN_ALLOW_THREADS /* waits for the consumer's kernels */
+            dp_gpu_free_exported(self->base.dev.index, self->base.ptr, self->rounded);
+            Py_END_ALLOW_THREADS
+        } else if (self->base.ptr != NULL) {
             dp_gpu_free(self->base.dev.index, self->base.ptr, self->rounded);
         }
     } else if (self->base.ptr != NULL) {

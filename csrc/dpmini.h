@@ -133,6 +133,8 @@ typedef struct {
     dp_device dev;
     void *ptr;        /* 64-byte aligned; owned; NULL only when nbytes == 0 */
     size_t nbytes;    /* bytes requested                                    */
+    int exported;     /* CUDA memory handed to another library (DLPack/CAI
+                         export, array.c): freed with a device sync first */
 } dp_BufferObject;
 
 /* A new buffer of nbytes on device d (MemoryError on failure). Memory comes
@@ -318,8 +320,9 @@ typedef struct {
 /* The one funnel from a failed dpc_status to a Python exception:
  * dpmini.CudaError / NcclError (with .status = the library's code) naming op,
  * the device, the call and the library's message; MemoryError for an
- * out-of-memory. Clears the runtime's error so the device stays usable.
- * Returns -1. */
+ * out-of-memory. A sticky CUDA error's message says the context is
+ * corrupted and the process must restart (recoverable errors were already
+ * cleared on the failing thread by CUDA_TRY). Returns -1. */
 int dp_gpu_raise(dp_state *st, dpc_status s, const char *op);
 
 /* obj, stolen: a shadow ndarray on a GPU becomes a dpmini.Array; anything
@@ -328,13 +331,17 @@ PyObject *dp_export(dp_state *st, PyObject *obj);
 
 /* A device-array object: a dpmini.Array, or any object exposing
  * __cuda_array_interface__ (CuPy, PyTorch CUDA tensors, Numba) or a CUDA
- * __dlpack_device__. Returns 1/0 (never fails). */
+ * __dlpack_device__. Returns 1/0 (never fails, no exception left set). Only
+ * AttributeError means "no such protocol": an object whose protocol raises
+ * anything else answers 1, so dp_device_object_meta raises it naming the
+ * argument. */
 int dp_is_device_object(dp_state *st, PyObject *obj);
 
 /* The shadow ndarray of a device-array object (new reference): a
- * dpmini.Array's own, or a zero-copy import that keeps obj alive (CUDA Array
- * Interface first, else DLPack). NULL with TypeError/BufferError naming
- * argname. */
+ * dpmini.Array's own, or a zero-copy import that keeps obj alive (DLPack
+ * first when __dlpack_device__ is CUDA, so the producer can order its work
+ * before our stream; else the CUDA Array Interface). NULL with an exception
+ * naming argname (TypeError/BufferError, or the producer's own error). */
 PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *argname);
 
 /* A buffer on CUDA device d that does not own ptr but keeps owner alive

@@ -20,6 +20,7 @@
  */
 #include "dpmini.h"
 #include "gpu.h"
+#include "pool.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -41,10 +42,16 @@ int dp_gpu_raise(dp_state *st, dpc_status s, const char *op)
     const char *lib = s.lib == DPC_LIB_NCCL ? "NCCL" : (s.lib == DPC_LIB_CUDA ? "CUDA" : "dpmini");
     PyObject *type = s.oom ? PyExc_MemoryError
                            : (s.lib == DPC_LIB_NCCL ? st->NcclError : st->CudaError);
+    /* A recoverable error was already cleared where it happened (CUDA_TRY
+     * calls cudaGetLastError on the failing thread: the last error is per
+     * thread, so clearing it here, on the Python thread, would do nothing).
+     * A sticky one cannot be cleared: say so. */
+    int sticky = s.lib == DPC_LIB_CUDA && dpc_cuda_error_is_sticky(s.code);
     PyObject *msg = PyUnicode_FromFormat(
-        "%s on %s: %s error %d (%s) from %s [%s:%d]", op, where, lib, s.code, s.msg,
-        s.call, s.file, s.line);
-    dpc_clear_error(s.device); /* the device stays usable */
+        "%s on %s: %s error %d (%s) from %s [%s:%d]%s", op, where, lib, s.code, s.msg,
+        s.call, s.file, s.line,
+        sticky ? "; this error is sticky: the CUDA context of this process is corrupted and "
+                 "every later CUDA call will fail; the process must be restarted" : "");
     if (msg == NULL) {
         return -1;
     }
@@ -163,6 +170,27 @@ void dp_gpu_free(int dev, void *p, size_t rounded)
     }
 }
 
+long dp_gpu_stat_export_syncs;
+long dp_gpu_stat_legacy_syncs;
+
+void dp_gpu_free_exported(int dev, void *p, size_t rounded)
+{
+    /* The memory was handed to another library (DLPack / CUDA Array
+     * Interface) whose kernels may still be queued on its own stream, any
+     * stream of dev: wait for all of them before the block can be reused. A
+     * failed sync (sticky error) means the context is gone: leak the block
+     * rather than cache memory that may still be read. */
+    dpc_status s = dpc_device_sync(dev);
+    __atomic_add_fetch(&dp_gpu_stat_export_syncs, 1, __ATOMIC_RELAXED);
+    if (s.code != 0) {
+        pthread_mutex_lock(&gheap_mu);
+        gheaps[dev].allocated -= rounded;
+        pthread_mutex_unlock(&gheap_mu);
+        return;
+    }
+    dp_gpu_free(dev, p, rounded);
+}
+
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved)
 {
     pthread_mutex_lock(&gheap_mu);
@@ -230,9 +258,11 @@ static int contiguous(const dp_copy_desc *d, const int64_t *strides)
 }
 
 /* A copy of rows: each side's innermost dim contiguous, rows at positive
- * pitches. Fills width, height (rows) and pitches in bytes. */
-static int as_rows(const dp_copy_desc *d, size_t *width, size_t *height, size_t *dpitch,
-                   size_t *spitch)
+ * pitches that cudaMemcpy2D accepts on dev (<= cudaDevAttrMaxPitch, which is
+ * at most INT_MAX; larger pitches take the pack path). Fills width, height
+ * (rows) and pitches in bytes. */
+static int as_rows(const dp_copy_desc *d, int dev, size_t *width, size_t *height,
+                   size_t *dpitch, size_t *spitch)
 {
     size_t is = d->itemsize;
     if (d->ndim == 1 && d->src_strides[0] == (int64_t)is && d->dst_strides[0] == (int64_t)is) {
@@ -246,6 +276,10 @@ static int as_rows(const dp_copy_desc *d, size_t *width, size_t *height, size_t 
     }
     size_t w = (size_t)d->shape[1] * is;
     if (d->src_strides[0] < (int64_t)w || d->dst_strides[0] < (int64_t)w) {
+        return 0;
+    }
+    size_t maxp = dpc_max_pitch(dev);
+    if ((size_t)d->src_strides[0] > maxp || (size_t)d->dst_strides[0] > maxp || w > maxp) {
         return 0;
     }
     *width = w;
@@ -462,11 +496,11 @@ static dpc_status copy_h2d(const dp_copy_desc *d, char *dst, int dev, const char
     dpc_stream s;
     dpc_status st;
     DPC_TRY(use_stream(sy, dev, slot, &s));
-    if (dpc_is_pinned(src)) {
+    if (dpc_is_pinned(dev, src)) {
         if (dc && sc) {
             return dpc_memcpy_async(dev, dst, src, bytes, DPC_H2D, s);
         }
-        if (as_rows(d, &w, &h, &dp, &sp) && w >= min_run()) {
+        if (as_rows(d, dev, &w, &h, &dp, &sp) && w >= min_run()) {
             return dpc_memcpy2d_async(dev, dst, dp, src, sp, w, h, DPC_H2D, s);
         }
     }
@@ -496,11 +530,11 @@ static dpc_status copy_d2h(const dp_copy_desc *d, char *dst, const char *src, in
     dpc_stream s;
     dpc_status st = dpc_ok();
     DPC_TRY(use_stream(sy, dev, slot, &s));
-    if (dpc_is_pinned(dst)) {
+    if (dpc_is_pinned(dev, dst)) {
         if (dc && sc) {
             return dpc_memcpy_async(dev, dst, src, bytes, DPC_D2H, s);
         }
-        if (as_rows(d, &w, &h, &dp, &sp) && w >= min_run()) {
+        if (as_rows(d, dev, &w, &h, &dp, &sp) && w >= min_run()) {
             return dpc_memcpy2d_async(dev, dst, dp, src, sp, w, h, DPC_D2H, s);
         }
     }
@@ -548,7 +582,7 @@ static dpc_status copy_d2d(const dp_copy_desc *d, char *dst, int ddev, const cha
         if (dc && sc) {
             return dpc_memcpy_async(ddev, dst, src, bytes, DPC_D2D, s);
         }
-        if (as_rows(d, &w, &h, &dp, &sp) && w >= min_run()) {
+        if (as_rows(d, ddev, &w, &h, &dp, &sp) && w >= min_run()) {
             return dpc_memcpy2d_async(ddev, dst, dp, src, sp, w, h, DPC_D2D, s);
         }
         DPC_TRY(kdesc_from(d, d->src_strides, d->dst_strides, &k));
@@ -591,6 +625,19 @@ done:
     return st;
 }
 
+/* A device worker thread (pool.c, kind 2) of dev makes dev its current
+ * device for good, once: its CUDA calls then never switch devices (nor
+ * create a context on device 0, the default of a fresh thread). */
+static void adopt_worker_device(int dev)
+{
+    static _Thread_local int adopted = -1;
+    if (adopted != dev && dp_pool_on_worker(2, dev)) {
+        if (dpc_set_device(dev).code == 0) {
+            adopted = dev;
+        }
+    }
+}
+
 dpc_status dp_gpu_copy(const dp_copy_desc *d, char *dst, int dst_dev, const char *src,
                        int src_dev, int slot, dp_gpu_sync *sync)
 {
@@ -598,6 +645,7 @@ dpc_status dp_gpu_copy(const dp_copy_desc *d, char *dst, int dst_dev, const char
     if (dp_copy_numel(d) == 0) {
         return dpc_ok();
     }
+    adopt_worker_device(src_dev < 0 || dst_dev >= 0 ? dst_dev : src_dev);
     if (src_dev < 0) {
         return copy_h2d(d, dst, dst_dev, src, slot, sync);
     }

@@ -35,6 +35,14 @@
  * hot path; cudaFree synchronises the whole device) ---- */
 dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded);
 void dp_gpu_free(int dev, void *p, size_t rounded);
+/* Free a block that was exported (DLPack / CUDA Array Interface): waits for
+ * all of dev's work first (the consumer's kernels may still read it; see
+ * gpu.c), then caches it. Call without the GIL. */
+void dp_gpu_free_exported(int dev, void *p, size_t rounded);
+/* Counters for tests (_dpmini._cuda_debug): device syncs before reusing an
+ * exported block; legacy-default-stream syncs on import (array.c). */
+extern long dp_gpu_stat_export_syncs;
+extern long dp_gpu_stat_legacy_syncs;
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved);
 void dp_gpu_empty_cache(void);
 
@@ -72,5 +80,16 @@ dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t n
  * DPC_T_* type; one group; returns when done. */
 dpc_status dp_nccl_reduce(int n, const int *devs, const void *const *send, void *recv,
                           int64_t numel, int type, int root);
+/* 1 when NCCL can reduce DPC_T_* type (not int16/uint16: NCCL has no 16-bit
+ * integers), so the caller picks the add kernel otherwise. */
+int dp_nccl_supports(int type);
+/* Tests: collectives run, uncached communicator sets destroyed, sets aborted. */
+void dp_nccl_stats(long *calls, long *destroyed, long *aborted);
+/* Tests, emulated builds only (else -1): switch the stand-in NCCL on (1) or
+ * off (0; -1 leaves it), make the next ncclGroupEnd fail with fail_next
+ * (0: no); returns whether it was on. */
+int dp_nccl_emulate(int on, int fail_next);
+/* Tests, emulated builds: communicators alive (-1 elsewhere). */
+int dp_nccl_live_comms(void);
 
 #endif

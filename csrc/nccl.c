@@ -10,7 +10,18 @@
  * The NCCL declarations below are the few we call, written from NCCL's
  * public ABI (nccl.h), so the build does not need NCCL's headers.
  * Communicators (ncclCommInitAll over a device list) are cached per device
- * list for the life of the process, like PyTorch's.
+ * list (8 lists at most) for the life of the process, like PyTorch's; a list
+ * that finds the cache full gets communicators that are destroyed after the
+ * call. Each cache entry has a lock held from ncclGroupStart through the final
+ * stream syncs, so two threads never interleave their calls on the same
+ * communicators (NCCL needs every rank's calls in the same order). After any
+ * failure the entry's communicators are aborted (ncclCommAbort) and evicted:
+ * a failed collective can leave them unusable.
+ *
+ * Under emulation (DPMINI_CUDA_EMULATE) a stand-in NCCL made of cuda_api.h
+ * calls can be switched on (_dpmini._emulated_nccl(True)): off by default,
+ * like a machine without libnccl; on, so the NCCL paths of comm.c and the
+ * locking, caching, destroy and abort logic here run in CI.
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -28,6 +39,8 @@ enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_UINT32 = 3, NCCL_INT6
 static struct {
     ncclResult_t (*GetVersion)(int *);
     ncclResult_t (*CommInitAll)(ncclComm_t *, int, const int *);
+    ncclResult_t (*CommDestroy)(ncclComm_t);
+    ncclResult_t (*CommAbort)(ncclComm_t);
     ncclResult_t (*Broadcast)(const void *, void *, size_t, int, int, ncclComm_t, void *);
     ncclResult_t (*Reduce)(const void *, void *, size_t, int, int, int, ncclComm_t, void *);
     ncclResult_t (*GroupStart)(void);
@@ -40,11 +53,24 @@ static int nccl_state;            /* 0 not tried, 1 loaded, -1 absent  */
 static char nccl_desc[256] = "not loaded";
 
 #define NCCL_MAX_COMMS 8
-static struct {
-    int n;
+typedef struct {
+    pthread_mutex_t mu;           /* held for a whole collective             */
+    int n;                        /* guarded by nccl_mu (with comms)         */
     int devs[DP_MAX_DEVICES];
-    ncclComm_t *comms;
-} comm_cache[NCCL_MAX_COMMS];     /* guarded by nccl_mu */
+    ncclComm_t *comms;            /* NULL: a free slot                       */
+} comm_entry;
+static comm_entry comm_cache[NCCL_MAX_COMMS];
+static pthread_once_t comm_once = PTHREAD_ONCE_INIT;
+static long nccl_calls;           /* collectives run (tests)                 */
+static long nccl_destroyed;       /* uncached communicator sets destroyed    */
+static long nccl_aborted;         /* communicator sets aborted after errors  */
+
+static void comm_init(void)
+{
+    for (int i = 0; i < NCCL_MAX_COMMS; i++) {
+        pthread_mutex_init(&comm_cache[i].mu, NULL);
+    }
+}
 
 static int try_open(const char *path)
 {
@@ -62,6 +88,8 @@ static int try_open(const char *path)
     }
     SYM(GetVersion, "ncclGetVersion");
     SYM(CommInitAll, "ncclCommInitAll");
+    SYM(CommDestroy, "ncclCommDestroy");
+    SYM(CommAbort, "ncclCommAbort");
     SYM(Broadcast, "ncclBroadcast");
     SYM(Reduce, "ncclReduce");
     SYM(GroupStart, "ncclGroupStart");
@@ -138,30 +166,52 @@ const char *dp_nccl_describe(void)
     return nccl_desc;
 }
 
-#define NCCL_TRY(call, dev)                                                     \
-    do {                                                                        \
-        ncclResult_t r_ = (call);                                               \
-        if (r_ != 0)                                                            \
-            return dpc_fail(DPC_LIB_NCCL, r_, 0, (dev), #call, __FILE__, __LINE__, \
-                            nccl.GetErrorString(r_));                           \
-    } while (0)
+#define NCCL_FAIL(r, dev, call)                                                 \
+    dpc_fail(DPC_LIB_NCCL, (r), 0, (dev), (call), __FILE__, __LINE__, nccl.GetErrorString(r))
 
-static dpc_status get_comms(int n, const int *devs, ncclComm_t **out)
+/* Communicators for a device list, for one collective: from the cache with
+ * the entry's lock held (entry != NULL), or uncached (entry NULL, destroyed
+ * by comms_release). */
+typedef struct {
+    comm_entry *entry;
+    ncclComm_t *comms;
+    int n;
+} comm_lease;
+
+static int entry_matches(const comm_entry *e, int n, const int *devs)
 {
-    int free_slot = -1;
-    pthread_mutex_lock(&nccl_mu);
-    for (int i = 0; i < NCCL_MAX_COMMS; i++) {
-        if (comm_cache[i].comms && comm_cache[i].n == n &&
-            memcmp(comm_cache[i].devs, devs, (size_t)n * sizeof(int)) == 0) {
-            *out = comm_cache[i].comms;
-            pthread_mutex_unlock(&nccl_mu);
+    return e->comms != NULL && e->n == n && memcmp(e->devs, devs, (size_t)n * sizeof(int)) == 0;
+}
+
+static dpc_status comms_acquire(int n, const int *devs, comm_lease *L)
+{
+    pthread_once(&comm_once, comm_init);
+    L->entry = NULL;
+    L->comms = NULL;
+    L->n = n;
+    for (;;) {
+        comm_entry *hit = NULL;
+        pthread_mutex_lock(&nccl_mu);
+        for (int i = 0; i < NCCL_MAX_COMMS && hit == NULL; i++) {
+            if (entry_matches(&comm_cache[i], n, devs)) {
+                hit = &comm_cache[i];
+            }
+        }
+        pthread_mutex_unlock(&nccl_mu);
+        if (hit == NULL) {
+            break;
+        }
+        pthread_mutex_lock(&hit->mu);
+        pthread_mutex_lock(&nccl_mu);
+        int still = entry_matches(hit, n, devs); /* not evicted meanwhile */
+        pthread_mutex_unlock(&nccl_mu);
+        if (still) {
+            L->entry = hit;
+            L->comms = hit->comms;
             return dpc_ok();
         }
-        if (!comm_cache[i].comms && free_slot < 0) {
-            free_slot = i;
-        }
+        pthread_mutex_unlock(&hit->mu);
     }
-    pthread_mutex_unlock(&nccl_mu);
     ncclComm_t *comms = calloc((size_t)n, sizeof(ncclComm_t));
     if (comms == NULL) {
         return dpc_fail(DPC_LIB_DPMINI, 1, 1, -1, "calloc", __FILE__, __LINE__,
@@ -170,18 +220,63 @@ static dpc_status get_comms(int n, const int *devs, ncclComm_t **out)
     ncclResult_t r = nccl.CommInitAll(comms, n, devs);
     if (r != 0) {
         free(comms);
-        return dpc_fail(DPC_LIB_NCCL, r, 0, devs[0], "ncclCommInitAll(comms, n, devs)",
-                        __FILE__, __LINE__, nccl.GetErrorString(r));
+        return NCCL_FAIL(r, devs[0], "ncclCommInitAll(comms, n, devs)");
     }
+    L->comms = comms;
+    /* Cache it in a free slot whose lock nobody holds (an evicting thread
+     * may still hold a freed slot's lock briefly: skip that one). Another
+     * thread may have cached the same list meanwhile: then these stay
+     * uncached and are destroyed after the call. */
     pthread_mutex_lock(&nccl_mu);
-    if (free_slot >= 0 && !comm_cache[free_slot].comms) {
-        comm_cache[free_slot].n = n;
-        memcpy(comm_cache[free_slot].devs, devs, (size_t)n * sizeof(int));
-        comm_cache[free_slot].comms = comms;
-    } /* else: a cache miss every time past 8 device lists (leaks nothing: kept) */
+    int dup = 0;
+    for (int i = 0; i < NCCL_MAX_COMMS; i++) {
+        dup = dup || entry_matches(&comm_cache[i], n, devs);
+    }
+    for (int i = 0; i < NCCL_MAX_COMMS && !dup; i++) {
+        comm_entry *e = &comm_cache[i];
+        if (e->comms == NULL && pthread_mutex_trylock(&e->mu) == 0) {
+            e->n = n;
+            memcpy(e->devs, devs, (size_t)n * sizeof(int));
+            e->comms = comms;
+            L->entry = e;
+            break;
+        }
+    }
     pthread_mutex_unlock(&nccl_mu);
-    *out = comms;
     return dpc_ok();
+}
+
+/* End a collective: on failure abort the communicators (and evict them
+ * from the cache); uncached ones are destroyed; the entry lock is released. */
+static dpc_status comms_release(comm_lease *L, dpc_status st)
+{
+    if (st.code != 0) {
+        if (L->entry != NULL) {
+            pthread_mutex_lock(&nccl_mu);
+            L->entry->comms = NULL; /* evicted: later calls make new ones */
+            pthread_mutex_unlock(&nccl_mu);
+        }
+        for (int i = 0; i < L->n; i++) {
+            (void)nccl.CommAbort(L->comms[i]);
+        }
+        free(L->comms);
+        __atomic_add_fetch(&nccl_aborted, 1, __ATOMIC_RELAXED);
+    } else if (L->entry == NULL) {
+        for (int i = 0; i < L->n; i++) {
+            ncclResult_t r = nccl.CommDestroy(L->comms[i]);
+            if (r != 0 && st.code == 0) {
+                st = NCCL_FAIL(r, -1, "ncclCommDestroy(comm)");
+            }
+        }
+        free(L->comms);
+        __atomic_add_fetch(&nccl_destroyed, 1, __ATOMIC_RELAXED);
+    }
+    if (L->entry != NULL) {
+        pthread_mutex_unlock(&L->entry->mu);
+    }
+    L->entry = NULL;
+    L->comms = NULL;
+    return st;
 }
 
 static dpc_status sync_all(int n, const int *devs)
@@ -194,28 +289,57 @@ static dpc_status sync_all(int n, const int *devs)
     return dpc_ok();
 }
 
-dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t nbytes, int root)
+/* One grouped collective: op(i) queues rank i's call. */
+typedef ncclResult_t (*rank_fn)(void *ctx, int i, ncclComm_t comm, dpc_stream s);
+
+static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *ctx,
+                            const char *what)
 {
-    ncclComm_t *comms;
-    DPC_TRY(get_comms(n, devs, &comms));
-    NCCL_TRY(nccl.GroupStart(), devs[root]);
-    for (int i = 0; i < n; i++) {
+    comm_lease L;
+    dpc_status st;
+    DPC_TRY(comms_acquire(n, devs, &L));
+    ncclResult_t r = nccl.GroupStart();
+    if (r != 0) {
+        return comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
+    }
+    st = dpc_ok();
+    for (int i = 0; i < n && st.code == 0; i++) {
         dpc_stream s;
-        dpc_status st = dpc_stream_get(devs[i], 0, &s);
-        if (st.code != 0) {
-            nccl.GroupEnd();
-            return st;
-        }
-        ncclResult_t r = nccl.Broadcast(bufs[root], bufs[i], nbytes, NCCL_UINT8, root,
-                                        comms[i], s);
-        if (r != 0) {
-            nccl.GroupEnd();
-            return dpc_fail(DPC_LIB_NCCL, r, 0, devs[i], "ncclBroadcast", __FILE__, __LINE__,
-                            nccl.GetErrorString(r));
+        st = dpc_stream_get(devs[i], 0, &s);
+        if (st.code == 0) {
+            r = op(ctx, i, L.comms[i], s);
+            if (r != 0) {
+                st = NCCL_FAIL(r, devs[i], what);
+            }
         }
     }
-    NCCL_TRY(nccl.GroupEnd(), devs[root]);
-    return sync_all(n, devs);
+    r = nccl.GroupEnd();
+    if (r != 0 && st.code == 0) {
+        st = NCCL_FAIL(r, devs[root], "ncclGroupEnd()");
+    }
+    if (st.code == 0) {
+        st = sync_all(n, devs);
+    }
+    __atomic_add_fetch(&nccl_calls, 1, __ATOMIC_RELAXED);
+    return comms_release(&L, st);
+}
+
+typedef struct {
+    void *const *bufs;
+    size_t nbytes;
+    int root;
+} bcast_ctx;
+
+static ncclResult_t bcast_rank(void *ctx, int i, ncclComm_t comm, dpc_stream s)
+{
+    bcast_ctx *c = ctx;
+    return nccl.Broadcast(c->bufs[c->root], c->bufs[i], c->nbytes, NCCL_UINT8, c->root, comm, s);
+}
+
+dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t nbytes, int root)
+{
+    bcast_ctx c = {bufs, nbytes, root};
+    return run_group(n, devs, root, bcast_rank, &c, "ncclBroadcast");
 }
 
 static int nccl_type(int t)
@@ -229,36 +353,316 @@ static int nccl_type(int t)
     case DPC_T_U64: return NCCL_UINT64;
     case DPC_T_F32: return NCCL_FLOAT32;
     case DPC_T_F64: return NCCL_FLOAT64;
-    default: return -1;
+    default: return -1; /* int16/uint16: NCCL has no 16-bit integer type */
     }
+}
+
+int dp_nccl_supports(int type)
+{
+    return nccl_type(type) >= 0;
+}
+
+typedef struct {
+    const void *const *send;
+    void *recv;
+    size_t count;
+    int nt, root;
+} reduce_ctx;
+
+static ncclResult_t reduce_rank(void *ctx, int i, ncclComm_t comm, dpc_stream s)
+{
+    reduce_ctx *c = ctx;
+    return nccl.Reduce(c->send[i], i == c->root ? c->recv : NULL, c->count, c->nt, NCCL_SUM,
+                       c->root, comm, s);
 }
 
 dpc_status dp_nccl_reduce(int n, const int *devs, const void *const *send, void *recv,
                           int64_t numel, int type, int root)
 {
-    ncclComm_t *comms;
     int nt = nccl_type(type);
     if (nt < 0) {
         return dpc_fail(DPC_LIB_DPMINI, 1, 0, devs[root], "ncclReduce", __FILE__, __LINE__,
                         "dtype not supported by NCCL");
     }
-    DPC_TRY(get_comms(n, devs, &comms));
-    NCCL_TRY(nccl.GroupStart(), devs[root]);
+    reduce_ctx c = {send, recv, (size_t)numel, nt, root};
+    return run_group(n, devs, root, reduce_rank, &c, "ncclReduce");
+}
+
+void dp_nccl_stats(long *calls, long *destroyed, long *aborted)
+{
+    *calls = __atomic_load_n(&nccl_calls, __ATOMIC_RELAXED);
+    *destroyed = __atomic_load_n(&nccl_destroyed, __ATOMIC_RELAXED);
+    *aborted = __atomic_load_n(&nccl_aborted, __ATOMIC_RELAXED);
+}
+
+/* ------------------------------------------------------------------ */
+/* Emulated NCCL (DPMINI_CUDA_EMULATE only)                             */
+/* ------------------------------------------------------------------ */
+
+#ifdef DPMINI_CUDA_EMULATE
+/* Calls inside a group are recorded per thread and run at GroupEnd with
+ * cuda_api.h copies and the add kernel, checking what NCCL checks: every
+ * rank of a communicator set called, the same op, root and count. */
+enum { EMU_BCAST = 1, EMU_REDUCE = 2 };
+typedef struct dp_ncclComm {
+    int rank, nranks, dev;
+    struct dp_ncclComm **set;     /* comms[0 .. nranks-1]                    */
+    int *alive;                   /* shared: ranks not yet destroyed         */
+} emu_comm;
+typedef struct {
+    int op, type, root;
+    const void *send;
+    void *recv;
+    size_t count;
+    emu_comm *comm;
+} emu_call;
+
+static __thread emu_call emu_calls[DP_MAX_DEVICES];
+static __thread int emu_ncalls, emu_depth;
+static int emu_nccl_fail_next;    /* tests: next GroupEnd fails with this  */
+static int emu_nccl_live;         /* communicators alive (tests)           */
+
+static ncclResult_t emu_version(int *v)
+{
+    *v = 22105;
+    return 0;
+}
+
+static ncclResult_t emu_init_all(ncclComm_t *comms, int n, const int *devs)
+{
+    emu_comm **set = calloc((size_t)n, sizeof *set);
+    int *alive = malloc(sizeof *alive);
+    if (set == NULL || alive == NULL) {
+        free(set);
+        free(alive);
+        return 1; /* ncclUnhandledCudaError... any non-zero: a failure */
+    }
+    *alive = n;
     for (int i = 0; i < n; i++) {
-        dpc_stream s;
-        dpc_status st = dpc_stream_get(devs[i], 0, &s);
-        if (st.code != 0) {
-            nccl.GroupEnd();
-            return st;
+        set[i] = calloc(1, sizeof **set);
+        set[i]->rank = i;
+        set[i]->nranks = n;
+        set[i]->dev = devs[i];
+        set[i]->set = set;
+        set[i]->alive = alive;
+        comms[i] = set[i];
+    }
+    __atomic_add_fetch(&emu_nccl_live, n, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static ncclResult_t emu_destroy(ncclComm_t c)
+{
+    if (c == NULL) {
+        return 4; /* ncclInvalidArgument */
+    }
+    if (--*c->alive == 0) {
+        free(c->set);
+        free(c->alive);
+    }
+    free(c);
+    __atomic_sub_fetch(&emu_nccl_live, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static ncclResult_t emu_record(int op, const void *send, void *recv, size_t count, int type,
+                               int root, ncclComm_t comm)
+{
+    if (emu_depth == 0 || emu_ncalls >= DP_MAX_DEVICES || comm == NULL) {
+        return 5; /* ncclInvalidUsage: dpmini always groups */
+    }
+    emu_call *c = &emu_calls[emu_ncalls++];
+    c->op = op;
+    c->send = send;
+    c->recv = recv;
+    c->count = count;
+    c->type = type;
+    c->root = root;
+    c->comm = comm;
+    return 0;
+}
+
+static ncclResult_t emu_bcast(const void *send, void *recv, size_t count, int type, int root,
+                              ncclComm_t comm, void *stream)
+{
+    (void)stream;
+    return emu_record(EMU_BCAST, send, recv, count, type, root, comm);
+}
+
+static ncclResult_t emu_reduce(const void *send, void *recv, size_t count, int type, int op,
+                               int root, ncclComm_t comm, void *stream)
+{
+    (void)stream;
+    if (op != NCCL_SUM) {
+        return 4;
+    }
+    return emu_record(EMU_REDUCE, send, recv, count, type, root, comm);
+}
+
+static ncclResult_t emu_group_start(void)
+{
+    if (emu_depth++ == 0) {
+        emu_ncalls = 0;
+    }
+    return 0;
+}
+
+static int dpc_of_nccl(int nt, size_t *size)
+{
+    switch (nt) {
+    case NCCL_INT8: *size = 1; return DPC_T_I8;
+    case NCCL_UINT8: *size = 1; return DPC_T_U8;
+    case NCCL_INT32: *size = 4; return DPC_T_I32;
+    case NCCL_UINT32: *size = 4; return DPC_T_U32;
+    case NCCL_INT64: *size = 8; return DPC_T_I64;
+    case NCCL_UINT64: *size = 8; return DPC_T_U64;
+    case NCCL_FLOAT32: *size = 4; return DPC_T_F32;
+    case NCCL_FLOAT64: *size = 8; return DPC_T_F64;
+    default: return -1;
+    }
+}
+
+static ncclResult_t emu_run(void)
+{
+    int n = emu_ncalls;
+    if (n == 0) {
+        return 0;
+    }
+    emu_call *c0 = &emu_calls[0];
+    int nranks = c0->comm->nranks, seen[DP_MAX_DEVICES] = {0};
+    size_t isz = 1;
+    int t = c0->op == EMU_BCAST ? DPC_T_U8 : dpc_of_nccl(c0->type, &isz);
+    if (n != nranks || t < 0 || (c0->op == EMU_BCAST && c0->type != NCCL_UINT8)) {
+        return 5;
+    }
+    for (int i = 0; i < n; i++) {
+        emu_call *c = &emu_calls[i];
+        if (c->comm->set != c0->comm->set || c->op != c0->op || c->root != c0->root ||
+            c->count != c0->count || c->type != c0->type || seen[c->comm->rank]) {
+            return 5;
         }
-        ncclResult_t r = nccl.Reduce(send[i], i == root ? recv : NULL, (size_t)numel, nt,
-                                     NCCL_SUM, root, comms[i], s);
-        if (r != 0) {
-            nccl.GroupEnd();
-            return dpc_fail(DPC_LIB_NCCL, r, 0, devs[i], "ncclReduce", __FILE__, __LINE__,
-                            nccl.GetErrorString(r));
+        seen[c->comm->rank] = 1;
+    }
+    emu_call *rc = NULL;
+    for (int i = 0; i < n; i++) {
+        if (emu_calls[i].comm->rank == c0->root) {
+            rc = &emu_calls[i];
         }
     }
-    NCCL_TRY(nccl.GroupEnd(), devs[root]);
-    return sync_all(n, devs);
+    int rdev = rc->comm->dev;
+    size_t bytes = c0->count * isz;
+    dpc_stream s;
+    if (dpc_stream_get(rdev, 0, &s).code != 0) {
+        return 1;
+    }
+    if (c0->op == EMU_BCAST) {
+        for (int i = 0; i < n; i++) {
+            emu_call *c = &emu_calls[i];
+            if (c != rc &&
+                dpc_memcpy_peer_async(c->recv, c->comm->dev, rc->send, rdev, bytes, s).code) {
+                return 1;
+            }
+        }
+        if (rc->recv != rc->send &&
+            dpc_memcpy_async(rdev, rc->recv, rc->send, bytes, DPC_D2D, s).code) {
+            return 1;
+        }
+        return 0;
+    }
+    /* reduce: recv = sum of every rank's send, through a temporary on root */
+    void *tmp = NULL;
+    if (dpc_memcpy_async(rdev, rc->recv, rc->send, bytes, DPC_D2D, s).code ||
+        dpc_malloc(rdev, bytes, &tmp).code) {
+        return 1;
+    }
+    ncclResult_t r = 0;
+    for (int i = 0; i < n && r == 0; i++) {
+        emu_call *c = &emu_calls[i];
+        if (c == rc) {
+            continue;
+        }
+        if (dpc_memcpy_peer_async(tmp, rdev, c->send, c->comm->dev, bytes, s).code ||
+            dpc_launch_add(rdev, t, rc->recv, tmp, (int64_t)c0->count, s).code) {
+            r = 1;
+        }
+    }
+    (void)dpc_free(rdev, tmp);
+    return r;
 }
+
+static ncclResult_t emu_group_end(void)
+{
+    if (emu_depth == 0) {
+        return 5;
+    }
+    if (--emu_depth > 0) {
+        return 0;
+    }
+    int fail = __atomic_exchange_n(&emu_nccl_fail_next, 0, __ATOMIC_SEQ_CST);
+    ncclResult_t r = fail ? fail : emu_run();
+    emu_ncalls = 0;
+    return r;
+}
+
+static const char *emu_error_string(ncclResult_t r)
+{
+    switch (r) {
+    case 1: return "unhandled cuda error (emulated NCCL)";
+    case 3: return "internal error (emulated NCCL)";
+    case 4: return "invalid argument (emulated NCCL)";
+    case 5: return "invalid usage (emulated NCCL)";
+    default: return "unknown result (emulated NCCL)";
+    }
+}
+
+static int emu_nccl_install(void)
+{
+    nccl.GetVersion = emu_version;
+    nccl.CommInitAll = emu_init_all;
+    nccl.CommDestroy = emu_destroy;
+    nccl.CommAbort = emu_destroy;
+    nccl.Broadcast = emu_bcast;
+    nccl.Reduce = emu_reduce;
+    nccl.GroupStart = emu_group_start;
+    nccl.GroupEnd = emu_group_end;
+    nccl.GetErrorString = emu_error_string;
+    snprintf(nccl_desc, sizeof nccl_desc, "2.21.5 (emulated)");
+    return 1;
+}
+
+int dp_nccl_emulate(int on, int fail_next)
+{
+    pthread_mutex_lock(&nccl_mu);
+    int prev = nccl_state == 1;
+    if (on >= 0) {
+        if (on) {
+            nccl_state = emu_nccl_install();
+        } else {
+            nccl_state = -1;
+            snprintf(nccl_desc, sizeof nccl_desc, "not loaded (emulated backend)");
+        }
+    }
+    if (fail_next) {
+        __atomic_store_n(&emu_nccl_fail_next, fail_next, __ATOMIC_SEQ_CST);
+    }
+    pthread_mutex_unlock(&nccl_mu);
+    return prev;
+}
+
+int dp_nccl_live_comms(void)
+{
+    return __atomic_load_n(&emu_nccl_live, __ATOMIC_RELAXED);
+}
+#else
+int dp_nccl_emulate(int on, int fail_next)
+{
+    (void)on;
+    (void)fail_next;
+    return -1; /* not an emulated build */
+}
+
+int dp_nccl_live_comms(void)
+{
+    return -1;
+}
+#endif

@@ -6,10 +6,17 @@
 // dpc_device_count() returns 0.
 //
 // Every runtime call goes through CUDA_TRY, which returns a dpc_status with
-// the call's text, file, line, device and cudaGetErrorString's message.
+// the call's text, file, line, device and cudaGetErrorString's message, and
+// clears the failing thread's last error (per thread in CUDA) there.
 // Kernels first, then launchers that take an explicit stream and check the
 // launch (cudaGetLastError), as llm.c does.
+//
+// The device guard: every entry that needs a device current opens
+// ON_DEVICE(dev), which saves the thread's current device, switches only when
+// it differs and switches back when the function returns (any return path:
+// a C++ destructor). Only dpc_set_device changes the current device for good.
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <pthread.h>
 
 #include "../csrc/cuda_api.h"
@@ -19,11 +26,77 @@
     do {                                                                             \
         cudaError_t e_ = (call);                                                     \
         if (e_ != cudaSuccess) {                                                     \
-            (void)cudaGetLastError(); /* clear a non-sticky error */                 \
+            (void)cudaGetLastError(); /* clear a non-sticky error (this thread) */   \
             return dpc_fail(DPC_LIB_CUDA, (int)e_, e_ == cudaErrorMemoryAllocation,  \
                             (dev), #call, __FILE__, __LINE__, cudaGetErrorString(e_)); \
         }                                                                            \
     } while (0)
+
+// ---------------------------------------------------------------- device guard
+
+// cuDevicePrimaryCtxGetState through the runtime's driver entry point (no
+// link against libcuda, so import still works without a driver). NULL when
+// unavailable: then the guard always switches back.
+typedef int (*dp_cuDeviceGet_t)(int *, int);
+typedef int (*dp_cuPrimaryCtxGetState_t)(int, unsigned int *, int *);
+static dp_cuDeviceGet_t g_cuDeviceGet;
+static dp_cuPrimaryCtxGetState_t g_cuPrimaryCtxGetState;
+static pthread_once_t g_entry_once = PTHREAD_ONCE_INIT;
+
+static void load_entry_points(void)
+{
+    void *a = NULL, *b = NULL;
+    cudaDriverEntryPointQueryResult qa, qb;
+    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &a, 12000, cudaEnableDefault, &qa) ==
+            cudaSuccess && qa == cudaDriverEntryPointSuccess &&
+        cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &b, 12000,
+                                         cudaEnableDefault, &qb) == cudaSuccess &&
+        qb == cudaDriverEntryPointSuccess) {
+        g_cuDeviceGet = (dp_cuDeviceGet_t)a;
+        g_cuPrimaryCtxGetState = (dp_cuPrimaryCtxGetState_t)b;
+    }
+    (void)cudaGetLastError();
+}
+
+// 1 when switching to dev would not create a context (or we cannot tell).
+static int has_context(int dev)
+{
+    pthread_once(&g_entry_once, load_entry_points);
+    if (g_cuDeviceGet == NULL || g_cuPrimaryCtxGetState == NULL)
+        return 1;
+    int cudev = 0, active = 0;
+    unsigned int flags = 0;
+    if (g_cuDeviceGet(&cudev, dev) != 0 || g_cuPrimaryCtxGetState(cudev, &flags, &active) != 0)
+        return 1;
+    return active != 0;
+}
+
+struct DevGuard {
+    int prev;
+    bool switched;
+    cudaError_t err;
+    explicit DevGuard(int dev) : prev(-1), switched(false), err(cudaSuccess)
+    {
+        if (dev < 0)
+            return;
+        err = cudaGetDevice(&prev);
+        if (err == cudaSuccess && prev != dev) {
+            err = cudaSetDevice(dev);
+            switched = err == cudaSuccess;
+        }
+    }
+    ~DevGuard()
+    {
+        if (switched && has_context(prev)) {
+            if (cudaSetDevice(prev) != cudaSuccess)
+                (void)cudaGetLastError();
+        }
+    }
+};
+
+#define ON_DEVICE(dev)                                                               \
+    DevGuard dev_guard_(dev);                                                        \
+    CUDA_TRY(dev_guard_.err, dev)
 
 // ---------------------------------------------------------------- kernels
 
@@ -76,7 +149,46 @@ extern "C" void dpc_versions(int *runtime, int *driver)
 
 extern "C" dpc_status dpc_set_device(int dev)
 {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == dev)
+        return dpc_ok();
+    (void)cudaGetLastError();
     CUDA_TRY(cudaSetDevice(dev), dev);
+    return dpc_ok();
+}
+
+extern "C" int dpc_current_device(void)
+{
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return cur;
+}
+
+#define DPC_MAX_DEV 64
+
+extern "C" size_t dpc_max_pitch(int dev)
+{
+    static int cache[DPC_MAX_DEV]; // 0: not asked yet (benign race: same value)
+    if (dev < 0 || dev >= DPC_MAX_DEV)
+        return (size_t)INT_MAX;
+    if (cache[dev] == 0) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxPitch, dev) != cudaSuccess || v <= 0) {
+            (void)cudaGetLastError();
+            v = INT_MAX;
+        }
+        cache[dev] = v;
+    }
+    return (size_t)cache[dev];
+}
+
+extern "C" dpc_status dpc_device_sync(int dev)
+{
+    ON_DEVICE(dev);
+    CUDA_TRY(cudaDeviceSynchronize(), dev);
     return dpc_ok();
 }
 
@@ -89,7 +201,7 @@ extern "C" dpc_status dpc_enable_peer(int dev, int peer, int *on)
     CUDA_TRY(cudaDeviceCanAccessPeer(&can, dev, peer), dev);
     if (!can)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
     if (e == cudaErrorPeerAccessAlreadyEnabled) {
         (void)cudaGetLastError();
@@ -100,24 +212,18 @@ extern "C" dpc_status dpc_enable_peer(int dev, int peer, int *on)
     return dpc_ok();
 }
 
-extern "C" void dpc_clear_error(int dev)
-{
-    (void)dev;
-    (void)cudaGetLastError();
-}
-
 // ---------------------------------------------------------------- memory
 
 extern "C" dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
 {
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     CUDA_TRY(cudaMalloc(out, nbytes ? nbytes : 1), dev);
     return dpc_ok();
 }
 
 extern "C" dpc_status dpc_free(int dev, void *p)
 {
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     CUDA_TRY(cudaFree(p), dev);
     return dpc_ok();
 }
@@ -134,10 +240,11 @@ extern "C" dpc_status dpc_host_free(void *p)
     return dpc_ok();
 }
 
-extern "C" int dpc_is_pinned(const void *p)
+extern "C" int dpc_is_pinned(int dev, const void *p)
 {
     cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    DevGuard g(dev); // not device 0's context on a fresh thread
+    if (g.err != cudaSuccess || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
@@ -160,7 +267,6 @@ extern "C" int dpc_is_device_ptr(const void *p, int *dev)
 
 // ---------------------------------------------------------------- streams
 
-#define DPC_MAX_DEV 64
 #define DPC_MAX_SLOTS 16
 
 static cudaStream_t g_streams[DPC_MAX_DEV][DPC_MAX_SLOTS]; // created lazily, never freed
@@ -176,7 +282,8 @@ extern "C" dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
     cudaStream_t s = g_streams[dev][slot];
     cudaError_t e = cudaSuccess;
     if (s == NULL) {
-        e = cudaSetDevice(dev);
+        DevGuard g(dev);
+        e = g.err;
         if (e == cudaSuccess)
             e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
         if (e == cudaSuccess)
@@ -190,20 +297,10 @@ extern "C" dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 
 extern "C" dpc_status dpc_stream_sync(int dev, dpc_stream s)
 {
+    // On dev: the legacy / per-thread default stream handles (1, 2) mean
+    // the current device's, and a fresh thread must not touch device 0.
+    ON_DEVICE(dev);
     CUDA_TRY(cudaStreamSynchronize((cudaStream_t)s), dev);
-    return dpc_ok();
-}
-
-extern "C" dpc_status dpc_stream_wait_stream(int dev, dpc_stream s, dpc_stream other)
-{
-    cudaEvent_t ev;
-    CUDA_TRY(cudaSetDevice(dev), dev);
-    CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), dev);
-    cudaError_t e = cudaEventRecord(ev, (cudaStream_t)other);
-    if (e == cudaSuccess)
-        e = cudaStreamWaitEvent((cudaStream_t)s, ev, 0);
-    (void)cudaEventDestroy(ev); // released once the wait is done
-    CUDA_TRY(e, dev);
     return dpc_ok();
 }
 
@@ -220,7 +317,7 @@ extern "C" dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size
 {
     if (nbytes == 0)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     CUDA_TRY(cudaMemcpyAsync(dst, src, nbytes, kind_of(kind), (cudaStream_t)s), dev);
     return dpc_ok();
 }
@@ -231,7 +328,7 @@ extern "C" dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, cons
 {
     if (width == 0 || height == 0)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind_of(kind),
                                (cudaStream_t)s), dev);
     return dpc_ok();
@@ -242,7 +339,7 @@ extern "C" dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *
 {
     if (nbytes == 0)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dst_dev), dst_dev);
+    ON_DEVICE(dst_dev);
     CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, nbytes, (cudaStream_t)s), dst_dev);
     return dpc_ok();
 }
@@ -260,7 +357,7 @@ extern "C" dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void 
 {
     if (d->numel == 0)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     dp_strided_copy_kernel<<<grid_for(d->numel, 256), 256, 0, (cudaStream_t)s>>>(
         *d, (char *)dst, (const char *)src);
     CUDA_TRY(cudaGetLastError(), dev);
@@ -279,7 +376,7 @@ extern "C" dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x
 {
     if (numel == 0)
         return dpc_ok();
-    CUDA_TRY(cudaSetDevice(dev), dev);
+    ON_DEVICE(dev);
     cudaStream_t st = (cudaStream_t)s;
     cudaError_t e = cudaErrorInvalidValue;
     switch (type) {

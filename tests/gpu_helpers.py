@@ -54,3 +54,28 @@ def chunk_sizes(n, k):
 def host(a):
     """A host copy of a dpmini.Array (or the ndarray itself)."""
     return a.numpy() if isinstance(a, dpmini.Array) else np.asarray(a)
+
+
+def need_torch_cuda():
+    """torch with a working CUDA device, else skip (torch may be installed
+    without CUDA, or see no GPU)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch is installed but torch.cuda.is_available() is False")
+    return torch
+
+
+def need_cupy():
+    """CuPy that can reach a GPU, else skip."""
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy sees no GPU")
+    except Exception as e:  # CUDA driver/runtime mismatch, no driver...
+        pytest.skip(f"CuPy cannot use the GPU: {e}")
+    return cp
+
+
+def cuda_debug():
+    """dpmini's private counters (current device, syncs, NCCL)."""
+    return dpmini._dpmini._cuda_debug()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import dpmini
-from gpu_helpers import DTYPES, EMULATED, gpu, host, real_gpu, sample, two_gpus
+from gpu_helpers import (DTYPES, EMULATED, cuda_debug, gpu, host, need_cupy, need_torch_cuda,
+                         real_gpu, sample, two_gpus)
 
 pytestmark = gpu
 
@@ -236,7 +237,7 @@ def test_copy_between_devices():
 
 @pytest.mark.skipif(EMULATED, reason="CuPy needs a real GPU")
 def test_cupy_round_trip():
-    cp = pytest.importorskip("cupy")
+    cp = need_cupy()
     c = cp.arange(12, dtype=cp.float32).reshape(3, 4)
     a = dpmini.asarray(c)
     assert a.data_ptr == c.data.ptr
@@ -248,7 +249,7 @@ def test_cupy_round_trip():
 
 @real_gpu
 def test_torch_round_trip():
-    torch = pytest.importorskip("torch")
+    torch = need_torch_cuda()
     t = torch.arange(12, dtype=torch.float32, device="cuda:0").reshape(3, 4)
     a = dpmini.from_dlpack(t)
     assert a.data_ptr == t.data_ptr()
@@ -257,3 +258,205 @@ def test_torch_round_trip():
     u = torch.from_dlpack(a)
     assert u.data_ptr() == t.data_ptr()
     assert torch.equal(u, t)
+
+
+# ---- imports wait for the producer (review finding 1) ----
+
+class CAIv2:
+    """A CUDA Array Interface v2 producer (PyTorch's kind): no 'stream' key."""
+
+    def __init__(self, arr, version=2):
+        self.arr = arr
+        self.version = version
+
+    @property
+    def __cuda_array_interface__(self):
+        d = dict(self.arr.__cuda_array_interface__)
+        del d["stream"]
+        d["version"] = self.version
+        return d
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_cai_without_stream_key_waits_for_the_legacy_stream(version):
+    a = dpmini.asarray(np.arange(6.0), 0)
+    before = cuda_debug()["legacy_syncs"]
+    b = dpmini.asarray(CAIv2(a, version))
+    assert b.data_ptr == a.data_ptr
+    assert cuda_debug()["legacy_syncs"] == before + 1  # no promise: synchronised
+    dpmini.asarray(CAIProducer(a, stream=None))  # v3, stream None: ready
+    dpmini.asarray(CAIProducer(a, stream=1))  # v3, a stream: that one is synced
+    assert cuda_debug()["legacy_syncs"] == before + 1
+
+
+class BothInterfaces(CAIProducer):
+    """CAI and DLPack, like PyTorch and CuPy: DLPack must win."""
+
+    def __init__(self, arr):
+        super().__init__(arr, stream=None)
+        self.used = []
+
+    @property
+    def __cuda_array_interface__(self):
+        self.used.append("cai")
+        return super().__cuda_array_interface__
+
+    def __dlpack__(self, stream=None, max_version=None, **kw):
+        self.used.append(("dlpack", stream))
+        return self.arr.__dlpack__(stream=stream, max_version=max_version)
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+
+@pytest.mark.parametrize("how", ["asarray", "from_dlpack", "scatter"])
+def test_objects_with_both_interfaces_are_imported_through_dlpack(how):
+    x = sample((4, 2), "float32")
+    a = dpmini.asarray(x, 0)
+    p = BothInterfaces(a)
+    if how == "asarray":
+        r = dpmini.asarray(p)
+    elif how == "from_dlpack":
+        r = dpmini.from_dlpack(p)
+    else:
+        r = dpmini.comm.scatter(p, [0, 0])[0]
+    np.testing.assert_array_equal(host(r), x[: len(host(r))])
+    calls = [u for u in p.used if u != "cai"]
+    assert calls and all(u[0] == "dlpack" and isinstance(u[1], int) and u[1] != 0
+                         for u in calls)
+
+
+@real_gpu
+def test_torch_default_stream_work_is_waited_for():
+    """PyTorch's CAI is v2 (no 'stream'): its pending kernels on the default
+    stream must be done before dpmini copies the memory."""
+    torch = need_torch_cuda()
+    for via in ("cai", "dlpack"):
+        t = torch.zeros(1 << 20, device="cuda:0")
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued first
+        u = t + 1  # runs after the sleep
+        obj = CAIOnly(u) if via == "cai" else u
+        got = dpmini.asarray(obj).numpy()
+        assert (got == 1).all(), via
+
+
+class CAIOnly:
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.t.__cuda_array_interface__
+
+
+# ---- the caller's current device is left alone (finding 2) ----
+
+@two_gpus
+def test_current_device_is_not_changed():
+    start = cuda_debug()["current_device"]
+    x = sample((6, 5), "float32")
+    a = dpmini.asarray(x, 1)
+    b = dpmini.asarray(CAIProducer(a, stream=1))  # an import that syncs on cuda:1
+    c = dpmini.asarray(a, 0)
+    dpmini.comm.scatter(x, [1, 0])
+    np.testing.assert_array_equal(b.numpy(), c.numpy())
+    assert cuda_debug()["current_device"] == start
+
+
+# ---- exported memory is not reused under a consumer (finding 4) ----
+
+def test_exported_buffers_are_synchronised_before_reuse():
+    before = cuda_debug()["export_syncs"]
+    a = dpmini.asarray(np.ones(64), 0)
+    del a  # never exported: cached at once
+    assert cuda_debug()["export_syncs"] == before
+    a = dpmini.asarray(np.ones(64), 0)
+    a.__cuda_array_interface__
+    del a
+    gc.collect()
+    assert cuda_debug()["export_syncs"] == before + 1
+    c0, c1 = dpmini.comm.scatter(dpmini.asarray(np.ones(64), 0), [0, 0])
+    b = dpmini.from_dlpack(DLPackProducer(c1))  # a view's export marks the block
+    del c0, c1
+    gc.collect()
+    assert cuda_debug()["export_syncs"] == before + 1  # b still holds it
+    del b
+    gc.collect()
+    assert cuda_debug()["export_syncs"] == before + 2
+
+
+def _dlpack_flags(cap):
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    p = get(cap, b"dltensor_versioned")
+    # DLManagedTensorVersioned: version (2 x u32), manager_ctx, deleter, flags (u64)
+    return ctypes.c_uint64.from_address(p + 8 + 2 * ctypes.sizeof(ctypes.c_void_p)).value
+
+
+def test_dlpack_read_only_flag_both_ways():
+    a = dpmini.asarray(np.arange(4.0), 0)
+    assert _dlpack_flags(a.__dlpack__(max_version=(1, 0))) & 2 == 0
+    cai = dict(a.__cuda_array_interface__)
+    cai["data"] = (cai["data"][0], True)
+
+    class ReadOnly:
+        __cuda_array_interface__ = cai
+
+    ro = dpmini.asarray(ReadOnly())
+    assert _dlpack_flags(ro.__dlpack__(max_version=(1, 0))) & 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+    back = dpmini.from_dlpack(DLPackProducer(ro))  # accepted, stays read-only
+    np.testing.assert_array_equal(back.numpy(), np.arange(4.0))
+    with pytest.raises(ValueError, match="read-only"):
+        dpmini.comm.gather([a], out=back)
+
+
+# ---- protocol errors propagate, DLPack-only objects are leaves (finding 6) ----
+
+class RequiresGrad:
+    """Like a CUDA tensor with requires_grad: the CAI getter raises."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+
+def test_cai_getter_errors_propagate_with_the_argument_path():
+    with pytest.raises(RuntimeError, match=r"requires grad") as e:
+        dpmini.scatter({"x": RequiresGrad()}, [0, 0])
+    assert "'x'" in str(e.value) and "__cuda_array_interface__" in str(e.value)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        dpmini.comm.scatter(RequiresGrad(), [0, 0])
+
+    class NoCAI:
+        @property
+        def __cuda_array_interface__(self):
+            raise AttributeError("not on a GPU")
+
+    obj = NoCAI()
+    parts = dpmini.scatter(({"o": obj},), [0, 0])  # AttributeError: not an array, shared
+    assert parts[0][0]["o"] is obj and parts[1][0]["o"] is obj
+
+
+def test_dlpack_only_objects_are_array_leaves():
+    x = sample((6, 3), "int32")
+    p = DLPackProducer(dpmini.asarray(x, 0))
+    parts = dpmini.scatter(({"x": p},), [0, 0])
+    assert [host(q[0]["x"]).shape for q in parts] == [(3, 3), (3, 3)]
+    np.testing.assert_array_equal(host(parts[1][0]["x"]), x[3:])
+
+
+# ---- sticky errors say so (finding 7) ----
+
+@pytest.mark.skipif(not EMULATED, reason="injects a fault into the emulator")
+def test_sticky_errors_say_the_process_must_restart():
+    x = np.arange(10.0)
+    dpmini._dpmini._emulate_fault(700)  # cudaErrorIllegalAddress
+    with pytest.raises(dpmini.CudaError, match="sticky.*must be restarted") as e:
+        dpmini.asarray(x, 0)
+    assert e.value.status == 700
+    dpmini._dpmini._emulate_fault(1)  # cudaErrorInvalidValue: recoverable
+    with pytest.raises(dpmini.CudaError) as e:
+        dpmini.asarray(x, 0)
+    assert e.value.status == 1 and "sticky" not in str(e.value)
+    np.testing.assert_array_equal(dpmini.asarray(x, 0).numpy(), x)

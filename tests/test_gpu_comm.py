@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import dpmini
-from gpu_helpers import (DEVICE_LISTS, DTYPES, NGPU, chunk_sizes, gpu, host, real_gpu,
-                         sample, two_gpus)
+from gpu_helpers import (DEVICE_LISTS, DTYPES, EMULATED, NGPU, chunk_sizes, cuda_debug, gpu,
+                         host, need_torch_cuda, real_gpu, sample, two_gpus)
 
 pytestmark = gpu
 
@@ -232,7 +232,7 @@ def test_nccl_paths_on_distinct_gpus():
 
 @real_gpu
 def test_torch_comm_parity():
-    torch = pytest.importorskip("torch")
+    torch = need_torch_cuda()
     x = sample((10, 6), "float32")
     for dim in (0, 1, -1):
         ours = [c.numpy() for c in dpmini.comm.scatter(x, [0, 0, 0], dim=dim)]
@@ -241,3 +241,126 @@ def test_torch_comm_parity():
         assert len(ours) == len(theirs)
         for a, b in zip(ours, theirs):
             np.testing.assert_array_equal(a, b)
+
+
+# ---- NCCL: dtypes, the emulated stand-in, communicator lifetime (findings 3, 5) ----
+
+def test_nccl_dtype_mapping():
+    """NCCL has no 16-bit integers: reduce_add must not hand it int16/uint16."""
+    m = dpmini._dpmini._nccl_dtypes()
+    assert m == {"int8": True, "uint8": True, "int16": False, "uint16": False,
+                 "int32": True, "uint32": True, "int64": True, "uint64": True,
+                 "float32": True, "float64": True}
+
+
+@pytest.fixture
+def emulated_nccl():
+    if not EMULATED:
+        pytest.skip("the NCCL stand-in exists in emulated builds only")
+    was = dpmini._dpmini._emulated_nccl(1)
+    yield
+    dpmini._dpmini._emulated_nccl(1 if was else 0)
+
+
+@two_gpus
+@pytest.mark.parametrize("nccl", ["absent", "present"])
+@pytest.mark.parametrize("dtype", ["int16", "uint16", "float32", "int64"])
+def test_reduce_add_on_distinct_gpus_with_and_without_nccl(nccl, dtype, request):
+    if nccl == "present":
+        request.getfixturevalue("emulated_nccl")
+    x = sample((33, 5), dtype)
+    parts = [dpmini.asarray(x, 0), dpmini.asarray(x + 1, 1)]
+    calls = cuda_debug()["nccl_calls"]
+    r = dpmini.comm.reduce_add(parts, destination=0)
+    assert r.device == "cuda:0" and r.dtype == x.dtype
+    np.testing.assert_array_equal(r.numpy(), (x + x + 1).astype(dtype))
+    used_nccl = cuda_debug()["nccl_calls"] - calls
+    assert used_nccl == (nccl == "present" and dtype not in ("int16", "uint16"))
+    b = dpmini.comm.broadcast(dpmini.asarray(x, 1), [0, 1])
+    for o in b:
+        np.testing.assert_array_equal(o.numpy(), x)
+
+
+@pytest.mark.skipif(not EMULATED, reason="the NCCL stand-in exists in emulated builds only")
+def test_nccl_communicator_cache_destroy_and_abort(tmp_path):
+    """Runs with 4 emulated GPUs in a subprocess: 12 device lists overflow the
+    8-entry cache (the rest are destroyed after use); a failed collective
+    aborts and evicts its communicators; threads share an entry safely."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import itertools, threading
+        import numpy as np
+        import dpmini
+        P = dpmini._dpmini
+        dbg = P._cuda_debug
+        P._emulated_nccl(1)
+        x = np.arange(100, dtype="float32")
+        lists = list(itertools.permutations(range(4), 2))
+        for devs in lists:
+            out = dpmini.comm.broadcast(dpmini.asarray(x, devs[0]), list(devs))
+            assert all((o.numpy() == x).all() for o in out)
+        d = dbg()
+        assert d["nccl_destroyed"] == len(lists) - 8, d
+        assert d["nccl_live_comms"] == 16, d  # 8 cached lists of 2
+        P._emulated_nccl(-1, 3)  # the next group fails (ncclInternalError)
+        try:
+            dpmini.comm.broadcast(dpmini.asarray(x, 0), [0, 1])
+        except dpmini.NcclError as e:
+            assert "ncclGroupEnd" in str(e), e
+        else:
+            raise AssertionError("no NcclError")
+        d = dbg()
+        assert d["nccl_aborted"] == 1 and d["nccl_live_comms"] == 14, d
+        out = dpmini.comm.broadcast(dpmini.asarray(x, 0), [0, 1])  # a fresh set
+        assert (out[1].numpy() == x).all()
+        errs = []
+        def work():
+            try:
+                for _ in range(20):
+                    r = dpmini.comm.reduce_add(
+                        [dpmini.asarray(x, 2), dpmini.asarray(x, 3)], destination=2)
+                    assert (r.numpy() == 2 * x).all()
+            except Exception as e:
+                errs.append(e)
+        ts = [threading.Thread(target=work) for _ in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert not errs, errs
+        print("ok", dbg())
+    """)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__)))
+    env = dict(os.environ, DPMINI_EMULATE_GPUS="4", PYTHONPATH=here)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+# ---- 2D copies with pitches cudaMemcpy2D refuses take the pack path (finding 8) ----
+
+class RawCAI:
+    def __init__(self, ptr, shape, strides, typestr="|u1", owner=None):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": shape, "strides": strides, "typestr": typestr, "data": (ptr, False),
+            "version": 3, "stream": None}
+
+
+def test_2d_copy_with_pitch_over_int_max_falls_back():
+    pitch, width = (1 << 31) + 512, 2048
+    big = dpmini.empty((pitch + width,), "uint8", device=0)  # ~2 GiB, never touched
+    try:
+        rows = RawCAI(big.data_ptr, (2, width), (pitch, 1), owner=big)
+        x = sample((2, width), "uint8")
+        for i in range(2):  # write each row through a contiguous 1-row view
+            row = RawCAI(big.data_ptr + i * pitch, (1, width), None, owner=big)
+            dpmini.comm.gather([dpmini.asarray(x[i:i + 1], 0)], out=row)
+        got = dpmini.comm.gather([rows], destination=0)  # device -> same device
+        np.testing.assert_array_equal(got.numpy(), x)
+        host_out = dpmini.comm.gather([rows], destination="cpu")
+        np.testing.assert_array_equal(host_out, x)
+    finally:
+        del big
+        dpmini.empty_cache()

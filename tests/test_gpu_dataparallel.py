@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import dpmini
-from gpu_helpers import DEVICE_LISTS, NGPU, chunk_sizes, gpu, real_gpu, sample
+from gpu_helpers import (DEVICE_LISTS, NGPU, chunk_sizes, cuda_debug, gpu, need_cupy,
+                         need_torch_cuda, real_gpu, sample)
 
 pytestmark = gpu
 
@@ -117,7 +118,7 @@ def test_scatter_gather_structures():
 
 @real_gpu
 def test_cupy_inside_replicas():
-    cp = pytest.importorskip("cupy")
+    cp = need_cupy()
     x = sample((8, 4), "float32")
 
     def module(t):
@@ -131,7 +132,7 @@ def test_cupy_inside_replicas():
 
 @real_gpu
 def test_torch_inside_replicas():
-    torch = pytest.importorskip("torch")
+    torch = need_torch_cuda()
     x = sample((8, 4), "float32")
 
     def module(t):
@@ -141,3 +142,33 @@ def test_torch_inside_replicas():
 
     y = dpmini.DataParallel(module, device_ids=[0, 0], output_device="cpu")(x)
     np.testing.assert_array_equal(y, x + 1)
+
+
+@real_gpu
+def test_torch_replica_outputs_wait_for_torch_work():
+    """A replica returns a tensor whose kernel is still queued behind a
+    torch.cuda._sleep on torch's stream: gathering must wait for it."""
+    torch = need_torch_cuda()
+    x = sample((8, 1 << 16), "float32")
+
+    def module(t):
+        u = torch.from_dlpack(t)
+        torch.cuda._sleep(100_000_000)
+        return u + 1
+
+    for out in ("cpu", 0):
+        y = dpmini.DataParallel(module, device_ids=[0, 0], output_device=out)(x)
+        np.testing.assert_array_equal(y if out == "cpu" else y.numpy(), x + 1)
+
+
+def test_replica_workers_keep_the_callers_device():
+    before = cuda_debug()["current_device"]
+    seen = []
+
+    def module(t):
+        seen.append(cuda_debug()["current_device"])
+        return t
+
+    dpmini.DataParallel(module, device_ids=[0, 0], output_device="cpu")(
+        sample((4, 2), "float32"))
+    assert seen == [0, 0] and cuda_debug()["current_device"] == before
