@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test build bench clean
+.PHONY: demo test build bench clean test-asan fuzz test-valgrind
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,30 @@ test: build
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py
+
+# ---------------------------------------------------------------- reliability
+# docs/reliability.md says what each of these checks and what CI runs.
+# Each builds out of tree (build/asan, build/valgrind, build/fuzz), so the
+# in-place extension that `make test` uses is never replaced.
+# -fno-wrapv undoes the -fwrapv in CPython's own CFLAGS, so UBSan sees signed overflow.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -fno-wrapv
+ASAN_DIR  := build/asan
+# detect_leaks=0: CPython does not free its own objects at exit; our leaks are
+# found by tests/test_leaks.py and test-valgrind instead (see tools/lsan.supp).
+ASAN_ENV = LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	DPMINI_TEST_CFLAGS="$(SAN_FLAGS)" DPMINI_SANITIZER=asan
+
+# The whole pytest suite against an ASan+UBSan build of the extension.
+test-asan: $(VENV)/.installed
+	tools/deps.sh asan
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/dpmini
+	cp dpmini/*.py dpmini/py.typed $(ASAN_DIR)/dpmini/
+	CC=gcc DPMINI_WERROR=1 DPMINI_CFLAGS="$(SAN_FLAGS) -O1 -g" DPMINI_LDFLAGS="$(SAN_FLAGS)" \
+		$(PY) setup.py -q build_ext --force --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+		$(PYTEST_ARGS) $(CURDIR)/tests
 
 clean:
 	rm -rf build $(VENV) dpmini/*.so *.egg-info

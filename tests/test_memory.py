@@ -14,6 +14,9 @@ from dpmini import comm
 pytestmark = pytest.mark.slow
 
 DEVICES = ["cpu:0", "cpu:1"]
+# Under ASan (make test-asan) freed memory sits in the quarantine, so RSS
+# grows by design; the RSS checks are skipped there, the others still run.
+SANITIZED = bool(os.environ.get("DPMINI_SANITIZER"))
 CALLS = 10_000
 WARMUP = 300
 
@@ -73,7 +76,7 @@ def test_dataparallel_no_growth_refcounts_and_device_memory(inputs):
     assert [sys.getrefcount(o) for o in (x, y, z, scale, net, net.w, net.cfg, dp)] == refs
     assert device_bytes() == dev0
     # a leak of one 8 KiB chunk per call would be 80 MiB
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    assert SANITIZED or rss_bytes() - rss0 < 16 * 2 ** 20
 
 
 def test_dataparallel_no_traced_python_growth(inputs):
@@ -135,7 +138,7 @@ def test_error_path_does_not_leak():
     gc.collect()
     assert (sys.getrefcount(x), sys.getrefcount(net)) == refs
     assert device_bytes() == dev0
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    assert SANITIZED or rss_bytes() - rss0 < 16 * 2 ** 20
 
 
 def test_bad_argument_path_does_not_leak():
@@ -173,7 +176,7 @@ def test_comm_loop_no_growth():
     gc.collect()
     assert (sys.getrefcount(x), sys.getrefcount(xd)) == refs
     assert device_bytes() == dev0
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    assert SANITIZED or rss_bytes() - rss0 < 16 * 2 ** 20
 
 
 def test_scattered_chunks_release_device_memory():
