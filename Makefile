@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test build bench clean test-asan fuzz test-valgrind
+.PHONY: demo test build bench clean test-asan fuzz fuzz-build test-valgrind
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,24 @@ test-asan: $(VENV)/.installed
 		$(PY) setup.py -q build_ext --force --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
 		$(PYTEST_ARGS) $(CURDIR)/tests
+
+# libFuzzer over plan.c and copy.c (fuzz/fuzz_core.c). New inputs go to
+# build/fuzz/corpus; fuzz/corpus (committed seeds and past crashes) is read.
+# A crash leaves build/fuzz/crash-* and fails the target.
+FUZZ_SECONDS ?= 60
+FUZZ_DIR     := build/fuzz
+FUZZ_FLAGS   := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=undefined -fno-omit-frame-pointer -Icsrc
+
+fuzz-build:
+	tools/deps.sh fuzz
+	mkdir -p $(FUZZ_DIR)/corpus
+	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/plan.c csrc/copy.c -o $(FUZZ_DIR)/fuzz_core
+
+fuzz: fuzz-build
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	$(FUZZ_DIR)/fuzz_core -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=10 \
+		-print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus fuzz/corpus
 
 clean:
 	rm -rf build $(VENV) dpmini/*.so *.egg-info
