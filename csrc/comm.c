@@ -218,6 +218,60 @@ static PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObje
     return dp_empty(st, dev, descr, nd, shape, use);
 }
 
+/* Byte range [*lo, *hi) that a's elements occupy; lo == hi when a is empty. */
+static void byte_extent(PyArrayObject *a, uintptr_t *lo, uintptr_t *hi)
+{
+    uintptr_t p = (uintptr_t)PyArray_BYTES(a);
+    intptr_t below = 0, above = (intptr_t)PyArray_ITEMSIZE(a);
+    for (int d = 0; d < PyArray_NDIM(a); d++) {
+        npy_intp n = PyArray_DIM(a, d), s = PyArray_STRIDE(a, d);
+        if (n == 0) {
+            *lo = *hi = p;
+            return;
+        }
+        if (s < 0) {
+            below += s * (n - 1);
+        } else {
+            above += s * (n - 1);
+        }
+    }
+    *lo = p + (uintptr_t)below;
+    *hi = p + (uintptr_t)above;
+}
+
+/* A destination (an out= array) must not write one element twice nor share
+ * memory with what the same call reads or writes elsewhere: the copies run on
+ * several threads, in no set order. PyTorch raises the same "unsupported
+ * operation" errors (at::assert_no_internal_overlap, assert_no_overlap);
+ * without these checks dpmini wrote garbage (reliability.md, bug 5).
+ * other may be NULL. Returns 0, or -1 with ValueError naming both. */
+static int check_destination(PyArrayObject *dst, const char *dstname, PyArrayObject *other,
+                             const char *othername)
+{
+    for (int d = 0; other == NULL && d < PyArray_NDIM(dst); d++) {
+        if (PyArray_DIM(dst, d) > 1 && PyArray_STRIDE(dst, d) == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: unsupported operation: more than one element of the "
+                         "written-to array refers to a single memory location (stride 0 "
+                         "at dimension %d); pass a copy (np.ascontiguousarray)", dstname, d);
+            return -1;
+        }
+    }
+    if (other != NULL) {
+        uintptr_t a0, a1, b0, b1;
+        byte_extent(dst, &a0, &a1);
+        byte_extent(other, &b0, &b1);
+        if (a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: unsupported operation: some elements of %s and of the "
+                         "written-to array may refer to a single memory location; pass "
+                         "arrays that do not share memory", dstname, othername);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *devices_error(const char *argname)
 {
     PyErr_Format(PyExc_ValueError, "%s: Expected at least one device to scatter to", argname);
@@ -312,8 +366,15 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
             return -1;
         }
         PyObject *idx = PyNumber_Index(v);
-        long long x = idx ? PyLong_AsLongLong(idx) : -1;
+        int overflow = 0;
+        long long x = idx ? PyLong_AsLongLongAndOverflow(idx, &overflow) : -1;
         Py_XDECREF(idx);
+        if (overflow) {   /* reliability.md, bug 4: the message named no argument */
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_OverflowError, "chunk_sizes[%zd]: %R does not fit in int64",
+                         i, v);
+            return -1;
+        }
         if (x == -1 && PyErr_Occurred()) {
             Py_DECREF(seq);
             return -1;
@@ -330,9 +391,19 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
         return -1;
     }
     if (rc != DP_OK) {
+        /* The sizes are each >= 0 here but their sum can pass INT64_MAX
+         * (reliability.md, bug 1): say so instead of printing a wrapped sum. */
         long long sum = 0;
-        for (Py_ssize_t i = 0; i < ndev; i++) {
-            sum += sizes[i];
+        int overflow = 0;
+        for (Py_ssize_t i = 0; i < ndev && !overflow; i++) {
+            overflow = __builtin_add_overflow(sum, (long long)sizes[i], &sum);
+        }
+        if (overflow) {
+            PyErr_Format(PyExc_ValueError,
+                         "chunk_sizes: split_with_sizes expects split_sizes to sum exactly to "
+                         "%lld (input array's size at dimension %d), but got a sum larger "
+                         "than %lld", (long long)n, dim, (long long)INT64_MAX);
+            return -1;
         }
         PyErr_Format(PyExc_ValueError,
                      "chunk_sizes: split_with_sizes expects split_sizes to sum exactly to %lld "
@@ -399,7 +470,27 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
             PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
             goto done;
         }
-        total += PyArray_DIM(outs[i], dim);
+        char name[48], other[48];
+        snprintf(name, sizeof name, "out[%zd]", i);
+        if (check_destination(outs[i], name, NULL, NULL) < 0 ||
+            check_destination(outs[i], name, src, "the source array") < 0) {
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            snprintf(other, sizeof other, "out[%zd]", j);
+            if (check_destination(outs[i], name, outs[j], other) < 0) {
+                goto done;
+            }
+        }
+        /* A wrapped sum could pass the check below and copy past src
+         * (reliability.md, bug 3). */
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(outs[i], dim), &total)) {
+            PyErr_Format(PyExc_ValueError,
+                         "out: Total size for output arrays along scatter dim %d does not "
+                         "match the source array size at dim %d (the sizes up to out[%zd] "
+                         "add up to more than %lld)", dim, dim, i, (long long)INT64_MAX);
+            goto done;
+        }
     }
     if (total != PyArray_DIM(src, dim)) {
         PyErr_Format(PyExc_ValueError,
@@ -617,7 +708,15 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
                 return NULL;
             }
         }
-        total += PyArray_DIM(p, dim);
+        /* Shapes of strided views (zero strides) can be huge: a wrapped sum
+         * would allocate too little and copy past it (reliability.md, bug 2). */
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(p, dim), &total) ||
+            total > NPY_MAX_INTP) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: the gathered size along dimension %d is larger than %zd "
+                         "(at array index %zd)", argname, dim, (Py_ssize_t)NPY_MAX_INTP, i);
+            return NULL;
+        }
     }
     shape[dim] = (npy_intp)total;
     if (out != NULL) {
@@ -639,6 +738,16 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         if (!PyArray_ISWRITEABLE(out)) {
             PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
             return NULL;
+        }
+        if (check_destination(out, "out", NULL, NULL) < 0) {
+            return NULL;
+        }
+        for (i = 0; i < n; i++) {
+            char other[64];
+            snprintf(other, sizeof other, "the input array at index %zd", i);
+            if (check_destination(out, "out", parts[i], other) < 0) {
+                return NULL;
+            }
         }
         Py_INCREF(out);
         result = out;

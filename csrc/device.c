@@ -357,6 +357,16 @@ static int check_cuda_index(long index, const char *argname)
     return 0;
 }
 
+/* UTF-8 text of a device string (NULL with an exception set on failure). A
+ * string with an embedded NUL becomes "?", which no device matches, instead
+ * of being read up to the NUL ("cpu:1\0junk" was cpu:1; reliability.md, bug 6). */
+static const char *device_utf8(PyObject *obj)
+{
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    return (s != NULL && (size_t)n != strlen(s)) ? "?" : s;
+}
+
 /* Parse "cpu", "cpu:N", "cuda", "cuda:N"; -1 when the text is none of them. */
 static int parse_device_text(const char *s, dp_device *out)
 {
@@ -416,7 +426,7 @@ int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
             return -1;
         }
     } else if (PyUnicode_Check(obj)) {
-        const char *s = PyUnicode_AsUTF8(obj);
+        const char *s = device_utf8(obj);
         if (s == NULL) {
             return -1;
         }
@@ -520,7 +530,7 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     /* A Device may name a CUDA device that is absent (as torch.device does);
      * using it is what fails. */
     if (PyUnicode_Check(spec)) {
-        const char *s = PyUnicode_AsUTF8(spec);
+        const char *s = device_utf8(spec);
         if (s == NULL) {
             return NULL;
         }
@@ -587,7 +597,7 @@ static PyObject *device_richcompare(PyObject *a, PyObject *b, int op)
     if (Py_TYPE(b) == Py_TYPE(a) || PyObject_TypeCheck(b, Py_TYPE(a))) {
         db = ((dp_DeviceObject *)b)->dev;
     } else if (PyUnicode_Check(b)) {
-        const char *s = PyUnicode_AsUTF8(b);
+        const char *s = device_utf8(b);
         if (s == NULL) {
             return NULL;
         }
