@@ -68,6 +68,25 @@ static size_t round_size(size_t n)
     return (n + ((size_t)1 << 16) - 1) & ~(((size_t)1 << 16) - 1);
 }
 
+/* Test hook (dpmini._dpmini._fail_alloc_after, docs/reliability.md): when
+ * >= 0, that many more allocations succeed and the next one fails as if the
+ * system were out of memory; -1 is off. */
+static long fail_alloc_countdown = -1;
+
+/* True when the test hook says this allocation must fail. */
+static int fail_alloc_now(void)
+{
+    long left = __atomic_load_n(&fail_alloc_countdown, __ATOMIC_RELAXED);
+    while (left >= 0) {
+        long next = left == 0 ? -1 : left - 1;
+        if (__atomic_compare_exchange_n(&fail_alloc_countdown, &left, next, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            return left == 0;
+        }
+    }
+    return 0;
+}
+
 /* Allocate nbytes on d; NULL when the system is out of memory (no Python
  * error is set, callers raise MemoryError). */
 static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
@@ -75,7 +94,7 @@ static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
     dp_heap *h = heap_of(d);
     size_t size = round_size(nbytes);
     void *p = NULL;
-    if (h == NULL) {
+    if (h == NULL || fail_alloc_now()) {
         return NULL;
     }
     pthread_mutex_lock(&heap_mu);
@@ -748,7 +767,21 @@ static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLong(__atomic_exchange_n(&fail_alloc_countdown, n < 0 ? -1 : n,
+                                               __ATOMIC_RELAXED));
+}
+
 PyMethodDef dp_device_methods[] = {
+    {"_fail_alloc_after", py_fail_alloc_after, METH_O,
+     "_fail_alloc_after(n) -> int\n\nTest hook: let n more device allocations succeed, "
+     "then fail the next one (MemoryError); n < 0 turns it off. Returns the previous "
+     "count (-1 when none was pending, e.g. once the failure has fired)."},
     {"device_count", py_device_count, METH_NOARGS,
      "device_count() -> int\n\nNumber of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},
