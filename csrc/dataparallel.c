@@ -1452,7 +1452,9 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
         goto fail;
     }
     if (self->ndev == 1) {
-        res = call_first(self->module, inputs, kws);
+        PyObject *module = Py_NewRef(self->module);   /* bug 8 */
+        res = call_first(module, inputs, kws);
+        Py_DECREF(module);
         goto fail;
     }
     used = PyList_GetSlice(ids, 0, PyTuple_GET_SIZE(inputs));
@@ -1485,6 +1487,20 @@ fail:
     return res;
 }
 
+/* A PyMem_Malloc'ed copy of self's device list (MemoryError -> NULL): what a
+ * call uses while the GIL may be released or Python code may run, since either
+ * can let dp.device_ids be replaced and the old array freed (bug 8). */
+static dp_device *copy_devices(dp_DataParallelObject *self)
+{
+    dp_device *devs = PyMem_Malloc((size_t)self->ndev * sizeof(dp_device));
+    if (devs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(devs, self->devs, (size_t)self->ndev * sizeof(dp_device));
+    return devs;
+}
+
 static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));
@@ -1495,8 +1511,21 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
         if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
             kwargs = NULL;
         }
-        return forward_core(st, self->module, args, kwargs, self->devs, self->ndev,
-                            self->output_device, self->dim, self->strict);
+        /* Work on a strong reference to the module and a private copy of the
+         * device list: the GIL is released during the call (copies, waiting on
+         * replicas) and replicas run Python, so another thread or a replica can
+         * set dp.module / dp.device_ids meanwhile, which freed what a borrowed
+         * pointer still used (reliability.md, bug 8). */
+        dp_device *devs = copy_devices(self);
+        if (devs == NULL) {
+            return NULL;
+        }
+        PyObject *module = Py_NewRef(self->module);
+        PyObject *res = forward_core(st, module, args, kwargs, devs, self->ndev,
+                                     self->output_device, self->dim, self->strict);
+        Py_DECREF(module);
+        PyMem_Free(devs);
+        return res;
     }
     return forward_generic(self, st, args, kwargs);
 }
@@ -1846,8 +1875,14 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
         dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
         goto fail;
     }
-    if (dp_scatter_kwargs(st, in, kw == Py_None ? NULL : kw, devs ? devs : self->devs,
-                          devs ? ndev : self->ndev, self->dim, self->strict, &ins, &kws) < 0) {
+    if (devs == NULL) {   /* bug 8: not self->devs, which may be freed meanwhile */
+        ndev = self->ndev;
+        if ((devs = copy_devices(self)) == NULL) {
+            goto fail;
+        }
+    }
+    if (dp_scatter_kwargs(st, in, kw == Py_None ? NULL : kw, devs,
+                          ndev, self->dim, self->strict, &ins, &kws) < 0) {
         goto fail;
     }
     res = PyTuple_Pack(2, ins, kws);
@@ -1928,8 +1963,14 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
     if (m < 0) {
         return NULL;
     }
-    return parallel_apply_run(st, replicas, inputs, kw, NULL, self->devs,
-                              m < self->ndev ? m : self->ndev);
+    dp_device *devs = copy_devices(self);   /* bug 8 */
+    if (devs == NULL) {
+        return NULL;
+    }
+    PyObject *res = parallel_apply_run(st, replicas, inputs, kw, NULL, devs,
+                                       m < self->ndev ? m : self->ndev);
+    PyMem_Free(devs);
+    return res;
 }
 
 PyDoc_STRVAR(gather_doc,
