@@ -31,8 +31,9 @@ bench: build
 # -fno-wrapv undoes the -fwrapv in CPython's own CFLAGS, so UBSan sees signed overflow.
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -fno-wrapv
 ASAN_DIR  := build/asan
-# detect_leaks=0: CPython does not free its own objects at exit; our leaks are
-# found by tests/test_leaks.py and test-valgrind instead (see tools/lsan.supp).
+# detect_leaks=0: CPython does not free its own objects at exit, so LeakSanitizer
+# would report thousands of its blocks; dpmini's leaks are checked by
+# tests/test_memory.py, test_faults.py and test-valgrind (docs/reliability.md).
 ASAN_ENV = LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -65,6 +66,34 @@ fuzz: fuzz-build
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	$(FUZZ_DIR)/fuzz_core -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=10 \
 		-print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus fuzz/corpus
+
+# valgrind memcheck over the Python tests that run in-process and in seconds
+# (not the 100k-call leak loops, subprocess or compiler tests). The baseline
+# run (tools/valgrind_baseline.py, no dpmini) becomes the suppression file;
+# then tools/valgrind_supp.py --check fails on any error or definite leak with
+# a dpmini frame in its stacks (allocation and origin stacks included).
+VG_DIR   := build/valgrind
+VG_OPTS  := --tool=memcheck --fullpath-after= --leak-check=full --show-leak-kinds=definite \
+	--errors-for-leak-kinds=definite --num-callers=40
+VG_TESTS := test_api.py test_chunk_rule.py test_device.py test_explain.py test_comm.py \
+	test_dataparallel.py test_structures.py test_exceptions.py test_bad_input.py \
+	test_bad_input_catalogue.py test_faults.py
+VG_ENV   := PYTHONMALLOC=malloc DPMINI_SANITIZER=valgrind
+
+test-valgrind: $(VENV)/.installed
+	tools/deps.sh valgrind
+	rm -rf $(VG_DIR) && mkdir -p $(VG_DIR)/dpmini
+	cp dpmini/*.py dpmini/py.typed $(VG_DIR)/dpmini/
+	DPMINI_WERROR=1 DPMINI_CFLAGS="-O1 -g -fno-omit-frame-pointer" \
+		$(PY) setup.py -q build_ext --force --build-lib $(VG_DIR) --build-temp $(VG_DIR)/tmp
+	cd $(VG_DIR) && $(VG_ENV) valgrind $(VG_OPTS) --gen-suppressions=all \
+		--log-file=baseline.log $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+		$(CURDIR)/tools/valgrind_baseline.py
+	$(PY) tools/valgrind_supp.py $(VG_DIR)/baseline.log $(VG_DIR)/python.supp
+	cd $(VG_DIR) && $(VG_ENV) valgrind $(VG_OPTS) --suppressions=python.supp --track-origins=yes \
+		--log-file=memcheck.log $(abspath $(PY)) -m pytest -q -p no:cacheprovider -k "not ctrl_c" \
+		$(addprefix $(CURDIR)/tests/,$(VG_TESTS))
+	$(PY) tools/valgrind_supp.py --check $(VG_DIR)/memcheck.log
 
 clean:
 	rm -rf build $(VENV) dpmini/*.so *.egg-info

@@ -260,6 +260,13 @@ PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
         }
         nbytes *= (size_t)shape[i];
     }
+    /* NumPy's limit; larger sizes also reach malloc as "negative" ones
+     * (found by valgrind; reliability.md, bug 9). */
+    if (nbytes > (size_t)NPY_MAX_INTP) {
+        Py_DECREF(descr);
+        PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");
+        return NULL;
+    }
     PyObject *buf = dp_buffer_new(st, d, nbytes);
     if (buf == NULL) {
         Py_DECREF(descr);
