@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 # with two fake GPUs. `make test` runs both suites.
 EMU := build/emulated
 
-.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu
+.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,77 @@ bench-gpu: build
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py
+
+# ---------------------------------------------------------------- reliability
+# docs/reliability.md says what each of these checks and what CI runs.
+# Each builds out of tree (build/asan, build/valgrind, build/fuzz), so the
+# in-place extension that `make test` uses is never replaced.
+# -fno-wrapv undoes the -fwrapv in CPython's own CFLAGS, so UBSan sees signed overflow.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -fno-wrapv
+ASAN_DIR  := build/asan
+# detect_leaks=0: CPython does not free its own objects at exit, so LeakSanitizer
+# would report thousands of its blocks; dpmini's leaks are checked by
+# tests/test_memory.py, test_faults.py and test-valgrind (docs/reliability.md).
+ASAN_ENV = LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	DPMINI_TEST_CFLAGS="$(SAN_FLAGS)" DPMINI_SANITIZER=asan
+
+# The whole pytest suite against an ASan+UBSan build of the extension.
+test-asan: $(VENV)/.installed
+	tools/deps.sh asan
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/dpmini
+	cp dpmini/*.py dpmini/py.typed $(ASAN_DIR)/dpmini/
+	CC=gcc DPMINI_WERROR=1 DPMINI_CFLAGS="$(SAN_FLAGS) -O1 -g" DPMINI_LDFLAGS="$(SAN_FLAGS)" \
+		$(PY) setup.py -q build_ext --force --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+		$(PYTEST_ARGS) $(CURDIR)/tests
+
+# libFuzzer over plan.c and copy.c (fuzz/fuzz_core.c). New inputs go to
+# build/fuzz/corpus; fuzz/corpus (committed seeds and past crashes) is read.
+# A crash leaves build/fuzz/crash-* and fails the target.
+FUZZ_SECONDS ?= 60
+FUZZ_DIR     := build/fuzz
+FUZZ_FLAGS   := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=undefined -fno-omit-frame-pointer -Icsrc
+
+fuzz-build:
+	tools/deps.sh fuzz
+	mkdir -p $(FUZZ_DIR)/corpus
+	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/plan.c csrc/copy.c -o $(FUZZ_DIR)/fuzz_core
+
+fuzz: fuzz-build
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	$(FUZZ_DIR)/fuzz_core -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=10 \
+		-print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus fuzz/corpus
+
+# valgrind memcheck over the Python tests that run in-process and in seconds
+# (not the 100k-call leak loops, subprocess or compiler tests). The baseline
+# run (tools/valgrind_baseline.py, no dpmini) becomes the suppression file;
+# then tools/valgrind_supp.py --check fails on any error or definite leak with
+# a dpmini frame in its stacks (allocation and origin stacks included).
+VG_DIR   := build/valgrind
+VG_OPTS  := --tool=memcheck --fullpath-after= --leak-check=full --show-leak-kinds=definite \
+	--errors-for-leak-kinds=definite --num-callers=40
+VG_TESTS := test_api.py test_chunk_rule.py test_device.py test_explain.py test_comm.py \
+	test_dataparallel.py test_structures.py test_exceptions.py test_bad_input.py \
+	test_bad_input_catalogue.py test_faults.py
+VG_ENV   := PYTHONMALLOC=malloc DPMINI_SANITIZER=valgrind
+
+test-valgrind: $(VENV)/.installed
+	tools/deps.sh valgrind
+	rm -rf $(VG_DIR) && mkdir -p $(VG_DIR)/dpmini
+	cp dpmini/*.py dpmini/py.typed $(VG_DIR)/dpmini/
+	DPMINI_WERROR=1 DPMINI_CFLAGS="-O1 -g -fno-omit-frame-pointer" \
+		$(PY) setup.py -q build_ext --force --build-lib $(VG_DIR) --build-temp $(VG_DIR)/tmp
+	cd $(VG_DIR) && $(VG_ENV) valgrind $(VG_OPTS) --gen-suppressions=all \
+		--log-file=baseline.log $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+		$(CURDIR)/tools/valgrind_baseline.py
+	$(PY) tools/valgrind_supp.py $(VG_DIR)/baseline.log $(VG_DIR)/python.supp
+	cd $(VG_DIR) && $(VG_ENV) valgrind $(VG_OPTS) --suppressions=python.supp --track-origins=yes \
+		--log-file=memcheck.log $(abspath $(PY)) -m pytest -q -p no:cacheprovider -k "not ctrl_c" \
+		$(addprefix $(CURDIR)/tests/,$(VG_TESTS))
+	$(PY) tools/valgrind_supp.py --check $(VG_DIR)/memcheck.log
 
 clean:
 	rm -rf build $(VENV) dpmini/*.so *.egg-info

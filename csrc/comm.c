@@ -513,9 +513,19 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
         return -1;
     }
     if (rc != DP_OK) {
+        /* The sizes are each >= 0 here but their sum can pass INT64_MAX
+         * (reliability.md, bug 1): say so instead of printing a wrapped sum. */
         long long sum = 0;
-        for (Py_ssize_t i = 0; i < ndev; i++) {
-            sum += sizes[i];
+        int overflow = 0;
+        for (Py_ssize_t i = 0; i < ndev && !overflow; i++) {
+            overflow = __builtin_add_overflow(sum, (long long)sizes[i], &sum);
+        }
+        if (overflow) {
+            PyErr_Format(PyExc_ValueError,
+                         "chunk_sizes: split_with_sizes expects split_sizes to sum exactly to "
+                         "%lld (input array's size at dimension %d), but got a sum larger "
+                         "than %lld", (long long)n, dim, (long long)INT64_MAX);
+            return -1;
         }
         PyErr_Format(PyExc_ValueError,
                      "chunk_sizes: split_with_sizes expects split_sizes to sum exactly to %lld "
@@ -595,7 +605,15 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
         if (check_out_overlap(outs[i], &src, 1, name, "array") < 0) {
             goto done;
         }
-        total += PyArray_DIM(outs[i], dim);
+        /* A wrapped sum could pass the check below and copy past src
+         * (reliability.md, bug 3). */
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(outs[i], dim), &total)) {
+            PyErr_Format(PyExc_ValueError,
+                         "out: Total size for output arrays along scatter dim %d does not "
+                         "match the source array size at dim %d (the sizes up to out[%zd] "
+                         "add up to more than %lld)", dim, dim, i, (long long)INT64_MAX);
+            goto done;
+        }
     }
     if (check_outs_disjoint(outs, n) < 0) {
         goto done;
@@ -825,7 +843,15 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
                 return NULL;
             }
         }
-        total += PyArray_DIM(p, dim);
+        /* Shapes of strided views (zero strides) can be huge: a wrapped sum
+         * would allocate too little and copy past it (reliability.md, bug 2). */
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(p, dim), &total) ||
+            total > NPY_MAX_INTP) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: the gathered size along dimension %d is larger than %zd "
+                         "(at array index %zd)", argname, dim, (Py_ssize_t)NPY_MAX_INTP, i);
+            return NULL;
+        }
     }
     shape[dim] = (npy_intp)total;
     if (out != NULL) {

@@ -73,6 +73,25 @@ static size_t round_size(size_t n)
     return (n + ((size_t)1 << 16) - 1) & ~(((size_t)1 << 16) - 1);
 }
 
+/* Test hook (dpmini._dpmini._fail_alloc_after, docs/reliability.md): when
+ * >= 0, that many more allocations succeed and the next one fails as if the
+ * system were out of memory; -1 is off. */
+static long fail_alloc_countdown = -1;
+
+/* True when the test hook says this allocation must fail. */
+static int fail_alloc_now(void)
+{
+    long left = __atomic_load_n(&fail_alloc_countdown, __ATOMIC_RELAXED);
+    while (left >= 0) {
+        long next = left == 0 ? -1 : left - 1;
+        if (__atomic_compare_exchange_n(&fail_alloc_countdown, &left, next, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            return left == 0;
+        }
+    }
+    return 0;
+}
+
 /* Allocate nbytes on d; NULL when the system is out of memory (no Python
  * error is set, callers raise MemoryError). */
 static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
@@ -80,7 +99,7 @@ static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
     dp_heap *h = heap_of(d);
     size_t size = round_size(nbytes);
     void *p = NULL;
-    if (h == NULL) {
+    if (h == NULL || fail_alloc_now()) {
         return NULL;
     }
     pthread_mutex_lock(&heap_mu);
@@ -354,6 +373,13 @@ PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
         }
         nbytes *= (size_t)shape[i];
     }
+    /* NumPy's limit; larger sizes also reach malloc as "negative" ones
+     * (found by valgrind; reliability.md, bug 9). */
+    if (nbytes > (size_t)NPY_MAX_INTP) {
+        Py_DECREF(descr);
+        PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");
+        return NULL;
+    }
     PyObject *buf = dp_buffer_new(st, d, nbytes);
     if (buf == NULL) {
         Py_DECREF(descr);
@@ -496,6 +522,16 @@ static int check_cuda_index(long index, const char *argname)
     return 0;
 }
 
+/* UTF-8 text of a device string (NULL with an exception set on failure). A
+ * string with an embedded NUL becomes "?", which no device matches, instead
+ * of being read up to the NUL ("cpu:1\0junk" was cpu:1; reliability.md, bug 6). */
+static const char *device_utf8(PyObject *obj)
+{
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    return (s != NULL && (size_t)n != strlen(s)) ? "?" : s;
+}
+
 /* Parse "cpu", "cpu:N", "cuda", "cuda:N"; -1 when the text is none of them. */
 static int parse_device_text(const char *s, dp_device *out)
 {
@@ -555,7 +591,7 @@ int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
             return -1;
         }
     } else if (PyUnicode_Check(obj)) {
-        const char *s = PyUnicode_AsUTF8(obj);
+        const char *s = device_utf8(obj);
         if (s == NULL) {
             return -1;
         }
@@ -659,7 +695,7 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     /* A Device may name a CUDA device that is absent (as torch.device does);
      * using it is what fails. */
     if (PyUnicode_Check(spec)) {
-        const char *s = PyUnicode_AsUTF8(spec);
+        const char *s = device_utf8(spec);
         if (s == NULL) {
             return NULL;
         }
@@ -928,7 +964,21 @@ static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLong(__atomic_exchange_n(&fail_alloc_countdown, n < 0 ? -1 : n,
+                                               __ATOMIC_RELAXED));
+}
+
 PyMethodDef dp_device_methods[] = {
+    {"_fail_alloc_after", py_fail_alloc_after, METH_O,
+     "_fail_alloc_after(n) -> int\n\nTest hook: let n more device allocations succeed, "
+     "then fail the next one (MemoryError); n < 0 turns it off. Returns the previous "
+     "count (-1 when none was pending, e.g. once the failure has fired)."},
     {"device_count", py_device_count, METH_NOARGS,
      "device_count()\n--\n\nReturns an int: the number of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},

@@ -54,7 +54,11 @@ def explain(inputs, device_ids, dim=0, kwargs=None, strict=False, in_dims=None,
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
-    kwargs = {} if kwargs is None else dict(kwargs)
+    try:
+        kwargs = {} if kwargs is None else dict(kwargs)
+    except (TypeError, ValueError):
+        raise TypeError(f"kwargs: expected a mapping of keyword arguments or None, "
+                        f"got {type(kwargs).__name__}") from None
     record = _dpmini._plan(inputs, kwargs, device_ids, dim, strict, in_dims=in_dims,
                            chunk_sizes=chunk_sizes, weights=weights)
     record["dim"] = dim

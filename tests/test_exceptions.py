@@ -32,7 +32,7 @@ def run(module, k=4, devices=None):
     return dpmini.DataParallel(module, device_ids=devices)(np.arange(float(len(devices))))
 
 
-@pytest.mark.parametrize("pos", [0, 1, 3])
+@pytest.mark.parametrize("pos", [0, 1, 2, 3])
 def test_replica_exception_at_each_position(pos):
     m = Failing([pos])
     with pytest.raises(ValueError) as info:

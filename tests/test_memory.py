@@ -1,5 +1,10 @@
 """Leak checks: many DataParallel / comm calls leave no growth in traced Python
-memory, RSS, reference counts or dpmini device memory."""
+memory, RSS, reference counts or dpmini device memory.
+
+DataParallel and every comm function are called 100,000 times (issue
+"Reliability", item 4): RSS may grow by less than 2 MiB, traced Python memory
+by less than one small object per 100 calls, and reference counts and device
+memory must come back exactly. The whole file takes about 25 s."""
 import gc
 import os
 import sys
@@ -14,7 +19,12 @@ from dpmini import comm
 pytestmark = pytest.mark.slow
 
 DEVICES = ["cpu:0", "cpu:1"]
+# Under ASan (make test-asan) freed memory sits in the quarantine, so RSS
+# grows by design; the RSS checks are skipped there, the others still run.
+SANITIZED = bool(os.environ.get("DPMINI_SANITIZER"))
 CALLS = 10_000
+MANY = 100_000          # the reliability checks: DataParallel and each comm function
+RSS_SLACK = 2 * 2 ** 20
 WARMUP = 300
 
 
@@ -65,15 +75,18 @@ def test_dataparallel_no_growth_refcounts_and_device_memory(inputs):
         one_call(dp, x, y, z, scale)
     gc.collect()
     refs = [sys.getrefcount(o) for o in (x, y, z, scale, net, net.w, net.cfg, dp)]
+    mod_refs = sys.getrefcount(dpmini._dpmini)
     dev0 = device_bytes()
     rss0 = rss_bytes()
-    for _ in range(CALLS):
+    for _ in range(MANY):
         one_call(dp, x, y, z, scale)
     gc.collect()
     assert [sys.getrefcount(o) for o in (x, y, z, scale, net, net.w, net.cfg, dp)] == refs
+    mod_refs_after = sys.getrefcount(dpmini._dpmini)  # not inside assert: pytest would hold a reference
+    assert mod_refs_after == mod_refs
     assert device_bytes() == dev0
-    # a leak of one 8 KiB chunk per call would be 80 MiB
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    # a leak of one 32-byte object per call would be 3.2 MB
+    assert SANITIZED or rss_bytes() - rss0 < RSS_SLACK
 
 
 def test_dataparallel_no_traced_python_growth(inputs):
@@ -88,14 +101,14 @@ def test_dataparallel_no_traced_python_growth(inputs):
             one_call(dp, x, y, z, scale)
         gc.collect()
         before, _ = tracemalloc.get_traced_memory()
-        for _ in range(CALLS):
+        for _ in range(MANY):
             one_call(dp, x, y, z, scale)
         gc.collect()
         after, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    # a leak of even one small object per call (>= 32 bytes) shows up as >= 320 KB
-    assert after - before < 256 * 1024
+    # a leak of one small object (>= 32 bytes) every 100 calls shows up as >= 32 KB
+    assert after - before < 16 * 1024
 
 
 def test_memory_allocated_returns_to_start(inputs):
@@ -135,7 +148,7 @@ def test_error_path_does_not_leak():
     gc.collect()
     assert (sys.getrefcount(x), sys.getrefcount(net)) == refs
     assert device_bytes() == dev0
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    assert SANITIZED or rss_bytes() - rss0 < 16 * 2 ** 20
 
 
 def test_bad_argument_path_does_not_leak():
@@ -173,7 +186,7 @@ def test_comm_loop_no_growth():
     gc.collect()
     assert (sys.getrefcount(x), sys.getrefcount(xd)) == refs
     assert device_bytes() == dev0
-    assert rss_bytes() - rss0 < 16 * 2 ** 20
+    assert SANITIZED or rss_bytes() - rss0 < 16 * 2 ** 20
 
 
 def test_scattered_chunks_release_device_memory():
@@ -189,3 +202,66 @@ def test_scattered_chunks_release_device_memory():
     del view
     gc.collect()
     assert device_bytes() == dev0
+
+
+# ------------------------------------------------- every comm function, 100k calls
+
+_X = np.arange(256.0).reshape(16, 16)
+_I = np.ones(3, np.int32)
+
+
+def _comm_cases():
+    """name -> (inputs to watch, call). Arrays live on the host, on cpu:0 and
+    on cpu:1 so that views, copies and in-place writes are all exercised."""
+    x = _X.copy()
+    xd = dpmini.asarray(x, "cpu:0")
+    i1 = dpmini.asarray(_I, "cpu:1")
+    parts = [x[:8], dpmini.asarray(x[8:], "cpu:1")]
+    outs = [np.empty((8, 16)), dpmini.asarray(np.empty((8, 16)), "cpu:1")]
+    gout = np.empty((16, 16))
+    return {
+        "scatter": ((x,), lambda: comm.scatter(x, DEVICES)),
+        "scatter-chunk_sizes-dim1": ((xd,), lambda: comm.scatter(xd, DEVICES, chunk_sizes=[3, 13], dim=1)),
+        "scatter-out": ((x, *outs), lambda: comm.scatter(x, out=outs)),
+        "gather": (tuple(parts), lambda: comm.gather(parts, destination="cpu:1")),
+        "gather-dim1-host": (tuple(parts), lambda: comm.gather([x, xd], dim=1)),
+        "gather-out": ((*parts, gout), lambda: comm.gather(parts, out=gout)),
+        "broadcast": ((xd,), lambda: comm.broadcast(xd, DEVICES)),
+        "broadcast_coalesced": ((x, xd, i1), lambda: comm.broadcast_coalesced([x, xd, i1], DEVICES,
+                                                                               buffer_size=1024)),
+        "reduce_add": ((x, xd), lambda: comm.reduce_add([x, xd], destination="cpu:1")),
+        "reduce_add_coalesced": ((x, xd, i1), lambda: comm.reduce_add_coalesced(
+            [[x, _I], [xd, i1]], destination="cpu:0", buffer_size=1024)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_comm_cases()))
+def test_comm_function_100k_calls_no_growth(name):
+    watched, call = _comm_cases()[name]
+    for _ in range(1000):
+        call()
+    gc.collect()
+    refs = [sys.getrefcount(o) for o in watched]
+    mod_refs = sys.getrefcount(dpmini._dpmini)
+    dev0 = device_bytes()
+    tracemalloc.start()
+    try:
+        for _ in range(1000):
+            call()
+        gc.collect()
+        traced0, _ = tracemalloc.get_traced_memory()
+        rss0 = rss_bytes()
+        for _ in range(MANY):
+            call()
+        gc.collect()
+        traced1, _ = tracemalloc.get_traced_memory()
+        rss1 = rss_bytes()
+    finally:
+        tracemalloc.stop()
+    refs_after = [sys.getrefcount(o) for o in watched]
+    mod_refs_after = sys.getrefcount(dpmini._dpmini)  # not inside assert: pytest would hold a reference
+    assert refs_after == refs
+    assert mod_refs_after == mod_refs
+    assert device_bytes() == dev0
+    assert traced1 - traced0 < 16 * 1024
+    assert SANITIZED or rss1 - rss0 < RSS_SLACK

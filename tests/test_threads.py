@@ -207,3 +207,100 @@ def test_keyboard_interrupt_while_waiting_for_replicas():
         assert np.array_equal(out, np.ones(4))
         print("OK")
     """)
+
+
+def test_eight_threads_share_one_dataparallel_1000_calls_each():
+    # issue "Reliability" item 5: one DataParallel object, 8 threads, 1,000 calls each,
+    # every result exact. Sizes alternate between the inline copy path (< 256 KiB)
+    # and the worker-thread path; kwargs are scattered too. Device objects and the
+    # comm functions are shared by all threads as well.
+    run_script("""
+        import threading
+        import numpy as np
+        import dpmini
+        from dpmini import comm
+
+        D = [dpmini.Device(f"cpu:{i}") for i in range(3)]   # shared Device objects
+        dp = dpmini.DataParallel(lambda x, *, s: {"y": x * s, "tag": "same"}, device_ids=D)
+        shared = np.arange(6000.0).reshape(60, 100)
+        errors = []
+        start = threading.Barrier(8)
+
+        def worker(seed):
+            try:
+                rng = np.random.default_rng(seed)
+                start.wait()
+                for i in range(1000):
+                    rows = int(rng.integers(1, 40))
+                    cols = 1000 if i % 4 == 0 else 8
+                    x = rng.standard_normal((rows, cols))
+                    s = rng.standard_normal((rows, 1))
+                    out = dp(x, s=s)
+                    assert np.array_equal(out["y"], x * s)
+                    if i % 50 == 0:
+                        g = comm.gather(comm.scatter(shared, D), destination=D[seed % 3])
+                        assert np.array_equal(g, shared)
+                        assert np.array_equal(comm.reduce_add(list(comm.broadcast(shared, D))), shared * 3)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors[:3]
+        print("OK")
+    """)
+
+
+def test_replacing_module_and_device_ids_during_calls():
+    # bug 8 (docs/reliability.md): forward used a borrowed module and the object's own
+    # device array while the GIL was released, so setting dp.module / dp.device_ids from
+    # another thread (or from a replica) freed them under it: a crash. Also the subclass
+    # path and the scatter / parallel_apply methods.
+    run_script("""
+        import threading
+        import numpy as np
+        import dpmini
+
+        D = ["cpu:0", "cpu:1", "cpu:2"]
+
+        class Sub(dpmini.DataParallel):
+            pass
+
+        big = np.ones((600, 1000))
+        for cls in (dpmini.DataParallel, Sub):
+            dp = cls(lambda x: x * 2, device_ids=D)
+            stop = threading.Event()
+
+            def setter():
+                while not stop.is_set():
+                    dp.device_ids = list(D)
+                    dp.module = eval("lambda x: x * 2")   # a fresh object: the old one dies
+
+            t = threading.Thread(target=setter)
+            t.start()
+            try:
+                for _ in range(40):
+                    out = dp(big)
+                    assert out.shape == big.shape and out[0, 0] == 2.0 and out[-1, -1] == 2.0
+                    ins, kws = dp.scatter((big,), {})
+                    assert len(ins) == 3
+                    outs = dp.parallel_apply([lambda x: x] * 3, ins, kws)
+                    assert sum(o.shape[0] for o in outs) == 600
+            finally:
+                stop.set()
+                t.join()
+
+        # a replica that replaces them itself
+        def m(x):
+            dp.device_ids = ["cpu:3", "cpu:4"]
+            dp.module = eval("lambda x: x")
+            return x + 1
+
+        for _ in range(20):
+            dp = dpmini.DataParallel(m, device_ids=D)
+            assert np.array_equal(dp(big), big + 1)
+        print("OK")
+    """)
