@@ -96,19 +96,22 @@ def test_dataparallel_no_traced_python_growth(inputs):
         one_call(dp, x, y, z, scale)
     gc.collect()
     tracemalloc.start()
+    traced = []
     try:
-        for _ in range(200):
-            one_call(dp, x, y, z, scale)
-        gc.collect()
-        before, _ = tracemalloc.get_traced_memory()
-        for _ in range(MANY):
-            one_call(dp, x, y, z, scale)
-        gc.collect()
-        after, _ = tracemalloc.get_traced_memory()
+        for _ in range(8):
+            for _ in range(MANY // 8):
+                one_call(dp, x, y, z, scale)
+            gc.collect()
+            traced.append(tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()
-    # a leak of one small object (>= 32 bytes) every 100 calls shows up as >= 32 KB
-    assert after - before < 16 * 1024
+    # CPython's bounded caches (free lists, per-thread state) make the traced total
+    # move up and down by tens of KiB between checkpoints (seen under ASan); a leak
+    # only grows. So compare the lowest checkpoint of the second half with the
+    # lowest of the first: a leak of one small object (>= 32 bytes) every 100 calls
+    # raises it by >= 16 KiB over the 50,000 calls between the halves.
+    growth = min(traced[4:]) - min(traced[:4])
+    assert growth < 16 * 1024, traced
 
 
 def test_memory_allocated_returns_to_start(inputs):
