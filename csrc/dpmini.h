@@ -363,6 +363,8 @@ extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
 extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
 extern PyMethodDef dp_tree_methods[];         /* tree.c     */
+extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
+extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyMethodDef dp_array_methods[];        /* array.c    */
 extern PyType_Spec dp_array_spec;             /* array.c    */
