@@ -362,7 +362,9 @@ PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
 extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
 extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
-extern PyMethodDef dp_tree_methods[];         /* tree.c     */
+extern PyMethodDef dp_scatter_methods[];      /* scatter_tree.c */
+extern PyMethodDef dp_gather_methods[];       /* gather_tree.c */
+extern PyMethodDef dp_plan_methods[];         /* explain.c  */
 extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
 extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
