@@ -2,9 +2,9 @@
  * (spec §1, §2, §9; docs/design.md).
  *
  * DataParallel.forward runs, in order (spec §2):
- *   scatter (tree.c) -> no arguments: ((),) / ({},) -> one device: call the
+ *   scatter (scatter_tree.c) -> no arguments: ((),) / ({},) -> one device: call the
  *   module on piece 0, no gather -> replicate onto device_ids[:k] ->
- *   parallel_apply on the device worker threads (pool.c) -> gather (tree.c).
+ *   parallel_apply on the device worker threads (pool.c) -> gather (gather_tree.c).
  * On the exact type the four steps are the C functions below; on a Python
  * subclass they are looked up on self, so overriding any of them works.
  * replicate is in replicate.c, parallel_apply in parallel_apply.c.
@@ -29,8 +29,8 @@ typedef struct {
     Py_ssize_t ndev;           /* len(device_ids); >= 1 once devs is set */
     dp_device output_device;   /* gather target; may be the host */
     int dim;                   /* scatter/gather dim as given (wrapped per array) */
-    int strict;                /* 1: different chunk counts raise (tree.c) */
-    PyObject *in_dims;         /* owned; None: dim for every input (tree.c,
+    int strict;                /* 1: different chunk counts raise (scatter_walk.c) */
+    PyObject *in_dims;         /* owned; None: dim for every input (scatter_walk.c,
                                   dp_split_opts); types checked on set */
     PyObject *out_dims;        /* owned; None: dim for every output */
     PyObject *chunk_sizes;     /* owned; None or a tuple of ints >= 0 */

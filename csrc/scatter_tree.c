@@ -623,7 +623,6 @@ done:
     return res;
 }
 
-
 PyMethodDef dp_scatter_methods[] = {
     {"scatter", (PyCFunction)(void (*)(void))py_scatter,
      METH_VARARGS | METH_KEYWORDS, scatter_doc},
