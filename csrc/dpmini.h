@@ -7,7 +7,8 @@
  * Data flows one way (see README, "How it works"):
  *   Python objects -> split plan (plan.c) -> copy jobs (copy.c) on device
  *   worker threads (pool.c) -> device memory (device.c) -> replicas
- *   (dataparallel.c) -> gather (tree.c, comm.c) -> result.
+ *   (replicate.c, parallel_apply.c, dataparallel.c) -> gather
+ *   (gather_tree.c, copy_engine.c) -> result.
  *
  * Conventions
  *   - Functions returning int: 0 on success, -1 with a Python exception set.
@@ -184,7 +185,7 @@ int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out);
 int dp_int_from_object(PyObject *obj, const char *argname, int *out);
 
 /* ------------------------------------------------------------------ */
-/* The copy engine (comm.c)                                            */
+/* The copy engine (copy_engine.c; dp_reduce_add in reduce.c)         */
 /* ------------------------------------------------------------------ */
 
 /* One array to scatter (all pointers borrowed, except out). */
@@ -225,7 +226,7 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest,
                         const char *argname);
 
 /* ------------------------------------------------------------------ */
-/* Structures (tree.c)                                                 */
+/* Structures (scatter_tree.c, gather_tree.c, tree_common.c)          */
 /* ------------------------------------------------------------------ */
 
 /* DataParallel's scatter_kwargs (spec 2.3, 2.7, 3.x) with dpmini's rules:
@@ -362,7 +363,11 @@ PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
 extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_comm_methods[];         /* comm.c     */
 extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
-extern PyMethodDef dp_tree_methods[];         /* tree.c     */
+extern PyMethodDef dp_scatter_methods[];      /* scatter_tree.c */
+extern PyMethodDef dp_gather_methods[];       /* gather_tree.c */
+extern PyMethodDef dp_plan_methods[];         /* explain.c  */
+extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
+extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyMethodDef dp_array_methods[];        /* array.c    */
 extern PyType_Spec dp_array_spec;             /* array.c    */

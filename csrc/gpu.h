@@ -1,5 +1,5 @@
 /* gpu.h - dpmini's GPU layer over cuda_api.h (gpu.c, nccl.c), shared by
- * device.c, comm.c, array.c and dataparallel.c.
+ * device.c, copy_engine.c, reduce.c, array.c and dataparallel.c.
  *
  * No Python.h here: everything in this header may run on a device worker
  * thread with the GIL released, except dp_gpu_raise (gpu.c, declared in

@@ -179,7 +179,11 @@ static int dp_exec(PyObject *m)
     }
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
         PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
-        PyModule_AddFunctions(m, dp_tree_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_scatter_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_gather_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_plan_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_replicate_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_parallel_apply_methods) < 0 ||
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
         add_comm_submodule(m) < 0) {

@@ -20,8 +20,9 @@
  *
  * Under emulation (DPMINI_CUDA_EMULATE) a stand-in NCCL made of cuda_api.h
  * calls can be switched on (_dpmini._emulated_nccl(True)): off by default,
- * like a machine without libnccl; on, so the NCCL paths of comm.c and the
- * locking, caching, destroy and abort logic here run in CI.
+ * like a machine without libnccl; on, so the NCCL paths of copy_engine.c
+ * and reduce.c and the locking, caching, destroy and abort logic here run
+ * in CI.
  */
 #include "dpmini.h"
 #include "gpu.h"

@@ -1,0 +1,918 @@
+/* gather_tree.c - gather of nested Python structures: DataParallel's
+ * gather (spec §4) with out_dims, and the Python function dpmini.gather.
+ *
+ * Gather walks the replicas' outputs side by side: outputs[0] picks the rule
+ * (as in PyTorch) but every replica is checked against it, and array
+ * positions are concatenated with dp_gather_arrays.
+ *
+ * Sections: gather (types, rules, dp_gather_outputs); Python functions.
+ */
+#include "dpmini.h"
+#include "tree.h"
+
+#include <math.h>
+
+/* ------------------------------------------------------------------ */
+/* Gather                                                              */
+/* ------------------------------------------------------------------ */
+
+/* What gather does at a leaf (out_dims; OUT_CAT is PyTorch's rule). */
+enum {
+    OUT_CAT = 0,   /* concatenate arrays along dim (the rules of spec 4)  */
+    OUT_SAME,      /* out_dims None: every replica's value must be equal  */
+    OUT_SUM        /* out_dims "sum": add the replicas' values            */
+};
+
+typedef struct {
+    dp_state *st;
+    dp_device target;   /* where arrays are gathered                      */
+    int dim;            /* as given; wrapped per array position           */
+    int mode;           /* OUT_*, from out_dims; OUT_CAT by default       */
+} gather_ctx;
+
+/* What gather does with the value at one position (outputs[0]'s kind picks
+ * the rule; every replica must have the same kind). */
+enum {
+    G_ARRAY,       /* concatenate along dim                               */
+    G_NONE,        /* None                                                */
+    G_DICT,        /* key by key, replica 0's order and type              */
+    G_NAMEDTUPLE,  /* field by field, type(out)._make                     */
+    G_DATACLASS,   /* field by field, rebuilt with the class              */
+    G_SEQ,         /* list/tuple: position by position, same length       */
+    G_VALUE,       /* str, bytes, numbers: one value if all are equal     */
+    G_OTHER        /* anything else: the same object from every replica   */
+};
+
+/* For "every replica must return %s here, as replica 0 does". */
+static const char *const gather_kind_names[] = {
+    "an array", "None", "a dict", "a namedtuple",
+    "a dataclass instance (of one class)", "a list or tuple",
+    "a str, bytes or number", "an object that is not an array or container"};
+
+/* One of G_*, or -1 with an exception set. */
+static int gather_kind(dp_state *st, PyObject *o)
+{
+    if (o == Py_None)
+        return G_NONE;
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
+        return G_SEQ;
+    if (PyDict_CheckExact(o))
+        return G_DICT;
+    if (PyUnicode_CheckExact(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
+        PyBool_Check(o) || PyBytes_CheckExact(o))
+        return G_VALUE;
+    int r = dp_is_array_leaf(st, o);
+    if (r < 0)
+        return -1;
+    /* A NumPy scalar (what x.mean() returns) is NumPy's 0-dim value, the
+     * counterpart of a 0-dim tensor loss: gathered like a 0-dim array. */
+    if (r || PyArray_IsScalar(o, Generic))
+        return G_ARRAY;
+    /* Before dict: a dataclass that is also a dict (e.g. Hugging Face's
+     * ModelOutput) is rebuilt from its fields. */
+    r = is_dataclass_instance(o);
+    if (r < 0)
+        return -1;
+    if (r)
+        return G_DATACLASS;
+    if (PyDict_Check(o))
+        return G_DICT;
+    if (PyTuple_Check(o)) {
+        r = is_namedtuple(o);
+        if (r < 0)
+            return -1;
+        return r ? G_NAMEDTUPLE : G_SEQ;
+    }
+    if (PyList_Check(o))
+        return G_SEQ;
+    if (PyLong_Check(o) || PyFloat_Check(o) || PyComplex_Check(o) ||
+        PyUnicode_Check(o) || PyBytes_Check(o))
+        return G_VALUE;
+    return G_OTHER;
+}
+
+/* What join_each shows of each replica's value. */
+enum { SHOW_TYPE, SHOW_REPR, SHOW_NDIM, SHOW_LEN };
+
+/* ", ".join of one item per value, for error messages: type(x).__name__
+ * ("ndarray, NoneType"), repr(x) (cut at 80 characters), x.ndim for
+ * arrays, or len(x) for tuples. */
+static PyObject *join_each(PyObject *const *vals, Py_ssize_t n, int show)
+{
+    PyObject *list = PyList_New(0), *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item;
+        switch (show) {
+        case SHOW_TYPE:
+            item = PyObject_GetAttrString((PyObject *)Py_TYPE(vals[i]), "__name__");
+            break;
+        case SHOW_REPR:
+            item = PyUnicode_FromFormat("%.80R", vals[i]);
+            break;
+        case SHOW_NDIM:
+            item = PyUnicode_FromFormat("%d", PyArray_NDIM((PyArrayObject *)vals[i]));
+            break;
+        default: /* SHOW_LEN */
+            item = PyUnicode_FromFormat("%zd", PyTuple_GET_SIZE(vals[i]));
+            break;
+        }
+        if (append_steal(list, item) < 0)
+            goto done;
+    }
+    res = join_str(", ", list);
+done:
+    Py_DECREF(list);
+    return res;
+}
+
+/* Every replica must return the same kind of value at this position (for a
+ * dataclass, the same class): R19 c/d. */
+static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                       int kind0, const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int ki = gather_kind(g->st, vals[i]);
+        if (ki < 0)
+            return -1;
+        if (ki == kind0 && (kind0 != G_DATACLASS || Py_TYPE(vals[i]) == Py_TYPE(vals[0])))
+            continue;
+        PyObject *path = path_str(seg), *names = join_each(vals, n, SHOW_TYPE);
+        if (path != NULL && names != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: every replica must return %s here, as replica 0 "
+                         "does, but replica %zd does not (types per replica: %U)",
+                         path, gather_kind_names[kind0], i, names);
+        Py_XDECREF(path);
+        Py_XDECREF(names);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            const path_seg *seg, PyObject *spec, const path_seg *sseg);
+
+/* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
+static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                             const path_seg *seg)
+{
+    PyArrayObject **parts = NULL;
+    PyObject **arrs = NULL;  /* new references: vals as arrays */
+    PyObject *path = NULL, *res = NULL;
+    const char *cpath;
+    int all0 = 1, any0 = 0, views = 0, wdim;
+
+    path = path_str(seg);
+    if (path == NULL)
+        goto done;
+    cpath = PyUnicode_AsUTF8(path);
+    if (cpath == NULL)
+        goto done;
+    parts = PyMem_Calloc((size_t)n, sizeof *parts);
+    if (parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    arrs = PyMem_Calloc((size_t)n, sizeof *arrs);
+    if (arrs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
+        arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
+                : PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
+                : (PyObject *)dp_as_array(g->st, vals[i], cpath, 0); /* GPU arrays */
+        if (arrs[i] == NULL)
+            goto done;
+        if (PyArray_NDIM((PyArrayObject *)arrs[i]) == 0)
+            any0 = 1;
+        else
+            all0 = 0;
+    }
+    vals = arrs;
+    if (any0 && !all0) {
+        /* PyTorch fails inside comm.gather on the rank mismatch. */
+        PyObject *dims = join_each(vals, n, SHOW_NDIM);
+        if (dims != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%s: some replicas returned 0-dim arrays and others did not "
+                         "(ndim per replica: %U); 0-dim arrays are gathered into a "
+                         "vector only when every replica returns one", cpath, dims);
+        Py_XDECREF(dims);
+        goto done;
+    }
+
+    if (all0) {
+        /* spec 4.5 / R20: only dim == 0 literally turns scalars into a vector. */
+        if (g->dim != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: every replica returned a 0-dim array, which can only "
+                         "be gathered with dim=0 (into a vector of one value per "
+                         "replica), got dim=%d", cpath, g->dim);
+            goto done;
+        }
+        npy_intp one = 1;
+        PyArray_Dims shape = {&one, 1};
+        views = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            parts[i] = (PyArrayObject *)PyArray_Newshape((PyArrayObject *)vals[i],
+                                                         &shape, NPY_CORDER);
+            if (parts[i] == NULL)
+                goto done;
+        }
+        if (PyErr_WarnEx(PyExc_UserWarning,
+                         "Was asked to gather along dimension 0, but all input "
+                         "tensors were scalars; will instead unsqueeze and return "
+                         "a vector.", 1) < 0)
+            goto done;
+        wdim = 0;
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            parts[i] = (PyArrayObject *)vals[i];
+        if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(parts[0]), cpath, &wdim) < 0)
+            goto done;
+    }
+    res = dp_gather_arrays(g->st, parts, n, wdim, g->target, NULL, cpath);
+done:
+    if (parts != NULL && views)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(parts[i]);
+    PyMem_Free(parts);
+    if (arrs != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(arrs[i]);
+    PyMem_Free(arrs);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* Two floats/complexes that differ only by being NaN in the same places
+ * (nan != nan in Python, but every replica returning nan is one value). */
+static int same_nan_value(PyObject *a, PyObject *b)
+{
+    if (!(PyFloat_Check(a) || PyComplex_Check(a)) || !(PyFloat_Check(b) || PyComplex_Check(b)))
+        return 0;
+    double ar = PyFloat_Check(a) ? PyFloat_AS_DOUBLE(a) : PyComplex_RealAsDouble(a);
+    double ai = PyFloat_Check(a) ? 0.0 : PyComplex_ImagAsDouble(a);
+    double br = PyFloat_Check(b) ? PyFloat_AS_DOUBLE(b) : PyComplex_RealAsDouble(b);
+    double bi = PyFloat_Check(b) ? 0.0 : PyComplex_ImagAsDouble(b);
+    return (ar == br || (ar != ar && br != br)) && (ai == bi || (ai != ai && bi != bi));
+}
+
+/* str, bytes, numbers: returned once when every replica's value is equal
+ * (NaN counting as equal to NaN). */
+static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                              const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+        if (joined != NULL && path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned different values (%U); a str, "
+                         "bytes or number output is returned once, only when every "
+                         "replica returns an equal value: return an array to get "
+                         "one value per replica", path, joined);
+        Py_XDECREF(joined);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* Any other object: the same object from every replica is returned. */
+static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                             const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (vals[i] == vals[0])
+            continue;
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned different %.100s objects; gather "
+                         "can only return such an object when every replica returns "
+                         "the same one (return arrays, or a dict, tuple, namedtuple "
+                         "or dataclass of them)", path, Py_TYPE(vals[0])->tp_name);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* Dicts: same number of keys, every key of replica 0 in every dict; key order
+ * and type from replica 0 (spec 4.1, R14). */
+static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                             const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    PyObject *keys = NULL, *acc = NULL, *res = NULL, **child = NULL;
+    int exact = PyDict_CheckExact(vals[0]);
+    Py_ssize_t len0 = PyDict_GET_SIZE(vals[0]);
+
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (PyDict_GET_SIZE(vals[i]) == len0)
+            continue;
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%U: All dicts must have the same number of keys (replica 0 "
+                         "returned %zd, replica %zd returned %zd)",
+                         path, len0, i, PyDict_GET_SIZE(vals[i]));
+        Py_XDECREF(path);
+        return NULL;
+    }
+    keys = PyMapping_Keys(vals[0]);
+    if (keys == NULL)
+        goto done;
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
+        goto done;
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    acc = exact ? PyDict_New() : PyList_New(0);
+    if (child == NULL || acc == NULL) {
+        if (child == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < PyList_GET_SIZE(keys); q++) {
+        PyObject *key = PyList_GET_ITEM(keys, q), *v;
+        path_seg cseg = seg_child(seg, SEG_KEY, 0, key);
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            int has = PyDict_Contains(vals[i], key);
+            if (has == 0) {
+                PyObject *path = path_str(seg);
+                if (path != NULL)
+                    PyErr_Format(PyExc_ValueError,
+                                 "%U: replica %zd returned a dict without the key %R "
+                                 "that replica 0 returned; every replica must "
+                                 "return the same keys", path, i, key);
+                Py_XDECREF(path);
+            }
+            if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL)
+                ok = 0;
+        }
+        path_seg csseg;
+        PyObject *cspec;
+        if (ok && spec_child(spec, sseg, q, key, &cspec, &csseg) < 0)
+            ok = 0;
+        v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_CLEAR(child[i]);
+        if (v == NULL)
+            goto done;
+        int r;
+        if (exact) {
+            r = PyDict_SetItem(acc, key, v);
+        }
+        else {
+            PyObject *pair = PyTuple_Pack(2, key, v);
+            r = append_steal(acc, pair);
+        }
+        Py_DECREF(v);
+        if (r < 0)
+            goto done;
+    }
+    if (exact) {
+        res = Py_NewRef(acc);
+    }
+    else {
+        res = PyObject_CallOneArg((PyObject *)Py_TYPE(vals[0]), acc);
+        if (res == NULL)
+            raise_rebuild_error(seg, Py_TYPE(vals[0]),
+                                "type(out)(list of (key, value) pairs)", "");
+    }
+done:
+    PyMem_Free(child);
+    Py_XDECREF(keys);
+    Py_XDECREF(acc);
+    return res;
+}
+
+/* Lists, tuples, namedtuples: position by position, same length everywhere
+ * (spec 4.1's strict zip, R18). */
+static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            int kind, const path_seg *seg, PyObject *spec,
+                            const path_seg *sseg)
+{
+    PyObject **snap = NULL, **child = NULL;
+    PyObject *items = NULL, *names = NULL, *res = NULL;
+    Py_ssize_t len0;
+
+    snap = PyMem_Calloc((size_t)n, sizeof *snap);
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    if (snap == NULL || child == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((snap[i] = seq_snapshot(vals[i])) == NULL)
+            goto done;
+    len0 = PyTuple_GET_SIZE(snap[0]);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (PyTuple_GET_SIZE(snap[i]) == len0)
+            continue;
+        PyObject *path = path_str(seg), *lens = join_each(snap, n, SHOW_LEN);
+        if (lens != NULL && path != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%U: the replicas returned sequences of different lengths "
+                         "(lengths per replica: %U); every replica must return the "
+                         "same length", path, lens);
+        Py_XDECREF(lens);
+        Py_XDECREF(path);
+        goto done;
+    }
+
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, len0, NULL, NULL) < 0)
+        goto done;
+    items = PyList_New(len0);
+    if (items == NULL)
+        goto done;
+    if (kind == G_NAMEDTUPLE)
+        names = namedtuple_names(vals[0], len0);
+    for (Py_ssize_t pos = 0; pos < len0; pos++) {
+        path_seg cseg = names != NULL
+            ? seg_child(seg, SEG_ATTR, 0, PyTuple_GET_ITEM(names, pos))
+            : seg_child(seg, SEG_INDEX, pos, NULL);
+        path_seg csseg;
+        PyObject *cspec;
+        if (spec_child(spec, sseg, pos, NULL, &cspec, &csseg) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++)
+            child[i] = PyTuple_GET_ITEM(snap[i], pos);  /* borrowed from snap */
+        PyObject *v = gather_map(g, child, n, &cseg, cspec, &csseg);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(items, pos, v);
+    }
+
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+    if (kind == G_NAMEDTUPLE) {
+        PyObject *make = PyObject_GetAttrString((PyObject *)tp, "_make");
+        if (make != NULL) {
+            res = PyObject_CallOneArg(make, items);
+            Py_DECREF(make);
+        }
+        if (res == NULL)
+            raise_rebuild_error(seg, tp, "type(out)._make(fields)", "");
+    }
+    else if (PyList_CheckExact(vals[0])) {
+        res = Py_NewRef(items);
+    }
+    else if (PyTuple_CheckExact(vals[0])) {
+        res = PyList_AsTuple(items);
+    }
+    else {
+        res = PyObject_CallOneArg((PyObject *)tp, items);
+        if (res == NULL)
+            raise_rebuild_error(seg, tp, "type(out)(items)", "");
+    }
+done:
+    if (snap != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(snap[i]);
+    PyMem_Free(snap);
+    PyMem_Free(child);
+    Py_XDECREF(items);
+    Py_XDECREF(names);
+    return res;
+}
+
+/* Dataclass instances: field by field (dataclasses.fields), rebuilt as
+ * cls(**init_fields) and object.__setattr__ for the others (R17). */
+static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                  const path_seg *seg, PyObject *spec,
+                                  const path_seg *sseg)
+{
+    PyObject *fields = NULL, *kw = NULL, *late = NULL, *empty = NULL, *inst = NULL;
+    PyObject *res = NULL, **child = NULL;
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+
+    fields = PyObject_CallOneArg(g->st->dataclasses_fields, vals[0]);
+    if (fields == NULL)
+        goto done;
+    if (!PyTuple_Check(fields)) {
+        PyErr_SetString(PyExc_TypeError, "dataclasses.fields() did not return a tuple");
+        goto done;
+    }
+    if (spec != NULL && PyDict_Check(spec)) {
+        /* A dict in out_dims names fields of the dataclass. */
+        PyObject *fnames = PyTuple_New(PyTuple_GET_SIZE(fields));
+        if (fnames == NULL)
+            goto done;
+        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+            PyObject *nm = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
+            if (nm == NULL) {
+                Py_DECREF(fnames);
+                goto done;
+            }
+            PyTuple_SET_ITEM(fnames, f, nm);
+        }
+        int r = spec_check_children(spec, sseg, seg, 0, NULL, fnames);
+        Py_DECREF(fnames);
+        if (r < 0)
+            goto done;
+    }
+    kw = PyDict_New();
+    late = PyList_New(0);
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    if (kw == NULL || late == NULL || child == NULL) {
+        if (child == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+        PyObject *field = PyTuple_GET_ITEM(fields, f), *v = NULL;
+        PyObject *name = PyObject_GetAttrString(field, "name");
+        PyObject *init = name != NULL ? PyObject_GetAttrString(field, "init") : NULL;
+        int is_init = init != NULL ? PyObject_IsTrue(init) : -1;
+        int ok = is_init >= 0;
+        if (ok) {
+            path_seg cseg = seg_child(seg, SEG_ATTR, 0, name), csseg;
+            PyObject *cspec;
+            if (spec_child(spec, sseg, f, name, &cspec, &csseg) < 0)
+                ok = 0;
+            for (Py_ssize_t i = 0; i < n && ok; i++)
+                if ((child[i] = PyObject_GetAttr(vals[i], name)) == NULL)
+                    ok = 0;
+            v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
+            for (Py_ssize_t i = 0; i < n; i++)
+                Py_CLEAR(child[i]);
+        }
+        int r = -1;
+        if (v != NULL) {
+            if (is_init)
+                r = PyDict_SetItem(kw, name, v);
+            else
+                r = append_steal(late, PyTuple_Pack(2, name, v));
+        }
+        Py_XDECREF(v);
+        Py_XDECREF(init);
+        Py_XDECREF(name);
+        if (r < 0)
+            goto done;
+    }
+    empty = PyTuple_New(0);
+    if (empty == NULL)
+        goto done;
+    inst = PyObject_Call((PyObject *)tp, empty, kw);
+    if (inst == NULL) {
+        raise_rebuild_error(seg, tp, "type(out)(**init_fields)", "");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(late); i++) {
+        PyObject *pair = PyList_GET_ITEM(late, i);
+        if (PyObject_GenericSetAttr(inst, PyTuple_GET_ITEM(pair, 0),
+                                    PyTuple_GET_ITEM(pair, 1)) < 0)
+            goto done;
+    }
+    res = Py_NewRef(inst);
+done:
+    PyMem_Free(child);
+    Py_XDECREF(fields);
+    Py_XDECREF(kw);
+    Py_XDECREF(late);
+    Py_XDECREF(empty);
+    Py_XDECREF(inst);
+    return res;
+}
+
+/* out_dims None at an array position: every replica's array must equal
+ * replica 0's (numpy.array_equal: same shape, equal values); the result is
+ * replica 0's array on the target device (itself when it lives there). */
+static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                     const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq;
+        if (PyArray_Check(vals[0]) && PyArray_Check(vals[i])) {
+            PyArrayObject *a = (PyArrayObject *)vals[0], *b = (PyArrayObject *)vals[i];
+            eq = PyArray_NDIM(a) == PyArray_NDIM(b) && PyArray_SAMESHAPE(a, b);
+            if (eq) {
+                PyObject *cmp = PyObject_RichCompare(vals[0], vals[i], Py_EQ);
+                PyObject *all = cmp != NULL ? PyObject_CallMethod(cmp, "all", NULL) : NULL;
+                eq = all != NULL ? PyObject_IsTrue(all) : -1;
+                Py_XDECREF(cmp);
+                Py_XDECREF(all);
+            }
+        }
+        else {
+            eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        }
+        if (eq < 0)
+            return NULL;
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives None here (every replica returns the same "
+                         "value), but replica %zd returned an array that differs from "
+                         "replica 0's (shape or values); give an int to gather the "
+                         "replicas' arrays along that dim, or \"sum\" to add them",
+                         path, i);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    if (!PyArray_Check(vals[0]))
+        return Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
+    PyObject *one = PyList_New(1), *per_dev = NULL, *res = NULL;
+    if (one == NULL)
+        return NULL;
+    PyList_SET_ITEM(one, 0, Py_NewRef(vals[0]));
+    per_dev = dp_broadcast_coalesced(g->st, one, &g->target, 1, 0);
+    if (per_dev != NULL)
+        res = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, 0), 0));
+    Py_DECREF(one);
+    Py_XDECREF(per_dev);
+    return res;
+}
+
+/* out_dims "sum" at an array position: comm.reduce_add onto the target
+ * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays. */
+static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                   const path_seg *seg)
+{
+    PyObject *list = PyList_New(n), *path = NULL, *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
+                                             : PyArray_FromScalar(vals[i], NULL);
+        if (a == NULL)
+            goto done;
+        PyList_SET_ITEM(list, i, a);
+    }
+    path = path_str(seg);
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath != NULL)
+        res = dp_reduce_add(g->st, list, g->target, cpath);
+done:
+    Py_DECREF(list);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* out_dims "sum" at a number: v0 + v1 + ... in replica order. str and
+ * bytes (which + would concatenate) and non-numbers are refused. */
+static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                   const path_seg *seg)
+{
+    if (PyUnicode_Check(vals[0]) || PyBytes_Check(vals[0]) || !PyNumber_Check(vals[0])) {
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives \"sum\" here, but replica 0 returned a "
+                         "%.100s; \"sum\" adds arrays and numbers", path,
+                         Py_TYPE(vals[0])->tp_name);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    PyObject *acc = Py_NewRef(vals[0]);
+    for (Py_ssize_t i = 1; i < n && acc != NULL; i++)
+        Py_SETREF(acc, PyNumber_Add(acc, vals[i]));
+    return acc;
+}
+
+/* out_dims None at a str/number/other object: every value must equal
+ * replica 0's (==); the result is replica 0's value. */
+static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                     const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return NULL;
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+        if (path != NULL && joined != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives None here (every replica returns the same "
+                         "value), but the replicas returned different values (%U)",
+                         path, joined);
+        Py_XDECREF(path);
+        Py_XDECREF(joined);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* The gathered value of one position; vals[i] is replica i's value there
+ * (borrowed: the caller keeps them alive). spec: the out_dims entry for
+ * this position (NULL: g->mode and g->dim, inherited), sseg its path. */
+static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    if (spec != NULL && !spec_is_container(spec)) {
+        /* A leaf entry: it holds for everything under this position. */
+        gather_ctx g2 = *g;
+        if (spec == Py_None) {
+            g2.mode = OUT_SAME;
+        }
+        else if (PyUnicode_Check(spec)) {
+            g2.mode = OUT_SUM;  /* "sum": dp_check_dims_spec allowed nothing else */
+        }
+        else {
+            PyObject *sp = path_str(sseg);
+            const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+            int r = csp != NULL ? dp_int_from_object(spec, csp, &g2.dim) : -1;
+            Py_XDECREF(sp);
+            if (r < 0)
+                return NULL;
+            g2.mode = OUT_CAT;
+        }
+        return gather_map(&g2, vals, n, seg, NULL, sseg);
+    }
+    int kind = gather_kind(g->st, vals[0]);
+    if (kind < 0 || check_kinds(g, vals, n, kind, seg) < 0)
+        return NULL;
+    if (spec != NULL) {
+        /* A container entry must mirror a container of its kind. */
+        int dict_spec = PyDict_Check(spec);
+        int fits = dict_spec ? (kind == G_DICT || kind == G_DATACLASS)
+                             : (kind == G_SEQ || kind == G_NAMEDTUPLE);
+        if (!fits) {
+            spec_mismatch(sseg, spec, seg, gather_kind_names[kind]);
+            return NULL;
+        }
+    }
+    switch (kind) {
+    case G_ARRAY:
+        if (g->mode == OUT_SAME)
+            return gather_equal_arrays(g, vals, n, seg);
+        if (g->mode == OUT_SUM)
+            return gather_sum_arrays(g, vals, n, seg);
+        return gather_leaf(g, vals, n, seg);
+    case G_NONE:
+        Py_RETURN_NONE;
+    case G_VALUE:
+    case G_OTHER:
+        if (g->mode == OUT_SAME)
+            return gather_equal_values(g, vals, n, seg);
+        if (g->mode == OUT_SUM)
+            return gather_sum_values(g, vals, n, seg);
+        return kind == G_VALUE ? gather_value(g, vals, n, seg) : gather_same(g, vals, n, seg);
+    default:
+        break;
+    }
+    if (Py_EnterRecursiveCall(" while gathering outputs"))
+        return NULL;
+    PyObject *res, *fast = NULL;
+    if (spec != NULL && !PyDict_Check(spec)) {
+        fast = PySequence_Fast(spec, "out_dims");
+        if (fast == NULL) {
+            Py_LeaveRecursiveCall();
+            return NULL;
+        }
+        spec = fast;
+    }
+    if (kind == G_DICT)
+        res = gather_dict(g, vals, n, seg, spec, sseg);
+    else if (kind == G_DATACLASS)
+        res = gather_dataclass(g, vals, n, seg, spec, sseg);
+    else
+        res = gather_seq(g, vals, n, kind, seg, spec, sseg);
+    Py_XDECREF(fast);
+    Py_LeaveRecursiveCall();
+    return res;
+}
+
+PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
+                            int dim)
+{
+    return dp_gather_outputs_ex(st, outputs, target, dim, NULL);
+}
+
+PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+                               int dim, PyObject *out_dims)
+{
+    if (out_dims == Py_None)
+        out_dims = NULL;
+    if (dp_check_dims_spec(out_dims, "out_dims", 1) < 0)
+        return NULL;
+    if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
+        PyErr_Format(PyExc_TypeError,
+                     "outputs: expected a list or tuple with one entry per replica, "
+                     "got %.100s", Py_TYPE(outputs)->tp_name);
+        return NULL;
+    }
+    PyObject *snap = seq_snapshot(outputs);
+    if (snap == NULL)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(snap);
+    if (n == 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "outputs: expected at least one replica output, got an empty %.100s",
+                     Py_TYPE(outputs)->tp_name);
+    }
+    else {
+        gather_ctx g = {st, target, dim, OUT_CAT};
+        path_seg root = seg_root("out"), sroot = seg_root("out_dims");
+        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, out_dims, &sroot);
+    }
+    Py_DECREF(snap);
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* Python functions                                                    */
+/* ------------------------------------------------------------------ */
+
+PyDoc_STRVAR(gather_doc,
+"gather($module, outputs, target_device, dim=0, out_dims=None)\n"
+"--\n"
+"\n"
+"Combine the replicas' outputs onto target_device, as\n"
+"torch.nn.parallel.gather (spec 4) with dpmini's checks (docs/design.md).\n"
+"\n"
+"outputs: a list or tuple with one output per replica (at least one).\n"
+"target_device: a device, or the host (\"cpu\" or -1; -1 warns FutureWarning\n"
+"  as PyTorch does).\n"
+"dim: the axis to concatenate along, wrapped against each array's rank.\n"
+"out_dims: None (the rules below along dim, PyTorch), or a structure that\n"
+"  mirrors replica 0's output (JAX pmap's out_axes): an int gathers along\n"
+"  that dim; None returns replica 0's value (arrays copied to target_device)\n"
+"  after checking that every replica returned an equal one (numpy\n"
+"  array_equal for arrays: same shape and values), TypeError naming the\n"
+"  path otherwise; \"sum\" adds the replicas' values: arrays (same shape)\n"
+"  with comm.reduce_add onto target_device, in replica order, in replica\n"
+"  0's dtype; numbers with +; None stays None; str/bytes are refused. A\n"
+"  tuple/list mirrors a list/tuple/namedtuple by position (a prefix), a dict\n"
+"  mirrors a dict by key or a dataclass by field name (a subset); what it\n"
+"  leaves out uses dim. An int, None or \"sum\" given for a container\n"
+"  applies to every leaf under it.\n"
+"\n"
+"outputs[0] picks the rule at each position and every replica is checked:\n"
+"  ndarray (or NumPy scalar, taken as a 0-dim array): concatenated along\n"
+"    dim onto target_device (dtype of replica 0,\n"
+"    others cast; other sizes must match, spec 4.6). When every replica\n"
+"    returns a 0-dim array and dim == 0, the result is a vector of one value\n"
+"    per replica, with PyTorch's UserWarning (spec 4.5, R20).\n"
+"  None: None.  dict: key by key, replica 0's key order and dict type (R14).\n"
+"  namedtuple: field by field, type(out)._make.  dataclass: field by field,\n"
+"  rebuilt with the class (R17).  list/tuple: position by position (R18).\n"
+"  str, bytes, Python numbers: the value, once, when all\n"
+"  replicas return an equal value.  Any other object: that object, when all\n"
+"  replicas return the same one.\n"
+"\n"
+"Raises (messages name the position, e.g. out['logits'][1] or out.loss)\n"
+"  TypeError: replicas returned different kinds of value at one position\n"
+"    (the type from each replica is listed, R19), different str/number\n"
+"    values, or different other objects; outputs not a list or tuple.\n"
+"  ValueError: dicts with different numbers of keys (\"All dicts must have\n"
+"    the same number of keys\") or a missing key, sequences of different\n"
+"    lengths, 0-dim arrays with dim != 0, array shapes that differ outside\n"
+"    dim (spec 4.6), no outputs.\n"
+"  IndexError: dim out of range.");
+
+static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"outputs", "target_device", "dim", "out_dims", NULL};
+    PyObject *outputs, *target_obj, *dimobj = NULL, *out_dims = Py_None;
+    dp_device target;
+    int dim;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$O:gather", kwlist, &outputs,
+                                     &target_obj, &dimobj, &out_dims))
+        return NULL;
+    dp_state *st = dp_state_from_module(module);
+    if (parse_dim(dimobj, &dim) < 0)
+        return NULL;
+    if (dp_device_from_object(st, target_obj, "target_device", DP_DEV_ALLOW_HOST,
+                              &target) < 0)
+        return NULL;
+    /* spec 4.3: -1 for the host still works but is deprecated. */
+    if (PyLong_Check(target_obj) && !PyBool_Check(target_obj)) {
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(target_obj, &overflow);
+        if (v == -1 && !overflow && !PyErr_Occurred() &&
+            PyErr_WarnEx(PyExc_FutureWarning,
+                         "Using -1 to represent CPU tensor is deprecated. Please use "
+                         "a device object or string instead, e.g., \"cpu\".", 1) < 0)
+            return NULL;
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return dp_gather_outputs_ex(st, outputs, target, dim, out_dims);
+}
+
+
+PyMethodDef dp_gather_methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))py_gather,
+     METH_VARARGS | METH_KEYWORDS, gather_doc},
+    {NULL, NULL, 0, NULL}
+};

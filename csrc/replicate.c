@@ -1,0 +1,870 @@
+/* replicate.c - replicate: one copy of a module per device (spec §5), for
+ * DataParallel.forward / .replicate and the module-level dpmini.replicate.
+ *
+ * replicate: the arrays reachable from the module (instance __dict__s and
+ * __slots__ members, lists, tuples, namedtuples, dicts) are broadcast in one coalesced call (copy_engine.c); each
+ * replica is a shallow copy of every object on a path to an array, with the
+ * arrays swapped for that device's copies. Everything else is shared.
+ *
+ * Sections: types; helpers (the walk, the build); public functions.
+ */
+#include "dpmini.h"
+#include "dataparallel.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Types                                                               */
+/* ------------------------------------------------------------------ */
+
+#define DP_REPLICATE_MAX_DEPTH 64        /* containers deeper are shared */
+#define DP_BROADCAST_BUFFER ((size_t)10485760)  /* 10 MiB, spec 5.3 */
+
+/* replicate: what kind of object a walked node is. */
+enum {
+    RK_ERROR = -2,         /* an exception is set                             */
+    RK_LEAF = -1,          /* shared by reference, never descended            */
+    RK_ARRAY = 0,          /* an array leaf: replaced by its device copy      */
+    RK_LIST,               /* exact list: rebuilt                             */
+    RK_LIST_SUB,           /* list subclass: copy.copy, items set             */
+    RK_TUPLE,              /* exact tuple: rebuilt                            */
+    RK_NAMEDTUPLE,         /* namedtuple: type(obj)._make(items)              */
+    RK_DICT,               /* exact dict: rebuilt                             */
+    RK_DICT_SUB,           /* dict subclass: copy.copy, items set             */
+    RK_OBJECT              /* instance with a __dict__: copy.copy, dict set   */
+};
+
+typedef struct {
+    PyObject *obj;         /* owned: the original object                      */
+    PyObject *dict;        /* owned: RK_OBJECT's __dict__ as walked, or NULL  */
+    int kind;              /* RK_ARRAY .. RK_OBJECT                           */
+    int has_array;         /* 1: an array is reachable from here              */
+    Py_ssize_t array_index;   /* RK_ARRAY: index in the broadcast list        */
+    Py_ssize_t first_edge;    /* into rep_walk.sorted (edges to array paths)  */
+    Py_ssize_t nedges;
+} rep_node;
+
+#define REP_SLOT_EDGE (-2)      /* rep_edge.index of a __slots__ member   */
+
+typedef struct {
+    Py_ssize_t parent, child;  /* node indices                                */
+    Py_ssize_t index;          /* list/tuple position; -1 for a dict key or
+                                  attribute; REP_SLOT_EDGE for a slot         */
+    PyObject *key;             /* owned: dict key or attribute name; the slot's
+                                  member descriptor for REP_SLOT_EDGE; NULL for
+                                  list/tuple positions                        */
+} rep_edge;
+
+/* Open-addressing map from object address to node index. */
+#define PTRMAP_INLINE 64       /* power of two */
+typedef struct {
+    PyObject **keys;           /* NULL = empty slot */
+    Py_ssize_t *vals;
+    size_t mask;               /* capacity - 1 */
+    size_t len;
+    PyObject *ikeys[PTRMAP_INLINE];
+    Py_ssize_t ivals[PTRMAP_INLINE];
+} ptrmap;
+
+#define REP_INLINE_NODES 8
+#define REP_INLINE_EDGES 16
+typedef struct {
+    dp_state *st;
+    rep_node *nodes;           /* nodes[0] is the root when it is a node      */
+    Py_ssize_t nnodes, cap_nodes;
+    rep_edge *edges;           /* every parent -> node edge, in walk order    */
+    Py_ssize_t nedges, cap_edges;
+    rep_edge *sorted;          /* edges to array paths, grouped by parent     */
+    PyObject *arrays;          /* owned list: arrays found, deduplicated      */
+    ptrmap map;
+    rep_node inline_nodes[REP_INLINE_NODES];
+    rep_edge inline_edges[REP_INLINE_EDGES];
+} rep_walk;
+
+/* Marks a tuple replica under construction (a cycle back to it is shared). */
+static char rep_busy_marker;
+#define REP_BUSY ((PyObject *)(void *)&rep_busy_marker)
+
+/* ------------------------------------------------------------------ */
+/* Helpers: replicate                                                  */
+/* ------------------------------------------------------------------ */
+
+static size_t ptr_hash(const void *p)
+{
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 17;
+    x *= 0x9E3779B97F4A7C15ull;
+    return (size_t)(x ^ (x >> 31));
+}
+
+static void ptrmap_init(ptrmap *m)
+{
+    memset(m->ikeys, 0, sizeof m->ikeys);
+    m->keys = m->ikeys;
+    m->vals = m->ivals;
+    m->mask = PTRMAP_INLINE - 1;
+    m->len = 0;
+}
+
+static void ptrmap_free(ptrmap *m)
+{
+    if (m->keys != m->ikeys) {
+        PyMem_Free(m->keys);
+        PyMem_Free(m->vals);
+    }
+}
+
+static Py_ssize_t ptrmap_get(const ptrmap *m, PyObject *key)
+{
+    for (size_t i = ptr_hash(key) & m->mask;; i = (i + 1) & m->mask) {
+        if (m->keys[i] == key) {
+            return m->vals[i];
+        }
+        if (m->keys[i] == NULL) {
+            return -1;
+        }
+    }
+}
+
+static void ptrmap_insert(PyObject **keys, Py_ssize_t *vals, size_t mask,
+                          PyObject *key, Py_ssize_t val)
+{
+    size_t i = ptr_hash(key) & mask;
+    while (keys[i] != NULL) {
+        i = (i + 1) & mask;
+    }
+    keys[i] = key;
+    vals[i] = val;
+}
+
+/* key must not be present yet. */
+static int ptrmap_put(ptrmap *m, PyObject *key, Py_ssize_t val)
+{
+    if ((m->len + 1) * 2 > m->mask + 1) {
+        size_t cap = (m->mask + 1) * 2;
+        PyObject **keys = PyMem_Calloc(cap, sizeof *keys);
+        Py_ssize_t *vals = PyMem_Malloc(cap * sizeof *vals);
+        if (keys == NULL || vals == NULL) {
+            PyMem_Free(keys);
+            PyMem_Free(vals);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t i = 0; i <= m->mask; i++) {
+            if (m->keys[i] != NULL) {
+                ptrmap_insert(keys, vals, cap - 1, m->keys[i], m->vals[i]);
+            }
+        }
+        ptrmap_free(m);
+        m->keys = keys;
+        m->vals = vals;
+        m->mask = cap - 1;
+    }
+    ptrmap_insert(m->keys, m->vals, m->mask, key, val);
+    m->len++;
+    return 0;
+}
+
+static void rep_walk_init(rep_walk *w, dp_state *st)
+{
+    w->st = st;
+    w->nodes = w->inline_nodes;
+    w->nnodes = 0;
+    w->cap_nodes = REP_INLINE_NODES;
+    w->edges = w->inline_edges;
+    w->nedges = 0;
+    w->cap_edges = REP_INLINE_EDGES;
+    w->sorted = NULL;
+    w->arrays = NULL;
+    ptrmap_init(&w->map);
+}
+
+static void rep_walk_free(rep_walk *w)
+{
+    for (Py_ssize_t i = 0; i < w->nnodes; i++) {
+        Py_XDECREF(w->nodes[i].obj);
+        Py_XDECREF(w->nodes[i].dict);
+    }
+    for (Py_ssize_t i = 0; i < w->nedges; i++) {
+        Py_XDECREF(w->edges[i].key);
+    }
+    if (w->nodes != w->inline_nodes) {
+        PyMem_Free(w->nodes);
+    }
+    if (w->edges != w->inline_edges) {
+        PyMem_Free(w->edges);
+    }
+    PyMem_Free(w->sorted);
+    Py_XDECREF(w->arrays);
+    ptrmap_free(&w->map);
+}
+
+/* Double a buffer that may still be the inline one. */
+static void *grow_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, size_t elsize)
+{
+    Py_ssize_t ncap = *cap * 2;
+    void *nb;
+    if (buf == inline_buf) {
+        nb = PyMem_Malloc((size_t)ncap * elsize);
+        if (nb != NULL) {
+            memcpy(nb, buf, (size_t)*cap * elsize);
+        }
+    } else {
+        nb = PyMem_Realloc(buf, (size_t)ncap * elsize);
+    }
+    if (nb == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *cap = ncap;
+    return nb;
+}
+
+static Py_ssize_t rep_add_node(rep_walk *w, PyObject *obj, int kind)
+{
+    if (w->nnodes == w->cap_nodes) {
+        rep_node *nb = grow_buffer(w->nodes, w->inline_nodes, &w->cap_nodes, sizeof *nb);
+        if (nb == NULL) {
+            return -1;
+        }
+        w->nodes = nb;
+    }
+    if (ptrmap_put(&w->map, obj, w->nnodes) < 0) {
+        return -1;
+    }
+    rep_node *n = &w->nodes[w->nnodes];
+    n->obj = Py_NewRef(obj);
+    n->dict = NULL;
+    n->kind = kind;
+    n->has_array = kind == RK_ARRAY;
+    n->array_index = -1;
+    n->first_edge = 0;
+    n->nedges = 0;
+    return w->nnodes++;
+}
+
+/* key: borrowed, or NULL for a position. */
+static int rep_add_edge(rep_walk *w, Py_ssize_t parent, Py_ssize_t child,
+                        Py_ssize_t index, PyObject *key)
+{
+    if (w->nedges == w->cap_edges) {
+        rep_edge *nb = grow_buffer(w->edges, w->inline_edges, &w->cap_edges, sizeof *nb);
+        if (nb == NULL) {
+            return -1;
+        }
+        w->edges = nb;
+    }
+    rep_edge *e = &w->edges[w->nedges++];
+    e->parent = parent;
+    e->child = child;
+    e->index = index;
+    e->key = key ? Py_NewRef(key) : NULL;
+    return 0;
+}
+
+/* 1, 0, or -1 with an exception set (only AttributeError means "no"). */
+static int type_has_attr(PyTypeObject *tp, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString((PyObject *)tp, name);
+    if (v != NULL) {
+        Py_DECREF(v);
+        return 1;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+static int is_namedtuple_type(PyTypeObject *tp)
+{
+    int r = type_has_attr(tp, "_fields");
+    return r <= 0 ? r : type_has_attr(tp, "_make");
+}
+
+static int has_instance_dict(PyTypeObject *tp)
+{
+#ifdef Py_TPFLAGS_MANAGED_DICT
+    if (tp->tp_flags & Py_TPFLAGS_MANAGED_DICT) {
+        return 1;
+    }
+#endif
+    return tp->tp_dictoffset != 0;
+}
+
+/* Does a Python class in tp's MRO declare __slots__? Only heap types are
+ * looked at: slots come from class statements, whose tp_dict is a dict. */
+static int has_slots(PyTypeObject *tp)
+{
+    PyObject *mro = tp->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if ((base->tp_flags & Py_TPFLAGS_HEAPTYPE) && base->tp_dict != NULL &&
+            PyDict_GetItemString(base->tp_dict, "__slots__") != NULL) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int rep_classify(dp_state *st, PyObject *o)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    if (o == Py_None || tp == &PyLong_Type || tp == &PyFloat_Type || tp == &PyUnicode_Type ||
+        tp == &PyBool_Type || tp == &PyBytes_Type || tp == &PyComplex_Type) {
+        return RK_LEAF;
+    }
+    int r = dp_is_array_leaf(st, o);
+    if (r < 0 && PyErr_Occurred()) {
+        return RK_ERROR;
+    }
+    if (r > 0) {
+        /* Shared by reference, as PyTorch shares a module's non-parameter
+         * attributes: object-dtype arrays (they cannot be copied between
+         * devices), and MaskedArray / matrix (a plain copy would lose their
+         * meaning). */
+        if (PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)o))) {
+            return RK_LEAF;
+        }
+        r = dp_refused_array_subclass(o, NULL);
+        if (r < 0) {
+            return RK_ERROR;
+        }
+        return r ? RK_LEAF : RK_ARRAY;
+    }
+    if (PyList_Check(o)) {
+        return PyList_CheckExact(o) ? RK_LIST : RK_LIST_SUB;
+    }
+    if (PyDict_Check(o)) {
+        return PyDict_CheckExact(o) ? RK_DICT : RK_DICT_SUB;
+    }
+    if (PyTuple_Check(o)) {
+        if (PyTuple_CheckExact(o)) {
+            return RK_TUPLE;
+        }
+        int nt = is_namedtuple_type(tp);
+        return nt < 0 ? RK_ERROR : nt ? RK_NAMEDTUPLE : RK_LEAF;
+    }
+    if (PyType_Check(o) || PyModule_Check(o) || PyFunction_Check(o) || PyCFunction_Check(o) ||
+        PyMethod_Check(o) || PyInstanceMethod_Check(o) ||
+        (!has_instance_dict(tp) && !has_slots(tp))) {
+        return RK_LEAF;
+    }
+    return RK_OBJECT;
+}
+
+/* Walk o (depth: containers above it). Returns its node index, RK_LEAF
+ * when it is not a node, RK_ERROR with an exception set. */
+static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth);
+
+/* Add an edge parent -> child for the walk of child (borrowed). */
+static int rep_walk_child(rep_walk *w, Py_ssize_t parent, PyObject *child,
+                          Py_ssize_t index, PyObject *key, int depth)
+{
+    Py_INCREF(child);   /* the walk may run Python code (e.g. a __dict__ hook) */
+    Py_ssize_t c = rep_walk_obj(w, child, depth);
+    Py_DECREF(child);
+    if (c == RK_ERROR) {
+        return -1;
+    }
+    if (c >= 0 && rep_add_edge(w, parent, c, index, key) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static int rep_walk_dict(rep_walk *w, Py_ssize_t parent, PyObject *dict, int depth)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        Py_INCREF(key);
+        int rc = rep_walk_child(w, parent, value, -1, key, depth);
+        Py_DECREF(key);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Walk the __slots__ members of o, class by class along its MRO (a slot
+ * named __x is stored mangled, as _Cls__x). Each member is read and later
+ * written through its member descriptor, so properties or __getattr__ of the
+ * same name do not interfere. Unset slots are skipped. */
+static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth)
+{
+    PyObject *mro = Py_TYPE(o)->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *cls = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!(cls->tp_flags & Py_TPFLAGS_HEAPTYPE) || cls->tp_dict == NULL) {
+            continue;
+        }
+        PyObject *slots = PyDict_GetItemString(cls->tp_dict, "__slots__");
+        if (slots == NULL) {
+            continue;
+        }
+        PyObject *names = PyUnicode_Check(slots) ? PyTuple_Pack(1, slots)
+                                                 : PySequence_Tuple(slots);
+        if (names == NULL) {
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++) {
+            PyObject *name = PyTuple_GET_ITEM(names, j), *attr = NULL, *desc, *value;
+            if (!PyUnicode_Check(name) ||
+                PyUnicode_CompareWithASCIIString(name, "__dict__") == 0 ||
+                PyUnicode_CompareWithASCIIString(name, "__weakref__") == 0) {
+                continue;
+            }
+            Py_ssize_t len = PyUnicode_GetLength(name);
+            const char *cname = cls->tp_name, *dot = strrchr(cname, '.');
+            cname = dot ? dot + 1 : cname;
+            while (*cname == '_') {
+                cname++;
+            }
+            int priv = len > 2 && PyUnicode_READ_CHAR(name, 0) == '_' &&
+                       PyUnicode_READ_CHAR(name, 1) == '_' &&
+                       !(PyUnicode_READ_CHAR(name, len - 1) == '_' &&
+                         PyUnicode_READ_CHAR(name, len - 2) == '_') && *cname != '\0';
+            attr = priv ? PyUnicode_FromFormat("_%s%U", cname, name) : Py_NewRef(name);
+            if (attr == NULL) {
+                Py_DECREF(names);
+                return -1;
+            }
+            desc = PyDict_GetItemWithError(cls->tp_dict, attr);   /* borrowed */
+            Py_DECREF(attr);
+            if (desc == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(names);
+                    return -1;
+                }
+                continue;
+            }
+            if (Py_TYPE(desc)->tp_descr_get == NULL || Py_TYPE(desc)->tp_descr_set == NULL) {
+                continue;
+            }
+            Py_INCREF(desc);
+            value = Py_TYPE(desc)->tp_descr_get(desc, o, (PyObject *)Py_TYPE(o));
+            if (value == NULL) {
+                Py_DECREF(desc);
+                if (PyErr_ExceptionMatches(PyExc_AttributeError)) {   /* unset */
+                    PyErr_Clear();
+                    continue;
+                }
+                Py_DECREF(names);
+                return -1;
+            }
+            int rc = rep_walk_child(w, parent, value, REP_SLOT_EDGE, desc, depth);
+            Py_DECREF(value);
+            Py_DECREF(desc);
+            if (rc < 0) {
+                Py_DECREF(names);
+                return -1;
+            }
+        }
+        Py_DECREF(names);
+    }
+    return 0;
+}
+
+static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
+{
+    Py_ssize_t n = ptrmap_get(&w->map, o);
+    if (n >= 0) {
+        return n;
+    }
+    int kind = rep_classify(w->st, o);
+    if (kind == RK_ERROR || kind == RK_LEAF) {
+        return kind;
+    }
+    if (kind != RK_ARRAY && depth >= DP_REPLICATE_MAX_DEPTH) {
+        return RK_LEAF;
+    }
+    n = rep_add_node(w, o, kind);
+    if (n < 0) {
+        return RK_ERROR;
+    }
+    switch (kind) {
+    case RK_ARRAY:
+        w->nodes[n].array_index = PyList_GET_SIZE(w->arrays);
+        if (PyList_Append(w->arrays, o) < 0) {
+            return RK_ERROR;
+        }
+        break;
+    case RK_LIST:
+    case RK_LIST_SUB:
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); i++) {
+            if (rep_walk_child(w, n, PyList_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
+                return RK_ERROR;
+            }
+        }
+        break;
+    case RK_TUPLE:
+    case RK_NAMEDTUPLE:
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++) {
+            if (rep_walk_child(w, n, PyTuple_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
+                return RK_ERROR;
+            }
+        }
+        break;
+    case RK_DICT:
+    case RK_DICT_SUB:
+        if (rep_walk_dict(w, n, o, depth + 1) < 0) {
+            return RK_ERROR;
+        }
+        break;
+    case RK_OBJECT: {
+        if (has_instance_dict(Py_TYPE(o))) {
+            PyObject *d = PyObject_GenericGetDict(o, NULL);
+            if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__ */
+                PyErr_Clear();
+                Py_XDECREF(d);
+            } else {
+                w->nodes[n].dict = d;
+                if (rep_walk_dict(w, n, d, depth + 1) < 0) {
+                    return RK_ERROR;
+                }
+            }
+        }
+        if (rep_walk_slots(w, n, o, depth + 1) < 0) {
+            return RK_ERROR;
+        }
+        break;
+    }
+    }
+    return n;
+}
+
+/* After the walk: mark every node with an array below it, and group the
+ * edges that lead to arrays by parent (w->sorted). */
+static int rep_link(rep_walk *w)
+{
+    int changed = 1;
+    while (changed) {   /* edges are in post-order: usually one pass */
+        changed = 0;
+        for (Py_ssize_t e = 0; e < w->nedges; e++) {
+            rep_edge *ed = &w->edges[e];
+            if (w->nodes[ed->child].has_array && !w->nodes[ed->parent].has_array) {
+                w->nodes[ed->parent].has_array = 1;
+                changed = 1;
+            }
+        }
+    }
+    Py_ssize_t nkeep = 0;
+    for (Py_ssize_t e = 0; e < w->nedges; e++) {
+        if (w->nodes[w->edges[e].child].has_array) {
+            w->nodes[w->edges[e].parent].nedges++;
+            nkeep++;
+        }
+    }
+    w->sorted = PyMem_Malloc((size_t)(nkeep ? nkeep : 1) * sizeof *w->sorted);
+    if (w->sorted == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; i < w->nnodes; i++) {
+        w->nodes[i].first_edge = start;
+        start += w->nodes[i].nedges;
+        w->nodes[i].nedges = 0;
+    }
+    for (Py_ssize_t e = 0; e < w->nedges; e++) {
+        if (w->nodes[w->edges[e].child].has_array) {
+            rep_node *p = &w->nodes[w->edges[e].parent];
+            w->sorted[p->first_edge + p->nedges++] = w->edges[e];   /* key borrowed */
+        }
+    }
+    return 0;
+}
+
+/* The replica of node n for one device (new reference). arrays_d: that
+ * device's broadcast arrays; memo: one slot per node (NULL, REP_BUSY or a
+ * new reference), so objects reachable twice stay one object. */
+static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObject **memo)
+{
+    rep_node *node = &w->nodes[n];
+    PyObject *copy = NULL, *cdict = NULL, *v = NULL, *made = NULL;
+
+    if (!node->has_array || memo[n] == REP_BUSY) {
+        return Py_NewRef(node->obj);
+    }
+    if (memo[n] != NULL) {
+        return Py_NewRef(memo[n]);
+    }
+    if (node->kind == RK_ARRAY) {
+        copy = PyList_GET_ITEM(arrays_d, node->array_index);
+        memo[n] = Py_NewRef(copy);
+        return Py_NewRef(copy);
+    }
+    if (Py_EnterRecursiveCall(" while replicating a module")) {
+        return NULL;
+    }
+    switch (node->kind) {
+    case RK_LIST:
+        copy = PyList_GetSlice(node->obj, 0, PY_SSIZE_T_MAX);
+        break;
+    case RK_DICT:
+        copy = PyDict_Copy(node->obj);
+        break;
+    case RK_TUPLE:
+    case RK_NAMEDTUPLE:
+        copy = PySequence_List(node->obj);   /* items, turned into a tuple below */
+        break;
+    default:   /* RK_LIST_SUB, RK_DICT_SUB, RK_OBJECT */
+        copy = PyObject_CallOneArg(w->st->copy_copy, node->obj);
+        break;
+    }
+    if (copy == NULL) {
+        goto fail;
+    }
+    if (node->kind == RK_OBJECT || node->kind == RK_LIST_SUB || node->kind == RK_DICT_SUB) {
+        if (copy == node->obj) {
+            PyErr_Format(PyExc_TypeError,
+                         "replicate: copy.copy() returned the same %.100s object; a module "
+                         "object holding arrays must be copyable (check its __copy__)",
+                         Py_TYPE(node->obj)->tp_name);
+            goto fail;
+        }
+    }
+    if (node->kind == RK_OBJECT && node->dict != NULL) {
+        cdict = PyObject_GenericGetDict(copy, NULL);
+        if (cdict == NULL) {
+            goto fail;
+        }
+        if (cdict == node->dict || !PyDict_Check(cdict)) {
+            PyErr_Format(PyExc_TypeError,
+                         "replicate: copy.copy() of a %.100s object shares its __dict__; a "
+                         "module object holding arrays must be copyable (check its __copy__)",
+                         Py_TYPE(node->obj)->tp_name);
+            goto fail;
+        }
+    }
+    if (node->kind == RK_TUPLE || node->kind == RK_NAMEDTUPLE) {
+        memo[n] = REP_BUSY;
+    } else {
+        memo[n] = Py_NewRef(copy);
+    }
+    for (Py_ssize_t e = node->first_edge; e < node->first_edge + node->nedges; e++) {
+        const rep_edge *ed = &w->sorted[e];
+        v = rep_build(w, ed->child, arrays_d, memo);
+        node = &w->nodes[n];
+        if (v == NULL) {
+            goto fail;
+        }
+        int rc = 0;
+        switch (node->kind) {
+        case RK_LIST:
+        case RK_TUPLE:
+        case RK_NAMEDTUPLE:
+            if (ed->index < PyList_GET_SIZE(copy)) {
+                rc = PyList_SetItem(copy, ed->index, v);   /* steals v */
+                v = NULL;
+            }
+            break;
+        case RK_LIST_SUB:
+            rc = PySequence_SetItem(copy, ed->index, v);
+            break;
+        case RK_DICT:
+            rc = PyDict_SetItem(copy, ed->key, v);
+            break;
+        case RK_DICT_SUB:
+            rc = PyObject_SetItem(copy, ed->key, v);
+            break;
+        default:   /* RK_OBJECT */
+            if (ed->index == REP_SLOT_EDGE) {
+                rc = Py_TYPE(ed->key)->tp_descr_set(ed->key, copy, v);
+            } else {
+                rc = PyDict_SetItem(cdict, ed->key, v);
+            }
+            break;
+        }
+        Py_CLEAR(v);
+        if (rc < 0) {
+            goto fail;
+        }
+    }
+    if (node->kind == RK_TUPLE) {
+        made = PyList_AsTuple(copy);
+    } else if (node->kind == RK_NAMEDTUPLE) {
+        made = PyObject_CallMethod((PyObject *)Py_TYPE(node->obj), "_make", "O", copy);
+    }
+    if (node->kind == RK_TUPLE || node->kind == RK_NAMEDTUPLE) {
+        if (made == NULL) {
+            goto fail;
+        }
+        Py_SETREF(copy, made);
+        memo[n] = Py_NewRef(copy);
+    }
+    Py_LeaveRecursiveCall();
+    Py_XDECREF(cdict);
+    return copy;
+
+fail:
+    Py_LeaveRecursiveCall();
+    if (memo[n] == REP_BUSY) {
+        memo[n] = NULL;
+    }
+    Py_XDECREF(v);
+    Py_XDECREF(cdict);
+    Py_XDECREF(copy);
+    return NULL;
+}
+
+/* replicate(module, devs[0..ndev)) -> list of ndev replicas (spec 5,
+ * dpmini's rules in the header comment). ndev may be 0. */
+PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
+                         Py_ssize_t ndev)
+{
+    rep_walk w;
+    PyObject *result = NULL, *bc = NULL;
+    PyObject **memo = NULL;
+    Py_ssize_t root = RK_LEAF;
+
+    rep_walk_init(&w, st);
+    result = PyList_New(ndev);
+    if (result == NULL) {
+        goto fail;
+    }
+    if (ndev == 0) {
+        goto done;
+    }
+    /* Plain callables (functions, builtins, bound methods) hold no arrays. */
+    if (!PyFunction_Check(module) && !PyCFunction_Check(module) && !PyMethod_Check(module)) {
+        w.arrays = PyList_New(0);
+        if (w.arrays == NULL) {
+            goto fail;
+        }
+        root = rep_walk_obj(&w, module, 0);
+        if (root == RK_ERROR) {
+            goto fail;
+        }
+    }
+    if (root < 0 || PyList_GET_SIZE(w.arrays) == 0) {
+        for (Py_ssize_t d = 0; d < ndev; d++) {
+            PyList_SET_ITEM(result, d, Py_NewRef(module));
+        }
+        goto done;
+    }
+    if (rep_link(&w) < 0) {
+        goto fail;
+    }
+    bc = dp_broadcast_coalesced(st, w.arrays, devs, ndev, DP_BROADCAST_BUFFER);
+    if (bc == NULL) {
+        goto fail;
+    }
+    if (!PyList_Check(bc) || PyList_GET_SIZE(bc) != ndev) {
+        PyErr_SetString(PyExc_SystemError, "replicate: broadcast_coalesced returned a bad list");
+        goto fail;
+    }
+    memo = PyMem_Calloc((size_t)w.nnodes, sizeof *memo);
+    if (memo == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *arrays_d = PyList_GET_ITEM(bc, d);
+        if (!PyList_Check(arrays_d) || PyList_GET_SIZE(arrays_d) != PyList_GET_SIZE(w.arrays)) {
+            PyErr_SetString(PyExc_SystemError,
+                            "replicate: broadcast_coalesced returned a bad list");
+            goto fail;
+        }
+        PyObject *rep = rep_build(&w, root, arrays_d, memo);
+        for (Py_ssize_t i = 0; i < w.nnodes; i++) {
+            if (memo[i] != REP_BUSY) {
+                Py_XDECREF(memo[i]);
+            }
+            memo[i] = NULL;
+        }
+        if (rep == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(result, d, rep);
+    }
+done:
+    PyMem_Free(memo);
+    Py_XDECREF(bc);
+    rep_walk_free(&w);
+    return result;
+
+fail:
+    if (memo != NULL) {
+        for (Py_ssize_t i = 0; i < w.nnodes; i++) {
+            if (memo[i] != REP_BUSY) {
+                Py_XDECREF(memo[i]);
+            }
+        }
+    }
+    PyMem_Free(memo);
+    Py_XDECREF(bc);
+    Py_XDECREF(result);
+    rep_walk_free(&w);
+    return NULL;
+}
+
+/* replicate's device argument: an empty sequence gives n = 0 (no error). */
+static int replicate_devices(dp_state *st, PyObject *obj, dp_device **devs, Py_ssize_t *n)
+{
+    *devs = NULL;
+    *n = 0;
+    if ((PyList_Check(obj) || PyTuple_Check(obj)) && PySequence_Size(obj) == 0) {
+        return 0;
+    }
+    return dp_device_list_from_object(st, obj, "devices", devs, n);
+}
+
+PyDoc_STRVAR(replicate_doc,
+"replicate(module, devices, detach=False)\n--\n\n"
+"Returns a list of replicas.\n"
+"One replica of module per device, in order (PyTorch replicate, spec §5).\n"
+"devices: a sequence of devices ('cpu:N', 'cuda:N', int, dpmini.Device); an\n"
+"empty sequence gives []. Arrays reachable from module through instance\n"
+"__dict__ attributes, __slots__ members (of every class in the MRO), lists,\n"
+"tuples, namedtuples, dicts (and their subclasses) and sub-objects (depth\n"
+"<= 64) are\n"
+"broadcast with one broadcast_coalesced call (10 MiB buckets); replica d is a\n"
+"shallow copy (copy.copy; lists/dicts/tuples rebuilt) of every object on a\n"
+"path to an array, with the arrays replaced by device d's copies. Objects\n"
+"with no array below them are shared, and an object reachable twice is one\n"
+"object in each replica. A module holding no arrays (functions, builtins,\n"
+"bound methods, plain objects) is returned as the same object for every\n"
+"device. The replica on devices[0] holds the original arrays where they\n"
+"already live there (spec 5.6). detach is accepted for PyTorch\n"
+"compatibility and ignored. Errors: ValueError/TypeError for bad devices;\n"
+"TypeError when an object with arrays cannot be copied.");
+
+PyObject *replicate_common(dp_state *st, PyObject *module, PyObject *devices)
+{
+    dp_device *devs = NULL;
+    Py_ssize_t n = 0;
+    if (replicate_devices(st, devices, &devs, &n) < 0) {
+        return NULL;
+    }
+    PyObject *res = replicate_core(st, module, devs, n);
+    PyMem_Free(devs);
+    return res;
+}
+
+
+/* ------------------------------------------------------------------ */
+/* Public functions: module level                                      */
+/* ------------------------------------------------------------------ */
+
+static PyObject *dp_replicate(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"module", "devices", "detach", NULL};
+    PyObject *module, *devices;
+    int detach = 0;
+    dp_state *st = dp_state_from_module(mod);
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|p:replicate", kwlist,
+                                     &module, &devices, &detach)) {
+        return NULL;
+    }
+    return replicate_common(st, module, devices);
+}
+
+PyMethodDef dp_replicate_methods[] = {
+    {"replicate", (PyCFunction)(void (*)(void))dp_replicate, METH_VARARGS | METH_KEYWORDS,
+     replicate_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,667 @@
+/* scatter_walk.c - passes (a) and (b) of scatter (see scatter_tree.c):
+ * walk the inputs and kwargs with their in_dims, record every array leaf
+ * with its path, dim and chunk sizes (plan.c), then decide the replica
+ * count k and warn SplitWarning / raise under strict=True when the leaves
+ * disagree. scatter_kwargs (scatter_tree.c) and _plan (explain.c) both run
+ * these passes; the scatter_ctx they fill is in tree.h.
+ *
+ * Sections: pass (a): collect; pass (b): count and check; in_dims at the
+ * top, positional arguments.
+ */
+#include "dpmini.h"
+#include "tree.h"
+
+/* ------------------------------------------------------------------ */
+/* Pass (a): collect                                                   */
+/* ------------------------------------------------------------------ */
+
+int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
+             Py_ssize_t ndev, int dim, int plan)
+{
+    memset(c, 0, sizeof *c);
+    if (ndev < 1 || ndev > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter: expected 1 to %d devices, got %zd", DP_MAX_DEVICES, ndev);
+        return -1;
+    }
+    c->st = st;
+    c->devs = devs;
+    c->ndev = (int)ndev;
+    c->dim = dim;
+    c->plan = plan;
+    c->k = (int)ndev;
+    if (plan) {
+        c->shared = PyList_New(0);
+        if (c->shared == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+void ctx_clear(scatter_ctx *c)
+{
+    for (Py_ssize_t i = 0; i < c->nleaves; i++) {
+        scatter_leaf *lf = &c->leaves[i];
+        Py_CLEAR(lf->obj);
+        Py_CLEAR(lf->arr);
+        Py_CLEAR(lf->path);
+        PyMem_Free(lf->sizes);
+        lf->sizes = NULL;
+    }
+    if (c->chunks != NULL) {
+        for (Py_ssize_t i = 0; i < c->nleaves * c->k; i++)
+            Py_CLEAR(c->chunks[i]);
+        PyMem_Free(c->chunks);
+        c->chunks = NULL;
+    }
+    PyMem_Free(c->leaves);
+    c->leaves = NULL;
+    c->nleaves = c->cap = 0;
+    Py_CLEAR(c->shared);
+    Py_CLEAR(c->error);
+}
+
+/* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
+int scatter_kind(dp_state *st, PyObject *obj)
+{
+    if (PyTuple_CheckExact(obj))
+        return PyTuple_GET_SIZE(obj) > 0 ? S_TUPLE : S_SHARED;
+    if (PyList_CheckExact(obj))
+        return PyList_GET_SIZE(obj) > 0 ? S_LIST : S_SHARED;
+    if (PyDict_CheckExact(obj))
+        return PyDict_GET_SIZE(obj) > 0 ? S_DICT : S_SHARED;
+    if (obj == Py_None || PyUnicode_CheckExact(obj) || PyLong_CheckExact(obj) ||
+        PyFloat_CheckExact(obj))
+        return S_SHARED;
+    int r = dp_is_array_leaf(st, obj);
+    if (r < 0)
+        return -1;
+    if (r)
+        return S_ARRAY;
+    if (PyTuple_Check(obj)) {
+        /* An empty namedtuple is shared: PyTorch would zip nothing and make
+         * zero replicas. */
+        if (PyTuple_GET_SIZE(obj) == 0)
+            return S_SHARED;
+        r = is_namedtuple(obj);
+        if (r < 0)
+            return -1;
+        return r ? S_NAMEDTUPLE : S_TUPLE;
+    }
+    if (PyList_Check(obj))
+        return PyList_GET_SIZE(obj) > 0 ? S_LIST : S_SHARED;
+    if (PyDict_Check(obj))
+        return PyDict_GET_SIZE(obj) > 0 ? S_DICT : S_SHARED;
+    return S_SHARED;
+}
+
+/* The children of a container of kind S_TUPLE/S_LIST/S_NAMEDTUPLE (a tuple
+ * snapshot) or S_DICT (a list of pairs), as a new reference. */
+PyObject *container_items(PyObject *obj, int kind)
+{
+    return kind == S_DICT ? dict_pairs(obj) : seq_snapshot(obj);
+}
+
+/* Child i of a container walked through container_items: sets *seg and
+ * returns the child (borrowed from items). */
+PyObject *container_child(int kind, PyObject *items, PyObject *names,
+                          Py_ssize_t i, const path_seg *up, path_seg *seg)
+{
+    if (kind == S_DICT) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        *seg = seg_child(up, SEG_KEY, 0, PyTuple_GET_ITEM(pair, 0));
+        return PyTuple_GET_ITEM(pair, 1);
+    }
+    if (names != NULL)
+        *seg = seg_child(up, SEG_ATTR, 0, PyTuple_GET_ITEM(names, i));
+    else
+        *seg = seg_child(up, SEG_INDEX, i, NULL);
+    return PyTuple_GET_ITEM(items, i);
+}
+
+Py_ssize_t items_len(int kind, PyObject *items)
+{
+    return kind == S_DICT ? PyList_GET_SIZE(items) : PyTuple_GET_SIZE(items);
+}
+
+/* Plan mode: keep the first caller error as text and go on; otherwise (or
+ * for other errors) leave it pending. Returns 0 when absorbed, else -1. */
+int absorb_error(scatter_ctx *c)
+{
+    if (!c->plan || !is_caller_error())
+        return -1;
+    PyObject *exc = take_exception();
+    if (exc == NULL)
+        return 0;
+    if (c->error == NULL) {
+        c->error = PyObject_Str(exc);
+        if (c->error == NULL) {
+            Py_DECREF(exc);
+            return -1;
+        }
+    }
+    Py_DECREF(exc);
+    return 0;
+}
+
+/* "[3, 2, 1]" for n sizes. */
+static PyObject *sizes_repr(const int64_t *v, int n)
+{
+    PyObject *list = PyList_New(n), *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (int j = 0; j < n; j++) {
+        PyObject *x = PyLong_FromLongLong((long long)v[j]);
+        if (x == NULL)
+            goto done;
+        PyList_SET_ITEM(list, j, x);
+    }
+    res = PyObject_Repr(list);
+done:
+    Py_DECREF(list);
+    return res;
+}
+
+/* The sizes of one split leaf of n rows: chunk_sizes, weights or the
+ * torch.chunk rule. Returns the chunk count (1..ndev) or -1 with an
+ * exception naming the leaf. */
+static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *cpath,
+                      int64_t *sizes)
+{
+    int64_t n = (int64_t)PyArray_DIM(arr, wdim);
+    int count;
+    if (c->chunk_sizes != NULL) {
+        /* torch.cuda.comm.scatter's chunk_sizes (spec 0.7, 8.5), for every
+         * split leaf: the sizes must add up to each one's length. */
+        memcpy(sizes, c->chunk_sizes, (size_t)c->ndev * sizeof(int64_t));
+        if (dp_check_chunk_sizes(n, c->ndev, sizes, NULL) != DP_OK) {
+            long long sum = 0;
+            for (int j = 0; j < c->ndev; j++)
+                sum += sizes[j];
+            PyObject *sz = sizes_repr(sizes, c->ndev);
+            PyObject *shape = sz != NULL ? shape_repr(arr) : NULL;
+            if (shape != NULL)
+                PyErr_Format(PyExc_ValueError,
+                             "%s: chunk_sizes %U sum to %lld, but the array has size "
+                             "%lld along dim %d (shape %U); chunk_sizes must sum to the "
+                             "size of every split array (give the others in_dims None "
+                             "to broadcast them)", cpath, sz, sum, (long long)n, wdim, shape);
+            Py_XDECREF(sz);
+            Py_XDECREF(shape);
+            return -1;
+        }
+        count = dp_sizes_count(c->ndev, sizes);
+    }
+    else if (c->weights != NULL) {
+        count = dp_weighted_sizes(n, c->ndev, c->weights, sizes, NULL);
+    }
+    else {
+        count = dp_chunk_sizes(n, c->ndev, sizes);
+    }
+    if (count < 1) {
+        PyErr_Format(PyExc_SystemError, "%s: computing the chunk sizes failed (%d)", cpath,
+                     count);
+        return -1;
+    }
+    return count;
+}
+
+/* Pass (a) for one array leaf. spec: its in_dims entry (NULL: c->dim, an
+ * int: that dim, None: broadcast); sseg its path. */
+static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+                        PyObject *spec, const path_seg *sseg)
+{
+    PyObject *path = NULL;
+    PyArrayObject *arr = NULL;
+    int64_t *sizes = NULL;
+    const char *cpath;
+    int wdim = 0, count = 0, dim = c->dim, bcast = spec == Py_None;
+
+    path = path_str(seg);
+    if (path == NULL)
+        goto fail;
+    cpath = PyUnicode_AsUTF8(path);
+    if (cpath == NULL)
+        goto fail;
+
+    if (spec_is_container(spec)) {
+        spec_mismatch(sseg, spec, seg, "an array");
+        goto leaf_error;
+    }
+    if (spec != NULL && spec != Py_None) {
+        PyObject *sp = path_str(sseg);
+        const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+        int r = csp != NULL ? dp_int_from_object(spec, csp, &dim) : -1;
+        Py_XDECREF(sp);
+        if (r < 0)
+            goto leaf_error;
+    }
+    if (bcast) {
+        /* in_dims None: the whole array, any rank (0-dim included), to every
+         * replica; it takes no part in the replica count. */
+        arr = dp_as_array(c->st, obj, cpath, 0);
+        if (arr == NULL)
+            goto leaf_error;
+        goto record;
+    }
+
+    /* spec 0.5 / R22: never broadcast a 0-dim array, refuse it up front. */
+    if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: chunk expects at least a 1-dimensional array (got a "
+                     "0-dim array); wrap it in a 1-element array or pass a "
+                     "Python number to share it", cpath);
+        goto leaf_error;
+    }
+    arr = dp_as_array(c->st, obj, cpath, 1);
+    if (arr == NULL)
+        goto leaf_error;
+    /* spec 0.6 / R27: a negative dim is wrapped for each array on its own. */
+    if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
+        goto leaf_error;
+
+    sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
+    if (sizes == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    count = leaf_sizes(c, arr, wdim, cpath, sizes);
+    if (count < 0) {
+        PyMem_Free(sizes);
+        sizes = NULL;
+        goto leaf_error;
+    }
+
+record:
+    if (c->nleaves == c->cap) {
+        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
+        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
+        if (lv == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        c->leaves = lv;
+        c->cap = cap;
+    }
+    scatter_leaf *lf = &c->leaves[c->nleaves++];
+    lf->obj = Py_NewRef(obj);
+    lf->arr = arr;
+    lf->path = path;
+    lf->bcast = bcast;
+    lf->dim = wdim;
+    lf->count = count;
+    lf->sizes = sizes;
+    return 0;
+
+leaf_error:
+    if (absorb_error(c) == 0) {
+        Py_XDECREF(arr);
+        Py_XDECREF(path);
+        return 0;
+    }
+fail:
+    PyMem_Free(sizes);
+    Py_XDECREF(arr);
+    Py_XDECREF(path);
+    return -1;
+}
+
+/* Pass (a) for the children of a container of the given kind. spec: its
+ * in_dims entry (NULL: the default everywhere below), sseg its path. */
+static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
+                             const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    PyObject *items = NULL, *names = NULL, *fast = NULL;
+    int rc = -1;
+
+    if (Py_EnterRecursiveCall(" while scattering inputs"))
+        return -1;
+    items = container_items(obj, kind);
+    if (items == NULL)
+        goto done;
+    Py_ssize_t n = items_len(kind, items);
+    if (kind == S_NAMEDTUPLE)
+        names = namedtuple_names(obj, n);
+    if (spec_is_container(spec)) {
+        /* A tuple/list mirrors a tuple, list or namedtuple by position; a
+         * dict mirrors a dict by key. */
+        int dict_spec = PyDict_Check(spec);
+        if (dict_spec != (kind == S_DICT)) {
+            spec_mismatch(sseg, spec, seg, kind == S_DICT ? "a dict (give a dict)"
+                                                          : "a sequence (give a tuple or list)");
+            goto spec_error;
+        }
+        if (!dict_spec) {
+            fast = PySequence_Fast(spec, "in_dims");
+            if (fast == NULL)
+                goto done;
+            spec = fast;
+        }
+        if (spec_check_children(spec, sseg, seg, n, dict_spec ? obj : NULL, NULL) < 0)
+            goto spec_error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        path_seg cseg, csseg;
+        PyObject *cspec;
+        PyObject *child = container_child(kind, items, names, i, seg, &cseg);
+        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        if (spec_child(spec, sseg, i, key, &cspec, &csseg) < 0)
+            goto done;
+        if (collect(c, child, &cseg, cspec, &csseg) < 0)
+            goto done;
+    }
+    rc = 0;
+    goto done;
+spec_error:
+    /* _plan records the mismatch and skips this container. */
+    if (absorb_error(c) == 0)
+        rc = 0;
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(names);
+    Py_XDECREF(fast);
+    Py_LeaveRecursiveCall();
+    return rc;
+}
+
+/* Pass (a): record the array leaves under obj (and, for _plan, the paths of
+ * the shared leaves). spec: obj's in_dims entry (NULL: the default). */
+int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+            PyObject *spec, const path_seg *sseg)
+{
+    int kind = scatter_kind(c->st, obj);
+    if (kind < 0)
+        return -1;
+    if (kind == S_ARRAY)
+        return collect_leaf(c, obj, seg, spec, sseg);
+    if (kind == S_SHARED) {
+        /* Shared values are never split; an int or None for them is fine,
+         * but a non-empty structure addresses children that are not there. */
+        if (spec_is_container(spec) && PyObject_Length(spec) > 0) {
+            spec_mismatch(sseg, spec, seg, "not split (a value shared by every replica)");
+            return absorb_error(c);
+        }
+        return c->plan ? append_steal(c->shared, path_str(seg)) : 0;
+    }
+    return collect_container(c, obj, kind, seg, spec, sseg);
+}
+
+/* ------------------------------------------------------------------ */
+/* Pass (b): count and check                                           */
+/* ------------------------------------------------------------------ */
+
+/* Pass (b): the replica count and whether the leaves disagree. */
+void scatter_count(scatter_ctx *c)
+{
+    c->k = c->ndev;
+    c->mismatch = 0;
+    int k = c->ndev + 1;
+    /* Broadcast leaves (in_dims None) never limit the count. */
+    for (Py_ssize_t i = 0; i < c->nleaves; i++)
+        if (!c->leaves[i].bcast && c->leaves[i].count < k)
+            k = c->leaves[i].count;
+    if (k > c->ndev)
+        return;  /* no split leaf: every device runs a replica */
+    for (Py_ssize_t i = 0; i < c->nleaves; i++)
+        if (!c->leaves[i].bcast && c->leaves[i].count != k)
+            c->mismatch = 1;
+    c->k = k;
+}
+
+/* The strict=True error text (modelled on JAX pmap's, R29): every array
+ * path, its shape, the dim and the size along it. */
+PyObject *strict_message(scatter_ctx *c)
+{
+    PyObject *lines = PyList_New(0), *res = NULL;
+    if (lines == NULL)
+        return NULL;
+    if (append_steal(lines, PyUnicode_FromFormat(
+            "scatter got arrays that split into different numbers of chunks "
+            "over %d devices (strict=True):", c->ndev)) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < c->nleaves; i++) {
+        scatter_leaf *lf = &c->leaves[i];
+        if (lf->bcast)
+            continue;
+        PyObject *shape = shape_repr(lf->arr);
+        if (shape == NULL)
+            goto done;
+        PyObject *line = PyUnicode_FromFormat(
+            "  %U: shape %U, size %lld along dim %d -> %d chunk%s", lf->path, shape,
+            (long long)PyArray_DIM(lf->arr, lf->dim), lf->dim, lf->count,
+            lf->count == 1 ? "" : "s");
+        Py_DECREF(shape);
+        if (append_steal(lines, line) < 0)
+            goto done;
+    }
+    if (append_steal(lines, PyUnicode_FromString(
+            "Give every array the same size along dim, or pass strict=False to "
+            "use the smallest count as PyTorch does (the rows after it are "
+            "then dropped).")) < 0)
+        goto done;
+    res = join_str("\n", lines);
+done:
+    Py_DECREF(lines);
+    return res;
+}
+
+/* "args[0]: 2 chunks, args[1]: 1 chunk": every array path with its count. */
+static PyObject *chunk_counts(scatter_ctx *c)
+{
+    PyObject *parts = PyList_New(0), *res = NULL;
+    if (parts == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < c->nleaves; i++) {
+        scatter_leaf *lf = &c->leaves[i];
+        if (lf->bcast)
+            continue;
+        if (append_steal(parts, PyUnicode_FromFormat("%U: %d chunk%s", lf->path,
+                                                     lf->count,
+                                                     lf->count == 1 ? "" : "s")) < 0)
+            goto done;
+    }
+    res = join_str(", ", parts);
+done:
+    Py_DECREF(parts);
+    return res;
+}
+
+/* The SplitWarning text (R06), or *out = NULL when no row is dropped (only
+ * 0-row arrays exceed k). */
+int truncation_message(scatter_ctx *c, PyObject **out)
+{
+    PyObject *parts = PyList_New(0), *body = NULL, *counts = NULL;
+    int rc = -1;
+    *out = NULL;
+    if (parts == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < c->nleaves; i++) {
+        scatter_leaf *lf = &c->leaves[i];
+        if (lf->bcast || lf->count <= c->k)
+            continue;
+        int64_t n = (int64_t)PyArray_DIM(lf->arr, lf->dim), kept = 0;
+        for (int j = 0; j < c->k; j++)
+            kept += lf->sizes[j];
+        if (kept >= n)
+            continue;
+        /* "rows" only along dim 0; "indices" along any other dim. */
+        const char *one = lf->dim == 0 ? "row" : "index";
+        const char *many = lf->dim == 0 ? "rows" : "indices";
+        PyObject *part = kept == n - 1
+            ? PyUnicode_FromFormat("%U: %s %lld of %lld along dim %d is dropped",
+                                   lf->path, one, (long long)kept, (long long)n, lf->dim)
+            : PyUnicode_FromFormat("%U: %s %lld..%lld of %lld along dim %d are dropped",
+                                   lf->path, many, (long long)kept, (long long)(n - 1),
+                                   (long long)n, lf->dim);
+        if (append_steal(parts, part) < 0)
+            goto done;
+    }
+    if (PyList_GET_SIZE(parts) > 0) {
+        body = join_str("; ", parts);
+        counts = chunk_counts(c);
+        if (body == NULL || counts == NULL)
+            goto done;
+        *out = PyUnicode_FromFormat(
+            "scatter got arrays that split into different numbers of chunks over "
+            "%d devices (%U), so only %d replica%s (the smallest count, as in "
+            "PyTorch): %U. Give every array the same size along dim, or pass "
+            "strict=True to raise instead.",
+            c->ndev, counts, c->k, c->k == 1 ? " runs" : "s run", body);
+        if (*out == NULL)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(body);
+    Py_XDECREF(counts);
+    Py_DECREF(parts);
+    return rc;
+}
+
+/* Pass (b), checks: strict -> ValueError, else SplitWarning. */
+int scatter_check(scatter_ctx *c, int strict)
+{
+    if (!c->mismatch)
+        return 0;
+    if (strict) {
+        PyObject *msg = strict_message(c);
+        if (msg == NULL)
+            return -1;
+        PyErr_SetObject(PyExc_ValueError, msg);
+        Py_DECREF(msg);
+        return -1;
+    }
+    PyObject *msg;
+    if (truncation_message(c, &msg) < 0)
+        return -1;
+    if (msg == NULL)
+        return 0;
+    const char *text = PyUnicode_AsUTF8(msg);
+    int r = text == NULL ? -1 : PyErr_WarnEx(c->st->SplitWarning, text, 1);
+    Py_DECREF(msg);
+    return r;
+}
+
+/* ------------------------------------------------------------------ */
+/* in_dims at the top, positional arguments                            */
+/* ------------------------------------------------------------------ */
+
+/* The top of in_dims for scatter_kwargs, split into the entries for the
+ * positional arguments and for the keyword arguments:
+ *   NULL / None  -> both NULL (dim everywhere);
+ *   int          -> that int for both (every leaf);
+ *   tuple / list -> *args_spec = it (a prefix of the positional arguments),
+ *                   *kw_spec NULL;
+ *   dict         -> int keys address positional arguments, str keys keyword
+ *                   arguments: *args_spec = a new dict {index: entry},
+ *                   *kw_spec = a new dict {name: entry} (NULL when empty).
+ * Every entry must address an argument of this call. New references (or
+ * borrowed ints) are returned in *own for the caller to release. */
+int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
+                   PyObject **args_spec, PyObject **kw_spec, PyObject **own)
+{
+    path_seg sroot = seg_root("in_dims");
+    *args_spec = *kw_spec = NULL;
+    own[0] = own[1] = NULL;
+    if (in_dims == NULL || in_dims == Py_None)
+        return 0;
+    if (PyLong_Check(in_dims) && !PyBool_Check(in_dims)) {
+        *args_spec = *kw_spec = in_dims;
+        return 0;
+    }
+    if (PyTuple_Check(in_dims) || PyList_Check(in_dims)) {
+        Py_ssize_t len = PySequence_Length(in_dims);
+        if (len > nin)
+            return raise_at(PyExc_ValueError, &sroot,
+                            "has %zd entries, but the call has %zd positional argument%s "
+                            "(a tuple or list in_dims mirrors a prefix of the positional "
+                            "arguments; give keyword arguments in a dict by name)",
+                            len, nin, nin == 1 ? "" : "s");
+        *args_spec = in_dims;
+        return 0;
+    }
+    if (!PyDict_Check(in_dims))
+        return raise_at(PyExc_TypeError, &sroot,
+                        "expected None, an int, a tuple or list (one entry per positional "
+                        "argument) or a dict (int keys: positions, str keys: keyword "
+                        "names), got %.100s", Py_TYPE(in_dims)->tp_name);
+    PyObject *a = PyDict_New(), *k = PyDict_New();
+    own[0] = a;
+    own[1] = k;
+    if (a == NULL || k == NULL)
+        return -1;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(in_dims, &pos, &key, &value)) {
+        path_seg kseg = seg_child(&sroot, SEG_KEY, 0, key);
+        if (PyUnicode_Check(key)) {
+            int has = kwargs != NULL ? PyDict_Contains(kwargs, key) : 0;
+            if (has < 0)
+                return -1;
+            if (!has)
+                return raise_at(PyExc_ValueError, &kseg,
+                                "the call has no keyword argument %R", key);
+            if (PyDict_SetItem(k, key, value) < 0)
+                return -1;
+        }
+        else if (PyLong_Check(key) && !PyBool_Check(key)) {
+            Py_ssize_t i = PyLong_AsSsize_t(key);
+            if (i == -1 && PyErr_Occurred())
+                PyErr_Clear();
+            if (i < 0 || i >= nin)
+                return raise_at(PyExc_ValueError, &kseg,
+                                "the call has %zd positional argument%s, so int keys "
+                                "must be in 0..%zd", nin, nin == 1 ? "" : "s", nin - 1);
+            if (PyDict_SetItem(a, key, value) < 0)
+                return -1;
+        }
+        else {
+            return raise_at(PyExc_TypeError, &kseg,
+                            "a dict in_dims is keyed by argument position (int) or "
+                            "keyword name (str), got a key of type %.100s",
+                            Py_TYPE(key)->tp_name);
+        }
+    }
+    *args_spec = a;
+    *kw_spec = PyDict_GET_SIZE(k) > 0 ? k : NULL;
+    return 0;
+}
+
+/* Pass (a) for the positional arguments: argument i with its entry of
+ * args_spec (see split_top_spec). */
+int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec)
+{
+    path_seg args_root = seg_root("args"), sroot = seg_root("in_dims");
+    PyObject *fast = NULL;
+    int rc = -1;
+    if (args_spec != NULL && (PyTuple_Check(args_spec) || PyList_Check(args_spec))) {
+        fast = PySequence_Fast(args_spec, "in_dims");
+        if (fast == NULL)
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) {
+        path_seg seg = seg_child(&args_root, SEG_INDEX, i, NULL), sseg = sroot;
+        PyObject *spec = args_spec;
+        if (fast != NULL) {
+            spec = i < PySequence_Fast_GET_SIZE(fast) ? PySequence_Fast_GET_ITEM(fast, i) : NULL;
+            sseg = seg_child(&sroot, SEG_INDEX, i, NULL);
+        }
+        else if (args_spec != NULL && PyDict_Check(args_spec)) {
+            PyObject *key = PyLong_FromSsize_t(i);
+            if (key == NULL)
+                goto done;
+            spec = PyDict_GetItemWithError(args_spec, key);
+            Py_DECREF(key);
+            if (spec == NULL && PyErr_Occurred())
+                goto done;
+            sseg = seg_child(&sroot, SEG_INDEX, i, NULL);
+        }
+        if (collect(c, PyTuple_GET_ITEM(inputs, i), &seg, spec, &sseg) < 0)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(fast);
+    return rc;
+}
+

@@ -1,0 +1,177 @@
+/* tree.h - internal: what the tree walkers share (tree_common.c,
+ * scatter_walk.c, scatter_tree.c, gather_tree.c, explain.c). Not part of
+ * dpmini.h; include after it. The public entry points (dp_scatter_kwargs_ex,
+ * dp_gather_outputs_ex, dp_check_dims_spec, dp_parse_split_sizes) stay in
+ * dpmini.h.
+ *
+ * Conventions as in dpmini.h: int results are 0 or -1 with an exception set
+ * unless said otherwise; PyObject* results are new references or NULL with
+ * an exception set. The symbols below are hidden: they do not widen what the
+ * extension module exports.
+ */
+#ifndef DPMINI_TREE_H
+#define DPMINI_TREE_H
+
+#include "dpmini.h"
+
+#pragma GCC visibility push(hidden)
+
+/* ------------------------------------------------------------------ */
+/* Types                                                               */
+/* ------------------------------------------------------------------ */
+
+typedef enum { SEG_ROOT, SEG_INDEX, SEG_KEY, SEG_ATTR } seg_kind;
+
+/* One step of a path such as kwargs['batch'][2] or out.logits. */
+typedef struct path_seg {
+    const struct path_seg *up;  /* the parent; NULL only for SEG_ROOT      */
+    seg_kind kind;
+    const char *root;           /* SEG_ROOT: "args", "kwargs", "inputs", "out" */
+    Py_ssize_t index;           /* SEG_INDEX: position in a tuple or list  */
+    PyObject *name;             /* SEG_KEY: the dict key, shown with repr;
+                                   SEG_ATTR: the field name (a str).
+                                   Borrowed: the walker holds a reference. */
+} path_seg;
+
+/* What the scatter rules (spec 3.1) do with an object. */
+enum {
+    S_SHARED,      /* every replica gets the same object                  */
+    S_ARRAY,       /* split into chunks                                   */
+    S_TUPLE,       /* non-empty tuple: one plain tuple per replica        */
+    S_LIST,        /* non-empty list: one list per replica                */
+    S_NAMEDTUPLE,  /* non-empty namedtuple: type(obj)(*fields) per replica */
+    S_DICT         /* non-empty dict: type(obj)(pairs) per replica        */
+};
+
+/* One array leaf found by pass (a). */
+typedef struct {
+    PyObject *obj;        /* the leaf as found in the structure (strong)   */
+    PyArrayObject *arr;   /* dp_as_array(obj): what is split (strong)      */
+    PyObject *path;       /* str, e.g. "args[1]['img']"                    */
+    int bcast;            /* 1: in_dims None: the whole array goes to every
+                             replica (dim, count, sizes unused)            */
+    int dim;              /* wrapped against arr's rank: 0 <= dim < ndim   */
+    int count;            /* chunks it makes on its own, 1..ndev           */
+    int64_t *sizes;       /* ndev chunk sizes along dim (elements, PyMem);
+                             entries from `count` on are 0; NULL if bcast  */
+} scatter_leaf;
+
+typedef struct {
+    dp_state *st;
+    const dp_device *devs;    /* borrowed, ndev entries                     */
+    int ndev;                 /* 1..DP_MAX_DEVICES                          */
+    int dim;                  /* as given; wrapped per leaf                 */
+    const int64_t *chunk_sizes;  /* ndev explicit sizes, or NULL (borrowed) */
+    const double *weights;    /* ndev weights, or NULL (borrowed)           */
+    int plan;                 /* _plan: no copies; record shared paths and
+                                 the first caller error instead of raising */
+    scatter_leaf *leaves;     /* PyMem, nleaves used of cap                 */
+    Py_ssize_t nleaves, cap;
+    PyObject *shared;         /* plan only: list of paths of shared leaves  */
+    PyObject *error;          /* plan only: first caller error (str) or NULL */
+    int k;                    /* replica count, from pass (b)               */
+    int mismatch;             /* leaves gave different chunk counts         */
+    PyObject **chunks;        /* nleaves * k new references from pass (c);
+                                 a slot is NULL once pass (d) took it       */
+    Py_ssize_t cursor;        /* pass (d): the next leaf to hand out        */
+} scatter_ctx;
+
+/* ------------------------------------------------------------------ */
+/* tree_common.c: paths and helpers                                    */
+/* ------------------------------------------------------------------ */
+
+/* The root of a path ("args", "kwargs", "in_dims", "out", ...). */
+path_seg seg_root(const char *root);
+/* A child step below up: an index, a dict key or an attribute name. */
+path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
+                   PyObject *name);
+/* The path as a new str, e.g. "args[1]['img']". */
+PyObject *path_str(const path_seg *seg);
+/* Take the pending exception (new reference, NULL when none) and clear it. */
+PyObject *take_exception(void);
+/* Turn a failed constructor call's exception into a TypeError naming the path. */
+void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
+                         const char *how, const char *hint);
+/* A namedtuple (tuple subclass with _fields and _asdict)? 1, 0 or -1. */
+int is_namedtuple(PyObject *obj);
+/* An instance (not a class) of a dataclass? 1, 0 or -1. */
+int is_dataclass_instance(PyObject *obj);
+/* type(obj)._fields when a tuple of n str, else NULL with no exception set. */
+PyObject *namedtuple_names(PyObject *obj, Py_ssize_t n);
+/* A tuple or list's items as a tuple (new reference), safe from resizing. */
+PyObject *seq_snapshot(PyObject *seq);
+/* A dict's items() as a list of (key, value) 2-tuples. */
+PyObject *dict_pairs(PyObject *d);
+/* sep.join(list); the list holds str. */
+PyObject *join_str(const char *sep, PyObject *list);
+/* Append a new str to list, stealing it (NULL: an error is already set). */
+int append_steal(PyObject *list, PyObject *item);
+/* "(5, 3)" for an array's shape. */
+PyObject *shape_repr(PyArrayObject *a);
+/* Is the pending exception a caller mistake that _plan reports as text? */
+int is_caller_error(void);
+/* Raise exc with "<path of seg>: <fmt...>". Always returns -1. */
+int raise_at(PyObject *exc, const path_seg *seg, const char *fmt, ...);
+/* Is spec a container entry of in_dims / out_dims (tuple, list or dict)? */
+int spec_is_container(PyObject *spec);
+/* The entry of a container spec for child i (borrowed in *child; NULL: not listed). */
+int spec_child(PyObject *spec, const path_seg *up, Py_ssize_t i, PyObject *key,
+               PyObject **child, path_seg *sseg);
+/* A container spec where the value is not a matching container: TypeError. */
+int spec_mismatch(const path_seg *sseg, PyObject *spec, const path_seg *seg,
+                  const char *what);
+/* Check that a container spec addresses only children that exist. */
+int spec_check_children(PyObject *spec, const path_seg *sseg, const path_seg *seg,
+                        Py_ssize_t n, PyObject *keys_of, PyObject *names);
+
+/* ------------------------------------------------------------------ */
+/* tree_common.c: arguments of the Python functions                    */
+/* ------------------------------------------------------------------ */
+
+/* dim argument: 0 when absent. */
+int parse_dim(PyObject *obj, int *dim);
+/* scatter_kwargs' inputs: None -> (), a tuple as is, else (inputs,). New reference. */
+PyObject *normalize_inputs(PyObject *inputs);
+/* kwargs: None -> NULL (no kwargs); a dict as is (borrowed). */
+int normalize_kwargs(PyObject *kwargs, PyObject **out);
+
+/* ------------------------------------------------------------------ */
+/* scatter_walk.c: scatter passes (a) and (b), for scatter_tree.c and explain.c */
+/* ------------------------------------------------------------------ */
+
+/* Set up c for ndev devices (plan: _plan mode, no copies); ctx_clear frees it. */
+int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
+             Py_ssize_t ndev, int dim, int plan);
+/* Release everything c holds (safe after a failed ctx_init). */
+void ctx_clear(scatter_ctx *c);
+/* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
+int scatter_kind(dp_state *st, PyObject *obj);
+/* The children of a container of kind S_* (tuple snapshot or list of pairs). */
+PyObject *container_items(PyObject *obj, int kind);
+/* Child i of a container walked through container_items (borrowed); sets *seg. */
+PyObject *container_child(int kind, PyObject *items, PyObject *names,
+                          Py_ssize_t i, const path_seg *up, path_seg *seg);
+/* How many children container_items gave. */
+Py_ssize_t items_len(int kind, PyObject *items);
+/* Plan mode: keep the first caller error as text (0); else leave it pending (-1). */
+int absorb_error(scatter_ctx *c);
+/* Pass (a): record the array leaves under obj; spec: its in_dims entry or NULL. */
+int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+            PyObject *spec, const path_seg *sseg);
+/* Pass (b): the replica count c->k and whether the leaves disagree. */
+void scatter_count(scatter_ctx *c);
+/* The strict=True error text: every array path, shape, dim and size. */
+PyObject *strict_message(scatter_ctx *c);
+/* The SplitWarning text, or *out = NULL when no row is dropped. */
+int truncation_message(scatter_ctx *c, PyObject **out);
+/* Pass (b), checks: strict -> ValueError, else SplitWarning. */
+int scatter_check(scatter_ctx *c, int strict);
+/* The top of in_dims split into the positional and keyword entries. */
+int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
+                   PyObject **args_spec, PyObject **kw_spec, PyObject **own);
+/* Pass (a) for the positional arguments, each with its args_spec entry. */
+int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec);
+
+#pragma GCC visibility pop
+
+#endif
