@@ -12,7 +12,7 @@ int dp_is_array_leaf(dp_state *st, PyObject *obj)
 /* hasattr(obj, name) that lets errors other than AttributeError through
  * (an __array_interface__ property that raises KeyboardInterrupt, say):
  * 1, 0, or -1 with an exception set. */
-static int has_attr(PyObject *obj, const char *name)
+int dp_has_attr(PyObject *obj, const char *name)
 {
     PyObject *v = PyObject_GetAttrString(obj, name);
     if (v != NULL) {
@@ -100,9 +100,9 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
         if (PyObject_CheckBuffer(obj)) {
             kind = 1;
         } else {
-            int r = has_attr(obj, "__array_interface__");
+            int r = dp_has_attr(obj, "__array_interface__");
             if (r == 0) {
-                r = has_attr(obj, "__array_struct__");
+                r = dp_has_attr(obj, "__array_struct__");
             }
             if (r < 0) {
                 return NULL;   /* the getter's own error, e.g. KeyboardInterrupt */

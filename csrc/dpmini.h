@@ -181,6 +181,11 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname,
  * argname). */
 int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out);
 
+/* hasattr(obj, name) that lets errors other than AttributeError through (an
+ * __array_interface__ property raising KeyboardInterrupt, say): 1, 0, or -1
+ * with an exception set. */
+int dp_has_attr(PyObject *obj, const char *name);
+
 /* Parse an int argument (TypeError naming argname when not an int). */
 int dp_int_from_object(PyObject *obj, const char *argname, int *out);
 

@@ -262,25 +262,10 @@ static int rep_add_edge(rep_walk *w, Py_ssize_t parent, Py_ssize_t child,
     return 0;
 }
 
-/* 1, 0, or -1 with an exception set (only AttributeError means "no"). */
-static int type_has_attr(PyTypeObject *tp, const char *name)
-{
-    PyObject *v = PyObject_GetAttrString((PyObject *)tp, name);
-    if (v != NULL) {
-        Py_DECREF(v);
-        return 1;
-    }
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        return 0;
-    }
-    return -1;
-}
-
 static int is_namedtuple_type(PyTypeObject *tp)
 {
-    int r = type_has_attr(tp, "_fields");
-    return r <= 0 ? r : type_has_attr(tp, "_make");
+    int r = dp_has_attr((PyObject *)tp, "_fields");
+    return r <= 0 ? r : dp_has_attr((PyObject *)tp, "_make");
 }
 
 static int has_instance_dict(PyTypeObject *tp)

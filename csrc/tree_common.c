@@ -130,32 +130,16 @@ void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
     attach_cause(cause);
 }
 
-/* hasattr(obj, name) that lets errors other than AttributeError through:
- * 1, 0, or -1 with an exception set. */
-static int has_attr(PyObject *obj, const char *name)
-{
-    PyObject *v = PyObject_GetAttrString(obj, name);
-    if (v != NULL) {
-        Py_DECREF(v);
-        return 1;
-    }
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        return 0;
-    }
-    return -1;
-}
-
 /* A namedtuple: a tuple subclass with `_fields` and `_asdict` (the test of
  * scatter_gather.py). 1, 0 or -1. */
 int is_namedtuple(PyObject *obj)
 {
     if (!PyTuple_Check(obj) || PyTuple_CheckExact(obj))
         return 0;
-    int r = has_attr(obj, "_asdict");
+    int r = dp_has_attr(obj, "_asdict");
     if (r <= 0)
         return r;
-    return has_attr(obj, "_fields");
+    return dp_has_attr(obj, "_fields");
 }
 
 /* An instance (not a class) of a dataclass. 1, 0 or -1. */
@@ -163,7 +147,7 @@ int is_dataclass_instance(PyObject *obj)
 {
     if (PyType_Check(obj))
         return 0;
-    return has_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__");
+    return dp_has_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__");
 }
 
 /* type(obj)._fields when it is a tuple of n str (for paths like args[0].a),
