@@ -799,19 +799,23 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
 PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
                                int dim, PyObject *out_dims)
 {
-    if (out_dims == Py_None)
-        out_dims = NULL;
-    if (dp_check_dims_spec(out_dims, "out_dims", 1) < 0)
-        return NULL;
     if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
+        if (dp_check_dims_spec(out_dims == Py_None ? NULL : out_dims, "out_dims", 1) < 0)
+            return NULL;
         PyErr_Format(PyExc_TypeError,
                      "outputs: expected a list or tuple with one entry per replica, "
                      "got %.100s", Py_TYPE(outputs)->tp_name);
         return NULL;
     }
-    PyObject *snap = seq_snapshot(outputs);
-    if (snap == NULL)
+    /* The call's own copy: gather runs user code (__eq__, constructors). */
+    PyObject *spec = NULL;
+    if (dims_take(out_dims, "out_dims", 1, &spec) < 0)
         return NULL;
+    PyObject *snap = seq_snapshot(outputs);
+    if (snap == NULL) {
+        Py_XDECREF(spec);
+        return NULL;
+    }
     PyObject *res = NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(snap);
     if (n == 0) {
@@ -822,9 +826,10 @@ PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target
     else {
         gather_ctx g = {st, target, dim, OUT_CAT};
         path_seg root = seg_root("out"), sroot = seg_root("out_dims");
-        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, out_dims, &sroot);
+        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, spec, &sroot);
     }
     Py_DECREF(snap);
+    Py_XDECREF(spec);
     return res;
 }
 

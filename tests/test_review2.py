@@ -1,0 +1,118 @@
+"""Regression tests for the findings of review 2, one section per finding.
+The GPU findings (out_dims "sum" and None on GPU arrays) are in
+tests/test_gpu_review2.py, which `make test-emulated` runs. Crash-prone
+checks run in a subprocess with a timeout, so a segfault fails the test
+instead of killing the suite."""
+import copy
+import io
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import dpmini
+from dpmini.__main__ import main
+
+D2 = ["cpu:0", "cpu:1"]
+D4 = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+TIMEOUT = 60
+
+
+def run_script(body, *flags, env=None, timeout=TIMEOUT):
+    code = textwrap.dedent(body)
+    try:
+        res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
+                             text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not finish in {timeout}s")
+    assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr
+    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+    return res
+
+
+# --- 4: in_dims / out_dims entries replaced during a call ---------------------
+
+def test_4_out_dims_mutated_during_gather():
+    run_script("""
+        import numpy as np, dpmini, warnings
+        warnings.simplefilter("ignore")
+        class Spec(dict): pass
+        class Evil:
+            def __eq__(self, other):
+                dp.out_dims["a"] = Spec(y=None, z=0)   # replaces the entry being walked
+                return True
+            __hash__ = object.__hash__
+        dp = dpmini.DataParallel(lambda x: {"a": {"y": Evil(), "z": x}}, ["cpu:0", "cpu:1"],
+                                 out_dims={"a": Spec(y=None, z=0)})
+        for _ in range(20):
+            out = dp(np.ones((4, 3)))
+            assert out["a"]["z"].shape == (4, 3)
+        print("OK")
+    """, "-X", "dev")
+
+
+def test_4_in_dims_mutated_during_scatter():
+    run_script("""
+        import numpy as np, dpmini, warnings
+        warnings.simplefilter("ignore")
+        class Spec(dict): pass
+        class Batch(dict):
+            def items(self):
+                dp.in_dims[0] = Spec(x=0, y=None)
+                return super().items()
+            def keys(self):
+                dp.in_dims[0] = Spec(x=0, y=None)
+                return super().keys()
+        dp = dpmini.DataParallel(lambda b: b["x"], ["cpu:0", "cpu:1"], in_dims=[Spec(x=0, y=None)])
+        for _ in range(20):
+            assert dp(Batch(x=np.ones((4, 3)), y=np.ones(2))).shape == (4, 3)
+        for _ in range(20):   # the functional forms too
+            dpmini.scatter(Batch(x=np.ones((4, 3)), y=np.ones(2)), ["cpu:0", "cpu:1"],
+                           in_dims=dp.in_dims[0])
+            dpmini.explain((Batch(x=np.ones((4, 3)), y=np.ones(2)),), ["cpu:0", "cpu:1"],
+                           in_dims=dp.in_dims)
+        print("OK")
+    """, "-X", "dev")
+
+
+def test_4_a_change_during_a_call_applies_from_the_next_call():
+    spec = [0]
+    seen = []
+
+    class Batch(dict):
+        def items(self):
+            spec[0] = None                    # broadcast from now on
+            return super().items()
+
+    def model(b):
+        seen.append(b["x"].shape)
+        return b["x"]
+
+    dp = dpmini.DataParallel(model, D2, out_dims=0)
+    dp.in_dims = spec
+    dp(Batch(x=np.ones((4, 3))))              # this call still splits on dim 0
+    assert sorted(seen) == [(2, 3), (2, 3)]
+    assert dp.in_dims == [None]
+
+
+def test_4_chunk_sizes_list_mutated_by_index():
+    class Sneaky:
+        def __init__(self, v): self.v = v
+        def __index__(self):
+            sizes.clear()                     # the caller's list shrinks mid-parse
+            return self.v
+    sizes = [Sneaky(2), Sneaky(2)]
+    out = dpmini.scatter(np.zeros((4, 2)), D2, chunk_sizes=sizes)
+    assert [o.shape for o in out] == [(2, 2), (2, 2)]
+
+
+def test_4_self_referencing_in_dims_is_an_error_not_a_crash():
+    spec = []
+    spec.append(spec)
+    with pytest.raises(RecursionError):
+        dpmini.scatter((np.zeros(4),), D2, in_dims=spec)
