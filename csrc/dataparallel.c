@@ -807,13 +807,18 @@ PyDoc_STRVAR(reduce_doc,
 "__reduce__()\n--\n\n"
 "Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
 "type(self)(module, device_ids as strings, output_device as a string, dim,\n"
-"strict) and restores the instance __dict__. A subclass whose __init__ takes\n"
-"other arguments overrides __reduce__. The module must itself be picklable\n"
-"for pickle. Errors: RuntimeError when __init__ was not called.");
+"strict), then restores the instance __dict__ and sets in_dims, out_dims,\n"
+"chunk_sizes and weights (those that are not None) through their attribute\n"
+"setters, so the clone splits and gathers as self does. The state is\n"
+"(__dict__ or None, {option: value}), pickle's (state, slotstate) form.\n"
+"A subclass whose __init__ takes other arguments overrides __reduce__. The\n"
+"module must itself be picklable for pickle. Errors: RuntimeError when\n"
+"__init__ was not called.");
 
 static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
 {
-    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *res = NULL;
+    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *opts = NULL;
+    PyObject *res = NULL;
     char buf[32];
     if (check_initialised(self) < 0) {
         return NULL;
@@ -845,8 +850,32 @@ static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unus
     if (state == NULL) {
         goto done;
     }
+    {
+        /* The extension options go in pickle's slotstate: copy and pickle
+         * setattr() each entry, through the validating setters, and a
+         * subclass __init__ taking only the five PyTorch arguments still
+         * rebuilds. */
+        static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+        PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+        opts = PyDict_New();
+        if (opts == NULL) {
+            goto done;
+        }
+        for (int i = 0; i < 4; i++) {
+            if (vals[i] != Py_None && PyDict_SetItemString(opts, names[i], vals[i]) < 0) {
+                goto done;
+            }
+        }
+        if (PyDict_GET_SIZE(opts) > 0) {
+            Py_SETREF(state, PyTuple_Pack(2, state, opts));
+            if (state == NULL) {
+                goto done;
+            }
+        }
+    }
     res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
 done:
+    Py_XDECREF(opts);
     Py_XDECREF(ids);
     Py_XDECREF(out);
     Py_XDECREF(args);

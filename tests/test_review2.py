@@ -35,6 +35,54 @@ def run_script(body, *flags, env=None, timeout=TIMEOUT):
     return res
 
 
+# --- 1: copy / deepcopy / pickle keep in_dims, out_dims, chunk_sizes, weights ---
+
+def _scaled_by_table(x, w):        # w is broadcast whole (in_dims None)
+    return x * w.sum()
+
+
+def _sum_model(x):
+    return {"y": x, "n": x.shape[0]}
+
+
+class Sub(dpmini.DataParallel):     # a subclass with the five PyTorch arguments
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, strict=False):
+        super().__init__(module, device_ids, output_device, dim, strict)
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy,
+                                   lambda dp: pickle.loads(pickle.dumps(dp))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_1_clones_keep_the_extension_options(clone):
+    x, w = np.ones(4), np.arange(4.0)
+    dp = dpmini.DataParallel(_scaled_by_table, D2, in_dims=(0, None), out_dims=0,
+                             weights=[1, 3])
+    dp.note = "kept"
+    c = clone(dp)
+    assert (c.in_dims, c.out_dims, c.chunk_sizes, c.weights) == \
+        (dp.in_dims, dp.out_dims, dp.chunk_sizes, dp.weights) == ((0, None), 0, None, (1, 3))
+    assert c.note == "kept"
+    np.testing.assert_array_equal(c(x, w), dp(x, w))          # [6, 6, 6, 6]
+    np.testing.assert_array_equal(c(x, w), np.full(4, 6.0))
+
+    dp = dpmini.DataParallel(_sum_model, D2, out_dims={"n": "sum"}, chunk_sizes=[1, 3])
+    c = clone(dp)
+    assert c.chunk_sizes == (1, 3) and c.out_dims == {"n": "sum"} and c.weights is None
+    assert c(np.ones((4, 2)))["n"] == 4
+
+
+def test_1_reduce_form_and_plain_objects():
+    dp = dpmini.DataParallel(_sum_model, D2)
+    assert dp.__reduce__()[2] is None                          # nothing to restore
+    dp = dpmini.DataParallel(_sum_model, D2, in_dims={0: 1})
+    state, slots = dp.__reduce__()[2]
+    assert state is None and slots == {"in_dims": {0: 1}}
+    s = Sub(_sum_model, D2)
+    s.in_dims = (1,)
+    c = copy.deepcopy(s)
+    assert type(c) is Sub and c.in_dims == (1,)
+
+
 # --- 4: in_dims / out_dims entries replaced during a call ---------------------
 
 def test_4_out_dims_mutated_during_gather():
