@@ -11,6 +11,7 @@
 #include "tree.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ------------------------------------------------------------------ */
 /* Gather                                                              */
@@ -589,59 +590,109 @@ done:
     return res;
 }
 
+/* One replica's value at an out_dims None array position as a host ndarray
+ * for comparing (new reference): an ndarray as is (virtual-device memory is
+ * host memory), a NumPy scalar as a 0-dim array, and a GPU array (dpmini,
+ * CUDA Array Interface or DLPack) copied to the host. The copy costs a
+ * device-to-host transfer per replica; dpmini has no comparison kernel. */
+static PyObject *host_for_compare(gather_ctx *g, PyObject *v, const char *cpath)
+{
+    if (PyArray_Check(v))
+        return Py_NewRef(v);
+    if (PyArray_IsScalar(v, Generic))
+        return PyArray_FromScalar(v, NULL);
+    PyArrayObject *a = dp_as_array(g->st, v, cpath, 0);
+    if (a == NULL || dp_array_device(g->st, a).kind != DP_CUDA)
+        return (PyObject *)a;
+    dp_device host = {DP_HOST, -1};
+    PyObject *h = dp_copy_to_device(g->st, a, host);
+    Py_DECREF(a);
+    return h;
+}
+
+/* numpy.array_equal(a, b, equal_nan=...) with NaN equal to NaN when both
+ * dtypes are numeric and one is floating or complex (as the default gather
+ * treats float NaN values: review1 f17); other dtypes have no NaN. 1, 0 or
+ * -1. */
+static int arrays_equal(PyObject *a, PyObject *b)
+{
+    char ka = PyArray_DESCR((PyArrayObject *)a)->kind;
+    char kb = PyArray_DESCR((PyArrayObject *)b)->kind;
+    int numeric = strchr("biufc", ka) != NULL && strchr("biufc", kb) != NULL;
+    int nan = numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL);
+    PyObject *np = PyImport_ImportModule("numpy"), *res = NULL;
+    if (np == NULL)
+        return -1;
+    res = PyObject_CallMethod(np, "array_equal", "OOO", a, b, nan ? Py_True : Py_False);
+    Py_DECREF(np);
+    if (res == NULL)
+        return -1;
+    int eq = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return eq;
+}
+
 /* out_dims None at an array position: every replica's array must equal
- * replica 0's (numpy.array_equal: same shape, equal values); the result is
- * replica 0's array on the target device (itself when it lives there). */
+ * replica 0's (numpy.array_equal: same shape, equal values, NaN equal to
+ * NaN in floating and complex arrays); GPU arrays are compared through host
+ * copies. The result is replica 0's array on the target device (itself when
+ * it already lives there; a NumPy scalar is returned as is). */
 static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                      const path_seg *seg)
 {
+    PyObject *path = path_str(seg), *h0 = NULL, *res = NULL;
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
+    }
+    h0 = host_for_compare(g, vals[0], cpath);
+    if (h0 == NULL)
+        goto done;
     for (Py_ssize_t i = 1; i < n; i++) {
-        int eq;
-        if (PyArray_Check(vals[0]) && PyArray_Check(vals[i])) {
-            PyArrayObject *a = (PyArrayObject *)vals[0], *b = (PyArrayObject *)vals[i];
-            eq = PyArray_NDIM(a) == PyArray_NDIM(b) && PyArray_SAMESHAPE(a, b);
-            if (eq) {
-                PyObject *cmp = PyObject_RichCompare(vals[0], vals[i], Py_EQ);
-                PyObject *all = cmp != NULL ? PyObject_CallMethod(cmp, "all", NULL) : NULL;
-                eq = all != NULL ? PyObject_IsTrue(all) : -1;
-                Py_XDECREF(cmp);
-                Py_XDECREF(all);
-            }
-        }
-        else {
-            eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
-        }
+        PyObject *hi = host_for_compare(g, vals[i], cpath);
+        int eq = hi != NULL ? arrays_equal(h0, hi) : -1;
+        Py_XDECREF(hi);
         if (eq < 0)
-            return NULL;
+            goto done;
         if (eq)
             continue;
-        PyObject *path = path_str(seg);
-        if (path != NULL)
-            PyErr_Format(PyExc_TypeError,
-                         "%U: out_dims gives None here (every replica returns the same "
-                         "value), but replica %zd returned an array that differs from "
-                         "replica 0's (shape or values); give an int to gather the "
-                         "replicas' arrays along that dim, or \"sum\" to add them",
-                         path, i);
-        Py_XDECREF(path);
-        return NULL;
+        PyErr_Format(PyExc_TypeError,
+                     "%U: out_dims gives None here (every replica returns the same "
+                     "value), but replica %zd returned an array that differs from "
+                     "replica 0's (shape or values); give an int to gather the "
+                     "replicas' arrays along that dim, or \"sum\" to add them",
+                     path, i);
+        goto done;
     }
-    if (!PyArray_Check(vals[0]))
-        return Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
-    PyObject *one = PyList_New(1), *per_dev = NULL, *res = NULL;
+    if (PyArray_IsScalar(vals[0], Generic)) {
+        res = Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
+        goto done;
+    }
+    /* Replica 0's array onto the target: the copy engine (GPU arrays of any
+     * producer included; the array itself when it lives there already). */
+    PyObject *one = PyList_New(1), *per_dev = NULL;
     if (one == NULL)
-        return NULL;
+        goto done;
     PyList_SET_ITEM(one, 0, Py_NewRef(vals[0]));
     per_dev = dp_broadcast_coalesced(g->st, one, &g->target, 1, 0);
     if (per_dev != NULL)
         res = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, 0), 0));
     Py_DECREF(one);
     Py_XDECREF(per_dev);
+done:
+    Py_XDECREF(h0);
+    Py_XDECREF(path);
     return res;
 }
 
 /* out_dims "sum" at an array position: comm.reduce_add onto the target
- * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays. */
+ * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays;
+ * every other array (ndarray, dpmini.Array, CUDA Array Interface and DLPack
+ * objects) goes to dp_reduce_add as is, which imports it as comm.reduce_add
+ * does. */
 static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                    const path_seg *seg)
 {
@@ -649,8 +700,8 @@ static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssiz
     if (list == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
-                                             : PyArray_FromScalar(vals[i], NULL);
+        PyObject *a = PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
+                                                         : Py_NewRef(vals[i]);
         if (a == NULL)
             goto done;
         PyList_SET_ITEM(list, i, a);
@@ -687,7 +738,8 @@ static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssiz
 }
 
 /* out_dims None at a str/number/other object: every value must equal
- * replica 0's (==); the result is replica 0's value. */
+ * replica 0's (==, NaN counting as equal to NaN as in gather_value); the
+ * result is replica 0's value. */
 static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                      const path_seg *seg)
 {
@@ -695,6 +747,8 @@ static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ss
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
             return NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);  /* as gather_value */
         if (eq)
             continue;
         PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
