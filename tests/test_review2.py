@@ -289,6 +289,23 @@ def test_8_plot_of_an_error_plan_draws_no_device_colours():
     mpl.pyplot.close(fig)
 
 
+# --- 9: `python -m dpmini info` wording ---------------------------------------
+
+def test_9_info_describes_the_pool_and_a_rejected_env():
+    env = dict(os.environ, DPMINI_CPU_DEVICES="abc")
+    p = subprocess.run([sys.executable, "-m", "dpmini", "info"], capture_output=True,
+                       text=True, env=env, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    assert "one worker thread per device, more while its jobs overlap, up to 64" in p.stdout
+    assert "one worker thread each" not in p.stdout
+    assert "$DPMINI_CPU_DEVICES='abc' rejected (not an int in 1..256)" in p.stdout
+    assert "$DPMINI_CPU_DEVICES=abc)" not in p.stdout
+    env["DPMINI_CPU_DEVICES"] = "3"
+    p = subprocess.run([sys.executable, "-m", "dpmini", "info"], capture_output=True,
+                       text=True, env=env, timeout=TIMEOUT)
+    assert "virtual CPU devices: 3" in p.stdout and "rejected" not in p.stdout
+
+
 # --- 10: out_dims None treats NaN as equal to NaN -----------------------------
 
 def test_10_out_dims_none_nan_values():
