@@ -342,3 +342,16 @@ def test_10_out_dims_none_other_dtypes():
     dp = dpmini.DataParallel(lambda x: (x, np.array([np.nan, 1.0])), D2, out_dims=(0, None))
     y, same = dp(np.ones(4))
     assert np.isnan(same[0]) and same[1] == 1.0
+
+
+# --- 11: docstrings and docs --------------------------------------------------
+
+def test_11_docstrings():
+    for fn in (dpmini.memory_allocated, dpmini.memory_reserved, dpmini.empty_cache):
+        assert "Errors" in fn.__doc__ or "Raises" in fn.__doc__, fn
+    assert ".status" in dpmini.DPError.__doc__
+    assert "copy" in dpmini.Device.__reduce__.__doc__
+    assert "dpmini.Array" in dpmini.device_of.__doc__
+    doc = dpmini.DataParallel.__doc__
+    assert "dtype" in doc and "object" in doc and "Shapes" in doc
+    assert "tuple of ints" in dpmini.empty.__doc__
