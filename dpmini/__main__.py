@@ -198,7 +198,7 @@ def _check_plot_path(path):
 def cmd_explain(args, parser, out):
     sub = getattr(args, "subparser", parser)
     if not args.shape and not args.kw:
-        return _fail(sub, "give at least one --shape (or --kw NAME=SHAPE)")
+        sub.error("give at least one --shape (or --kw NAME=SHAPE)")   # exits 2
     names = [name for name, _ in args.kw]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
