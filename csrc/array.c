@@ -984,8 +984,13 @@ PyDoc_STRVAR(empty_doc,
 "empty(shape, dtype=None, device='cpu', pin_memory=False)\n--\n\n"
 "An uninitialised array (dtype None means float64): on a CUDA device a dpmini.Array; on the host a\n"
 "numpy.ndarray, in page-locked (pinned) memory when pin_memory=True (needs CUDA),\n"
-"so host<->GPU copies of it are direct DMA with no staging. Raises ValueError,\n"
-"TypeError, MemoryError, dpmini.CudaError.");
+"so host<->GPU copies of it are direct DMA with no staging.\n"
+"shape: an int (a 1-dim array of that many elements) or a tuple of ints, each >= 0, in\n"
+"elements (not bytes), as numpy.empty; () is a 0-dim array. C-contiguous.\n"
+"dtype: anything numpy.dtype accepts except object. device: 'cpu' (the host), 'cpu:N' (a\n"
+"numpy.ndarray in that virtual device's memory), 'cuda:N', an int N or a dpmini.Device.\n"
+"Raises ValueError (a negative size, a bad device), TypeError (a shape that is not an\n"
+"int or a tuple of ints, an object or unknown dtype), MemoryError, dpmini.CudaError.");
 
 static PyObject *py_empty(PyObject *m, PyObject *args, PyObject *kw)
 {

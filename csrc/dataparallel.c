@@ -807,13 +807,18 @@ PyDoc_STRVAR(reduce_doc,
 "__reduce__()\n--\n\n"
 "Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
 "type(self)(module, device_ids as strings, output_device as a string, dim,\n"
-"strict) and restores the instance __dict__. A subclass whose __init__ takes\n"
-"other arguments overrides __reduce__. The module must itself be picklable\n"
-"for pickle. Errors: RuntimeError when __init__ was not called.");
+"strict), then restores the instance __dict__ and sets in_dims, out_dims,\n"
+"chunk_sizes and weights (those that are not None) through their attribute\n"
+"setters, so the clone splits and gathers as self does. The state is\n"
+"(__dict__ or None, {option: value}), pickle's (state, slotstate) form.\n"
+"A subclass whose __init__ takes other arguments overrides __reduce__. The\n"
+"module must itself be picklable for pickle. Errors: RuntimeError when\n"
+"__init__ was not called.");
 
 static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
 {
-    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *res = NULL;
+    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *opts = NULL;
+    PyObject *res = NULL;
     char buf[32];
     if (check_initialised(self) < 0) {
         return NULL;
@@ -845,8 +850,32 @@ static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unus
     if (state == NULL) {
         goto done;
     }
+    {
+        /* The extension options go in pickle's slotstate: copy and pickle
+         * setattr() each entry, through the validating setters, and a
+         * subclass __init__ taking only the five PyTorch arguments still
+         * rebuilds. */
+        static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+        PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+        opts = PyDict_New();
+        if (opts == NULL) {
+            goto done;
+        }
+        for (int i = 0; i < 4; i++) {
+            if (vals[i] != Py_None && PyDict_SetItemString(opts, names[i], vals[i]) < 0) {
+                goto done;
+            }
+        }
+        if (PyDict_GET_SIZE(opts) > 0) {
+            Py_SETREF(state, PyTuple_Pack(2, state, opts));
+            if (state == NULL) {
+                goto done;
+            }
+        }
+    }
     res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
 done:
+    Py_XDECREF(opts);
     Py_XDECREF(ids);
     Py_XDECREF(out);
     Py_XDECREF(args);
@@ -1067,6 +1096,21 @@ PyDoc_STRVAR(DataParallel_doc,
 "or -1 is the host (-1 warns FutureWarning). dim: the int dimension to split\n"
 "and gather along. strict: raise ValueError instead of warning\n"
 "dpmini.SplitWarning when arrays split into different chunk counts.\n"
+"\n"
+"Shapes and dtypes. Inputs: any structure (tuples, lists, dicts,\n"
+"namedtuples) of arrays (numpy.ndarray of any rank >= 1 and any dtype\n"
+"except object; dpmini.Array and CUDA Array Interface / DLPack objects on\n"
+"GPUs) and other objects. Each array of n rows along dim is split into\n"
+"chunks of ceil(n/k) rows by default (k = len(device_ids); the last chunk\n"
+"smaller, fewer chunks when n is small; see chunk_sizes and weights); a\n"
+"chunk keeps the array's other dims and its dtype. 0-dim arrays are\n"
+"refused (ValueError), object arrays are TypeError; other objects go to\n"
+"every replica unchanged. Outputs: replica outputs of one structure;\n"
+"arrays at one position are concatenated along dim on output_device (the\n"
+"replicas' shapes with their dim sizes added; replica 0's dtype); 0-dim\n"
+"outputs become a vector of one value per replica; None, str and numbers\n"
+"are returned once when every replica's is equal.\n"
+"\n"
 "Calling the object runs forward(*args, **kwargs). Subclasses may override\n"
 "forward, scatter, replicate, parallel_apply and gather, and may add\n"
 "attributes. The module's arrays are not required to be on device_ids[0]\n"
@@ -1086,11 +1130,15 @@ PyDoc_STRVAR(DataParallel_doc,
 "  the entry (\"in_dims[1]['x']\"); wrong types: TypeError.\n"
 "out_dims: how each output is gathered, modelled on pmap's out_axes: an int\n"
 "  gathers along that dim; None returns replica 0's value after checking\n"
-"  that every replica returned an equal one (numpy.array_equal for arrays;\n"
-"  TypeError naming the path otherwise); \"sum\" adds the replicas' values\n"
+"  that every replica returned an equal one (numpy.array_equal for arrays,\n"
+"  NaN equal to NaN; GPU arrays compared through host copies; TypeError\n"
+"  naming the path otherwise); \"sum\" adds the replicas' values\n"
 "  (arrays with comm.reduce_add onto output_device, numbers with +): the\n"
 "  sum of per-replica gradients, counts or summed losses. Structures mirror\n"
-"  the output as for in_dims (a dict also names dataclass fields).\n"
+"  the output as for in_dims (a dict also names dataclass fields). A\n"
+"  top-level None is the default (dim everywhere): to check that a bare\n"
+"  array output is the same on every replica, return it in a tuple and\n"
+"  give out_dims=(None,).\n"
 "chunk_sizes: one int >= 0 per device in device_ids: the rows along the\n"
 "  split dim each device gets, for every split array (each must have\n"
 "  sum(chunk_sizes) rows, else ValueError naming it). From\n"

@@ -817,7 +817,11 @@ static PyGetSetDef device_getset[] = {
 };
 
 static PyMethodDef device_methods_tbl[] = {
-    {"__reduce__", device_reduce, METH_NOARGS, NULL},
+    {"__reduce__", device_reduce, METH_NOARGS,
+     "__reduce__()\n--\n\nSupport for copy.copy, copy.deepcopy and pickle: a Device is rebuilt\n"
+     "from its canonical spelling, Device(str(self)) ('cpu', 'cpu:1', 'cuda:0'), so a\n"
+     "copy compares equal to the original. Unpickling a CUDA device where that GPU does not\n"
+     "exist raises ValueError, as Device('cuda:N') does."},
     {NULL},
 };
 
@@ -988,19 +992,33 @@ PyMethodDef dp_device_methods[] = {
      "when set (1..256), else the number of usable cores, at least 2. An invalid\n"
      "$DPMINI_CPU_DEVICES warns RuntimeWarning naming it and the count used instead."},
     {"device_of", py_device_of, METH_O,
-     "device_of(array)\n--\n\nReturns a dpmini.Device: the device that owns an ndarray's memory: the dpmini "
-     "device for arrays dpmini allocated (and views of them), else the host ('cpu').\n"
+     "device_of(array)\n--\n\nReturns a dpmini.Device: the device that owns an array's memory.\n"
+     "A numpy.ndarray: the dpmini device for arrays dpmini allocated (and views of them),\n"
+     "else the host ('cpu'). A GPU array: a dpmini.Array, or any object with\n"
+     "__cuda_array_interface__ or a CUDA __dlpack_device__() (CuPy, PyTorch CUDA tensors,\n"
+     "Numba): its CUDA device, e.g. Device('cuda:1'), read through the same zero-copy\n"
+     "import dpmini uses for arguments (no data is copied).\n"
      "Rule source: torch.Tensor.device (a view lives where its base's memory lives).\n"
-     "Raises TypeError when array is not a numpy.ndarray."},
+     "Raises TypeError when array is neither a numpy.ndarray nor a GPU array (a list,\n"
+     "a NumPy scalar), and the producer's own error (or TypeError/BufferError naming\n"
+     "'array') when a GPU object's protocol fails."},
     {"memory_allocated", py_memory_allocated, METH_O,
      "memory_allocated(device)\n--\n\nReturns an int: bytes (rounded to the allocator's block sizes) "
      "held by live dpmini arrays on a device ('cpu' counts dpmini's host allocations "
-     "only). Source: torch.cuda.memory_allocated."},
+     "only). device: 'cpu' or -1 (the host), 'cpu:N', 'cuda:N', an int or a dpmini.Device.\n"
+     "Errors: TypeError for a device of the wrong type (a float, a list); ValueError for\n"
+     "an unknown spelling, a virtual device index outside 0..255, or a CUDA device that\n"
+     "does not exist (the message says when dpmini sees no GPU at all).\n"
+     "Source: torch.cuda.memory_allocated."},
     {"memory_reserved", py_memory_reserved, METH_O,
      "memory_reserved(device)\n--\n\nReturns an int: memory_allocated plus the bytes the caching "
-     "allocator keeps for reuse on that device. Source: torch.cuda.memory_reserved."},
+     "allocator keeps for reuse on that device. device: as for memory_allocated.\n"
+     "Errors: TypeError for a device of the wrong type; ValueError for an unknown spelling,\n"
+     "an index out of range or a missing CUDA device. Source: torch.cuda.memory_reserved."},
     {"empty_cache", py_empty_cache, METH_NOARGS,
-     "empty_cache()\n--\n\nReturn every cached block of every device to the system. "
+     "empty_cache()\n--\n\nReturn every cached block of every device (virtual CPU devices, the\n"
+     "host's gathered outputs, CUDA devices) to the system; returns None. Live arrays are\n"
+     "not touched. Errors: none (takes no argument; TypeError if given one).\n"
      "Source: torch.cuda.empty_cache."},
     {NULL},
 };

@@ -193,6 +193,7 @@ static PyObject *py_plan(PyObject *module, PyObject *args, PyObject *kwds)
     PyObject *inputs, *kwobj, *devobj, *dimobj = NULL;
     PyObject *in_dims = Py_None, *csobj = Py_None, *wobj = Py_None;
     PyObject *ins = NULL, *kw = NULL, *res = NULL;
+    PyObject *spec = NULL;  /* the call's own copy of in_dims (NULL: None) */
     PyObject *args_spec = NULL, *kw_spec = NULL, *own[2] = {NULL, NULL};
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
@@ -210,10 +211,12 @@ static PyObject *py_plan(PyObject *module, PyObject *args, PyObject *kwds)
         return NULL;
     dp_state *st = dp_state_from_module(module);
     if (parse_dim(dimobj, &dim) < 0 || normalize_kwargs(kwobj, &kw) < 0 ||
-        dp_check_dims_spec(in_dims, "in_dims", 0) < 0)
+        dims_take(in_dims, "in_dims", 0, &spec) < 0)
         return NULL;
-    if ((ins = normalize_inputs(inputs)) == NULL)
+    if ((ins = normalize_inputs(inputs)) == NULL) {
+        Py_XDECREF(spec);
         return NULL;
+    }
     if (devobj == Py_None) {
         if (dp_default_devices(st, &devs, &ndev) < 0)
             goto done;
@@ -229,7 +232,7 @@ static PyObject *py_plan(PyObject *module, PyObject *args, PyObject *kwds)
     c.weights = opts.weights;
     int has_kw = kw != NULL && PyDict_GET_SIZE(kw) > 0;
     /* An in_dims that does not fit the call is recorded as the plan's error. */
-    if (split_top_spec(in_dims, PyTuple_GET_SIZE(ins), has_kw ? kw : NULL, &args_spec,
+    if (split_top_spec(spec, PyTuple_GET_SIZE(ins), has_kw ? kw : NULL, &args_spec,
                        &kw_spec, own) < 0) {
         if (absorb_error(&c) < 0)
             goto done;
@@ -247,6 +250,7 @@ done:
     Py_XDECREF(own[1]);
     ctx_clear(&c);
     Py_DECREF(ins);
+    Py_XDECREF(spec);
     PyMem_Free(devs);
     return res;
 }

@@ -11,6 +11,7 @@
 #include "tree.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ------------------------------------------------------------------ */
 /* Gather                                                              */
@@ -589,59 +590,109 @@ done:
     return res;
 }
 
+/* One replica's value at an out_dims None array position as a host ndarray
+ * for comparing (new reference): an ndarray as is (virtual-device memory is
+ * host memory), a NumPy scalar as a 0-dim array, and a GPU array (dpmini,
+ * CUDA Array Interface or DLPack) copied to the host. The copy costs a
+ * device-to-host transfer per replica; dpmini has no comparison kernel. */
+static PyObject *host_for_compare(gather_ctx *g, PyObject *v, const char *cpath)
+{
+    if (PyArray_Check(v))
+        return Py_NewRef(v);
+    if (PyArray_IsScalar(v, Generic))
+        return PyArray_FromScalar(v, NULL);
+    PyArrayObject *a = dp_as_array(g->st, v, cpath, 0);
+    if (a == NULL || dp_array_device(g->st, a).kind != DP_CUDA)
+        return (PyObject *)a;
+    dp_device host = {DP_HOST, -1};
+    PyObject *h = dp_copy_to_device(g->st, a, host);
+    Py_DECREF(a);
+    return h;
+}
+
+/* numpy.array_equal(a, b, equal_nan=...) with NaN equal to NaN when both
+ * dtypes are numeric and one is floating or complex (as the default gather
+ * treats float NaN values: review1 f17); other dtypes have no NaN. 1, 0 or
+ * -1. */
+static int arrays_equal(PyObject *a, PyObject *b)
+{
+    char ka = PyArray_DESCR((PyArrayObject *)a)->kind;
+    char kb = PyArray_DESCR((PyArrayObject *)b)->kind;
+    int numeric = strchr("biufc", ka) != NULL && strchr("biufc", kb) != NULL;
+    int nan = numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL);
+    PyObject *np = PyImport_ImportModule("numpy"), *res = NULL;
+    if (np == NULL)
+        return -1;
+    res = PyObject_CallMethod(np, "array_equal", "OOO", a, b, nan ? Py_True : Py_False);
+    Py_DECREF(np);
+    if (res == NULL)
+        return -1;
+    int eq = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return eq;
+}
+
 /* out_dims None at an array position: every replica's array must equal
- * replica 0's (numpy.array_equal: same shape, equal values); the result is
- * replica 0's array on the target device (itself when it lives there). */
+ * replica 0's (numpy.array_equal: same shape, equal values, NaN equal to
+ * NaN in floating and complex arrays); GPU arrays are compared through host
+ * copies. The result is replica 0's array on the target device (itself when
+ * it already lives there; a NumPy scalar is returned as is). */
 static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                      const path_seg *seg)
 {
+    PyObject *path = path_str(seg), *h0 = NULL, *res = NULL;
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
+    }
+    h0 = host_for_compare(g, vals[0], cpath);
+    if (h0 == NULL)
+        goto done;
     for (Py_ssize_t i = 1; i < n; i++) {
-        int eq;
-        if (PyArray_Check(vals[0]) && PyArray_Check(vals[i])) {
-            PyArrayObject *a = (PyArrayObject *)vals[0], *b = (PyArrayObject *)vals[i];
-            eq = PyArray_NDIM(a) == PyArray_NDIM(b) && PyArray_SAMESHAPE(a, b);
-            if (eq) {
-                PyObject *cmp = PyObject_RichCompare(vals[0], vals[i], Py_EQ);
-                PyObject *all = cmp != NULL ? PyObject_CallMethod(cmp, "all", NULL) : NULL;
-                eq = all != NULL ? PyObject_IsTrue(all) : -1;
-                Py_XDECREF(cmp);
-                Py_XDECREF(all);
-            }
-        }
-        else {
-            eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
-        }
+        PyObject *hi = host_for_compare(g, vals[i], cpath);
+        int eq = hi != NULL ? arrays_equal(h0, hi) : -1;
+        Py_XDECREF(hi);
         if (eq < 0)
-            return NULL;
+            goto done;
         if (eq)
             continue;
-        PyObject *path = path_str(seg);
-        if (path != NULL)
-            PyErr_Format(PyExc_TypeError,
-                         "%U: out_dims gives None here (every replica returns the same "
-                         "value), but replica %zd returned an array that differs from "
-                         "replica 0's (shape or values); give an int to gather the "
-                         "replicas' arrays along that dim, or \"sum\" to add them",
-                         path, i);
-        Py_XDECREF(path);
-        return NULL;
+        PyErr_Format(PyExc_TypeError,
+                     "%U: out_dims gives None here (every replica returns the same "
+                     "value), but replica %zd returned an array that differs from "
+                     "replica 0's (shape or values); give an int to gather the "
+                     "replicas' arrays along that dim, or \"sum\" to add them",
+                     path, i);
+        goto done;
     }
-    if (!PyArray_Check(vals[0]))
-        return Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
-    PyObject *one = PyList_New(1), *per_dev = NULL, *res = NULL;
+    if (PyArray_IsScalar(vals[0], Generic)) {
+        res = Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
+        goto done;
+    }
+    /* Replica 0's array onto the target: the copy engine (GPU arrays of any
+     * producer included; the array itself when it lives there already). */
+    PyObject *one = PyList_New(1), *per_dev = NULL;
     if (one == NULL)
-        return NULL;
+        goto done;
     PyList_SET_ITEM(one, 0, Py_NewRef(vals[0]));
     per_dev = dp_broadcast_coalesced(g->st, one, &g->target, 1, 0);
     if (per_dev != NULL)
         res = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, 0), 0));
     Py_DECREF(one);
     Py_XDECREF(per_dev);
+done:
+    Py_XDECREF(h0);
+    Py_XDECREF(path);
     return res;
 }
 
 /* out_dims "sum" at an array position: comm.reduce_add onto the target
- * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays. */
+ * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays;
+ * every other array (ndarray, dpmini.Array, CUDA Array Interface and DLPack
+ * objects) goes to dp_reduce_add as is, which imports it as comm.reduce_add
+ * does. */
 static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                    const path_seg *seg)
 {
@@ -649,8 +700,8 @@ static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssiz
     if (list == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
-                                             : PyArray_FromScalar(vals[i], NULL);
+        PyObject *a = PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
+                                                         : Py_NewRef(vals[i]);
         if (a == NULL)
             goto done;
         PyList_SET_ITEM(list, i, a);
@@ -687,7 +738,8 @@ static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssiz
 }
 
 /* out_dims None at a str/number/other object: every value must equal
- * replica 0's (==); the result is replica 0's value. */
+ * replica 0's (==, NaN counting as equal to NaN as in gather_value); the
+ * result is replica 0's value. */
 static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                      const path_seg *seg)
 {
@@ -695,6 +747,8 @@ static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ss
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
             return NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);  /* as gather_value */
         if (eq)
             continue;
         PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
@@ -799,19 +853,23 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
 PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
                                int dim, PyObject *out_dims)
 {
-    if (out_dims == Py_None)
-        out_dims = NULL;
-    if (dp_check_dims_spec(out_dims, "out_dims", 1) < 0)
-        return NULL;
     if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
+        if (dp_check_dims_spec(out_dims == Py_None ? NULL : out_dims, "out_dims", 1) < 0)
+            return NULL;
         PyErr_Format(PyExc_TypeError,
                      "outputs: expected a list or tuple with one entry per replica, "
                      "got %.100s", Py_TYPE(outputs)->tp_name);
         return NULL;
     }
-    PyObject *snap = seq_snapshot(outputs);
-    if (snap == NULL)
+    /* The call's own copy: gather runs user code (__eq__, constructors). */
+    PyObject *spec = NULL;
+    if (dims_take(out_dims, "out_dims", 1, &spec) < 0)
         return NULL;
+    PyObject *snap = seq_snapshot(outputs);
+    if (snap == NULL) {
+        Py_XDECREF(spec);
+        return NULL;
+    }
     PyObject *res = NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(snap);
     if (n == 0) {
@@ -822,9 +880,10 @@ PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target
     else {
         gather_ctx g = {st, target, dim, OUT_CAT};
         path_seg root = seg_root("out"), sroot = seg_root("out_dims");
-        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, out_dims, &sroot);
+        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, spec, &sroot);
     }
     Py_DECREF(snap);
+    Py_XDECREF(spec);
     return res;
 }
 
@@ -847,8 +906,10 @@ PyDoc_STRVAR(gather_doc,
 "  mirrors replica 0's output (JAX pmap's out_axes): an int gathers along\n"
 "  that dim; None returns replica 0's value (arrays copied to target_device)\n"
 "  after checking that every replica returned an equal one (numpy\n"
-"  array_equal for arrays: same shape and values), TypeError naming the\n"
-"  path otherwise; \"sum\" adds the replicas' values: arrays (same shape)\n"
+"  array_equal for arrays: same shape and values, NaN equal to NaN; GPU\n"
+"  arrays compared through host copies), TypeError naming the path\n"
+"  otherwise; a top-level None is the default, so wrap a bare array\n"
+"  output in a tuple and give (None,) to compare it; \"sum\" adds the replicas' values: arrays (same shape)\n"
 "  with comm.reduce_add onto target_device, in replica order, in replica\n"
 "  0's dtype; numbers with +; None stays None; str/bytes are refused. A\n"
 "  tuple/list mirrors a list/tuple/namedtuple by position (a prefix), a dict\n"

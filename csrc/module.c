@@ -149,7 +149,12 @@ static int dp_exec(PyObject *m)
         return -1;
     }
     if (add_exception(m, "dpmini.DPError", PyExc_Exception,
-                      "Base of dpmini's own failures (device, CUDA, NCCL). Has .status.",
+                      "Base of dpmini's own failures (device, CUDA, NCCL); caller mistakes are\n"
+                      "ValueError, TypeError, IndexError or BufferError instead.\n"
+                      "Attribute .status: the failing library's own status code as an int\n"
+                      "(cudaError_t for CudaError, ncclResult_t for NcclError, e.g. 2 for\n"
+                      "cudaErrorMemoryAllocation), or None (the class default) when no library\n"
+                      "code applies. Instances pickle with their message and status.",
                       &st->DPError) < 0 ||
         add_exception(m, "dpmini.CudaError", st->DPError,
                       "A CUDA runtime call failed; the message names the call and the device.",

@@ -302,6 +302,7 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
     scatter_ctx c;
     PyObject *ins = NULL, *kws = NULL, **tmp = NULL;
     PyObject *args_spec = NULL, *kw_spec = NULL, *own[2] = {NULL, NULL};
+    PyObject *in_dims = NULL;  /* the call's own copy of opts->in_dims */
     path_seg args_root = seg_root("args"), kw_root = seg_root("kwargs");
     path_seg sroot = seg_root("in_dims");
     int rc = -1, dim = opts->dim, strict = opts->strict;
@@ -322,9 +323,9 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
     Py_ssize_t nin = inputs != NULL ? PyTuple_GET_SIZE(inputs) : 0;
     int has_kw = kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0;
 
-    if (opts->in_dims != NULL && dp_check_dims_spec(opts->in_dims, "in_dims", 0) < 0)
+    if (dims_take(opts->in_dims, "in_dims", 0, &in_dims) < 0)
         return -1;
-    if (split_top_spec(opts->in_dims, nin, has_kw ? kwargs : NULL, &args_spec, &kw_spec,
+    if (split_top_spec(in_dims, nin, has_kw ? kwargs : NULL, &args_spec, &kw_spec,
                        own) < 0)
         goto fail;
 
@@ -412,6 +413,7 @@ fail:
     Py_XDECREF(kws);
     Py_XDECREF(own[0]);
     Py_XDECREF(own[1]);
+    Py_XDECREF(in_dims);
     ctx_clear(&c);
     return rc;
 }
@@ -490,6 +492,7 @@ static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
                              "chunk_sizes", "weights", NULL};
     PyObject *inputs, *devobj, *dimobj = NULL, *out = NULL, **res = NULL;
     PyObject *in_dims = Py_None, *csobj = Py_None, *wobj = Py_None;
+    PyObject *spec = NULL;  /* the call's own copy of in_dims (NULL: None) */
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
     int dim, strict = 0, kind;
@@ -504,10 +507,10 @@ static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
                                      &devobj, &dimobj, &strict, &in_dims, &csobj, &wobj))
         return NULL;
     dp_state *st = dp_state_from_module(module);
-    if (parse_dim(dimobj, &dim) < 0 || dp_check_dims_spec(in_dims, "in_dims", 0) < 0)
+    if (parse_dim(dimobj, &dim) < 0 || dims_take(in_dims, "in_dims", 0, &spec) < 0)
         return NULL;
     if (dp_device_list_from_object(st, devobj, "target_devices", &devs, &ndev) < 0)
-        return NULL;
+        goto done;
     if (dp_parse_split_sizes(csobj, wobj, ndev, sizes_buf, weights_buf, &opts) < 0)
         goto done;
     if (ctx_init(&c, st, devs, ndev, dim, 0) < 0)
@@ -516,7 +519,7 @@ static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
     c.weights = opts.weights;
     if ((kind = scatter_kind(st, inputs)) < 0)
         goto done;
-    if (collect(&c, inputs, &root, in_dims == Py_None ? NULL : in_dims, &sroot) < 0)
+    if (collect(&c, inputs, &root, spec, &sroot) < 0)
         goto done;
     scatter_count(&c);
     if (scatter_check(&c, strict) < 0 || scatter_copy(&c) < 0)
@@ -547,6 +550,7 @@ done:
     }
     ctx_clear(&c);
     PyMem_Free(devs);
+    Py_XDECREF(spec);
     return out;
 }
 

@@ -175,17 +175,25 @@ static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *
          * split leaf: the sizes must add up to each one's length. */
         memcpy(sizes, c->chunk_sizes, (size_t)c->ndev * sizeof(int64_t));
         if (dp_check_chunk_sizes(n, c->ndev, sizes, NULL) != DP_OK) {
+            /* Each size is >= 0, but their sum can pass INT64_MAX: say so
+             * (as comm.scatter does) instead of printing a wrapped sum. */
             long long sum = 0;
-            for (int j = 0; j < c->ndev; j++)
-                sum += sizes[j];
-            PyObject *sz = sizes_repr(sizes, c->ndev);
+            int overflow = 0;
+            for (int j = 0; j < c->ndev && !overflow; j++)
+                overflow = __builtin_add_overflow(sum, (long long)sizes[j], &sum);
+            PyObject *total = overflow
+                ? PyUnicode_FromFormat("more than %lld", (long long)INT64_MAX)
+                : PyUnicode_FromFormat("%lld", sum);
+            PyObject *sz = total != NULL ? sizes_repr(sizes, c->ndev) : NULL;
             PyObject *shape = sz != NULL ? shape_repr(arr) : NULL;
             if (shape != NULL)
                 PyErr_Format(PyExc_ValueError,
-                             "%s: chunk_sizes %U sum to %lld, but the array has size "
+                             "%s: chunk_sizes %U sum to %U, but the array has size "
                              "%lld along dim %d (shape %U); chunk_sizes must sum to the "
                              "size of every split array (give the others in_dims None "
-                             "to broadcast them)", cpath, sz, sum, (long long)n, wdim, shape);
+                             "to broadcast them)", cpath, sz, total, (long long)n, wdim,
+                             shape);
+            Py_XDECREF(total);
             Py_XDECREF(sz);
             Py_XDECREF(shape);
             return -1;

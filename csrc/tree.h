@@ -135,6 +135,14 @@ PyObject *normalize_inputs(PyObject *inputs);
 /* kwargs: None -> NULL (no kwargs); a dict as is (borrowed). */
 int normalize_kwargs(PyObject *kwargs, PyObject **out);
 
+/* in_dims / out_dims as one call walks them: checked, and copied into
+ * containers the call owns (lists, tuples, plain dicts), so user code run
+ * during the walk (a dict subclass's items(), __eq__, a replica) cannot
+ * change or free an entry being walked; a change made meanwhile applies
+ * from the next call. *out: a new reference, NULL for NULL or None (the
+ * default). */
+int dims_take(PyObject *spec, const char *argname, int is_out, PyObject **out);
+
 /* ------------------------------------------------------------------ */
 /* scatter_walk.c: scatter passes (a) and (b), for scatter_tree.c and explain.c */
 /* ------------------------------------------------------------------ */

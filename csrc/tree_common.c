@@ -468,6 +468,66 @@ int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out)
     return check_spec(spec, &root, is_out);
 }
 
+/* A copy of one in_dims / out_dims entry in containers nobody else can
+ * reach: lists stay lists and tuples tuples (plain ones), dicts (subclasses
+ * included) become plain dicts; leaves (ints, None, "sum") are shared, being
+ * immutable. Only C-level reads of the user's containers (no items(),
+ * __iter__ or other user code), so nothing can change them half-way. */
+static PyObject *spec_copy(PyObject *spec)
+{
+    if (!PyTuple_Check(spec) && !PyList_Check(spec) && !PyDict_Check(spec))
+        return Py_NewRef(spec);
+    if (Py_EnterRecursiveCall(" while copying in_dims / out_dims"))
+        return NULL;
+    PyObject *items = NULL, *res = NULL;
+    if (PyDict_Check(spec)) {
+        /* PyDict_Items reads the dict's own storage (strong references),
+         * also for subclasses; hashing the keys into the copy may run user
+         * code, which can then change only the user's dict, not items. */
+        items = PyDict_Items(spec);
+        res = items != NULL ? PyDict_New() : NULL;
+        for (Py_ssize_t i = 0; res != NULL && i < PyList_GET_SIZE(items); i++) {
+            PyObject *pair = PyList_GET_ITEM(items, i);
+            PyObject *v = spec_copy(PyTuple_GET_ITEM(pair, 1));
+            if (v == NULL || PyDict_SetItem(res, PyTuple_GET_ITEM(pair, 0), v) < 0)
+                Py_CLEAR(res);
+            Py_XDECREF(v);
+        }
+    }
+    else {
+        int is_list = PyList_Check(spec);
+        items = is_list ? PyList_AsTuple(spec) : Py_NewRef(spec);
+        Py_ssize_t n = items != NULL ? PyTuple_GET_SIZE(items) : 0;
+        res = items == NULL ? NULL : is_list ? PyList_New(n) : PyTuple_New(n);
+        for (Py_ssize_t i = 0; res != NULL && i < n; i++) {
+            PyObject *v = spec_copy(PyTuple_GET_ITEM(items, i));
+            if (v == NULL)
+                Py_CLEAR(res);
+            else if (is_list)
+                PyList_SET_ITEM(res, i, v);
+            else
+                PyTuple_SET_ITEM(res, i, v);
+        }
+    }
+    Py_XDECREF(items);
+    Py_LeaveRecursiveCall();
+    return res;
+}
+
+int dims_take(PyObject *spec, const char *argname, int is_out, PyObject **out)
+{
+    *out = NULL;
+    if (spec == NULL || spec == Py_None)
+        return 0;
+    PyObject *copy = spec_copy(spec);
+    if (copy == NULL || dp_check_dims_spec(copy, argname, is_out) < 0) {
+        Py_XDECREF(copy);
+        return -1;
+    }
+    *out = copy;
+    return 0;
+}
+
 /* One sequence argument of ndev entries (chunk_sizes or weights). */
 static PyObject *per_device_seq(PyObject *obj, const char *argname, const char *what,
                                 Py_ssize_t ndev)
@@ -478,7 +538,9 @@ static PyObject *per_device_seq(PyObject *obj, const char *argname, const char *
                      "got %.100s", argname, what, Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(obj, argname);
+    /* A tuple of its own (not PySequence_Fast, which returns a list itself):
+     * __index__ / __float__ of an entry may change the caller's list. */
+    PyObject *fast = PySequence_Tuple(obj);
     if (fast == NULL)
         return NULL;
     if (PySequence_Fast_GET_SIZE(fast) != ndev) {

@@ -8,15 +8,21 @@
         lists the devices, the backends built in, and the CUDA and NCCL
         versions ("not built" when dpmini was built without CUDA).
 
-Exit status: 0, or 2 for a usage error (argparse) or arguments DataParallel
-would reject (a bad device, chunk_sizes of the wrong length, ...). A plan
-whose call would raise (e.g. strict=True with different chunk counts) is
-printed with its error and exits 1.
+Exit status: 0, or 2 for a bad argument: a usage error (argparse), a value
+out of range (a shape too large for NumPy, a dim outside the int32 range,
+a chunk size outside int64), a --dtype NumPy does not know, a --plot file
+that cannot be written, or arguments DataParallel would reject (a bad
+device, chunk_sizes of the wrong length, ...); the message is argparse's
+("usage: ..." then "python -m dpmini explain: error: ..."), never a
+traceback. A plan whose call would raise (e.g. strict=True with different
+chunk counts, a dim out of range for an array's rank) is printed with its
+error and exits 1.
 """
 import argparse
 import os
 import platform
 import sys
+import warnings
 
 import numpy as np
 
@@ -48,13 +54,21 @@ def _kw_shape(text):
     return name, _shape(shape)
 
 
+_INT32 = (-2**31, 2**31 - 1)
+_INT64_MAX = 2**63 - 1
+
+
 def _devices(text):
-    """'4' -> cpu:0..cpu:3; 'cpu:0,cpu:2' or '0,1' (CUDA ids) -> that list."""
+    """'4' -> cpu:0..cpu:3 (a bare number is a COUNT of virtual CPU devices,
+    N >= 1); 'cpu:0,cpu:2', '0,1' (CUDA ids) or '0,' (CUDA device 0 alone: a
+    comma makes a list) -> that list."""
     text = text.strip()
     if text.isdigit():
         n = int(text)
-        if n < 1:
-            raise argparse.ArgumentTypeError("--devices N needs N >= 1")
+        if not 1 <= n <= 256:
+            raise argparse.ArgumentTypeError(
+                f"a bare number is a count of virtual CPU devices, 1..256, got {n} "
+                "(write a list such as 0, or cuda:0 to name one device)")
         return [f"cpu:{i}" for i in range(n)]
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
@@ -62,11 +76,28 @@ def _devices(text):
     return [int(p) if p.lstrip("-").isdigit() else p for p in parts]
 
 
+def _dim(text):
+    """An int dim in the int32 range (the C core's dim type)."""
+    try:
+        d = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not _INT32[0] <= d <= _INT32[1]:
+        raise argparse.ArgumentTypeError(
+            f"{d} is out of range (a dim is an int from {_INT32[0]} to {_INT32[1]})")
+    return d
+
+
 def _ints(text):
     try:
-        return [int(p) for p in text.split(",")]
+        sizes = [int(p) for p in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected ints like 3,2,2, got {text!r}") from None
+    for n in sizes:
+        if not 0 <= n <= _INT64_MAX:
+            raise argparse.ArgumentTypeError(
+                f"{n} is out of range (rows per device: 0 to {_INT64_MAX})")
+    return sizes
 
 
 def _floats(text):
@@ -106,9 +137,11 @@ def _parser():
                     help="shape of one positional array argument (repeat for several)")
     ex.add_argument("--kw", type=_kw_shape, action="append", default=[], metavar="NAME=N,M",
                     help="a keyword array argument (repeatable)")
-    ex.add_argument("--dim", type=int, default=0, help="the split dim (default 0)")
+    ex.add_argument("--dim", type=_dim, default=0, help="the split dim (default 0)")
     ex.add_argument("--devices", type=_devices, default=None, metavar="N|LIST",
-                    help="N virtual CPU devices, or a list like cpu:0,cpu:2 "
+                    help="a bare number N (1..256) is a COUNT: N virtual CPU devices "
+                         "cpu:0..cpu:N-1; anything with a comma or a name is a LIST of "
+                         "devices: cpu:0,cpu:2 or 0,1 (CUDA ids); one device: cpu:0 or 0, "
                          "(default: DataParallel's default devices)")
     ex.add_argument("--dtype", default="float32", help="array dtype (default float32)")
     ex.add_argument("--in-dims", type=_in_dims, default=None, metavar="D,...",
@@ -119,7 +152,9 @@ def _parser():
                     help="rows per device proportional to these weights")
     ex.add_argument("--strict", action="store_true", help="different chunk counts are an error")
     ex.add_argument("--plot", metavar="FILE", default=None,
-                    help="also save the plan's picture (PNG, SVG, PDF; needs matplotlib)")
+                    help="also save the plan's picture (PNG, SVG, PDF; needs matplotlib); "
+                         "the extension picks the format")
+    ex.set_defaults(subparser=ex)
 
     sub.add_parser("info", help="list devices, backends and CUDA/NCCL versions",
                    description="List the devices dpmini sees, the backends built in, and "
@@ -132,30 +167,69 @@ def _placeholder(shape, dtype):
     return np.broadcast_to(np.zeros((), dtype=dtype), shape)
 
 
+def _fail(sub, message):
+    """An argparse-style error for `sub` (usage, then 'prog: error: ...') without
+    exiting: returns 2, the exit status of a bad argument."""
+    sub.print_usage(sys.stderr)
+    print(f"{sub.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_plot_path(path):
+    """None when matplotlib can write `path`, else what is wrong with it
+    (checked before the table is printed)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return 'needs matplotlib: pip install "dpmini[plot]" (or pip install matplotlib)'
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        return (f"{path!r}: unknown picture format {ext!r} (the extension picks it: "
+                f"{', '.join(sorted(formats))})")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.isdir(path)):
+        return f"{path!r}: cannot write there"
+    return None
+
+
 def cmd_explain(args, parser, out):
+    sub = getattr(args, "subparser", parser)
     if not args.shape and not args.kw:
-        parser.error("explain: give at least one --shape (or --kw NAME=SHAPE)")
+        sub.error("give at least one --shape (or --kw NAME=SHAPE)")   # exits 2
+    names = [name for name, _ in args.kw]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        return _fail(sub, f"--kw: {', '.join(repeated)} given more than once (one "
+                          "--kw NAME=SHAPE per keyword argument)")
     try:
         dtype = np.dtype(args.dtype)
-    except TypeError as exc:
-        parser.error(f"--dtype: {exc}")
-    inputs = tuple(_placeholder(s, dtype) for s in args.shape)
-    kwargs = {name: _placeholder(s, dtype) for name, s in args.kw}
+    except (TypeError, ValueError) as exc:
+        return _fail(sub, f"--dtype: {exc}")
+    try:
+        inputs = tuple(_placeholder(s, dtype) for s in args.shape)
+        kwargs = {name: _placeholder(s, dtype) for name, s in args.kw}
+    except (ValueError, MemoryError) as exc:  # NumPy: too many elements for this dtype
+        return _fail(sub, f"--shape/--kw: {exc} (a shape NumPy cannot describe)")
+    if args.plot:
+        problem = _check_plot_path(args.plot)
+        if problem:
+            return _fail(sub, f"--plot: {problem}")
     try:
         plan = explain(inputs, args.devices, dim=args.dim, kwargs=kwargs, strict=args.strict,
                        in_dims=args.in_dims, chunk_sizes=args.chunk_sizes,
                        weights=args.weights)
-    except (ValueError, TypeError, IndexError) as exc:
-        print(f"python -m dpmini explain: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
+        return _fail(sub, str(exc))
     print(plan, file=out)
     if args.plot:
         try:
             fig = plan.plot()
-        except ImportError as exc:
-            print(f"python -m dpmini explain: error: {exc}", file=sys.stderr)
-            return 2
-        fig.savefig(args.plot, dpi=100, bbox_inches="tight")
+            fig.savefig(args.plot, dpi=100, bbox_inches="tight")
+        except (ImportError, OSError, ValueError) as exc:
+            return _fail(sub, f"--plot: {exc}")
         print(f"\nsaved the picture to {args.plot}", file=out)
     return 1 if plan.error else 0
 
@@ -184,7 +258,11 @@ def cmd_info(out):
 
     has_cuda = bool(getattr(_dpmini, "has_cuda", 0))
     backend, cuda_text, nccl_text = _cuda_versions()
-    n_cpu = cpu_device_count()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n_cpu = cpu_device_count()
+    rejected = any(issubclass(w.category, RuntimeWarning) and "DPMINI_CPU_DEVICES" in
+                   str(w.message) for w in caught)
     try:
         n_cuda = device_count()
     except Exception as exc:
@@ -192,19 +270,26 @@ def cmd_info(out):
     else:
         cuda_note = ""
     env = os.environ.get("DPMINI_CPU_DEVICES")
+    if env and rejected:
+        source = (f"$DPMINI_CPU_DEVICES={env!r} rejected (not an int in 1..256), so the "
+                  "usable cores, at least 2")
+    elif env:
+        source = f"$DPMINI_CPU_DEVICES={env}"
+    else:
+        source = "$DPMINI_CPU_DEVICES unset: usable cores, at least 2"
     lines = [
         f"dpmini {__version__} (Python {platform.python_version()}, NumPy {np.__version__}, "
         f"{platform.system()} {platform.machine()})",
         "",
         "devices",
         f"  virtual CPU devices: {n_cpu} (cpu:0..cpu:{n_cpu - 1}; dpmini.cpu_device_count(), "
-        + (f"$DPMINI_CPU_DEVICES={env})" if env else "$DPMINI_CPU_DEVICES unset: usable cores, "
-           "at least 2)"),
+        f"{source})",
         f"  CUDA devices: {n_cuda} (dpmini.device_count()){cuda_note}",
         f"  default device_ids: {'cuda:0..cuda:%d' % (n_cuda - 1) if n_cuda else 'the virtual CPU devices'}",
         "",
         "backends",
-        "  CPU: built (virtual devices, one worker thread each)",
+        "  CPU: built (virtual devices; one worker thread per device, more while its "
+        "jobs overlap, up to 64)",
         f"  CUDA: {('built (' + backend + ')') if has_cuda else 'not built'}",
         "",
         "versions",

@@ -157,7 +157,18 @@ class Plan:
         nothing (no replica) are listed in the legend as "(nothing)" with no
         fill, and rows lost to truncation are drawn as a red hatched tail.
 
-        ax: a matplotlib Axes to draw into (None: a new Figure).
+        A plan whose call would raise (plan.error) has no chunks to show:
+        every leaf is drawn as one grey dotted strip, the title says
+        "the call would raise: <error>", and the legend lists every device as
+        getting nothing.
+
+        Many devices: beyond 16 devices the idle ones (always the last ones)
+        share one legend entry ("cpu:50..cpu:63: nothing (14 devices)"); a
+        legend of more than 16 entries is laid out in columns (at most 8) and
+        a new figure grows wider and taller to hold it.
+
+        ax: a matplotlib Axes to draw into (None: a new Figure, laid out with
+        tight_layout; a given Axes' figure is left to its owner's layout).
         title: the title (None: "DataParallel plan: k replicas on n devices").
         Returns the matplotlib Figure. Needs matplotlib (an optional
         dependency: pip install "dpmini[plot]"); ImportError otherwise. With
@@ -168,14 +179,30 @@ class Plan:
         from matplotlib.patches import Patch
 
         leaves = self.leaves
-        if ax is None:
-            fig, ax = plt.subplots(figsize=(8.0, 1.4 + 0.6 * max(len(leaves), 1)))
+        failed = bool(self.error)
+        replicas = 0 if failed else self.replicas
+        colours = _device_colours(len(self.devices))
+        entries = _legend_entries(self.devices, replicas)
+        rows = len(entries) if len(entries) <= 16 else max(16, -(-len(entries) // 8))
+        ncol = -(-len(entries) // rows) if entries else 1
+        # Legend width in inches at fontsize 8: each column (filled top to
+        # bottom) as wide as its longest label, plus the colour patch.
+        columns = [entries[c * rows:(c + 1) * rows] for c in range(ncol)]
+        legend_width = sum(0.45 + 0.062 * max(len(label) for label, _ in col)
+                           for col in columns if col) or 1.0
+        created = ax is None
+        if created:
+            width = 6.7 + legend_width
+            height = max(1.4 + 0.6 * max(len(leaves), 1), 0.9 + 0.17 * rows)
+            fig, ax = plt.subplots(figsize=(width, height))
         else:
             fig = ax.figure
-        colours = _device_colours(len(self.devices))
         for row, leaf in enumerate(leaves):
             y = len(leaves) - 1 - row
-            _draw_leaf(ax, y, leaf, self.devices, self.replicas, colours)
+            if failed:
+                _draw_failed_leaf(ax, y)
+            else:
+                _draw_leaf(ax, y, leaf, self.devices, replicas, colours)
         ax.set_yticks(range(len(leaves)))
         ax.set_yticklabels([_leaf_label(leaf) for leaf in reversed(leaves)], fontsize=8)
         ax.set_xlim(0.0, 1.0)
@@ -184,28 +211,64 @@ class Plan:
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
         handles = []
-        for i, dev in enumerate(self.devices):
-            if i < self.replicas:
-                handles.append(Patch(facecolor=colours[i], label=str(dev)))
+        for label, index in entries:
+            if index is not None:
+                handles.append(Patch(facecolor=colours[index], label=label))
             else:
                 handles.append(Patch(facecolor="white", edgecolor="grey", linestyle="--",
-                                     label=f"{dev} (nothing)"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  fontsize=8, frameon=False, title="devices", title_fontsize=8)
+                                     label=label))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=ncol,
+                  fontsize=8, frameon=False, title="devices", title_fontsize=8,
+                  columnspacing=1.0)
         if title is None:
-            title = (f"DataParallel plan: {_count(self.replicas, 'replica')} on "
-                     f"{_count(len(self.devices), 'device')}")
-            if self.rule != "chunk":
-                title += f" ({self.rule})"
-        ax.set_title(title, fontsize=10)
+            if failed:
+                title = "the call would raise: " + _shorten(self.error, 300)
+            else:
+                title = (f"DataParallel plan: {_count(self.replicas, 'replica')} on "
+                         f"{_count(len(self.devices), 'device')}")
+                if self.rule != "chunk":
+                    title += f" ({self.rule})"
+        if failed:
+            ax.set_title(_wrap(title, 90), fontsize=9, color="firebrick")
+        else:
+            ax.set_title(title, fontsize=10)
         notes = [f"warning: {w}" for w in self.warnings]
         if self.error:
             notes.append(f"error: {self.error}")
         if notes:
             fig.text(0.01, 0.01, "\n".join(_shorten(n, 120) for n in notes), fontsize=6,
                      va="bottom", color="firebrick")
-        fig.tight_layout(rect=(0, 0.06 * min(len(notes), 3), 1, 1))
+        if created:
+            fig.tight_layout(rect=(0, 0.06 * min(len(notes), 3), 1, 1))
         return fig
+
+
+def _legend_entries(devices, replicas):
+    """(label, colour index or None) per legend entry: every device, "(nothing)"
+    for those without a replica; beyond 16 devices the idle ones (the last
+    ones) are one entry."""
+    entries = [(str(dev), i) for i, dev in enumerate(devices) if i < replicas]
+    idle = [str(dev) for i, dev in enumerate(devices) if i >= replicas]
+    if len(devices) > 16 and len(idle) > 1:
+        entries.append((f"{idle[0]}..{idle[-1]}: nothing ({len(idle)} devices)", None))
+    else:
+        entries.extend((f"{dev} (nothing)", None) for dev in idle)
+    return entries
+
+
+def _wrap(text, width):
+    """text broken into lines of at most width characters (for titles)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def _draw_failed_leaf(ax, y):
+    """A leaf of a plan whose call would raise: no chunks, one grey strip."""
+    ax.barh(y, 1.0, left=0.0, height=0.6, color="0.92", hatch="..", edgecolor="0.6",
+            linewidth=0.8)
+    ax.text(0.5, y, "not split: the call would raise (see the title)", ha="center",
+            va="center", fontsize=8, color="0.3")
 
 
 def _pyplot():
