@@ -31,7 +31,7 @@ test: build
 
 build-emulated: $(VENV)/.installed
 	DPMINI_CUDA_EMULATE=1 DPMINI_WERROR=1 $(PY) setup.py -q build_ext --build-lib $(EMU) --build-temp $(EMU)-tmp
-	cp dpmini/*.py dpmini/py.typed $(EMU)/dpmini/
+	cp dpmini/*.py dpmini/*.pyi dpmini/py.typed $(EMU)/dpmini/
 
 test-emulated: build-emulated
 	DPMINI_EMULATE_GPUS=2 PYTHONPATH=$(EMU) $(VENV)/bin/pytest -q -m gpu -p no:cacheprovider tests
@@ -61,7 +61,7 @@ ASAN_ENV = LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
 test-asan: $(VENV)/.installed
 	tools/deps.sh asan
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/dpmini
-	cp dpmini/*.py dpmini/py.typed $(ASAN_DIR)/dpmini/
+	cp dpmini/*.py dpmini/*.pyi dpmini/py.typed $(ASAN_DIR)/dpmini/
 	CC=gcc DPMINI_WERROR=1 DPMINI_CFLAGS="$(SAN_FLAGS) -O1 -g" DPMINI_LDFLAGS="$(SAN_FLAGS)" \
 		$(PY) setup.py -q build_ext --force --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
@@ -101,7 +101,7 @@ VG_ENV   := PYTHONMALLOC=malloc DPMINI_SANITIZER=valgrind
 test-valgrind: $(VENV)/.installed
 	tools/deps.sh valgrind
 	rm -rf $(VG_DIR) && mkdir -p $(VG_DIR)/dpmini
-	cp dpmini/*.py dpmini/py.typed $(VG_DIR)/dpmini/
+	cp dpmini/*.py dpmini/*.pyi dpmini/py.typed $(VG_DIR)/dpmini/
 	DPMINI_WERROR=1 DPMINI_CFLAGS="-O1 -g -fno-omit-frame-pointer" \
 		$(PY) setup.py -q build_ext --force --build-lib $(VG_DIR) --build-temp $(VG_DIR)/tmp
 	cd $(VG_DIR) && $(VG_ENV) valgrind $(VG_OPTS) --gen-suppressions=all \
