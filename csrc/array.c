@@ -913,17 +913,17 @@ static PyGetSetDef array_getset[] = {
 
 static PyMethodDef array_methods_tbl[] = {
     {"numpy", array_numpy, METH_NOARGS,
-     "numpy() -> numpy.ndarray\n\nAn explicit copy to host memory (same shape, dtype; "
+     "numpy()\n--\n\nReturns a numpy.ndarray: an explicit copy to host memory (same shape, dtype; "
      "C-contiguous unless the layout is dense, then the same strides)."},
     {"__array__", (PyCFunction)(void (*)(void))array_array, METH_VARARGS | METH_KEYWORDS,
      "Refused with TypeError: use .numpy()."},
     {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) -> capsule\n\n"
-     "DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "Returns a PyCapsule. DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
      "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. Refusals "
      "raise BufferError."},
     {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
-     "__dlpack_device__() -> (2, device_index) (kDLCUDA)."},
+     "__dlpack_device__()\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},
     {NULL},
 };
 
@@ -1136,7 +1136,7 @@ PyMethodDef dp_array_methods[] = {
     {"from_dlpack", py_from_dlpack, METH_O, from_dlpack_doc},
     {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS, empty_doc},
     {"cuda_build_info", py_cuda_build_info, METH_NOARGS,
-     "cuda_build_info() -> dict\n\nbackend ('cuda', 'emulated' or 'none'), CUDA runtime and "
+     "cuda_build_info()\n--\n\nReturns a dict: backend ('cuda', 'emulated' or 'none'), CUDA runtime and "
      "driver versions (1000*major + 10*minor; 0 unknown), device_count, nccl (version and "
      "path once loaded, else why not), the 2D-copy run threshold."},
     {NULL},

@@ -6,7 +6,9 @@
  * own worker thread in pool.c), and CUDA devices (none until the CUDA
  * backend is built; parsing them gives a clear error meanwhile).
  */
-#define _GNU_SOURCE
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* the same spelling as pyconfig.h, which may define it too */
+#endif
 #include "dpmini.h"
 #include "gpu.h"
 

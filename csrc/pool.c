@@ -24,7 +24,9 @@
  * replicas inline when they are on a worker (dp_pool_in_worker), so pool
  * threads never wait on the pool themselves.
  */
-#define _GNU_SOURCE
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* the same spelling as pyconfig.h, which may define it too */
+#endif
 #include "pool.h"
 
 #include <errno.h>

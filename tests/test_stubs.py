@@ -33,7 +33,7 @@ STUB_ONLY = {"DeviceLike", "_AnyArray", "_ArrayIn", "_Comm"}
 # Private runtime names the stub declares on purpose (used by dpmini's own code).
 PRIVATE_TYPED = {"_plan", "_Buffer"}
 # Runtime callables with no __text_signature__: checked against their docstring.
-NO_TEXT_SIGNATURE = {"cuda_build_info", "Array.numpy", "Array.__dlpack__", "Array.__dlpack_device__"}
+NO_TEXT_SIGNATURE = set()   # every callable has a text signature now
 # Types that refuse construction ("cannot create ... instances"): the stub
 # declares no __init__/__new__ for them.
 NOT_CONSTRUCTIBLE = {"Array", "_Buffer"}

@@ -4,7 +4,9 @@
  *            tests/c/test_pool.c csrc/pool.c
  * Exit status 0 when every check passes; each failure is printed.
  */
-#define _GNU_SOURCE
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* the same spelling as pyconfig.h, which may define it too */
+#endif
 #include "pool.h"
 
 #include <errno.h>
