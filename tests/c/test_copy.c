@@ -16,16 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "check.h"
 
-static int failures = 0;
 
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            printf("%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-        }                                                                  \
-    } while (0)
 
 #define GUARD 64
 #define MAX_BUF (1 << 20)
@@ -34,17 +27,7 @@ static int failures = 0;
 /* Helpers: deterministic RNG, layouts, the naive reference            */
 /* ------------------------------------------------------------------ */
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 
-static uint64_t rnd(void)   /* xorshift64* */
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 0x2545F4914F6CDD1Dull;
-}
-
-static int64_t rnd_in(int64_t n) { return (int64_t)(rnd() % (uint64_t)n); }
 
 static void fill_random(char *p, size_t n)
 {

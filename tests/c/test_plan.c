@@ -11,16 +11,9 @@
 
 #include <stdio.h>
 #include <string.h>
+#include "check.h"
 
-static int failures = 0;
 
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            printf("%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-        }                                                                  \
-    } while (0)
 
 /* Check dp_chunk_sizes(n, k) against an expected list of `count` sizes. */
 static void expect_chunks(int64_t n, int k, int count, const int64_t *want)

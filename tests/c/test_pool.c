@@ -16,11 +16,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include "check.h"
 
-static int failures;
 
-#define CHECK(cond) do { if (!(cond)) { failures++; \
-    printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); } } while (0)
 
 static double secs(void)
 {

@@ -12,21 +12,14 @@
 #include <math.h>   /* NAN, INFINITY (macros: no libm needed) */
 #include <stdint.h>
 #include <stdio.h>
+#include "check.h"
 
-static int failures = 0;
 
 static double absd(double x)
 {
     return x < 0 ? -x : x;
 }
 
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            printf("%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-        }                                                                  \
-    } while (0)
 
 static void expect(int64_t n, int k, const double *w, const int64_t *want, int count)
 {
