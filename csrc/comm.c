@@ -38,25 +38,13 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
     }
     for (Py_ssize_t i = 0; i < len; i++) {
         PyObject *v = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyIndex_Check(v) || PyBool_Check(v) || PyFloat_Check(v)) {
-            Py_DECREF(seq);
-            PyErr_Format(PyExc_TypeError, "chunk_sizes[%zd]: expected an int, got %.100s",
-                         i, Py_TYPE(v)->tp_name);
-            return -1;
-        }
-        PyObject *idx = PyNumber_Index(v);
-        long long x = idx ? PyLong_AsLongLong(idx) : -1;
-        if (x == -1 && PyErr_Occurred()) {
-            if (idx != NULL && PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyErr_Format(PyExc_ValueError,
-                             "chunk_sizes[%zd]: %S is out of range (a chunk size is a "
-                             "non-negative int64)", i, idx);
-            }
-            Py_XDECREF(idx);
+        char name[48];
+        long long x;
+        snprintf(name, sizeof name, "chunk_sizes[%zd]", i);
+        if (dp_index_from_object(v, name, LLONG_MIN, LLONG_MAX, &x) < 0) {
             Py_DECREF(seq);
             return -1;
         }
-        Py_XDECREF(idx);
         sizes[i] = x;
     }
     Py_DECREF(seq);
@@ -124,8 +112,9 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     for (i = 0; i < n; i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyArray_Check(o) && !dp_is_device_object(st, o)) {
-            PyErr_Format(PyExc_TypeError, "out[%zd]: expected a numpy.ndarray or a GPU array, "
-                         "got %.100s", i, Py_TYPE(o)->tp_name);
+            char name[48];
+            snprintf(name, sizeof name, "out[%zd]", i);
+            dp_refuse_out_array(o, name);
             goto done;
         }
         outs[i] = dp_as_array(st, o, "out", 0); /* a GPU array: its shadow */
@@ -380,8 +369,7 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     if (out_obj != Py_None && !PyArray_Check(out_obj) && !dp_is_device_object(st, out_obj)) {
-        PyErr_Format(PyExc_TypeError, "out: expected a numpy.ndarray or a GPU array, got "
-                     "%.100s", Py_TYPE(out_obj)->tp_name);
+        dp_refuse_out_array(out_obj, "out");
         return NULL;
     }
     if (parse_destination(st, dest_obj, "destination", host, &dest) < 0) {

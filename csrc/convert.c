@@ -189,30 +189,173 @@ int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out)
     return 0;
 }
 
-int dp_int_from_object(PyObject *obj, const char *argname, int *out)
+/* ------------------------------------------------------------------ */
+/* Numbers: the one conversion of int and real arguments               */
+/* ------------------------------------------------------------------ */
+
+/* The type's name as a user would write it: numpy.int64, mylib.ndarray
+ * (tp_name alone is "ndarray" for a class of that name in any module).
+ * New reference, or NULL with an exception set. */
+PyObject *dp_type_name(PyObject *obj)
 {
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        /* numpy integers are accepted through __index__ */
-        if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
-            PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.100s", argname,
-                         Py_TYPE(obj)->tp_name);
-            return -1;
-        }
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (!(tp->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+        return PyUnicode_FromString(tp->tp_name);   /* static types: "numpy.int64" */
     }
-    int overflow;
+    PyObject *mod = PyObject_GetAttrString((PyObject *)tp, "__module__");
+    PyObject *qual = PyObject_GetAttrString((PyObject *)tp, "__qualname__");
+    PyObject *res = NULL;
+    if (mod != NULL && qual != NULL && PyUnicode_Check(mod) && PyUnicode_Check(qual)) {
+        res = PyUnicode_CompareWithASCIIString(mod, "builtins") == 0
+                  ? Py_NewRef(qual) : PyUnicode_FromFormat("%U.%U", mod, qual);
+    }
+    Py_XDECREF(mod);
+    Py_XDECREF(qual);
+    if (res == NULL) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;   /* KeyboardInterrupt from a metaclass: let it through */
+        }
+        PyErr_Clear();
+        res = PyUnicode_FromString(tp->tp_name);
+    }
+    return res;
+}
+
+/* TypeError "argname: expected <what>, got <type>" (with the shape of an
+ * array, which is no scalar however small). Always -1. */
+static int refuse_number(PyObject *obj, const char *argname, const char *what)
+{
+    PyObject *tn = dp_type_name(obj);
+    if (tn == NULL) {
+        return -1;
+    }
+    if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) > 0) {
+        PyObject *shape = PyObject_GetAttrString(obj, "shape");
+        if (shape != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected %s, got a %U of shape %S (an array with dimensions "
+                         "is not a scalar; pass a Python number, e.g. a.item())",
+                         argname, what, tn, shape);
+            Py_DECREF(shape);
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError, "%s: expected %s, got %U", argname, what, tn);
+    }
+    Py_DECREF(tn);
+    return -1;
+}
+
+/* bool in any spelling: True, numpy.bool_, a 0-dim bool array. */
+static int is_boolish(PyObject *obj)
+{
+    return PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) ||
+           (PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == NPY_BOOL);
+}
+
+int dp_is_index_like(PyObject *obj)
+{
+    if (PyLong_Check(obj)) {
+        return !PyBool_Check(obj);
+    }
+    if (is_boolish(obj) || PyFloat_Check(obj)) {
+        return 0;
+    }
+    if (PyArray_Check(obj)) {
+        PyArrayObject *a = (PyArrayObject *)obj;
+        return PyArray_NDIM(a) == 0 && PyTypeNum_ISINTEGER(PyArray_TYPE(a));
+    }
+    return PyIndex_Check(obj);
+}
+
+int dp_index_from_object(PyObject *obj, const char *argname, long long lo, long long hi,
+                         long long *out)
+{
+    if (!dp_is_index_like(obj)) {
+        return refuse_number(obj, argname, "an int");
+    }
     PyObject *idx = PyNumber_Index(obj);
     if (idx == NULL) {
-        return -1;
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();   /* a type whose __index__ refuses: say what was expected */
+            return refuse_number(obj, argname, "an int");
+        }
+        return -1;   /* the __index__'s own error, e.g. KeyboardInterrupt */
     }
-    long v = PyLong_AsLongAndOverflow(idx, &overflow);
-    Py_DECREF(idx);
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
     if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(idx);
         return -1;
     }
-    if (overflow || v > INT32_MAX || v < INT32_MIN) {
-        PyErr_Format(PyExc_OverflowError, "%s: %R is out of range", argname, obj);
+    if (overflow || v < lo || v > hi) {
+        if (lo == LLONG_MIN && hi == LLONG_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s: %.60S is out of range (expected an int that "
+                         "fits in int64)", argname, idx);
+        } else {
+            PyErr_Format(PyExc_ValueError, "%s: %.60S is out of range (expected an int from "
+                         "%lld to %lld)", argname, idx, lo, hi);
+        }
+        Py_DECREF(idx);
+        return -1;
+    }
+    Py_DECREF(idx);
+    *out = v;
+    return 0;
+}
+
+int dp_int_from_object(PyObject *obj, const char *argname, int *out)
+{
+    long long v;
+    if (dp_index_from_object(obj, argname, INT32_MIN, INT32_MAX, &v) < 0) {
         return -1;
     }
     *out = (int)v;
     return 0;
+}
+
+int dp_real_from_object(PyObject *obj, const char *argname, double *out)
+{
+    if (is_boolish(obj) || PyComplex_Check(obj) || PyUnicode_Check(obj) ||
+        PyBytes_Check(obj) || PyArray_IsScalar(obj, ComplexFloating) ||
+        (PyArray_Check(obj) && (PyArray_NDIM((PyArrayObject *)obj) > 0 ||
+                                !(PyTypeNum_ISINTEGER(PyArray_TYPE((PyArrayObject *)obj)) ||
+                                  PyTypeNum_ISFLOAT(PyArray_TYPE((PyArrayObject *)obj))))) ||
+        !PyNumber_Check(obj)) {
+        return refuse_number(obj, argname, "a real number");
+    }
+    double x = PyFloat_AsDouble(obj);
+    if (x == -1.0 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s: %.60R... is out of range (too large for a "
+                         "float64)", argname, obj);
+        } else if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            return refuse_number(obj, argname, "a real number");
+        }
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int dp_refuse_out_array(PyObject *obj, const char *argname)
+{
+    PyObject *tn = dp_type_name(obj);
+    if (tn == NULL) {
+        return -1;
+    }
+    int r = dp_has_attr(obj, "__array_interface__");
+    if (r >= 0) {
+        int arraylike = r || PyObject_CheckBuffer(obj);
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected a numpy.ndarray or a GPU array (dpmini.Array, "
+                     "__cuda_array_interface__) to write the result into, got %U%s",
+                     argname, tn,
+                     arraylike ? " (an array-like that is not a numpy.ndarray: pass "
+                                 "np.asarray(x) when it shares x's memory, or let dpmini "
+                                 "allocate the result and copy it)" : "");
+    }
+    Py_DECREF(tn);
+    return -1;
 }

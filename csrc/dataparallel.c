@@ -649,8 +649,12 @@ static int DataParallel_set_device_ids(dp_DataParallelObject *self, PyObject *va
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     dp_device *devs;
     Py_ssize_t n;
-    if (st == NULL || refuse_delete(value, "device_ids") < 0 ||
-        dp_device_list_from_object(st, value, "device_ids", &devs, &n) < 0) {
+    if (st == NULL || refuse_delete(value, "device_ids") < 0) {
+        return -1;
+    }
+    /* what the constructor accepts: None is the default devices */
+    if (value == Py_None ? dp_default_devices(st, &devs, &n) < 0
+                         : dp_device_list_from_object(st, value, "device_ids", &devs, &n) < 0) {
         return -1;
     }
     PyMem_Free(self->devs);
@@ -672,8 +676,16 @@ static int DataParallel_set_output_device(dp_DataParallelObject *self, PyObject 
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     dp_device d;
-    if (st == NULL || refuse_delete(value, "output_device") < 0 ||
-        parse_target_device(st, value, "output_device", &d) < 0) {
+    if (st == NULL || refuse_delete(value, "output_device") < 0) {
+        return -1;
+    }
+    if (value == Py_None) {
+        /* as in the constructor: device_ids[0], as it is now */
+        if (check_initialised(self) < 0) {
+            return -1;
+        }
+        d = self->devs[0];
+    } else if (parse_target_device(st, value, "output_device", &d) < 0) {
         return -1;
     }
     self->output_device = d;
@@ -1150,7 +1162,14 @@ PyDoc_STRVAR(DataParallel_doc,
 "  chunk unless n < len(device_ids) (then the rows go to the largest\n"
 "  shares). For devices of unequal speed. At most one of chunk_sizes and\n"
 "  weights (ValueError); wrong length, negative sizes, zero, negative, NaN\n"
-"  or infinite weights: ValueError; wrong types: TypeError.");
+"  or infinite weights: ValueError; wrong types: TypeError.\n"
+"\n"
+"Ints (dim, in_dims / out_dims entries, chunk_sizes, device indices) may be\n"
+"any integer with __index__ (NumPy integer scalars, 0-dim integer arrays);\n"
+"bool, floats and arrays with dimensions are TypeError, values out of range\n"
+"ValueError, each naming the argument. Every option is also an attribute;\n"
+"assigning it accepts what the constructor accepts (device_ids = None: the\n"
+"default devices; output_device = None: device_ids[0] as it is then).");
 
 static PyType_Slot DataParallel_slots[] = {
     {Py_tp_doc, (void *)DataParallel_doc},

@@ -11,6 +11,7 @@
 #endif
 #include "dpmini.h"
 #include "gpu.h"
+#include "env.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -228,7 +229,7 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
 }
 
 /* $DPMINI_CACHE_LIMIT: bytes each device's cache may hold (a non-negative
- * decimal integer; 0 disables caching). Read once; an invalid value warns
+ * decimal integer, env.h's rule; 0 disables caching). Read once; an invalid value warns
  * RuntimeWarning and keeps the default. GIL held. -1 if the warning raised. */
 static int read_cache_limit(void)
 {
@@ -236,18 +237,16 @@ static int read_cache_limit(void)
         return 0;
     }
     cache_limit_read = 1;
-    const char *env = getenv("DPMINI_CACHE_LIMIT");
-    if (env == NULL || *env == '\0') {
+    unsigned long long v;
+    int r = dp_env_uint("DPMINI_CACHE_LIMIT", 0, SIZE_MAX, &v);
+    if (r == DP_ENV_UNSET) {
         return 0;
     }
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(env, &end, 10);
-    if (*env < '0' || *env > '9' || *end != '\0' || errno == ERANGE || v > SIZE_MAX) {
+    if (r == DP_ENV_INVALID) {
         return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
                                 "DPMINI_CACHE_LIMIT=%.50s is not a byte count (a non-negative "
                                 "integer); using the default, %zu bytes (1 GiB)",
-                                env, (size_t)DP_CACHE_LIMIT_DEFAULT);
+                                getenv("DPMINI_CACHE_LIMIT"), (size_t)DP_CACHE_LIMIT_DEFAULT);
     }
     cache_limit = (size_t)v;
     return 0;
@@ -426,13 +425,9 @@ int dp_cuda_device_count(void)
 
 int dp_cpu_device_count(void)
 {
-    const char *env = getenv("DPMINI_CPU_DEVICES");
-    if (env != NULL && *env != '\0') {
-        char *end;
-        long n = strtol(env, &end, 10);
-        if (*end == '\0' && n >= 1 && n <= DP_POOL_MAX_INDEX) {
-            return (int)n;
-        }
+    unsigned long long v;
+    if (dp_env_uint("DPMINI_CPU_DEVICES", 1, DP_POOL_MAX_INDEX, &v) == DP_ENV_OK) {
+        return (int)v;   /* env.h's rule, as for every DPMINI_ number */
     }
     int n = 0;
 #ifdef CPU_COUNT
@@ -450,17 +445,13 @@ int dp_cpu_device_count(void)
 static int cpu_device_count_checked(int *out)
 {
     int n = dp_cpu_device_count();
-    const char *env = getenv("DPMINI_CPU_DEVICES");
-    if (env != NULL && *env != '\0') {
-        char *end;
-        long v = strtol(env, &end, 10);
-        if (*end != '\0' || v < 1 || v > DP_POOL_MAX_INDEX) {
-            if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                                 "DPMINI_CPU_DEVICES=%.50s is not an int in 1..%d; using %d "
-                                 "virtual CPU devices (the usable cores, at least 2) instead",
-                                 env, DP_POOL_MAX_INDEX, n) < 0) {
-                return -1;
-            }
+    unsigned long long v;
+    if (dp_env_uint("DPMINI_CPU_DEVICES", 1, DP_POOL_MAX_INDEX, &v) == DP_ENV_INVALID) {
+        if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                             "DPMINI_CPU_DEVICES=%.50s is not an int in 1..%d; using %d "
+                             "virtual CPU devices (the usable cores, at least 2) instead",
+                             getenv("DPMINI_CPU_DEVICES"), DP_POOL_MAX_INDEX, n) < 0) {
+            return -1;
         }
     }
     *out = n;
@@ -531,10 +522,18 @@ static const char *device_utf8(PyObject *obj)
 {
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (s == NULL && PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+        PyErr_Clear();   /* lone surrogates ('cpu:\ud800'): no device has them */
+        return "?";
+    }
     return (s != NULL && (size_t)n != strlen(s)) ? "?" : s;
 }
 
-/* Parse "cpu", "cpu:N", "cuda", "cuda:N"; -1 when the text is none of them. */
+/* Parse "cpu", "cpu:N", "cuda", "cuda:N"; -1 when the text is none of them.
+ * Only the canonical spelling, the one str(Device) prints: N is written in
+ * decimal digits without a sign, spaces or leading zeros ("cpu:00",
+ * " cpu:0", "cpu:+1" are refused), so a string names a device exactly when
+ * it equals that device's str(), and equal devices hash alike. */
 static int parse_device_text(const char *s, dp_device *out)
 {
     const char *rest;
@@ -553,7 +552,7 @@ static int parse_device_text(const char *s, dp_device *out)
         out->index = kind == DP_VCPU ? -1 : 0;
         return 0;
     }
-    if (*rest != ':' || rest[1] < '0' || rest[1] > '9') {
+    if (*rest != ':' || rest[1] < '0' || rest[1] > '9' || (rest[1] == '0' && rest[2] != '\0')) {
         return -1;
     }
     char *end;
@@ -566,8 +565,27 @@ static int parse_device_text(const char *s, dp_device *out)
     return 0;
 }
 
+static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
+                              int flags, dp_device *out);
+
 int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
                           int flags, dp_device *out)
+{
+    if (PyLong_Check(obj) || !dp_is_index_like(obj)) {
+        return device_from_object(st, obj, argname, flags, out);
+    }
+    /* NumPy integers name CUDA devices as ints do (convert.c's rule) */
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) {
+        return -1;
+    }
+    int r = device_from_object(st, idx, argname, flags, out);
+    Py_DECREF(idx);
+    return r;
+}
+
+static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
+                              int flags, dp_device *out)
 {
     dp_device d;
     if (PyObject_TypeCheck(obj, st->DeviceType)) {
@@ -706,13 +724,13 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                          DEVICE_FORMS);
             return NULL;
         }
-    } else if (PyLong_Check(spec) && !PyBool_Check(spec)) {
-        long v = PyLong_AsLong(spec);
-        if (v == -1 && PyErr_Occurred()) {
+    } else if (dp_is_index_like(spec)) {   /* ints, NumPy integers (convert.c) */
+        long long v;
+        if (dp_index_from_object(spec, "spec", LLONG_MIN, LLONG_MAX, &v) < 0) {
             return NULL;
         }
         if (v < -1 || v >= DP_POOL_MAX_INDEX) {
-            PyErr_Format(PyExc_ValueError, "spec: device index out of range: %ld", v);
+            PyErr_Format(PyExc_ValueError, "spec: device index out of range: %lld", v);
             return NULL;
         }
         d.kind = v == -1 ? DP_HOST : DP_CUDA;
@@ -835,7 +853,11 @@ PyDoc_STRVAR(device_doc,
 "'cuda', 'cuda:N' or an int N >= 0 (CUDA device N). A Device may name a CUDA\n"
 "device that does not exist; using it raises ValueError.\n\n"
 "Attributes: type ('cpu' or 'cuda'), index (int, None for the host).\n"
-"Compares equal to another Device or to its spec string ('cpu:1').\n"
+"Compares equal to another Device or to its spec string ('cpu:1'), and\n"
+"hashes as that string. Strings are accepted only in that canonical\n"
+"spelling (plus 'cuda' for cuda:0): 'cpu:00', ' cpu:0', 'cpu:+1' raise\n"
+"ValueError, so a string names a device exactly when it equals it. NumPy\n"
+"integers are accepted where ints are.\n"
 "Raises ValueError for an unknown spec, TypeError for a wrong type.\n"
 "Rule source: torch.device strings; 'cpu:N' is dpmini's virtual device.");
 

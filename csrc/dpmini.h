@@ -186,8 +186,37 @@ int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out);
  * with an exception set. */
 int dp_has_attr(PyObject *obj, const char *name);
 
-/* Parse an int argument (TypeError naming argname when not an int). */
+/* The one conversion of integer arguments (dims, chunk sizes, in_dims and
+ * out_dims entries, buffer sizes). Accepted: int and anything with
+ * __index__ (NumPy integer scalars of every width, 0-dim integer arrays, as
+ * operator.index accepts them). Refused with TypeError "argname: expected
+ * an int, got T": bool (Python or NumPy), floats, arrays with dimensions
+ * (whatever their size). A value outside [lo, hi] (huge ints, uint64 past
+ * int64) is a ValueError "argname: V is out of range (expected an int from
+ * lo to hi)". dp_is_index_like says whether obj is of an accepted kind
+ * (without calling __index__). */
+int dp_is_index_like(PyObject *obj);
+int dp_index_from_object(PyObject *obj, const char *argname, long long lo, long long hi,
+                         long long *out);
+
+/* dp_index_from_object with the int32 range of a dim. */
 int dp_int_from_object(PyObject *obj, const char *argname, int *out);
+
+/* The one conversion of real-number arguments (weights): int, float, NumPy
+ * integer and float scalars, 0-dim such arrays, and other objects with
+ * __float__ (Fraction, Decimal). Refused with TypeError: bool, complex,
+ * str, arrays with dimensions; an int too large for a float64 is a
+ * ValueError naming argname. */
+int dp_real_from_object(PyObject *obj, const char *argname, double *out);
+
+/* A type's name as written in Python (numpy.int64, mylib.ndarray), for
+ * messages. New reference. */
+PyObject *dp_type_name(PyObject *obj);
+
+/* TypeError for an out= argument that is not an ndarray or a GPU array,
+ * naming its full type (mylib.ndarray, not a bare "ndarray") and what to
+ * pass instead. Always -1. */
+int dp_refuse_out_array(PyObject *obj, const char *argname);
 
 /* ------------------------------------------------------------------ */
 /* The copy engine (copy_engine.c; dp_reduce_add in reduce.c)         */

@@ -20,6 +20,7 @@
  */
 #include "dpmini.h"
 #include "gpu.h"
+#include "env.h"
 #include "pool.h"
 
 #include <stdlib.h>
@@ -237,9 +238,9 @@ static size_t min_run(void)
 {
     static size_t v;
     if (v == 0) {
-        const char *e = getenv("DPMINI_2D_MIN_RUN");
-        long long x = e && *e ? atoll(e) : 0;
-        v = x > 0 ? (size_t)x : DP_2D_MIN_RUN_DEFAULT;
+        unsigned long long x;   /* env.h's rule; unset or invalid: the default */
+        v = dp_env_uint("DPMINI_2D_MIN_RUN", 1, SIZE_MAX, &x) == DP_ENV_OK
+                ? (size_t)x : DP_2D_MIN_RUN_DEFAULT;
     }
     return v;
 }

@@ -612,16 +612,21 @@ int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
             if (PyDict_SetItem(k, key, value) < 0)
                 return -1;
         }
-        else if (PyLong_Check(key) && !PyBool_Check(key)) {
-            Py_ssize_t i = PyLong_AsSsize_t(key);
+        else if (dp_is_index_like(key)) {
+            PyObject *ik = PyNumber_Index(key);  /* numpy ints too: one int key */
+            if (ik == NULL)
+                return -1;
+            Py_ssize_t i = PyLong_AsSsize_t(ik);
             if (i == -1 && PyErr_Occurred())
                 PyErr_Clear();
+            int set = (i >= 0 && i < nin) ? PyDict_SetItem(a, ik, value) : 0;
+            Py_DECREF(ik);
+            if (set < 0)
+                return -1;
             if (i < 0 || i >= nin)
                 return raise_at(PyExc_ValueError, &kseg,
                                 "the call has %zd positional argument%s, so int keys "
                                 "must be in 0..%zd", nin, nin == 1 ? "" : "s", nin - 1);
-            if (PyDict_SetItem(a, key, value) < 0)
-                return -1;
         }
         else {
             return raise_at(PyExc_TypeError, &kseg,

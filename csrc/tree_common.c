@@ -403,16 +403,16 @@ int normalize_kwargs(PyObject *kwargs, PyObject **out)
 /* Check one in_dims / out_dims entry (recursively). */
 static int check_spec(PyObject *spec, const path_seg *sseg, int is_out)
 {
-    if (spec == Py_None || (PyLong_Check(spec) && !PyBool_Check(spec))) {
-        if (spec == Py_None)
-            return 0;
-        int overflow;
-        long v = PyLong_AsLongAndOverflow(spec, &overflow);
-        if ((v == -1 && PyErr_Occurred()) || overflow || v > INT32_MAX || v < INT32_MIN) {
-            PyErr_Clear();
-            return raise_at(PyExc_OverflowError, sseg, "%R is out of range for a dim", spec);
-        }
+    if (spec == Py_None)
         return 0;
+    if (dp_is_index_like(spec)) {
+        /* the one int conversion (convert.c), with the entry's path as name */
+        PyObject *sp = path_str(sseg);
+        const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+        int dim;
+        int r = csp != NULL ? dp_int_from_object(spec, csp, &dim) : -1;
+        Py_XDECREF(sp);
+        return r;
     }
     if (is_out && PyUnicode_Check(spec)) {
         if (PyUnicode_CompareWithASCIIString(spec, "sum") == 0)
@@ -475,8 +475,19 @@ int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out)
  * __iter__ or other user code), so nothing can change them half-way. */
 static PyObject *spec_copy(PyObject *spec)
 {
-    if (!PyTuple_Check(spec) && !PyList_Check(spec) && !PyDict_Check(spec))
-        return Py_NewRef(spec);
+    if (!PyTuple_Check(spec) && !PyList_Check(spec) && !PyDict_Check(spec)) {
+        /* NumPy integers (and other __index__ objects) become Python ints, so
+         * the walkers see one kind of dim; one whose __index__ fails is kept
+         * for check_spec to refuse with its path. */
+        if (PyLong_CheckExact(spec) || !dp_is_index_like(spec))
+            return Py_NewRef(spec);
+        PyObject *idx = PyNumber_Index(spec);
+        if (idx == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear();
+            return Py_NewRef(spec);
+        }
+        return idx;
+    }
     if (Py_EnterRecursiveCall(" while copying in_dims / out_dims"))
         return NULL;
     PyObject *items = NULL, *res = NULL;
@@ -578,16 +589,10 @@ int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t nd
             return -1;
         for (Py_ssize_t i = 0; i < ndev; i++) {
             PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
-            if (PyBool_Check(v) || PyFloat_Check(v) || !PyIndex_Check(v)) {
-                PyErr_Format(PyExc_TypeError, "chunk_sizes[%zd]: expected an int, got "
-                             "%.100s", i, Py_TYPE(v)->tp_name);
-                Py_DECREF(fast);
-                return -1;
-            }
-            PyObject *idx = PyNumber_Index(v);
-            long long x = idx != NULL ? PyLong_AsLongLong(idx) : -1;
-            Py_XDECREF(idx);
-            if (x == -1 && PyErr_Occurred()) {
+            char name[48];
+            long long x;
+            snprintf(name, sizeof name, "chunk_sizes[%zd]", i);
+            if (dp_index_from_object(v, name, LLONG_MIN, LLONG_MAX, &x) < 0) {
                 Py_DECREF(fast);
                 return -1;
             }
@@ -608,15 +613,10 @@ int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t nd
             return -1;
         for (Py_ssize_t i = 0; i < ndev; i++) {
             PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
-            if (PyBool_Check(v) || PyComplex_Check(v) || !PyNumber_Check(v) ||
-                PyUnicode_Check(v)) {
-                PyErr_Format(PyExc_TypeError, "weights[%zd]: expected a real number, got "
-                             "%.100s", i, Py_TYPE(v)->tp_name);
-                Py_DECREF(fast);
-                return -1;
-            }
-            double x = PyFloat_AsDouble(v);
-            if (x == -1.0 && PyErr_Occurred()) {
+            char name[48];
+            double x;
+            snprintf(name, sizeof name, "weights[%zd]", i);
+            if (dp_real_from_object(v, name, &x) < 0) {
                 Py_DECREF(fast);
                 return -1;
             }
