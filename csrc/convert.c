@@ -349,12 +349,11 @@ int dp_refuse_out_array(PyObject *obj, const char *argname)
     if (r >= 0) {
         int arraylike = r || PyObject_CheckBuffer(obj);
         PyErr_Format(PyExc_TypeError,
-                     "%s: expected a numpy.ndarray or a GPU array (dpmini.Array, "
-                     "__cuda_array_interface__) to write the result into, got %U%s",
+                     "%s: expected a numpy.ndarray or a GPU array, got %U%s",
                      argname, tn,
-                     arraylike ? " (an array-like that is not a numpy.ndarray: pass "
-                                 "np.asarray(x) when it shares x's memory, or let dpmini "
-                                 "allocate the result and copy it)" : "");
+                     arraylike ? " (an array-like, but not a numpy.ndarray: the result is "
+                                 "written into out, so pass np.asarray(x) when that shares "
+                                 "x's memory, or omit out and copy the result)" : "");
     }
     Py_DECREF(tn);
     return -1;

@@ -400,7 +400,12 @@ def _shape_text(shape):
 
 
 def _dtype_name(dtype):
-    """A numpy dtype (or anything with .name, or a str) as its short name, e.g. "float32"."""
+    """A dtype as NumPy's str() writes it: "float32", ">f4" (byte order shown),
+    "|S5", "[('a', '<f8'), ('b', '<i4', (2,))]" for a structured dtype (whose
+    .name would be the uninformative "void96"). Anything else with .name (another
+    library's dtype) by that name, else str()."""
+    if type(dtype).__module__.startswith("numpy"):
+        return str(dtype)
     return getattr(dtype, "name", str(dtype))
 
 

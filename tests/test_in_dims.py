@@ -144,7 +144,7 @@ def test_negative_dim_in_in_dims_wraps_per_array():
     ((0, {"a": 0}), TypeError, ["in_dims[1]", "args[1]"]),
     ("zero", TypeError, ["in_dims", "str"]),
     ((True,), TypeError, ["in_dims[0]", "bool"]),
-    ((0, 2**40), OverflowError, ["in_dims[1]"]),
+    ((0, 2**40), ValueError, ["in_dims[1]"]),
     ((5,), IndexError, ["args[0]", "Dimension out of range"]),
 ])
 def test_in_dims_errors_name_the_entry(in_dims, exc, words):
