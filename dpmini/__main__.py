@@ -8,6 +8,20 @@
         lists the devices, the backends built in, and the CUDA and NCCL
         versions ("not built" when dpmini was built without CUDA).
 
+    python -m dpmini --version
+        prints "dpmini X.Y.Z".
+
+`python -m dpmini` with no command prints this help on stderr and exits 2,
+as argparse does for any missing required argument (a usage error, so a
+script that forgot the command does not succeed silently); `-h` prints it on
+stdout and exits 0.
+
+Option values that start with a minus (`--chunk-sizes -1,6`, `--in-dims
+-1,0`, `--weights -1,2`) are read as values, as `--chunk-sizes=-1,6` is:
+argparse alone would take "-1,6" for an option and report "expected one
+argument". Such values reach dpmini, whose own message says what is wrong
+(a negative chunk size, a weight <= 0).
+
 Exit status: 0, or 2 for a bad argument: a usage error (argparse), a value
 out of range (a shape too large for NumPy, a dim outside the int32 range,
 a chunk size outside int64), a --dtype NumPy does not know, a --plot file
@@ -21,6 +35,7 @@ error and exits 1.
 import argparse
 import os
 import platform
+import re
 import sys
 import warnings
 
@@ -89,12 +104,14 @@ def _dim(text):
 
 
 def _ints(text):
+    """'3,2,2' -> [3, 2, 2]. Negative sizes are left to dpmini, whose message
+    names the entry (chunk_sizes[0]: must be >= 0)."""
     try:
         sizes = [int(p) for p in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected ints like 3,2,2, got {text!r}") from None
     for n in sizes:
-        if not 0 <= n <= _INT64_MAX:
+        if not -_INT64_MAX - 1 <= n <= _INT64_MAX:
             raise argparse.ArgumentTypeError(
                 f"{n} is out of range (rows per device: 0 to {_INT64_MAX})")
     return sizes
@@ -127,7 +144,8 @@ def _parser():
     parser = argparse.ArgumentParser(
         prog="python -m dpmini",
         description="See how dpmini.DataParallel splits a batch, and what this build supports.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{explain,info}")
+    parser.add_argument("--version", action="version", version=f"dpmini {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="{explain,info}")
 
     ex = sub.add_parser(
         "explain", help="print the split plan for arrays of given shapes",
@@ -160,6 +178,49 @@ def _parser():
                    description="List the devices dpmini sees, the backends built in, and "
                                "the CUDA and NCCL versions.")
     return parser
+
+
+def _version():
+    from . import __version__
+    return __version__
+
+
+# explain's options that take a value (argparse also accepts a unique prefix)
+_VALUE_OPTIONS = ("--shape", "--kw", "--dim", "--devices", "--dtype", "--in-dims",
+                  "--chunk-sizes", "--weights", "--plot")
+_NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
+
+
+def _join_negative_values(argv):
+    """['--chunk-sizes', '-1,6'] -> ['--chunk-sizes=-1,6']: a value that starts
+    with a minus and a digit after an option that takes one is that option's
+    value (no dpmini option starts with a digit)."""
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        takes_value = (tok.startswith("--") and "=" not in tok and len(tok) > 2 and
+                       any(opt.startswith(tok) for opt in _VALUE_OPTIONS))
+        if takes_value and i + 1 < len(argv) and _NEGATIVE_VALUE.match(argv[i + 1]):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def _plot_file(path):
+    """The file Figure.savefig(path) writes: path itself when it has an
+    extension, else path + '.' + matplotlib's savefig.format ('myplan' ->
+    'myplan.png')."""
+    if os.path.splitext(path)[1]:
+        return path
+    try:
+        import matplotlib
+        fmt = matplotlib.rcParams.get("savefig.format", "png")
+    except ImportError:
+        fmt = "png"
+    return f"{path}.{fmt}"
 
 
 def _placeholder(shape, dtype):
@@ -214,6 +275,7 @@ def cmd_explain(args, parser, out):
     except (ValueError, MemoryError) as exc:  # NumPy: too many elements for this dtype
         return _fail(sub, f"--shape/--kw: {exc} (a shape NumPy cannot describe)")
     if args.plot:
+        args.plot = _plot_file(args.plot)
         problem = _check_plot_path(args.plot)
         if problem:
             return _fail(sub, f"--plot: {problem}")
@@ -304,7 +366,11 @@ def main(argv=None, out=None):
     """Run the command line; returns the exit status."""
     out = sys.stdout if out is None else out
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print(f"\n{parser.prog}: error: choose a command: explain or info", file=sys.stderr)
+        return 2
     if args.command == "explain":
         return cmd_explain(args, parser, out)
     return cmd_info(out)

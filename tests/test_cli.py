@@ -60,8 +60,6 @@ def test_explain_usage_errors(capsys):
         main(["explain", "--shape", "5,x"])
     with pytest.raises(SystemExit):
         main(["explain", "--shape", "5", "--devices", "0"])
-    with pytest.raises(SystemExit):
-        main([])
     rc = main(["explain", "--shape", "5", "--devices", "3", "--chunk-sizes", "1,2"])
     assert rc == 2 and "chunk_sizes: expected 3 entries" in capsys.readouterr().err
 
@@ -101,3 +99,63 @@ def test_module_entry_point_explain():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "3 replicas on 4 devices" in proc.stdout
+
+
+# --- --version, no command, --plot's real file name, negative option values ---
+
+def test_version_prints_the_version():
+    proc = subprocess.run([sys.executable, "-m", "dpmini", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"dpmini {dpmini.__version__}"
+
+
+def test_no_command_prints_the_help_and_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "dpmini"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "usage: python -m dpmini" in proc.stderr
+    assert "explain" in proc.stderr and "info" in proc.stderr and "--version" in proc.stderr
+    assert "error: choose a command: explain or info" in proc.stderr
+    help_proc = subprocess.run([sys.executable, "-m", "dpmini", "-h"], capture_output=True,
+                               text=True, timeout=60)
+    assert help_proc.returncode == 0 and "usage: python -m dpmini" in help_proc.stdout
+
+
+def test_plot_without_extension_names_the_file_written(tmp_path):
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("matplotlib cannot be imported under LD_PRELOAD ASan")
+    matplotlib = pytest.importorskip("matplotlib")
+    base = tmp_path / "myplan"
+    rc, text = run("explain", "--shape", "5,3", "--devices", "2", "--plot", str(base))
+    written = f"{base}.{matplotlib.rcParams['savefig.format']}"
+    assert rc == 0 and os.path.exists(written) and not base.exists()
+    assert f"saved the picture to {written}" in text
+
+
+@pytest.mark.parametrize("argv", [["--chunk-sizes", "-1,6"], ["--chunk-sizes=-1,6"],
+                                  ["--chunk", "-1,6"]])
+def test_negative_chunk_sizes_get_dpminis_message(argv, capsys):
+    rc = main(["explain", "--shape", "5", "--devices", "2", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "chunk_sizes[0]: must be >= 0" in err and "got -1" in err
+    assert "expected one argument" not in err
+
+
+def test_negative_values_for_other_options(capsys):
+    rc = main(["explain", "--shape", "5", "--devices", "2", "--weights", "-1,2"])
+    assert rc == 2 and "weights[0]: must be a finite number > 0" in capsys.readouterr().err
+    rc, text = run("explain", "--shape", "5,3", "--devices", "2", "--in-dims", "-1")
+    assert rc == 0 and "split along dim 1" in text
+    rc, text = run("explain", "--shape", "5,3", "--devices", "2", "--dim", "-1")
+    assert rc == 0 and "split along dim 1" in text
+
+
+def test_negative_chunk_sizes_from_the_shell():
+    for argv in (["--chunk-sizes", "-1,6"], ["--chunk-sizes=-1,6"]):
+        proc = subprocess.run([sys.executable, "-m", "dpmini", "explain", "--shape", "5",
+                               "--devices", "2", *argv], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2
+        assert "chunk_sizes[0]: must be >= 0" in proc.stderr, proc.stderr
