@@ -163,8 +163,10 @@ static int dp_exec(PyObject *m)
                       "An NCCL call failed; the message names the call and the devices.",
                       &st->NcclError) < 0 ||
         add_exception(m, "dpmini.SplitWarning", PyExc_UserWarning,
-                      "Sibling arrays split into different chunk counts; rows were dropped "
-                      "(PyTorch drops them silently, spec 3.2).",
+                      "A split array has rows after its first k chunks (k: the smallest "
+                      "chunk count over the split arrays), and they were dropped (PyTorch "
+                      "drops them silently, spec 3.2). strict=True raises ValueError "
+                      "instead, on exactly the same condition.",
                       &st->SplitWarning) < 0) {
         return -1;
     }

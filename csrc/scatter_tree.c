@@ -435,7 +435,8 @@ PyDoc_STRVAR(scatter_doc,
 "  dpmini.Device); not the host.\n"
 "dim: the axis to split along; a negative dim is wrapped against each array's\n"
 "  own rank (R27).\n"
-"strict: raise instead of warning when arrays give different chunk counts.\n"
+"strict: raise ValueError instead of warning SplitWarning when an array would\n"
+"  lose rows (see Warns: the same condition for both).\n"
 "in_dims: None (every array split along dim, PyTorch), or a structure that\n"
 "  mirrors inputs (JAX pmap's in_axes): an int splits along that dim, None\n"
 "  broadcasts the whole array (any rank, 0-dim included) to every replica (a\n"
@@ -470,8 +471,9 @@ PyDoc_STRVAR(scatter_doc,
 "\n"
 "Raises\n"
 "  ValueError: a 0-dim array (\"<path>: chunk expects at least a 1-dimensional\n"
-"    array\"), before any copy (R22); with strict=True, arrays that split into\n"
-"    different chunk counts (each path, shape, dim and size is listed);\n"
+"    array\"), before any copy (R22); with strict=True, exactly when the\n"
+"    SplitWarning below would be warned (each path, shape, dim and size is\n"
+"    listed);\n"
 "    chunk_sizes that do not sum to an array's size (names it); bad\n"
 "    chunk_sizes / weights (wrong length, negative, not finite or not > 0,\n"
 "    both given); an in_dims entry that addresses a child that does not\n"
@@ -481,10 +483,11 @@ PyDoc_STRVAR(scatter_doc,
 "    items (e.g. defaultdict), naming its path; an in_dims entry of the wrong\n"
 "    type or shape (a tuple for an array, a dict for a list, a str).\n"
 "Warns\n"
-"  dpmini.SplitWarning: arrays split into different chunk counts and\n"
-"    strict=False: every replica gets the first k chunks and the rows after\n"
-"    them are dropped, as in PyTorch (R06); the warning names each path and\n"
-"    the rows dropped.");
+"  dpmini.SplitWarning (strict=False): some split array has rows after its\n"
+"    first k chunks (k: the smallest chunk count over the split arrays), so\n"
+"    they are dropped, as in PyTorch (R06); the warning names each path and\n"
+"    the rows dropped. An array with 0 rows along its dim (one empty chunk\n"
+"    per device) loses nothing: no warning, and no error under strict.");
 
 static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
 {

@@ -398,7 +398,26 @@ int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
 /* Pass (b): count and check                                           */
 /* ------------------------------------------------------------------ */
 
-/* Pass (b): the replica count and whether the leaves disagree. */
+/* The one condition behind both SplitWarning and strict=True's ValueError:
+ * does leaf lf lose rows when only the first c->k chunks are used, i.e. has
+ * it more chunks than k and rows in them? An array with 0 rows along its
+ * dim has more chunks than k (torch.chunk gives it one empty chunk per
+ * device) but loses nothing, so it neither warns nor raises. *kept: the
+ * rows the first k chunks hold (may be NULL). */
+static int leaf_drops_rows(const scatter_ctx *c, const scatter_leaf *lf, int64_t *kept)
+{
+    if (lf->bcast || lf->count <= c->k)
+        return 0;
+    int64_t n = (int64_t)PyArray_DIM(lf->arr, lf->dim), got = 0;
+    for (int j = 0; j < c->k; j++)
+        got += lf->sizes[j];
+    if (kept != NULL)
+        *kept = got;
+    return got < n;
+}
+
+/* Pass (b): the replica count, and c->mismatch: whether any leaf loses rows
+ * (leaf_drops_rows), the condition for SplitWarning and for strict=True. */
 void scatter_count(scatter_ctx *c)
 {
     c->k = c->ndev;
@@ -410,10 +429,10 @@ void scatter_count(scatter_ctx *c)
             k = c->leaves[i].count;
     if (k > c->ndev)
         return;  /* no split leaf: every device runs a replica */
-    for (Py_ssize_t i = 0; i < c->nleaves; i++)
-        if (!c->leaves[i].bcast && c->leaves[i].count != k)
-            c->mismatch = 1;
     c->k = k;
+    for (Py_ssize_t i = 0; i < c->nleaves; i++)
+        if (leaf_drops_rows(c, &c->leaves[i], NULL))
+            c->mismatch = 1;
 }
 
 /* The strict=True error text (modelled on JAX pmap's, R29): every array
@@ -474,8 +493,8 @@ done:
     return res;
 }
 
-/* The SplitWarning text (R06), or *out = NULL when no row is dropped (only
- * 0-row arrays exceed k). */
+/* The SplitWarning text (R06): every leaf that loses rows. *out = NULL when
+ * none does (then c->mismatch is 0 too: the same leaf_drops_rows). */
 int truncation_message(scatter_ctx *c, PyObject **out)
 {
     PyObject *parts = PyList_New(0), *body = NULL, *counts = NULL;
@@ -485,12 +504,8 @@ int truncation_message(scatter_ctx *c, PyObject **out)
         return -1;
     for (Py_ssize_t i = 0; i < c->nleaves; i++) {
         scatter_leaf *lf = &c->leaves[i];
-        if (lf->bcast || lf->count <= c->k)
-            continue;
-        int64_t n = (int64_t)PyArray_DIM(lf->arr, lf->dim), kept = 0;
-        for (int j = 0; j < c->k; j++)
-            kept += lf->sizes[j];
-        if (kept >= n)
+        int64_t n = lf->bcast ? 0 : (int64_t)PyArray_DIM(lf->arr, lf->dim), kept = 0;
+        if (!leaf_drops_rows(c, lf, &kept))
             continue;
         /* "rows" only along dim 0; "indices" along any other dim. */
         const char *one = lf->dim == 0 ? "row" : "index";
@@ -526,7 +541,8 @@ done:
     return rc;
 }
 
-/* Pass (b), checks: strict -> ValueError, else SplitWarning. */
+/* Pass (b), checks: when some array loses rows (c->mismatch), strict ->
+ * ValueError, else SplitWarning; otherwise neither. */
 int scatter_check(scatter_ctx *c, int strict)
 {
     if (!c->mismatch)

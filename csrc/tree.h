@@ -70,7 +70,7 @@ typedef struct {
     PyObject *shared;         /* plan only: list of paths of shared leaves  */
     PyObject *error;          /* plan only: first caller error (str) or NULL */
     int k;                    /* replica count, from pass (b)               */
-    int mismatch;             /* leaves gave different chunk counts         */
+    int mismatch;             /* a split leaf loses rows (SplitWarning/strict) */
     PyObject **chunks;        /* nleaves * k new references from pass (c);
                                  a slot is NULL once pass (d) took it       */
     Py_ssize_t cursor;        /* pass (d): the next leaf to hand out        */

@@ -38,7 +38,8 @@ def explain(inputs, device_ids, dim=0, kwargs=None, strict=False, in_dims=None,
         default list (every CUDA device, else the virtual CPU devices).
     dim: the split dim (int, may be negative; wrapped per array leaf).
     kwargs: the keyword arguments (a mapping) or None.
-    strict: as DataParallel(strict=True): different chunk counts become an error.
+    strict: as DataParallel(strict=True): an array that would lose rows (the
+        condition of dpmini.SplitWarning) becomes an error.
     in_dims, chunk_sizes, weights: as for DataParallel (in_dims addresses the
         positional arguments by position and kwargs by name; None leaves are
         broadcast whole; chunk_sizes / weights give one entry per device).
