@@ -1065,15 +1065,17 @@ static PyGetSetDef DataParallel_getset[] = {
      "The wrapped callable (any callable object).", NULL},
     {"device_ids", (getter)DataParallel_get_device_ids, (setter)DataParallel_set_device_ids,
      "The devices, as a new list of dpmini.Device on each read; set with any\n"
-     "non-empty sequence of non-host devices.", NULL},
+     "non-empty sequence of non-host devices, or None for the default devices\n"
+     "(as in the constructor).", NULL},
     {"output_device", (getter)DataParallel_get_output_device,
      (setter)DataParallel_set_output_device,
-     "Where forward gathers the outputs (a dpmini.Device; may be the host).", NULL},
+     "Where forward gathers the outputs (a dpmini.Device; may be the host).\n"
+     "Setting None means device_ids[0] as it is then (as in the constructor).", NULL},
     {"dim", (getter)DataParallel_get_dim, (setter)DataParallel_set_dim,
      "The scatter/gather dimension (an int; negative dims wrap per array).", NULL},
     {"strict", (getter)DataParallel_get_strict, (setter)DataParallel_set_strict,
-     "True: arrays with different chunk counts raise ValueError instead of\n"
-     "warning dpmini.SplitWarning.", NULL},
+     "True: raise ValueError instead of warning dpmini.SplitWarning, on the\n"
+     "same condition (a split array would lose rows).", NULL},
     {"in_dims", (getter)DataParallel_get_in_dims, (setter)DataParallel_set_in_dims,
      "How each input is split (None: dim everywhere). A structure mirroring\n"
      "the arguments: see DataParallel's docstring.", NULL},
