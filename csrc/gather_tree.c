@@ -957,17 +957,12 @@ static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
                               &target) < 0)
         return NULL;
     /* spec 4.3: -1 for the host still works but is deprecated. */
-    if (PyLong_Check(target_obj) && !PyBool_Check(target_obj)) {
-        int overflow;
-        long v = PyLong_AsLongAndOverflow(target_obj, &overflow);
-        if (v == -1 && !overflow && !PyErr_Occurred() &&
-            PyErr_WarnEx(PyExc_FutureWarning,
-                         "Using -1 to represent CPU tensor is deprecated. Please use "
-                         "a device object or string instead, e.g., \"cpu\".", 1) < 0)
-            return NULL;
-        if (PyErr_Occurred())
-            return NULL;
-    }
+    /* (an int that named the host is -1, NumPy integers included) */
+    if (dp_is_index_like(target_obj) && target.kind == DP_HOST &&
+        PyErr_WarnEx(PyExc_FutureWarning,
+                     "Using -1 to represent CPU tensor is deprecated. Please use "
+                     "a device object or string instead, e.g., \"cpu\".", 1) < 0)
+        return NULL;
     return dp_gather_outputs_ex(st, outputs, target, dim, out_dims);
 }
 
