@@ -317,7 +317,7 @@ static int parse_destination(dp_state *st, PyObject *obj, const char *argname,
     if (dp_device_from_object(st, obj, argname, DP_DEV_ALLOW_HOST, out) < 0) {
         return -1;
     }
-    if (PyLong_Check(obj) && out->kind == DP_HOST) {
+    if (dp_is_index_like(obj) && out->kind == DP_HOST) {   /* -1, NumPy integers too */
         if (PyErr_WarnEx(PyExc_FutureWarning,
                          "Using -1 to represent CPU tensor is deprecated. Please use a "
                          "device object or string instead, e.g., \"cpu\".", 1) < 0) {

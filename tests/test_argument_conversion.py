@@ -66,6 +66,9 @@ def test_numpy_integer_device_indices():
             out = dpmini.gather([X[:2], X[2:]], host)
         assert dpmini.device_of(out) == "cpu"
         with pytest.warns(FutureWarning, match="Using -1 to represent CPU"):
+            out = comm.gather([X[:2], X[2:]], destination=host)
+        assert dpmini.device_of(out) == "cpu"
+        with pytest.warns(FutureWarning, match="Using -1 to represent CPU"):
             dp = dpmini.DataParallel(ident, DEVS, output_device=host)
         assert dp.output_device == "cpu"
 
