@@ -494,7 +494,8 @@ void dp_device_format(dp_device d, char *buf, size_t size)
 
 static const char DEVICE_FORMS[] =
     "'cpu' (the host), 'cpu:N' (virtual CPU device, 0 <= N < 256), 'cuda:N', "
-    "an int (CUDA device; -1 is the host) or a dpmini.Device";
+    "an int (CUDA device; -1 is the host) or a dpmini.Device; strings exactly as "
+    "str(Device) prints them (no spaces, signs or leading zeros)";
 
 static int check_cuda_index(long index, const char *argname)
 {
