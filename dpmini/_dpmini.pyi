@@ -13,14 +13,14 @@ DeviceLike (like the _-prefixed aliases and _Comm) exists only in this stub,
 not at run time: import it under ``if typing.TYPE_CHECKING:``.
 """
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias, final
+from typing import Any, Final, Literal, Protocol, SupportsFloat, SupportsIndex, TypeAlias, final
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 # ----------------------------------------------------------------- stub-only
-DeviceLike: TypeAlias = str | int | Device
-"""'cpu' or -1 (the host), 'cpu:N', 'cuda', 'cuda:N', an int N >= 0, or a Device."""
+DeviceLike: TypeAlias = str | SupportsIndex | Device
+"""'cpu' or -1 (the host), 'cpu:N', 'cuda', 'cuda:N', an int N >= 0 (NumPy integers too), or a Device."""
 
 # numpy.ndarray (host, cpu:N) or dpmini.Array (cuda:N), decided at run time.
 _AnyArray: TypeAlias = Any
@@ -104,12 +104,12 @@ class DataParallel:
         module: Callable[..., Any],
         device_ids: Sequence[DeviceLike] | None = None,
         output_device: DeviceLike | None = None,
-        dim: int = 0,
+        dim: SupportsIndex = 0,
         strict: bool = False,
         in_dims: Any = None,
         out_dims: Any = None,
-        chunk_sizes: Sequence[int] | None = None,
-        weights: Sequence[float] | None = None,
+        chunk_sizes: Sequence[SupportsIndex] | None = None,
+        weights: Sequence[SupportsFloat] | None = None,
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def forward(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -134,15 +134,15 @@ class DataParallel:
     @property
     def device_ids(self) -> list[Device]: ...
     @device_ids.setter
-    def device_ids(self, value: Sequence[DeviceLike]) -> None: ...
+    def device_ids(self, value: Sequence[DeviceLike] | None) -> None: ...
     @property
     def output_device(self) -> Device: ...
     @output_device.setter
-    def output_device(self, value: DeviceLike) -> None: ...
+    def output_device(self, value: DeviceLike | None) -> None: ...
     @property
     def dim(self) -> int: ...
     @dim.setter
-    def dim(self, value: int) -> None: ...
+    def dim(self, value: SupportsIndex) -> None: ...
     @property
     def strict(self) -> bool: ...
     @strict.setter
@@ -158,11 +158,11 @@ class DataParallel:
     @property
     def chunk_sizes(self) -> tuple[int, ...] | None: ...
     @chunk_sizes.setter
-    def chunk_sizes(self, value: Sequence[int] | None) -> None: ...
+    def chunk_sizes(self, value: Sequence[SupportsIndex] | None) -> None: ...
     @property
     def weights(self) -> tuple[float, ...] | None: ...
     @weights.setter
-    def weights(self, value: Sequence[float] | None) -> None: ...
+    def weights(self, value: Sequence[SupportsFloat] | None) -> None: ...
 
 # ----------------------------------------------------------------- functions
 def data_parallel(
@@ -170,35 +170,35 @@ def data_parallel(
     inputs: Any,
     device_ids: Sequence[DeviceLike] | None = None,
     output_device: DeviceLike | None = None,
-    dim: int = 0,
+    dim: SupportsIndex = 0,
     module_kwargs: Mapping[str, Any] | None = None,
     *,
     in_dims: Any = None,
     out_dims: Any = None,
-    chunk_sizes: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
+    chunk_sizes: Sequence[SupportsIndex] | None = None,
+    weights: Sequence[SupportsFloat] | None = None,
 ) -> Any: ...
 def scatter(
     inputs: Any,
     target_devices: Sequence[DeviceLike],
-    dim: int = 0,
+    dim: SupportsIndex = 0,
     strict: bool = False,
     in_dims: Any = None,
-    chunk_sizes: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
+    chunk_sizes: Sequence[SupportsIndex] | None = None,
+    weights: Sequence[SupportsFloat] | None = None,
 ) -> tuple[Any, ...]: ...
 def scatter_kwargs(
     inputs: Any,
     kwargs: Mapping[str, Any] | None,
     target_devices: Sequence[DeviceLike],
-    dim: int = 0,
+    dim: SupportsIndex = 0,
     strict: bool = False,
     in_dims: Any = None,
-    chunk_sizes: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
+    chunk_sizes: Sequence[SupportsIndex] | None = None,
+    weights: Sequence[SupportsFloat] | None = None,
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]: ...
 def gather(
-    outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0, out_dims: Any = None
+    outputs: Sequence[Any], target_device: DeviceLike, dim: SupportsIndex = 0, out_dims: Any = None
 ) -> Any: ...
 def replicate(module: Any, devices: Sequence[DeviceLike], detach: bool = False) -> list[Any]: ...
 def parallel_apply(
@@ -228,11 +228,11 @@ def _plan(
     inputs: Any,
     kwargs: Mapping[str, Any] | None,
     device_ids: Sequence[DeviceLike] | None,
-    dim: int = 0,
+    dim: SupportsIndex = 0,
     strict: bool = False,
     in_dims: Any = None,
-    chunk_sizes: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
+    chunk_sizes: Sequence[SupportsIndex] | None = None,
+    weights: Sequence[SupportsFloat] | None = None,
 ) -> dict[str, Any]: ...
 
 # ---------------------------------------------------------------- submodule
@@ -246,14 +246,14 @@ class _Comm(Protocol):
         self,
         array: _ArrayIn,
         devices: Sequence[DeviceLike] | None = None,
-        chunk_sizes: Sequence[int] | None = None,
-        dim: int = 0,
+        chunk_sizes: Sequence[SupportsIndex] | None = None,
+        dim: SupportsIndex = 0,
         out: Sequence[_AnyArray] | None = None,
     ) -> tuple[_AnyArray, ...]: ...
     def gather(
         self,
         arrays: Sequence[_ArrayIn],
-        dim: int = 0,
+        dim: SupportsIndex = 0,
         destination: DeviceLike | None = None,
         out: _AnyArray | None = None,
     ) -> _AnyArray: ...
