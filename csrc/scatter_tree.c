@@ -181,7 +181,8 @@ done:
 /* Pass (d) for a container of the given kind: res[j] = its copy for replica
  * j (new references; all NULL on failure). Tuples, lists and the top-level
  * args come back as plain tuples/lists; namedtuples as type(obj)(*fields);
- * dicts as type(obj)(pairs) (a plain dict is filled directly). */
+ * a plain dict is filled directly, a dict subclass rebuilt by
+ * rebuild_mapping (copy.copy, then its values set). */
 static int build_container(scatter_ctx *c, PyObject *obj, int kind,
                            const path_seg *seg, PyObject **res)
 {
@@ -192,7 +193,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
 
     for (int j = 0; j < k; j++)
         res[j] = NULL;
-    if (Py_EnterRecursiveCall(" while scattering inputs"))
+    if (check_depth(seg, "inputs") < 0 || Py_EnterRecursiveCall(" while scattering inputs"))
         return -1;
     items = container_items(obj, kind);
     if (items == NULL)
@@ -226,18 +227,17 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
     }
     if (kind == S_NAMEDTUPLE || (kind == S_DICT && !exact_dict)) {
         for (int j = 0; j < k; j++) {
-            PyObject *r = kind == S_NAMEDTUPLE
-                ? PyObject_Call((PyObject *)Py_TYPE(obj), res[j], NULL)
-                : PyObject_CallOneArg((PyObject *)Py_TYPE(obj), res[j]);
-            if (r == NULL) {
-                if (kind == S_NAMEDTUPLE)
+            PyObject *r;
+            if (kind == S_NAMEDTUPLE) {
+                r = PyObject_Call((PyObject *)Py_TYPE(obj), res[j], NULL);
+                if (r == NULL)
                     raise_rebuild_error(seg, Py_TYPE(obj), "type(obj)(*fields)", "");
-                else
-                    raise_rebuild_error(seg, Py_TYPE(obj),
-                                        "type(obj)(list of (key, value) pairs)",
-                                        "; pass a dict or OrderedDict instead");
-                goto done;
             }
+            else {
+                r = rebuild_mapping(c->st, obj, res[j], seg);
+            }
+            if (r == NULL)
+                goto done;
             Py_SETREF(res[j], r);
         }
     }
