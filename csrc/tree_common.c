@@ -45,7 +45,9 @@ static PyObject *key_repr(PyObject *key)
     if (PyUnicode_CheckExact(key) || PyLong_CheckExact(key))
         return Py_TYPE(key)->tp_repr(key);
     PyObject *r = PyObject_Repr(key);
-    if (r == NULL) {
+    if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        /* A failing repr (or RecursionError at the limit) does not hide
+         * the error being reported; KeyboardInterrupt and the like pass. */
         PyErr_Clear();
         r = PyUnicode_FromFormat("<%.100s key>", Py_TYPE(key)->tp_name);
     }

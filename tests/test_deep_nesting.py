@@ -152,3 +152,13 @@ def test_deep_in_dims_names_its_root():
     spec = _nested(0, MAX_NESTING + 5, make=lambda c: [c])
     with pytest.raises(RecursionError, match=r"^in_dims: nested deeper than"):
         dpmini.scatter((np.zeros(4),), D2, in_dims=spec)
+
+
+def test_a_key_whose_repr_fails_is_shown_by_its_type():
+    class BadRepr:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    with pytest.raises(IndexError) as info:
+        dpmini.scatter({BadRepr(): np.zeros(4)}, D2, dim=3)
+    assert str(info.value).startswith("inputs[<BadRepr key>]")
