@@ -37,6 +37,8 @@ typedef struct {
     PyObject *weights;         /* owned; None or a tuple of numbers > 0;
                                   never both set; lengths are checked
                                   against device_ids on each call */
+    struct dp_snapshot *active;  /* the calls running now, innermost first (see
+                                    "Helpers: one call's options"); NULL when none */
     PyObject *dict;            /* instance __dict__ (tp_dictoffset); may be NULL */
     PyObject *weakreflist;     /* weak references (tp_weaklistoffset); may be NULL */
 } dp_DataParallelObject;
@@ -241,7 +243,10 @@ static int check_initialised(dp_DataParallelObject *self)
  * own reference and its own copy of the device list, so it neither reads
  * freed memory nor mixes old and new settings. */
 #define DP_SNAP_INLINE 16
-typedef struct {
+typedef struct dp_snapshot {
+    struct dp_snapshot *next;  /* the call below it in self->active          */
+    unsigned long thread;      /* PyThread_get_thread_ident() of its caller  */
+    int claimed;               /* taken by forward (see call_begin)          */
     PyObject *module;          /* owned                                      */
     dp_device *devs;           /* inline_devs or PyMem_Malloc'ed; ndev items */
     Py_ssize_t ndev;
@@ -268,7 +273,9 @@ static int snapshot_take(dp_DataParallelObject *self, dp_snapshot *s)
             return -1;
         }
     }
-    memcpy(s->devs, self->devs, (size_t)s->ndev * sizeof *s->devs);
+    if (s->ndev > 0) {   /* 0 before __init__ (gather works without it) */
+        memcpy(s->devs, self->devs, (size_t)s->ndev * sizeof *s->devs);
+    }
     s->module = Py_NewRef(self->module);
     s->output_device = self->output_device;
     s->dim = self->dim;
@@ -300,6 +307,62 @@ static void snapshot_release(dp_snapshot *s)
     s->devs = NULL;
 }
 
+/* One call's options, for the step methods too. On a subclass, forward
+ * runs self.scatter, self.replicate, self.parallel_apply and self.gather
+ * through attribute lookup (overridden or not); each of them, when called
+ * on the thread of a running call of the same object (directly or through
+ * super()), uses that call's snapshot instead of reading self again, so
+ * another thread setting dp.dim = 1 mid-call cannot make the call scatter
+ * on 0 and gather on 1. The running calls are a list on the object (the
+ * GIL guards it), one entry per call in progress, each tagged with its
+ * thread. __call__ on a subclass takes the snapshot before looking up
+ * forward, so an overridden forward that calls the steps itself gets it as
+ * well. A step method called outside any call reads self. */
+static void call_push(dp_DataParallelObject *self, dp_snapshot *s, int claimed)
+{
+    s->thread = PyThread_get_thread_ident();
+    s->claimed = claimed;
+    s->next = self->active;
+    self->active = s;
+}
+
+static void call_pop(dp_DataParallelObject *self, dp_snapshot *s)
+{
+    for (dp_snapshot **p = &self->active; *p != NULL; p = &(*p)->next) {
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    }
+    s->next = NULL;
+}
+
+/* The innermost call of self running on this thread, or NULL. */
+static dp_snapshot *call_current(dp_DataParallelObject *self)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    for (dp_snapshot *s = self->active; s != NULL; s = s->next) {
+        if (s->thread == me) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* The options for a step method: the running call's (*borrowed = 1; do not
+ * release) or a fresh snapshot of self (*borrowed = 0). */
+static int step_options(dp_DataParallelObject *self, dp_snapshot *buf, int *borrowed)
+{
+    dp_snapshot *cur = call_current(self);
+    *borrowed = cur != NULL;
+    if (cur != NULL) {
+        *buf = *cur;     /* devs keeps pointing into *cur, alive for the call */
+        buf->next = NULL;
+        return 0;
+    }
+    return snapshot_take(self, buf);
+}
+
 /* forward on a Python subclass: each step through attribute lookup. */
 static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
                                  const dp_snapshot *snap, PyObject *args, PyObject *kwargs)
@@ -318,9 +381,21 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     }
     if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
         PyErr_Format(PyExc_TypeError,
-                     "DataParallel.forward: scatter() must return (inputs, kwargs), got %.100s",
-                     Py_TYPE(pair)->tp_name);
+                     "DataParallel.forward: %.100s.scatter() must return (inputs, kwargs), "
+                     "got %.100s", Py_TYPE(self)->tp_name, Py_TYPE(pair)->tp_name);
         goto fail;
+    }
+    for (int side = 0; side < 2; side++) {
+        PyObject *v = PyTuple_GET_ITEM(pair, side);
+        if (!PyTuple_Check(v) && !PyList_Check(v)) {
+            PyErr_Format(PyExc_TypeError,
+                         "DataParallel.forward: %.100s.scatter() must return (inputs, "
+                         "kwargs), two tuples or lists with one entry per replica (a "
+                         "tuple of arguments, a dict of keyword arguments), got %s=%.100s",
+                         Py_TYPE(self)->tp_name, side ? "kwargs" : "inputs",
+                         Py_TYPE(v)->tp_name);
+            goto fail;
+        }
     }
     inputs = PySequence_Tuple(PyTuple_GET_ITEM(pair, 0));
     kws = PySequence_Tuple(PyTuple_GET_ITEM(pair, 1));
@@ -337,6 +412,13 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
     }
     replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", snap->module, used);
     if (replicas == NULL) {
+        goto fail;
+    }
+    if (!PyList_Check(replicas) && !PyTuple_Check(replicas)) {
+        PyErr_Format(PyExc_TypeError,
+                     "DataParallel.forward: %.100s.replicate() must return a list (or "
+                     "tuple) of replicas, one per device in device_ids[:%zd], got %.100s",
+                     Py_TYPE(self)->tp_name, PyList_GET_SIZE(used), Py_TYPE(replicas)->tp_name);
         goto fail;
     }
     outputs = PyObject_CallMethod((PyObject *)self, "parallel_apply", "OOO", replicas, inputs, kws);
@@ -367,22 +449,38 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
     if (st == NULL || check_initialised(self) < 0) {
         return NULL;
     }
-    dp_snapshot snap;
+    dp_snapshot snap, *use = &snap;
     PyObject *res;
-    if (snapshot_take(self, &snap) < 0) {
-        return NULL;
-    }
     if (Py_TYPE(self) == st->DataParallelType) {
+        if (snapshot_take(self, &snap) < 0) {
+            return NULL;
+        }
         if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
             kwargs = NULL;
         }
         call_opts o = snap_opts(&snap);
         res = forward_core(st, snap.module, args, kwargs, snap.devs, snap.ndev,
                            snap.output_device, &o);
-    } else {
-        res = forward_generic(self, st, &snap, args, kwargs);
+        snapshot_release(&snap);
+        return res;
     }
-    snapshot_release(&snap);
+    /* A subclass: the snapshot __call__ took for this call, or a new one
+     * (forward called directly). */
+    dp_snapshot *cur = call_current(self);
+    if (cur != NULL && !cur->claimed) {
+        cur->claimed = 1;
+        use = cur;
+    } else {
+        if (snapshot_take(self, &snap) < 0) {
+            return NULL;
+        }
+        call_push(self, &snap, 1);
+    }
+    res = forward_generic(self, st, use, args, kwargs);
+    if (use == &snap) {
+        call_pop(self, &snap);
+        snapshot_release(&snap);
+    }
     return res;
 }
 
@@ -528,12 +626,24 @@ static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, 
     if (Py_TYPE(self) == st->DataParallelType) {
         return forward_dispatch(self, args, kwargs);
     }
-    PyObject *fwd = PyObject_GetAttrString((PyObject *)self, "forward");
-    if (fwd == NULL) {
-        return NULL;
+    /* The call's options are read now, before any user code runs. */
+    dp_snapshot snap;
+    int inited = self->devs != NULL;   /* else forward raises, or is the user's */
+    if (inited) {
+        if (snapshot_take(self, &snap) < 0) {
+            return NULL;
+        }
+        call_push(self, &snap, 0);
     }
-    PyObject *res = PyObject_Call(fwd, args, kwargs);
-    Py_DECREF(fwd);
+    PyObject *res = NULL, *fwd = PyObject_GetAttrString((PyObject *)self, "forward");
+    if (fwd != NULL) {
+        res = PyObject_Call(fwd, args, kwargs);
+        Py_DECREF(fwd);
+    }
+    if (inited) {
+        call_pop(self, &snap);
+        snapshot_release(&snap);
+    }
     return res;
 }
 
@@ -904,7 +1014,8 @@ PyDoc_STRVAR(scatter_doc,
 "tuples of positional arguments and k dicts. Both are empty when there are\n"
 "no arguments. Chunk counts that differ warn dpmini.SplitWarning, or raise\n"
 "ValueError when self.strict. device_ids None means self.device_ids.\n"
-"Uses self.in_dims, self.chunk_sizes and self.weights (see the class).\n"
+"Uses self.dim, self.in_dims, self.chunk_sizes and self.weights (see the\n"
+"class), as the running call read them when called during a call.\n"
 "Errors: TypeError for inputs/kwargs of the wrong type, ValueError for bad\n"
 "devices or 0-dim arrays, IndexError for a dim out of range.");
 
@@ -918,10 +1029,11 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     dp_state *st = dp_state_from_type(Py_TYPE(self));
 
     dp_snapshot snap;
+    int borrowed;
 
     if (st == NULL || check_initialised(self) < 0 ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids) ||
-        snapshot_take(self, &snap) < 0) {
+        step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
     if (inputs == Py_None) {
@@ -951,7 +1063,9 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     }
     res = PyTuple_Pack(2, ins, kws);
 fail:
-    snapshot_release(&snap);
+    if (!borrowed) {
+        snapshot_release(&snap);
+    }
     PyMem_Free(devs);
     Py_XDECREF(in);
     Py_XDECREF(ins);
@@ -1003,7 +1117,8 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
         return NULL;
     }
     dp_snapshot snap;
-    if (snapshot_take(self, &snap) < 0) {
+    int borrowed;
+    if (step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
     PyObject *res = NULL;
@@ -1012,7 +1127,9 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
         res = parallel_apply_run(st, replicas, inputs, kw, NULL, snap.devs,
                                  m < snap.ndev ? m : snap.ndev);
     }
-    snapshot_release(&snap);
+    if (!borrowed) {
+        snapshot_release(&snap);
+    }
     return res;
 }
 
@@ -1021,27 +1138,32 @@ PyDoc_STRVAR(gather_doc,
 "Combine the per-replica outputs onto output_device along self.dim (PyTorch\n"
 "gather, spec §4, with dpmini's rules in docs/design.md). output_device:\n"
 "'cpu' or -1 for the host (-1 warns FutureWarning), 'cpu:N', 'cuda:N', an int\n"
-"or a Device; None means self.output_device. Follows self.out_dims (see the\n"
-"class). Errors: TypeError/ValueError naming the output path for mismatched\n"
+"or a Device; None means self.output_device. Follows self.dim and\n"
+"self.out_dims (see the class), as the running call read them when called\n"
+"during a call. Errors: TypeError/ValueError naming the output path for mismatched\n"
 "structures or shapes, or the out_dims entry that does not fit.");
 
 static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"outputs", "output_device", NULL};
     PyObject *outputs, *out = Py_None;
-    dp_device d = self->output_device;
-    int dim = self->dim;   /* read before any user code runs (a snapshot) */
     dp_state *st = dp_state_from_type(Py_TYPE(self));
+    dp_snapshot snap;
+    int borrowed;
     if (st == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:gather", kwlist, &outputs, &out)) {
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:gather", kwlist, &outputs, &out) ||
+        step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
-    PyObject *out_dims = Py_NewRef(self->out_dims);
+    /* Options read before any user code runs (parse_target_device may warn). */
+    dp_device d = snap.output_device;
     PyObject *res = NULL;
     if (out == Py_None || parse_target_device(st, out, "output_device", &d) == 0) {
-        res = dp_gather_outputs_ex(st, outputs, d, dim, out_dims);
+        res = dp_gather_outputs_ex(st, outputs, d, snap.dim, snap.out_dims);
     }
-    Py_DECREF(out_dims);
+    if (!borrowed) {
+        snapshot_release(&snap);
+    }
     return res;
 }
 
@@ -1123,14 +1245,24 @@ PyDoc_STRVAR(DataParallel_doc,
 "refused (ValueError), object arrays are TypeError; other objects go to\n"
 "every replica unchanged. Outputs: replica outputs of one structure;\n"
 "arrays at one position are concatenated along dim on output_device (the\n"
-"replicas' shapes with their dim sizes added; replica 0's dtype); 0-dim\n"
-"outputs become a vector of one value per replica; None, str and numbers\n"
-"are returned once when every replica's is equal.\n"
+"replicas' shapes with their dim sizes added; replica 0's dtype, other\n"
+"dtypes cast only within a kind: real with complex, float into int raise\n"
+"TypeError); 0-dim outputs become a vector of one value per replica; None,\n"
+"str and numbers are returned once when every replica's is equal. Mappings\n"
+"and dataclasses keep their type (see dpmini.gather). Structures deeper\n"
+"than 512 levels raise RecursionError naming the path.\n"
 "\n"
 "Calling the object runs forward(*args, **kwargs). Subclasses may override\n"
 "forward, scatter, replicate, parallel_apply and gather, and may add\n"
-"attributes. The module's arrays are not required to be on device_ids[0]\n"
-"(documented difference from PyTorch's device check, spec 2.2).\n"
+"attributes; scatter must return (inputs, kwargs), two tuples or lists, and\n"
+"replicate a list or tuple (TypeError naming the method otherwise). Each\n"
+"call reads module, device_ids, output_device, dim, strict, in_dims,\n"
+"out_dims, chunk_sizes and weights once, when it starts: the step methods\n"
+"called during it on its thread (directly, through super(), or from an\n"
+"overridden forward) use those values, so a change made meanwhile (from\n"
+"another thread or a replica) applies from the next call. The module's\n"
+"arrays are not required to be on device_ids[0] (documented difference\n"
+"from PyTorch's device check, spec 2.2).\n"
 "\n"
 "Beyond PyTorch (all None by default, which is exactly PyTorch's behaviour):\n"
 "in_dims: how each input is split, modelled on JAX pmap's in_axes. A\n"
@@ -1147,7 +1279,7 @@ PyDoc_STRVAR(DataParallel_doc,
 "out_dims: how each output is gathered, modelled on pmap's out_axes: an int\n"
 "  gathers along that dim; None returns replica 0's value after checking\n"
 "  that every replica returned an equal one (numpy.array_equal for arrays,\n"
-"  NaN equal to NaN; GPU arrays compared through host copies; TypeError\n"
+"  NaN equal to NaN, NaT to NaT; GPU arrays compared through host copies; TypeError\n"
 "  naming the path otherwise); \"sum\" adds the replicas' values\n"
 "  (arrays with comm.reduce_add onto output_device, numbers with +): the\n"
 "  sum of per-replica gradients, counts or summed losses. Structures mirror\n"

@@ -93,7 +93,7 @@ static int gather_kind(dp_state *st, PyObject *o)
 }
 
 /* What join_each shows of each replica's value. */
-enum { SHOW_TYPE, SHOW_REPR, SHOW_NDIM, SHOW_LEN };
+enum { SHOW_TYPE, SHOW_REPR, SHOW_NDIM, SHOW_LEN, SHOW_DTYPE };
 
 /* ", ".join of one item per value, for error messages: type(x).__name__
  * ("ndarray, NoneType"), repr(x) (cut at 80 characters), x.ndim for
@@ -115,6 +115,9 @@ static PyObject *join_each(PyObject *const *vals, Py_ssize_t n, int show)
         case SHOW_NDIM:
             item = PyUnicode_FromFormat("%d", PyArray_NDIM((PyArrayObject *)vals[i]));
             break;
+        case SHOW_DTYPE:
+            item = PyObject_Str((PyObject *)PyArray_DESCR((PyArrayObject *)vals[i]));
+            break;
         default: /* SHOW_LEN */
             item = PyUnicode_FromFormat("%zd", PyTuple_GET_SIZE(vals[i]));
             break;
@@ -128,17 +131,52 @@ done:
     return res;
 }
 
+/* A Python number (int, float, complex, bool; not a NumPy scalar). */
+static int is_py_number(PyObject *o)
+{
+    return (PyLong_Check(o) || PyFloat_Check(o) || PyComplex_Check(o)) &&
+           !PyArray_IsScalar(o, Generic);
+}
+
+/* A NumPy scalar or a Python number as a new 0-dim ndarray; NULL with no
+ * exception set for anything else. */
+static PyObject *scalar_as_array(PyObject *o)
+{
+    if (PyArray_IsScalar(o, Generic))
+        return PyArray_FromScalar(o, NULL);
+    if (is_py_number(o))
+        return PyArray_FromAny(o, NULL, 0, 0, 0, NULL);
+    return NULL;
+}
+
 /* Every replica must return the same kind of value at this position (for a
- * dataclass, the same class): R19 c/d. */
+ * dataclass, the same class): R19 c/d. Two mixes are allowed, as one kind:
+ * namedtuples with plain tuples or lists (replica 0's type is rebuilt, as
+ * PyTorch does), and NumPy scalars with Python numbers (np.float64(1.0) and
+ * 1.0: all gathered as 0-dim arrays, the NumPy scalar rule). Returns the
+ * kind to gather with, or -1. */
 static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                        int kind0, const path_seg *seg)
 {
+    int kind = kind0;
     for (Py_ssize_t i = 1; i < n; i++) {
         int ki = gather_kind(g->st, vals[i]);
         if (ki < 0)
             return -1;
         if (ki == kind0 && (kind0 != G_DATACLASS || Py_TYPE(vals[i]) == Py_TYPE(vals[0])))
             continue;
+        if ((kind0 == G_SEQ || kind0 == G_NAMEDTUPLE) && (ki == G_SEQ || ki == G_NAMEDTUPLE))
+            continue;
+        if ((kind0 == G_ARRAY || kind0 == G_VALUE) && (ki == G_ARRAY || ki == G_VALUE)) {
+            Py_ssize_t j = 0;
+            for (; j < n; j++)
+                if (!PyArray_IsScalar(vals[j], Generic) && !is_py_number(vals[j]))
+                    break;
+            if (j == n) {
+                kind = G_ARRAY;
+                continue;
+            }
+        }
         PyObject *path = path_str(seg), *names = join_each(vals, n, SHOW_TYPE);
         if (path != NULL && names != NULL)
             PyErr_Format(PyExc_TypeError,
@@ -146,6 +184,46 @@ static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                          "does, but replica %zd does not (types per replica: %U)",
                          path, gather_kind_names[kind0], i, names);
         Py_XDECREF(path);
+        Py_XDECREF(names);
+        return -1;
+    }
+    return kind;
+}
+
+/* The replicas' arrays at one position can be gathered into replica 0's
+ * dtype without losing data: NumPy's same_kind casting (float64 -> float32
+ * and int -> float are fine; float -> int, int -> bool and datetimes with
+ * numbers are not), for str, bytes and structured dtypes safe casting (no
+ * truncated strings), and never real with complex, in either order (as
+ * PyTorch, whose comm functions see a complex array as its real view and
+ * fail on the extra dim). Else TypeError naming the path and every
+ * replica's dtype. arrs: n ndarrays. */
+static int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
+{
+    PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)arrs[0]);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyArray_Descr *di = PyArray_DESCR((PyArrayObject *)arrs[i]);
+        NPY_CASTING rule = strchr("SUV", d0->kind) != NULL || strchr("SUV", di->kind) != NULL
+                               ? NPY_SAFE_CASTING : NPY_SAME_KIND_CASTING;
+        int mixed_complex = (d0->kind == 'c') != (di->kind == 'c');
+        if (!mixed_complex && PyArray_CanCastTypeTo(di, d0, rule))
+            continue;
+        PyObject *names = join_each(arrs, n, SHOW_DTYPE);
+        if (names != NULL && mixed_complex)
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned %S and replica 0 %S: real and complex "
+                         "arrays are not gathered together, in either order (a real "
+                         "result would drop the imaginary parts; PyTorch raises too) "
+                         "(dtypes per replica: %U); cast the outputs to one dtype in the "
+                         "replicas", cpath, i, (PyObject *)di, (PyObject *)d0, names);
+        else if (names != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned %S, which cannot be gathered into "
+                         "replica 0's dtype %S without losing data (dtypes per replica: "
+                         "%U); gather casts to replica 0's dtype only within a kind "
+                         "(NumPy's same_kind rule, e.g. float64 -> float32): cast the "
+                         "outputs to one dtype in the replicas", cpath, i, (PyObject *)di,
+                         (PyObject *)d0, names);
         Py_XDECREF(names);
         return -1;
     }
@@ -184,9 +262,9 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     for (Py_ssize_t i = 0; i < n; i++) {
         if (dp_refused_array_subclass(vals[i], cpath) != 0)
             goto done;
-        arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i])
-                : PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
-                : (PyObject *)dp_as_array(g->st, vals[i], cpath, 0); /* GPU arrays */
+        arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i]) : scalar_as_array(vals[i]);
+        if (arrs[i] == NULL && !PyErr_Occurred())  /* GPU arrays */
+            arrs[i] = (PyObject *)dp_as_array(g->st, vals[i], cpath, 0);
         if (arrs[i] == NULL)
             goto done;
         if (PyArray_NDIM((PyArrayObject *)arrs[i]) == 0)
@@ -195,6 +273,8 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
             all0 = 0;
     }
     vals = arrs;
+    if (check_dtypes(arrs, n, cpath) < 0)
+        goto done;
     if (any0 && !all0) {
         /* PyTorch fails inside comm.gather on the rank mismatch. */
         PyObject *dims = join_each(vals, n, SHOW_NDIM);
@@ -292,20 +372,44 @@ static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n
     return Py_NewRef(vals[0]);
 }
 
-/* Any other object: the same object from every replica is returned. */
+/* Any other object: returned when every replica returns the same object,
+ * or equal values (== and the same hash) of one type hashed by value
+ * (Fraction, Decimal, date, frozenset: such types are by convention
+ * immutable, so one value stands for all). Unhashable objects (mutable
+ * ones) and objects hashed by identity must be the same object: equal but
+ * separate ones would each be a replica's own state. */
 static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                              const path_seg *seg)
 {
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+    /* A value type: hashable by value, not by identity (object.__hash__). */
+    int hashable = tp->tp_hash != NULL && tp->tp_hash != PyObject_HashNotImplemented &&
+                   tp->tp_hash != PyBaseObject_Type.tp_hash;
     for (Py_ssize_t i = 1; i < n; i++) {
         if (vals[i] == vals[0])
             continue;
+        if (hashable && Py_TYPE(vals[i]) == tp) {
+            int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+            if (eq < 0)
+                return NULL;
+            if (eq) {
+                Py_hash_t h0 = PyObject_Hash(vals[0]), hi = PyObject_Hash(vals[i]);
+                if (h0 == -1 || hi == -1) {
+                    if (PyErr_Occurred())
+                        return NULL;
+                }
+                if (h0 == hi)
+                    continue;
+            }
+        }
         PyObject *path = path_str(seg);
         if (path != NULL)
             PyErr_Format(PyExc_TypeError,
                          "%U: the replicas returned different %.100s objects; gather "
                          "can only return such an object when every replica returns "
-                         "the same one (return arrays, or a dict, tuple, namedtuple "
-                         "or dataclass of them)", path, Py_TYPE(vals[0])->tp_name);
+                         "the same one, or equal values of one hashable type (return "
+                         "arrays, or a dict, tuple, namedtuple or dataclass of them)",
+                         path, tp->tp_name);
         Py_XDECREF(path);
         return NULL;
     }
@@ -389,10 +493,7 @@ static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         res = Py_NewRef(acc);
     }
     else {
-        res = PyObject_CallOneArg((PyObject *)Py_TYPE(vals[0]), acc);
-        if (res == NULL)
-            raise_rebuild_error(seg, Py_TYPE(vals[0]),
-                                "type(out)(list of (key, value) pairs)", "");
+        res = rebuild_mapping(g->st, vals[0], acc, seg);
     }
 done:
     PyMem_Free(child);
@@ -491,13 +592,19 @@ done:
     return res;
 }
 
-/* Dataclass instances: field by field (dataclasses.fields), rebuilt as
- * cls(**init_fields) and object.__setattr__ for the others (R17). */
+/* Dataclass instances: field by field (dataclasses.fields, init=False
+ * fields included), into a new instance made as copy.copy makes one,
+ * cls.__new__(cls), with each field set by object.__setattr__. __init__ and
+ * __post_init__ do not run again: they ran in the replicas, and running
+ * them on gathered values would redo their work (a scaling applied twice);
+ * frozen dataclasses and __slots__ work the same way. A dataclass that is
+ * also a dict (Hugging Face's ModelOutput) gets replica 0's keys, each with
+ * the gathered value of the field of that name (R17). */
 static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                                   const path_seg *seg, PyObject *spec,
                                   const path_seg *sseg)
 {
-    PyObject *fields = NULL, *kw = NULL, *late = NULL, *empty = NULL, *inst = NULL;
+    PyObject *fields = NULL, *byname = NULL, *newfn = NULL, *inst = NULL, *keys = NULL;
     PyObject *res = NULL, **child = NULL;
     PyTypeObject *tp = Py_TYPE(vals[0]);
 
@@ -526,10 +633,9 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
         if (r < 0)
             goto done;
     }
-    kw = PyDict_New();
-    late = PyList_New(0);
+    byname = PyDict_New();
     child = PyMem_Calloc((size_t)n, sizeof *child);
-    if (kw == NULL || late == NULL || child == NULL) {
+    if (byname == NULL || child == NULL) {
         if (child == NULL)
             PyErr_NoMemory();
         goto done;
@@ -537,9 +643,7 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
     for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
         PyObject *field = PyTuple_GET_ITEM(fields, f), *v = NULL;
         PyObject *name = PyObject_GetAttrString(field, "name");
-        PyObject *init = name != NULL ? PyObject_GetAttrString(field, "init") : NULL;
-        int is_init = init != NULL ? PyObject_IsTrue(init) : -1;
-        int ok = is_init >= 0;
+        int ok = name != NULL;
         if (ok) {
             path_seg cseg = seg_child(seg, SEG_ATTR, 0, name), csseg;
             PyObject *cspec;
@@ -552,41 +656,57 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
             for (Py_ssize_t i = 0; i < n; i++)
                 Py_CLEAR(child[i]);
         }
-        int r = -1;
-        if (v != NULL) {
-            if (is_init)
-                r = PyDict_SetItem(kw, name, v);
-            else
-                r = append_steal(late, PyTuple_Pack(2, name, v));
-        }
+        int r = v != NULL ? PyDict_SetItem(byname, name, v) : -1;
         Py_XDECREF(v);
-        Py_XDECREF(init);
         Py_XDECREF(name);
         if (r < 0)
             goto done;
     }
-    empty = PyTuple_New(0);
-    if (empty == NULL)
-        goto done;
-    inst = PyObject_Call((PyObject *)tp, empty, kw);
-    if (inst == NULL) {
-        raise_rebuild_error(seg, tp, "type(out)(**init_fields)", "");
+    newfn = PyObject_GetAttrString((PyObject *)tp, "__new__");
+    inst = newfn != NULL ? PyObject_CallOneArg(newfn, (PyObject *)tp) : NULL;
+    if (inst == NULL || Py_TYPE(inst) != tp) {
+        if (inst != NULL)
+            PyErr_Format(PyExc_TypeError, "__new__ returned a %.100s",
+                         Py_TYPE(inst)->tp_name);
+        raise_rebuild_error(seg, tp, "type(out).__new__(type(out)) with its fields set", "");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(late); i++) {
-        PyObject *pair = PyList_GET_ITEM(late, i);
-        if (PyObject_GenericSetAttr(inst, PyTuple_GET_ITEM(pair, 0),
-                                    PyTuple_GET_ITEM(pair, 1)) < 0)
+    Py_ssize_t pos = 0;
+    PyObject *name, *v;
+    while (PyDict_Next(byname, &pos, &name, &v))
+        if (PyObject_GenericSetAttr(inst, name, v) < 0)
+            goto done;
+    if (PyDict_Check(inst)) {
+        keys = PyDict_Keys(vals[0]);  /* the dict's own storage, in its order */
+        for (Py_ssize_t q = 0; keys != NULL && q < PyList_GET_SIZE(keys); q++) {
+            PyObject *key = PyList_GET_ITEM(keys, q);
+            v = PyDict_GetItemWithError(byname, key);
+            if (v == NULL) {
+                if (!PyErr_Occurred()) {
+                    PyObject *path = path_str(seg);
+                    if (path != NULL)
+                        PyErr_Format(PyExc_TypeError,
+                                     "%U: replica 0 returned a %.100s (a dataclass and a "
+                                     "dict) with the key %R, which is not one of its "
+                                     "fields", path, tp->tp_name, key);
+                    Py_XDECREF(path);
+                }
+                goto done;
+            }
+            if (PyDict_SetItem(inst, key, v) < 0)
+                goto done;
+        }
+        if (keys == NULL)
             goto done;
     }
     res = Py_NewRef(inst);
 done:
     PyMem_Free(child);
     Py_XDECREF(fields);
-    Py_XDECREF(kw);
-    Py_XDECREF(late);
-    Py_XDECREF(empty);
+    Py_XDECREF(byname);
+    Py_XDECREF(newfn);
     Py_XDECREF(inst);
+    Py_XDECREF(keys);
     return res;
 }
 
@@ -599,8 +719,9 @@ static PyObject *host_for_compare(gather_ctx *g, PyObject *v, const char *cpath)
 {
     if (PyArray_Check(v))
         return Py_NewRef(v);
-    if (PyArray_IsScalar(v, Generic))
-        return PyArray_FromScalar(v, NULL);
+    PyObject *s = scalar_as_array(v);
+    if (s != NULL || PyErr_Occurred())
+        return s;
     PyArrayObject *a = dp_as_array(g->st, v, cpath, 0);
     if (a == NULL || dp_array_device(g->st, a).kind != DP_CUDA)
         return (PyObject *)a;
@@ -619,7 +740,9 @@ static int arrays_equal(PyObject *a, PyObject *b)
     char ka = PyArray_DESCR((PyArrayObject *)a)->kind;
     char kb = PyArray_DESCR((PyArrayObject *)b)->kind;
     int numeric = strchr("biufc", ka) != NULL && strchr("biufc", kb) != NULL;
-    int nan = numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL);
+    /* NaT is the NaN of datetime64 / timedelta64: equal to NaT here too. */
+    int nan = (numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL)) ||
+              (ka == kb && strchr("mM", ka) != NULL);
     PyObject *np = PyImport_ImportModule("numpy"), *res = NULL;
     if (np == NULL)
         return -1;
@@ -667,8 +790,8 @@ static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ss
                      path, i);
         goto done;
     }
-    if (PyArray_IsScalar(vals[0], Generic)) {
-        res = Py_NewRef(vals[0]);  /* a NumPy scalar: a host value */
+    if (PyArray_IsScalar(vals[0], Generic) || is_py_number(vals[0])) {
+        res = Py_NewRef(vals[0]);  /* a NumPy scalar or a number: a host value */
         goto done;
     }
     /* Replica 0's array onto the target: the copy engine (GPU arrays of any
@@ -700,16 +823,25 @@ static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssiz
     if (list == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyArray_IsScalar(vals[i], Generic) ? PyArray_FromScalar(vals[i], NULL)
-                                                         : Py_NewRef(vals[i]);
+        PyObject *a = scalar_as_array(vals[i]);
+        if (a == NULL && !PyErr_Occurred())
+            a = Py_NewRef(vals[i]);
         if (a == NULL)
             goto done;
         PyList_SET_ITEM(list, i, a);
     }
     path = path_str(seg);
     const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
-    if (cpath != NULL)
-        res = dp_reduce_add(g->st, list, g->target, cpath);
+    if (cpath == NULL)
+        goto done;
+    /* The sum is in replica 0's dtype: the same no-data-loss rule as
+     * concatenation, checked on host ndarrays and GPU shadows alike. */
+    int all_nd = 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        all_nd = all_nd && PyArray_Check(PyList_GET_ITEM(list, i));
+    if (all_nd && check_dtypes(((PyListObject *)list)->ob_item, n, cpath) < 0)
+        goto done;
+    res = dp_reduce_add(g->st, list, g->target, cpath);
 done:
     Py_DECREF(list);
     Py_XDECREF(path);
@@ -791,7 +923,7 @@ static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         return gather_map(&g2, vals, n, seg, NULL, sseg);
     }
     int kind = gather_kind(g->st, vals[0]);
-    if (kind < 0 || check_kinds(g, vals, n, kind, seg) < 0)
+    if (kind < 0 || (kind = check_kinds(g, vals, n, kind, seg)) < 0)
         return NULL;
     if (spec != NULL) {
         /* A container entry must mirror a container of its kind. */
@@ -822,7 +954,7 @@ static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     default:
         break;
     }
-    if (Py_EnterRecursiveCall(" while gathering outputs"))
+    if (check_depth(seg, "outputs") < 0 || Py_EnterRecursiveCall(" while gathering outputs"))
         return NULL;
     PyObject *res, *fast = NULL;
     if (spec != NULL && !PyDict_Check(spec)) {
@@ -906,7 +1038,8 @@ PyDoc_STRVAR(gather_doc,
 "  mirrors replica 0's output (JAX pmap's out_axes): an int gathers along\n"
 "  that dim; None returns replica 0's value (arrays copied to target_device)\n"
 "  after checking that every replica returned an equal one (numpy\n"
-"  array_equal for arrays: same shape and values, NaN equal to NaN; GPU\n"
+"  array_equal for arrays: same shape and values, NaN equal to NaN and NaT\n"
+"  to NaT; GPU\n"
 "  arrays compared through host copies), TypeError naming the path\n"
 "  otherwise; a top-level None is the default, so wrap a bare array\n"
 "  output in a tuple and give (None,) to compare it; \"sum\" adds the replicas' values: arrays (same shape)\n"
@@ -919,21 +1052,34 @@ PyDoc_STRVAR(gather_doc,
 "\n"
 "outputs[0] picks the rule at each position and every replica is checked:\n"
 "  ndarray (or NumPy scalar, taken as a 0-dim array): concatenated along\n"
-"    dim onto target_device (dtype of replica 0,\n"
-"    others cast; other sizes must match, spec 4.6). When every replica\n"
-"    returns a 0-dim array and dim == 0, the result is a vector of one value\n"
-"    per replica, with PyTorch's UserWarning (spec 4.5, R20).\n"
-"  None: None.  dict: key by key, replica 0's key order and dict type (R14).\n"
-"  namedtuple: field by field, type(out)._make.  dataclass: field by field,\n"
-"  rebuilt with the class (R17).  list/tuple: position by position (R18).\n"
-"  str, bytes, Python numbers: the value, once, when all\n"
-"  replicas return an equal value.  Any other object: that object, when all\n"
-"  replicas return the same one.\n"
+"    dim onto target_device in replica 0's dtype; the others are cast only\n"
+"    within a kind (NumPy's same_kind: float64 -> float32, int -> float),\n"
+"    never real with complex (either order), float into int, int into bool,\n"
+"    or strings into shorter ones; other sizes must match (spec 4.6). When\n"
+"    every replica returns a 0-dim array and dim == 0, the result is a\n"
+"    vector of one value per replica, with PyTorch's UserWarning (spec 4.5,\n"
+"    R20). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
+"    1.0) are all taken as 0-dim arrays.\n"
+"  None: None.  dict: key by key, replica 0's key order; a dict subclass\n"
+"  (OrderedDict, Counter, defaultdict, ...) is copy.copy(replica 0's) with\n"
+"  the gathered values set, so it keeps its type, keys and default_factory\n"
+"  (R14).  namedtuple: field by field, type(out)._make; a namedtuple at one\n"
+"  replica and a plain tuple or list at another give replica 0's type, as\n"
+"  in PyTorch.  dataclass: field by field, set on type(out).__new__(type(out))\n"
+"  with object.__setattr__: __init__/__post_init__ do not run again (frozen\n"
+"  ones too; a dataclass that is a dict also gets replica 0's keys) (R17).\n"
+"  list/tuple: position by position (R18).  str, bytes, Python numbers: the\n"
+"  value, once, when all replicas return an equal value.  Any other object:\n"
+"  that object, when all replicas return the same one or equal values of\n"
+"  one type hashed by value (Fraction, Decimal, date, frozenset).\n"
 "\n"
 "Raises (messages name the position, e.g. out['logits'][1] or out.loss)\n"
 "  TypeError: replicas returned different kinds of value at one position\n"
 "    (the type from each replica is listed, R19), different str/number\n"
-"    values, or different other objects; outputs not a list or tuple.\n"
+"    values, or different other objects; arrays whose dtypes cannot be\n"
+"    gathered without losing data (each replica's dtype is listed); outputs\n"
+"    not a list or tuple.\n"
+"  RecursionError: outputs (or out_dims) nested more than 512 levels deep.\n"
 "  ValueError: dicts with different numbers of keys (\"All dicts must have\n"
 "    the same number of keys\") or a missing key, sequences of different\n"
 "    lengths, 0-dim arrays with dim != 0, array shapes that differ outside\n"

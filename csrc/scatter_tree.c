@@ -181,7 +181,8 @@ done:
 /* Pass (d) for a container of the given kind: res[j] = its copy for replica
  * j (new references; all NULL on failure). Tuples, lists and the top-level
  * args come back as plain tuples/lists; namedtuples as type(obj)(*fields);
- * dicts as type(obj)(pairs) (a plain dict is filled directly). */
+ * a plain dict is filled directly, a dict subclass rebuilt by
+ * rebuild_mapping (copy.copy, then its values set). */
 static int build_container(scatter_ctx *c, PyObject *obj, int kind,
                            const path_seg *seg, PyObject **res)
 {
@@ -192,7 +193,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
 
     for (int j = 0; j < k; j++)
         res[j] = NULL;
-    if (Py_EnterRecursiveCall(" while scattering inputs"))
+    if (check_depth(seg, "inputs") < 0 || Py_EnterRecursiveCall(" while scattering inputs"))
         return -1;
     items = container_items(obj, kind);
     if (items == NULL)
@@ -226,18 +227,17 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
     }
     if (kind == S_NAMEDTUPLE || (kind == S_DICT && !exact_dict)) {
         for (int j = 0; j < k; j++) {
-            PyObject *r = kind == S_NAMEDTUPLE
-                ? PyObject_Call((PyObject *)Py_TYPE(obj), res[j], NULL)
-                : PyObject_CallOneArg((PyObject *)Py_TYPE(obj), res[j]);
-            if (r == NULL) {
-                if (kind == S_NAMEDTUPLE)
+            PyObject *r;
+            if (kind == S_NAMEDTUPLE) {
+                r = PyObject_Call((PyObject *)Py_TYPE(obj), res[j], NULL);
+                if (r == NULL)
                     raise_rebuild_error(seg, Py_TYPE(obj), "type(obj)(*fields)", "");
-                else
-                    raise_rebuild_error(seg, Py_TYPE(obj),
-                                        "type(obj)(list of (key, value) pairs)",
-                                        "; pass a dict or OrderedDict instead");
-                goto done;
             }
+            else {
+                r = rebuild_mapping(c->st, obj, res[j], seg);
+            }
+            if (r == NULL)
+                goto done;
             Py_SETREF(res[j], r);
         }
     }
@@ -463,8 +463,11 @@ PyDoc_STRVAR(scatter_doc,
 "  - a non-empty tuple, list, dict or namedtuple: a list of k structures, one\n"
 "    per replica, with chunk j of every array in structure j. Tuples and\n"
 "    lists become plain tuples and lists, namedtuples type(obj)(*fields),\n"
-"    dicts type(obj)(pairs) in key order. k is the smallest chunk count over\n"
-"    all arrays, or len(target_devices) when there is no array.\n"
+"    plain dicts dicts in key order; a dict subclass (OrderedDict, Counter,\n"
+"    defaultdict, your own) is copy.copy(obj) with each value replaced, so\n"
+"    it keeps its type, keys, order, default_factory and attributes (never\n"
+"    type(obj)(pairs), which a Counter would count). k is the smallest chunk\n"
+"    count over all arrays, or len(target_devices) when there is no array.\n"
 "  - anything else (None, str, numbers, NumPy scalars, empty containers,\n"
 "    other objects): a list of len(target_devices) references to it.\n"
 "  Non-array values inside structures are shared by reference, never copied.\n"
@@ -479,9 +482,13 @@ PyDoc_STRVAR(scatter_doc,
 "    both given); an in_dims entry that addresses a child that does not\n"
 "    exist (names the entry, e.g. in_dims[1]['x']).\n"
 "  IndexError: dim out of range for an array (names its path).\n"
-"  TypeError: a dict subclass or namedtuple that cannot be rebuilt from its\n"
-"    items (e.g. defaultdict), naming its path; an in_dims entry of the wrong\n"
-"    type or shape (a tuple for an array, a dict for a list, a str).\n"
+"  TypeError: a namedtuple that cannot be rebuilt from its fields, or a dict\n"
+"    subclass whose copy.copy fails or changes its type or keys, naming its\n"
+"    path; an in_dims entry of the wrong type or shape (a tuple for an array,\n"
+"    a dict for a list, a str).\n"
+"  RecursionError: structures (or in_dims) nested more than 512 levels deep\n"
+"    (dpmini's own bound, whatever sys.getrecursionlimit() says; a container\n"
+"    inside itself hits it), naming the path's first steps.\n"
 "Warns\n"
 "  dpmini.SplitWarning (strict=False): some split array has rows after its\n"
 "    first k chunks (k: the smallest chunk count over the split arrays), so\n"
@@ -565,8 +572,11 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "Split positional and keyword arguments for each replica, as\n"
 "torch.nn.parallel.scatter_kwargs (spec 2.7, 3) with dpmini's replica count.\n"
 "\n"
-"inputs: the positional arguments, a tuple; None means none, any other\n"
-"  object is one positional argument (inputs,) (spec 2.9).\n"
+"inputs: the positional arguments, a tuple or a list of them; None means\n"
+"  none, and any other object (a bare array) is one positional argument\n"
+"  (inputs,). This is what PyTorch's scatter_kwargs gives once\n"
+"  parallel_apply has unpacked or wrapped each replica's piece (spec 3.1,\n"
+"  6.3): [x] and x both make replica i's arguments (x_i,).\n"
 "kwargs: a dict or None.\n"
 "target_devices, dim, strict, chunk_sizes, weights: as in dpmini.scatter.\n"
 "in_dims: None (every array split along dim), an int or None for every\n"

@@ -322,7 +322,7 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
     PyObject *items = NULL, *names = NULL, *fast = NULL;
     int rc = -1;
 
-    if (Py_EnterRecursiveCall(" while scattering inputs"))
+    if (check_depth(seg, "inputs") < 0 || Py_EnterRecursiveCall(" while scattering inputs"))
         return -1;
     items = container_items(obj, kind);
     if (items == NULL)

@@ -31,7 +31,18 @@ typedef struct path_seg {
     PyObject *name;             /* SEG_KEY: the dict key, shown with repr;
                                    SEG_ATTR: the field name (a str).
                                    Borrowed: the walker holds a reference. */
+    int depth;                  /* containers above this step: 0 at the root */
 } path_seg;
+
+/* How deep the walkers go (levels of tuples, lists, dicts, namedtuples,
+ * dataclasses and in_dims / out_dims entries below the root). Deeper
+ * structures raise RecursionError naming the path (check_depth). A fixed
+ * bound of dpmini's own: CPython's recursion guard alone does not protect
+ * the C stack once sys.setrecursionlimit() is raised (a 30,000-deep tuple
+ * would overflow it), and staying well under the default limit of 1000
+ * leaves room for the caller's frames, so a self-referencing container
+ * gets this message (naming the path) rather than CPython's. */
+#define DP_MAX_NESTING 512
 
 /* What the scatter rules (spec 3.1) do with an object. */
 enum {
@@ -40,7 +51,7 @@ enum {
     S_TUPLE,       /* non-empty tuple: one plain tuple per replica        */
     S_LIST,        /* non-empty list: one list per replica                */
     S_NAMEDTUPLE,  /* non-empty namedtuple: type(obj)(*fields) per replica */
-    S_DICT         /* non-empty dict: type(obj)(pairs) per replica        */
+    S_DICT         /* non-empty dict: rebuild_mapping per replica         */
 };
 
 /* One array leaf found by pass (a). */
@@ -85,13 +96,21 @@ path_seg seg_root(const char *root);
 /* A child step below up: an index, a dict key or an attribute name. */
 path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
                    PyObject *name);
-/* The path as a new str, e.g. "args[1]['img']". */
+/* The path as a new str, e.g. "args[1]['img']"; iterative, and a path of
+ * more than 40 steps shows its first 32 and "...(N more)". */
 PyObject *path_str(const path_seg *seg);
+/* 0 while seg is at most DP_MAX_NESTING levels deep; else RecursionError
+ * "<path prefix>: nested deeper than ..." and -1. what: "inputs", ... */
+int check_depth(const path_seg *seg, const char *what);
 /* Take the pending exception (new reference, NULL when none) and clear it. */
 PyObject *take_exception(void);
 /* Turn a failed constructor call's exception into a TypeError naming the path. */
 void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
                          const char *how, const char *hint);
+/* A dict subclass rebuilt as copy.copy(obj) with copy[key] = value for each
+ * pair of pairs (a list of (key, value) 2-tuples); TypeError naming seg. */
+PyObject *rebuild_mapping(dp_state *st, PyObject *obj, PyObject *pairs,
+                          const path_seg *seg);
 /* A namedtuple (tuple subclass with _fields and _asdict)? 1, 0 or -1. */
 int is_namedtuple(PyObject *obj);
 /* An instance (not a class) of a dataclass? 1, 0 or -1. */
@@ -130,7 +149,8 @@ int spec_check_children(PyObject *spec, const path_seg *sseg, const path_seg *se
 
 /* dim argument: 0 when absent. */
 int parse_dim(PyObject *obj, int *dim);
-/* scatter_kwargs' inputs: None -> (), a tuple as is, else (inputs,). New reference. */
+/* scatter_kwargs' inputs: None -> (), a tuple as is, a list as a tuple,
+ * else (inputs,). New reference. */
 PyObject *normalize_inputs(PyObject *inputs);
 /* kwargs: None -> NULL (no kwargs); a dict as is (borrowed). */
 int normalize_kwargs(PyObject *kwargs, PyObject **out);

@@ -21,41 +21,102 @@
 
 path_seg seg_root(const char *root)
 {
-    path_seg s = {NULL, SEG_ROOT, root, 0, NULL};
+    path_seg s = {NULL, SEG_ROOT, root, 0, NULL, 0};
     return s;
 }
 
 path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
                    PyObject *name)
 {
-    path_seg s = {up, kind, NULL, index, name};
+    path_seg s = {up, kind, NULL, index, name, up->depth + 1};
     return s;
 }
 
-/* The path as a new str. */
+/* Paths longer than PATH_LONG steps show their first PATH_HEAD steps. */
+#define PATH_LONG 40
+#define PATH_HEAD 32
+
+/* repr of a dict key for a path. str and int keys (the usual ones) go
+ * through their own tp_repr, which needs no recursion guard, so a path can
+ * be written even at the recursion limit; other keys through repr(), and
+ * when that fails, their type name. */
+static PyObject *key_repr(PyObject *key)
+{
+    if (PyUnicode_CheckExact(key) || PyLong_CheckExact(key))
+        return Py_TYPE(key)->tp_repr(key);
+    PyObject *r = PyObject_Repr(key);
+    if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        /* A failing repr (or RecursionError at the limit) does not hide
+         * the error being reported; KeyboardInterrupt and the like pass. */
+        PyErr_Clear();
+        r = PyUnicode_FromFormat("<%.100s key>", Py_TYPE(key)->tp_name);
+    }
+    return r;
+}
+
+/* One step of a path as a new str: "[3]", "['img']" or ".logits". */
+static PyObject *seg_text(const path_seg *seg)
+{
+    switch (seg->kind) {
+    case SEG_ROOT:
+        return PyUnicode_FromString(seg->root);
+    case SEG_INDEX:
+        return PyUnicode_FromFormat("[%zd]", seg->index);
+    case SEG_KEY: {
+        PyObject *k = key_repr(seg->name);
+        if (k == NULL)
+            return NULL;
+        PyObject *r = PyUnicode_FromFormat("[%U]", k);
+        Py_DECREF(k);
+        return r;
+    }
+    default: /* SEG_ATTR */
+        return PyUnicode_Check(seg->name) ? PyUnicode_FromFormat(".%U", seg->name)
+                                          : PyUnicode_FromFormat(".%S", seg->name);
+    }
+}
+
+/* The path as a new str, built without recursion (paths can be
+ * DP_MAX_NESTING steps long). */
 PyObject *path_str(const path_seg *seg)
 {
-    if (seg->kind == SEG_ROOT)
-        return PyUnicode_FromString(seg->root);
-    PyObject *up = path_str(seg->up);
-    if (up == NULL)
-        return NULL;
-    PyObject *res;
-    switch (seg->kind) {
-    case SEG_INDEX:
-        res = PyUnicode_FromFormat("%U[%zd]", up, seg->index);
-        break;
-    case SEG_KEY:
-        res = PyUnicode_FromFormat("%U[%R]", up, seg->name);
-        break;
-    default: /* SEG_ATTR */
-        res = PyUnicode_Check(seg->name)
-                  ? PyUnicode_FromFormat("%U.%U", up, seg->name)
-                  : PyUnicode_FromFormat("%U.%S", up, seg->name);
-        break;
-    }
-    Py_DECREF(up);
+    Py_ssize_t n = (Py_ssize_t)seg->depth + 1, shown = n > PATH_LONG ? PATH_HEAD : n;
+    const path_seg **chain = PyMem_Malloc((size_t)n * sizeof *chain);
+    PyObject *parts = NULL, *res = NULL;
+    if (chain == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t i = n;
+    for (const path_seg *s = seg; s != NULL && i > 0; s = s->up)
+        chain[--i] = s;
+    parts = PyList_New(0);
+    if (parts == NULL)
+        goto done;
+    for (i = 0; i < shown; i++)
+        if (append_steal(parts, seg_text(chain[i])) < 0)
+            goto done;
+    if (shown < n &&
+        append_steal(parts, PyUnicode_FromFormat("...(%zd more levels)", n - shown)) < 0)
+        goto done;
+    res = join_str("", parts);
+done:
+    Py_XDECREF(parts);
+    PyMem_Free(chain);
     return res;
+}
+
+int check_depth(const path_seg *seg, const char *what)
+{
+    if (seg->depth <= DP_MAX_NESTING)
+        return 0;
+    PyObject *path = path_str(seg);
+    if (path != NULL)
+        PyErr_Format(PyExc_RecursionError,
+                     "%U: %s nested deeper than %d levels (dpmini walks at most %d "
+                     "levels of tuples, lists, dicts and other containers; is a "
+                     "container inside itself?)", path, what, DP_MAX_NESTING,
+                     DP_MAX_NESTING);
+    Py_XDECREF(path);
+    return -1;
 }
 
 /* Take the pending exception (normalized instance, new reference; NULL when
@@ -128,6 +189,47 @@ void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
         Py_DECREF(path);
     }
     attach_cause(cause);
+}
+
+/* A dict subclass rebuilt with other values (scatter, gather; replicate
+ * does the same in replicate.c): copy.copy(obj), then copy[key] = value for
+ * each (key, value) of pairs (a list of 2-tuples, obj's keys in its order).
+ * So the copy keeps obj's type, its keys and their order, and what the
+ * class keeps besides its items (a defaultdict's default_factory, instance
+ * attributes), and no constructor sees the pairs: type(obj)(pairs) would
+ * count them as keys in a Counter and fails for a defaultdict. The copy
+ * must come back as a new object of the same type with exactly the keys
+ * of pairs, else TypeError naming the path. */
+PyObject *rebuild_mapping(dp_state *st, PyObject *obj, PyObject *pairs,
+                          const path_seg *seg)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject *copy = PyObject_CallOneArg(st->copy_copy, obj);
+    if (copy == NULL)
+        goto fail;
+    if (copy == obj || Py_TYPE(copy) != tp) {
+        PyErr_Format(PyExc_TypeError, "copy.copy() returned %s",
+                     copy == obj ? "the same object" : Py_TYPE(copy)->tp_name);
+        goto fail;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        if (PyObject_SetItem(copy, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0)
+            goto fail;
+    }
+    Py_ssize_t len = PyObject_Length(copy);
+    if (len < 0)
+        goto fail;
+    if (len != n) {
+        PyErr_Format(PyExc_TypeError, "the copy has %zd keys, the original %zd", len, n);
+        goto fail;
+    }
+    return copy;
+fail:
+    Py_XDECREF(copy);
+    raise_rebuild_error(seg, tp, "copy.copy(obj) with its values replaced", "");
+    return NULL;
 }
 
 /* A namedtuple: a tuple subclass with `_fields` and `_asdict` (the test of
@@ -374,14 +476,20 @@ int parse_dim(PyObject *obj, int *dim)
     return obj == NULL ? 0 : dp_int_from_object(obj, "dim", dim);
 }
 
-/* scatter_kwargs' inputs: None -> empty, a tuple as is, anything else is
- * one positional argument (inputs,) (spec 2.9). New reference. */
+/* scatter_kwargs' inputs: None -> empty, a tuple as is, a list as the tuple
+ * of its items, anything else one positional argument (inputs,). That is
+ * what torch's scatter_kwargs gives once parallel_apply has called the
+ * module (spec 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
+ * parallel_apply unpacks, and scatter(x) makes x_i, which it wraps as
+ * (x_i,). New reference. */
 PyObject *normalize_inputs(PyObject *inputs)
 {
     if (inputs == Py_None)
         return PyTuple_New(0);
     if (PyTuple_Check(inputs))
         return Py_NewRef(inputs);
+    if (PyList_Check(inputs))
+        return PyList_AsTuple(inputs);
     return PyTuple_Pack(1, inputs);
 }
 
@@ -423,7 +531,8 @@ static int check_spec(PyObject *spec, const path_seg *sseg, int is_out)
     }
     if (PyTuple_Check(spec) || PyList_Check(spec) || PyDict_Check(spec)) {
         int rc = -1;
-        if (Py_EnterRecursiveCall(" while checking in_dims / out_dims"))
+        if (check_depth(sseg, is_out ? "out_dims" : "in_dims") < 0 ||
+            Py_EnterRecursiveCall(" while checking in_dims / out_dims"))
             return -1;
         if (PyDict_Check(spec)) {
             Py_ssize_t pos = 0;
@@ -473,7 +582,7 @@ int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out)
  * included) become plain dicts; leaves (ints, None, "sum") are shared, being
  * immutable. Only C-level reads of the user's containers (no items(),
  * __iter__ or other user code), so nothing can change them half-way. */
-static PyObject *spec_copy(PyObject *spec)
+static PyObject *spec_copy(PyObject *spec, const char *argname, int depth)
 {
     if (!PyTuple_Check(spec) && !PyList_Check(spec) && !PyDict_Check(spec)) {
         /* NumPy integers (and other __index__ objects) become Python ints, so
@@ -488,6 +597,14 @@ static PyObject *spec_copy(PyObject *spec)
         }
         return idx;
     }
+    if (depth > DP_MAX_NESTING) {
+        /* The copy has no paths; dp_check_dims_spec on it would name one. */
+        PyErr_Format(PyExc_RecursionError,
+                     "%s: nested deeper than %d levels (dpmini walks at most %d levels "
+                     "of tuples, lists and dicts; is a container inside itself?)",
+                     argname, DP_MAX_NESTING, DP_MAX_NESTING);
+        return NULL;
+    }
     if (Py_EnterRecursiveCall(" while copying in_dims / out_dims"))
         return NULL;
     PyObject *items = NULL, *res = NULL;
@@ -499,7 +616,7 @@ static PyObject *spec_copy(PyObject *spec)
         res = items != NULL ? PyDict_New() : NULL;
         for (Py_ssize_t i = 0; res != NULL && i < PyList_GET_SIZE(items); i++) {
             PyObject *pair = PyList_GET_ITEM(items, i);
-            PyObject *v = spec_copy(PyTuple_GET_ITEM(pair, 1));
+            PyObject *v = spec_copy(PyTuple_GET_ITEM(pair, 1), argname, depth + 1);
             if (v == NULL || PyDict_SetItem(res, PyTuple_GET_ITEM(pair, 0), v) < 0)
                 Py_CLEAR(res);
             Py_XDECREF(v);
@@ -511,7 +628,7 @@ static PyObject *spec_copy(PyObject *spec)
         Py_ssize_t n = items != NULL ? PyTuple_GET_SIZE(items) : 0;
         res = items == NULL ? NULL : is_list ? PyList_New(n) : PyTuple_New(n);
         for (Py_ssize_t i = 0; res != NULL && i < n; i++) {
-            PyObject *v = spec_copy(PyTuple_GET_ITEM(items, i));
+            PyObject *v = spec_copy(PyTuple_GET_ITEM(items, i), argname, depth + 1);
             if (v == NULL)
                 Py_CLEAR(res);
             else if (is_list)
@@ -530,7 +647,7 @@ int dims_take(PyObject *spec, const char *argname, int is_out, PyObject **out)
     *out = NULL;
     if (spec == NULL || spec == Py_None)
         return 0;
-    PyObject *copy = spec_copy(spec);
+    PyObject *copy = spec_copy(spec, argname, 0);
     if (copy == NULL || dp_check_dims_spec(copy, argname, is_out) < 0) {
         Py_XDECREF(copy);
         return -1;

@@ -812,6 +812,4 @@ def test_gather_numpy_scalars_other_dim_raise():
         dpmini.gather([np.float64(1.0), np.float64(2.0)], "cpu", dim=-1)
 
 
-def test_gather_numpy_scalar_then_python_number_raises():
-    with pytest.raises(TypeError):
-        dpmini.gather([(np.zeros(1), np.float64(1.0)), (np.zeros(1), 1.0)], "cpu")
+# NumPy scalars mixed with Python numbers: tests/test_gather_scalars.py

@@ -1,0 +1,91 @@
+"""Scalar and value outputs at one position (issue 8 items 15, 16).
+
+- NumPy scalars mixed with Python numbers (np.float64(1.0) from one replica,
+  1.0 from another) are all gathered as 0-dim arrays: the NumPy scalar rule,
+  a vector of one value per replica, whichever replica returns which.
+- Other objects: the same object from every replica, or equal values of one
+  type hashed by value (Fraction, Decimal, date, frozenset) -> that value.
+"""
+import datetime
+import decimal
+import fractions
+import re
+
+import numpy as np
+import pytest
+
+import dpmini
+
+SCALAR_WARNING = "all input tensors were scalars"
+
+
+@pytest.mark.parametrize("outs", [
+    [np.float64(1.0), 1.0],
+    [1.0, np.float64(1.0)],
+    [np.float32(1.5), 2],
+    [3, np.int64(4)],
+])
+def test_numpy_scalars_mixed_with_python_numbers_are_scalars(outs):
+    with pytest.warns(UserWarning, match=SCALAR_WARNING):
+        g = dpmini.gather([(np.zeros(1), v) for v in outs], "cpu")
+    assert isinstance(g[1], np.ndarray) and g[1].shape == (2,)
+    np.testing.assert_array_equal(g[1], [float(v) for v in outs])
+
+
+def test_python_numbers_alone_keep_the_value_rule():
+    assert dpmini.gather([1.0, 1.0], "cpu") == 1.0
+    with pytest.raises(TypeError, match="different values"):
+        dpmini.gather([1.0, 2.0], "cpu")
+
+
+def test_numpy_scalar_and_str_still_refused():
+    with pytest.raises(TypeError, match="types per replica: float64, str"):
+        dpmini.gather([np.float64(1.0), "1.0"], "cpu")
+
+
+def test_numpy_scalar_and_python_number_under_out_dims_none():
+    g = dpmini.gather([(np.float64(1.0),), (1.0,)], "cpu", out_dims=(None,))
+    assert g[0] == 1.0
+    with pytest.raises(TypeError, match="differs"):
+        dpmini.gather([(np.float64(1.0),), (2.0,)], "cpu", out_dims=(None,))
+
+
+def test_numpy_scalar_and_python_number_summed():
+    g = dpmini.gather([(np.float64(1.0),), (2.0,)], "cpu", out_dims=("sum",))
+    assert float(g[0]) == 3.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fractions.Fraction(1, 3),
+    lambda: decimal.Decimal("1.25"),
+    lambda: datetime.date(2024, 2, 29),
+    lambda: datetime.timedelta(seconds=5),
+    lambda: frozenset({1, 2}),
+])
+def test_equal_hashable_values_gather_to_the_value(make):
+    a, b = make(), make()
+    g = dpmini.gather([(np.zeros(1), a), (np.zeros(1), b)], "cpu")
+    assert g[1] == a and type(g[1]) is type(a)
+
+
+def test_different_hashable_values_raise():
+    with pytest.raises(TypeError, match=re.escape("out: the replicas returned different Fraction")):
+        dpmini.gather([fractions.Fraction(1, 3), fractions.Fraction(1, 2)], "cpu")
+
+
+def test_equal_values_of_different_types_raise():
+    with pytest.raises(TypeError):
+        dpmini.gather([fractions.Fraction(1), decimal.Decimal(1)], "cpu")
+
+
+def test_equal_unhashable_objects_must_be_the_same_object():
+    with pytest.raises(TypeError, match="different set objects"):
+        dpmini.gather([{1}, {1}], "cpu")
+    s = {1}
+    assert dpmini.gather([s, s], "cpu") is s
+
+
+def test_dataparallel_returning_equal_dates():
+    dp = dpmini.DataParallel(lambda x: (x, datetime.date(2020, 1, 1)), ["cpu:0", "cpu:1"])
+    out = dp(np.arange(4.0))
+    assert out[1] == datetime.date(2020, 1, 1)
