@@ -19,6 +19,7 @@ ends with the two lines of ``make demo``:
 and every rank exits 1 unless accuracy >= 0.95 and the difference <= 1e-6.
 """
 import argparse
+import contextlib
 import sys
 import time
 
@@ -98,8 +99,11 @@ def main(argv=None):
         accuracy = float(np.mean(model.predict(x_test) == y_test))
         start = time.perf_counter()
         single = demo.MLP(seed=args.seed)
-        demo.train(single, single, x_train, y_train, args, "single device",
-                   bar_per_epoch=False)
+        # the progress bar on stdout: mpirun forwards stdout and stderr apart,
+        # and the two result lines must come last
+        with contextlib.redirect_stderr(sys.stdout):
+            demo.train(single, single, x_train, y_train, args, "single device",
+                       bar_per_epoch=False)
         single_s = time.perf_counter() - start
         diff = demo.max_param_diff(model, single)
         print(f"trained {args.epochs} epochs: {size} ranks x {len(devices)} devices "

@@ -286,7 +286,7 @@ static int raise_mismatch(dist_comm *c, const dist_meta *mine, const char *what)
         PyErr_Format(PyExc_ValueError,
                      "dpmini.distributed.%s: the ranks disagree on %s (every rank raises "
                      "this error; the communicator stays usable):%U%s",
-                     dist_kind_name(mine->kind), what, body,
+                     dist_kind_name(c->peers[0].kind), what, body,
                      groups > 32 ? "\n  ... (more groups left out)" : "");
         Py_DECREF(body);
     }
