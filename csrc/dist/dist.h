@@ -120,7 +120,8 @@ int dist_plan_rows(const split_args *s, int64_t n, int P, int64_t *sizes);
  * error the requests are abandoned, the communicator is marked broken and
  * `keep` (the buffers MPI may still touch) is leaked on purpose. */
 int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double deadline,
-                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2);
+                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
+                   PyObject *keep3);
 /* x as a C-contiguous aligned ndarray (NOTSWAPPED too when `native`);
  * refuses object dtypes and more than DIST_MAX_NDIM dimensions. */
 PyObject *dist_as_array(PyObject *x, const char *name, int native);

@@ -1,10 +1,12 @@
 /* dist_move.c - scatter, gather, all_gather and broadcast across ranks.
  *
- * Rows along `dim` move as MPI derived datatypes, never through a staging
- * copy: an array of shape (outer..., n, inner...) is seen as `outer` blocks
- * of n rows of `inner_bytes` bytes, and the piece of a rank is the vector
- * type (outer blocks of its rows, stride n rows) at its row offset. So
- * dim 1 and -1 cost what dim 0 costs plus MPI's packing.
+ * An array of shape (outer..., n, inner...) is seen as `outer` blocks of n
+ * rows of `inner_bytes` bytes; a rank's piece is its rows of every block.
+ * Along the first dimension (outer == 1) pieces are contiguous and move
+ * straight from/to the arrays. Otherwise root packs the pieces into one
+ * staging buffer (one memcpy per block row, GIL released; see restage) and
+ * they move as contiguous messages; a non-root rank's piece is always
+ * contiguous. MPI derived datatypes (a vector of rows) describe both.
  * The split of rows across ranks is plan.c's (torch.chunk, or explicit
  * chunk_sizes, or weights), the same rule DataParallel uses for devices.
  */
@@ -59,7 +61,8 @@ PyObject *dist_empty_like_meta(const dist_meta *m, int dim, int64_t rows, PyArra
 }
 
 int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double deadline,
-                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2)
+                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
+                   PyObject *keep3)
 {
     int st = dist_poll(reqs, n, done, deadline);
     if (st == 0)
@@ -72,6 +75,7 @@ int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double dea
     }
     Py_XINCREF(keep1);   /* MPI may still read or write these: never freed */
     Py_XINCREF(keep2);
+    Py_XINCREF(keep3);
     c->broken = 1;
     snprintf(c->broken_why, sizeof c->broken_why, "%s while moving the data of %s call %lld",
              st == 1 ? "a TimeoutError" : "an error", dist_kind_name(kind), (long long)call);
@@ -153,6 +157,40 @@ static int wrap_dim(int dim, int ndim, const char *name)
     return d;
 }
 
+/* Between the strided layout (g->outer blocks of g->rows rows) and the
+ * staged one (every rank's piece contiguous, in rank order), in the
+ * direction `to_staged`, GIL released. Used when outer > 1 (dim is not the
+ * first non-trivial one): Open MPI packs a vector datatype with a slower
+ * pipeline than one memcpy per block row, and the staged pieces then move
+ * as plain contiguous messages. */
+static void restage(char *strided, char *staged, const geometry *g, const int64_t *rows,
+                    int P, int to_staged)
+{
+    Py_BEGIN_ALLOW_THREADS
+    size_t ib = (size_t)g->inner_bytes;
+    char *s = staged;
+    int64_t off = 0;
+    for (int r = 0; r < P; r++) {
+        size_t n = (size_t)rows[r] * ib;
+        for (int64_t o = 0; o < g->outer && n > 0; o++) {
+            char *t = strided + ((size_t)(o * g->rows + off)) * ib;
+            if (to_staged)
+                memcpy(s, t, n);
+            else
+                memcpy(t, s, n);
+            s += n;
+        }
+        off += rows[r];
+    }
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *new_stage(const geometry *g)
+{
+    npy_intp nbytes = (npy_intp)(g->outer * g->rows * g->inner_bytes);
+    return PyArray_SimpleNew(1, &nbytes, NPY_UINT8);
+}
+
 /* ------------------------------------------------------------------ */
 /* scatter                                                             */
 /* ------------------------------------------------------------------ */
@@ -167,7 +205,7 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     if (dist_enter(c) < 0)
         return NULL;
     double deadline = dist_now() + c->timeout;
-    PyObject *arr = NULL, *out = NULL, *saved = NULL;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
     MPI_Datatype *types = NULL;
     MPI_Request *reqs = NULL;
     int *done = NULL, ntypes = 0;
@@ -216,10 +254,23 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)out), 1, types[ntypes++], root, DIST_TAG_DATA,
                    c->comm, &reqs[n++]);
     int64_t off = 0;
-    for (int r = 0; me == root && r < P && rc == MPI_SUCCESS; r++) {
-        if (rows_type(&g, sizes[r], g.rows, &types[ntypes]) < 0)
+    if (me == root && g.outer > 1) {
+        if ((stage = new_stage(&g)) == NULL)
             goto fail;
-        char *base = (char *)PyArray_DATA((PyArrayObject *)arr) + off * g.inner_bytes;
+        restage(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)stage), &g,
+                sizes, P, 1);
+    }
+    for (int r = 0; me == root && r < P && rc == MPI_SUCCESS; r++) {
+        char *base;
+        if (stage != NULL) {
+            base = (char *)PyArray_DATA((PyArrayObject *)stage) + g.outer * off * g.inner_bytes;
+            if (rows_type(&g, sizes[r], sizes[r], &types[ntypes]) < 0)
+                goto fail;
+        } else {
+            base = (char *)PyArray_DATA((PyArrayObject *)arr) + off * g.inner_bytes;
+            if (rows_type(&g, sizes[r], g.rows, &types[ntypes]) < 0)
+                goto fail;
+        }
         rc = MPI_Isend(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
         off += sizes[r];
     }
@@ -229,7 +280,7 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
         snprintf(c->broken_why, sizeof c->broken_why, "an MPI error in scatter");
         goto fail;
     }
-    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, DIST_SCATTER, arr, out) < 0)
+    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, DIST_SCATTER, arr, out, stage) < 0)
         goto fail;
     goto done;
 fail_local:
@@ -245,6 +296,7 @@ done:
     PyMem_Free(done);
     PyMem_Free(sizes);
     PyMem_Free(wts);
+    Py_XDECREF(stage);
     Py_XDECREF(arr);
     dist_leave(c);
     return out;
@@ -260,9 +312,10 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     if (dist_enter(c) < 0)
         return NULL;
     double deadline = dist_now() + c->timeout;
-    PyObject *arr = NULL, *out = NULL, *saved = NULL;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
     MPI_Datatype *types = NULL;
     MPI_Request *reqs = NULL;
+    int64_t *rows_of = NULL;
     int *done = NULL, ntypes = 0, n = 0, rc = MPI_SUCCESS;
     dist_meta mine;
     memset(&mine, 0, sizeof mine);
@@ -292,22 +345,31 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     types = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Datatype));
     reqs = PyMem_Calloc((size_t)P * 2, sizeof(MPI_Request));
     done = PyMem_Calloc((size_t)P * 2, sizeof(int));
-    if (types == NULL || reqs == NULL || done == NULL) {
+    rows_of = PyMem_Calloc((size_t)P, sizeof(int64_t));
+    if (types == NULL || reqs == NULL || done == NULL || rows_of == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
+    for (int r = 0; r < P; r++)
+        rows_of[r] = c->peers[r].shape[d];
     if (receives) {
         out = dist_empty_like_meta(&mine, d, total, (PyArrayObject *)arr);
-        if (out == NULL)
+        if (out == NULL || (g.outer > 1 && (stage = new_stage(&g)) == NULL))
             goto fail;
         int64_t off = 0;
         for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
-            int64_t rows = c->peers[r].shape[d];
-            if (rows_type(&g, rows, total, &types[ntypes]) < 0)
-                goto fail;
-            char *base = (char *)PyArray_DATA((PyArrayObject *)out) + off * g.inner_bytes;
+            char *base;
+            if (stage != NULL) {
+                base = (char *)PyArray_DATA((PyArrayObject *)stage) + g.outer * off * g.inner_bytes;
+                if (rows_type(&g, rows_of[r], rows_of[r], &types[ntypes]) < 0)
+                    goto fail;
+            } else {
+                base = (char *)PyArray_DATA((PyArrayObject *)out) + off * g.inner_bytes;
+                if (rows_type(&g, rows_of[r], total, &types[ntypes]) < 0)
+                    goto fail;
+            }
             rc = MPI_Irecv(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
-            off += rows;
+            off += rows_of[r];
         }
     }
     if (rc == MPI_SUCCESS) {
@@ -328,8 +390,11 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
         snprintf(c->broken_why, sizeof c->broken_why, "an MPI error in gather");
         goto fail;
     }
-    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, kind, arr, out) < 0)
+    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, kind, arr, out, stage) < 0)
         goto fail;
+    if (stage != NULL)
+        restage(PyArray_DATA((PyArrayObject *)out), PyArray_DATA((PyArrayObject *)stage), &g,
+                rows_of, P, 0);
     if (out == NULL)
         out = Py_NewRef(Py_None);
     goto done;
@@ -341,6 +406,8 @@ done:
     PyMem_Free(types);
     PyMem_Free(reqs);
     PyMem_Free(done);
+    PyMem_Free(rows_of);
+    Py_XDECREF(stage);
     Py_XDECREF(arr);
     dist_leave(c);
     return out;
@@ -429,7 +496,7 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
             dist_mpi_error(rc, "MPI_Ibcast");
             goto fail;
         }
-        if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, DIST_BROADCAST, out, NULL) < 0)
+        if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, DIST_BROADCAST, out, NULL, NULL) < 0)
             goto fail;
     }
     res = Py_BuildValue("(OO)", out, rm->is_object ? Py_True : Py_False);

@@ -148,7 +148,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         dist_mpi_error(rc, all ? "MPI_Iallreduce" : "MPI_Ireduce");
         goto fail;
     }
-    if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, kind, arr, out) < 0)
+    if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, kind, arr, out, NULL) < 0)
         goto fail;
     if (out == NULL) {
         out = Py_NewRef(Py_None);
