@@ -39,6 +39,7 @@ Requires ``mpi4py`` and an MPI library: ``pip install "dpmini[mpi]"`` plus the
 system MPI (``apt-get install openmpi-bin libopenmpi-dev`` or MPICH), then
 rebuild dpmini so that ``dpmini._dist`` is compiled.
 """
+import atexit
 import pickle
 import sys
 
@@ -77,6 +78,7 @@ class _State:
     local_rank = 0
     local_size = 1
     prev_hook = None
+    exit_hook = False
 
 
 _state = _State()
@@ -109,6 +111,9 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
         _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
     finally:
         local.Free()
+    if not _state.exit_hook:
+        atexit.register(_abort_if_broken)   # runs before mpi4py's MPI_Finalize (LIFO)
+        _state.exit_hook = True
     if abort_on_exception and _state.prev_hook is None:
         _state.prev_hook = sys.excepthook
         sys.excepthook = _abort_hook
@@ -124,6 +129,19 @@ def _abort_hook(tp, value, tb):
     if comm is not None and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} of {comm.size} ended with "
                          f"{tp.__name__}; aborting the job (MPI_Abort, exit code 1)\n")
+        sys.stderr.flush()
+        comm.abort(1)
+
+
+def _abort_if_broken():
+    """At exit: a communicator left broken by a TimeoutError may still have
+    messages in flight, and MPI_Finalize could wait on them forever; end the
+    job instead (exit code 1)."""
+    comm = _state.comm
+    if comm is not None and comm.broken and comm.size > 1:
+        sys.stderr.write(f"dpmini.distributed: rank {comm.rank} exits after a TimeoutError; "
+                         "aborting the job (MPI_Abort, exit code 1) rather than waiting in "
+                         "MPI_Finalize\n")
         sys.stderr.flush()
         comm.abort(1)
 

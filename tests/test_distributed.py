@@ -10,6 +10,7 @@ that need no MPI (the ImportError text, import dpmini without mpi4py) always run
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,11 +52,21 @@ needs_mpi = pytest.mark.skipif(not _have_dist(), reason="needs mpirun and dpmini
 
 def mpirun(case, np=4, limit=120, **env):
     """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds)."""
-    cmd = ["timeout", str(limit), MPIRUN, "-np", str(np), sys.executable, str(WORKER), case]
+    cmd = ["timeout", "-k", "10", str(limit), MPIRUN, "-np", str(np), sys.executable,
+           str(WORKER), case]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit + 30,
-                              env=_env(DIST_TEST_OUT=tmp, **env), cwd=ROOT)
+        # Own process group: if even `timeout -k` cannot end mpirun, every rank
+        # is killed with it here, so no orphan keeps the pipes (or the CPU).
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(DIST_TEST_OUT=tmp, **env), cwd=ROOT,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=limit + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"mpirun {case} did not end within {limit + 30} s:\n{stdout}{stderr}")
         took = time.monotonic() - start
         lines = {}
         for path in Path(tmp).glob("rank*.txt"):
@@ -63,8 +74,8 @@ def mpirun(case, np=4, limit=120, **env):
                 m = re.match(r"^(\d+) (.*)$", line)
                 if m:
                     lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 124, f"mpirun hit the outer timeout:\n{out}"
+    out = stdout + stderr
+    assert proc.returncode not in (124, 137), f"mpirun hit the outer timeout:\n{out}"
     return proc.returncode, lines, out, took
 
 
@@ -160,6 +171,39 @@ def test_rank_that_skips_a_call_gives_timeout_error_naming_it():
                        r"rank 3 did not arrive within the timeout of 3 s", out)
     assert set(named) <= {"0", "1", "2"} and named, out
     assert took < 60, took
+
+
+@needs_mpi
+def test_caught_timeout_still_ends_the_job_instead_of_hanging_in_finalize():
+    rc, lines, out, took = mpirun("caught_timeout", limit=90)
+    assert rc != 0, out
+    # The first rank to abort ends the others, so some may not have written yet.
+    caught = errors(lines, "caught_timeout")
+    assert caught and set(caught) <= {0, 1, 2}, out
+    for r, msg in caught.items():
+        assert msg.startswith(f"TimeoutError: dpmini.distributed.barrier (call 1 on rank {r}): "
+                              "rank 3 did not arrive"), msg
+    after = errors(lines, "after_timeout")
+    assert after and set(after) <= {0, 1, 2}, out
+    assert all("cannot be used after a TimeoutError in barrier call 1" in m
+               for m in after.values()), out
+    assert "aborting the job (MPI_Abort, exit code 1) rather than waiting" in out
+    assert took < 60, took
+
+
+@needs_mpi
+def test_ddp_mismatch_reduce_gradients_errors_explain():
+    rc, lines, out, _ = mpirun("misc")
+    assert rc == 0, out
+    assert all("OK misc" in lines[r] for r in range(4)), out
+    ddp = errors(lines, "ddp_mismatch")
+    assert sorted(ddp) == [0, 1, 2, 3] and len(set(ddp.values())) == 1, ddp
+    assert "on rank(s) [3] differ from rank 0's" in ddp[0], ddp
+    assert errors(lines, "rows_missing")[0].startswith("ValueError: rows: weights='rows' needs")
+    assert errors(lines, "int_grads")[0].startswith("TypeError: grads['w']: expected a floating")
+    assert errors(lines, "bad_weights")[0].startswith("ValueError: weights: expected 'rows'")
+    assert errors(lines, "bad_timeout")[0].startswith("ValueError: timeout: expected seconds > 0")
+    assert errors(lines, "bad_comm")[0].startswith("TypeError: comm: expected an mpi4py")
 
 
 @needs_mpi

@@ -103,8 +103,9 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Od:Comm", kwlist, &obj, &timeout))
         return NULL;
     if (!(timeout > 0.0) || timeout > 1e9) {
-        PyErr_Format(PyExc_ValueError, "timeout: expected seconds > 0 (and finite), got %R",
-                     PyTuple_GET_ITEM(args, 1));
+        char t[32];
+        snprintf(t, sizeof t, "%g", timeout);
+        PyErr_Format(PyExc_ValueError, "timeout: expected seconds > 0 (and at most 1e9), got %s", t);
         return NULL;
     }
     MPI_Comm *parent = PyMPIComm_Get(obj);

@@ -225,6 +225,65 @@ def case_ddp():
     say("OK ddp")
 
 
+def case_caught_timeout():
+    """The ranks catch the TimeoutError and return normally: the job must still
+    end (non-zero) instead of waiting in MPI_Finalize on messages in flight."""
+    dist.set_timeout(2.0)
+    if RANK == dist.size() - 1:
+        say("left early")
+        return
+    try:
+        dist.barrier()
+    except TimeoutError as exc:
+        err("caught_timeout", exc)
+    try:
+        dist.all_reduce(np.ones(2))
+    except RuntimeError as exc:
+        err("after_timeout", exc)
+
+
+def case_misc():
+    """DDP parameter mismatch, reduce_gradients and init argument errors, explain."""
+    P = dist.size()
+
+    class M:
+        def __init__(self):
+            self.W = np.zeros((3, 2) if RANK != P - 1 else (2, 3))
+
+        def __call__(self, x):
+            return x
+
+    try:
+        dist.DistributedDataParallel(M(), device_ids=["cpu:0"])
+    except ValueError as exc:
+        err("ddp_mismatch", exc)
+    for name, call in [
+        ("rows_missing", lambda: dist.reduce_gradients({"w": np.ones(2)})),
+        ("int_grads", lambda: dist.reduce_gradients({"w": np.ones(2, np.int64)}, weights="sum")),
+        ("bad_weights", lambda: dist.reduce_gradients([np.ones(2)], weights="median")),
+        ("bad_timeout", lambda: dist.init(timeout=-1.0)),
+        ("bad_comm", lambda: dist.init(comm=object())),
+    ]:
+        try:
+            call()
+            say(f"NOERR {name}")
+        except (TypeError, ValueError) as exc:
+            err(name, exc)
+    got = dist.reduce_gradients((np.full(2, float(RANK)),), weights="mean")
+    assert isinstance(got, tuple) and np.allclose(got[0], (P - 1) / 2)
+    got = dist.reduce_gradients({"g": np.full(2, float(RANK))}, weights=float(RANK))
+    assert np.allclose(got["g"], sum(r * r for r in range(P)) / max(sum(range(P)), 1)) or P == 1
+    plan = dist.explain(9, ["cpu:0", "cpu:1"], size=4)
+    assert plan.ranks == [(0, 3), (3, 6), (6, 9), (9, 9)], plan.ranks
+    assert plan.devices[3] == [("cpu:0", 9, 9), ("cpu:1", 9, 9)], plan.devices
+    assert "rank 3: rows 9:9 (0)" in str(plan)
+    assert dist.split_sizes(10, 4) == [3, 3, 3, 1]
+    assert dist.split_sizes(10, 2, weights=[1, 3]) == [3, 7]
+    dist.init(timeout=5.0)              # again: replaces the communicator
+    assert dist.all_reduce(np.ones(1))[0] == P
+    say("OK misc")
+
+
 def case_uninitialized():
     try:
         dist.scatter(np.zeros(3))
