@@ -10,7 +10,8 @@ PY     := $(VENV)/bin/python
 # with two fake GPUs. `make test` runs both suites.
 EMU := build/emulated
 
-.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind
+.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind \
+	deps-mpi demo-distributed test-distributed bench-distributed
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,32 @@ bench-gpu: build
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py
+
+# ---------------------------------------------------------------- distributed (MPI)
+# dpmini.distributed needs a system MPI and mpi4py; deps-mpi installs Open MPI
+# (apt-get, only when mpirun/mpicc are missing) and mpi4py (only when it does
+# not import), then rebuilds so that the optional extension dpmini._dist is
+# compiled. The OMPI_* variables let Open MPI run as root and put more ranks
+# than cores on this machine (MPICH ignores them). Every mpirun runs inside an
+# outer timeout, so a hang fails the target instead of stalling CI.
+MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+MPI_NP  ?= 4
+
+deps-mpi: $(VENV)/.installed
+	tools/deps.sh mpi
+	$(PY) -c "import mpi4py" 2>/dev/null || $(PY) -m pip install -q "mpi4py>=3.1"
+	$(MAKE) --no-print-directory build
+	$(PY) -c "import dpmini._dist" || { echo "dpmini._dist was not built: see the build output above" >&2; exit 1; }
+
+demo-distributed: deps-mpi
+	$(MPI_ENV) timeout 300 mpirun -np $(MPI_NP) $(PY) -m dpmini.demo_distributed
+
+# tests/test_distributed.py launches mpirun -np 4 and -np 1 itself (each in `timeout`).
+test-distributed: deps-mpi
+	timeout 900 $(PY) -m pytest -q tests/test_distributed.py
+
+bench-distributed: deps-mpi
+	$(MPI_ENV) timeout 600 mpirun -np $(MPI_NP) $(PY) benchmarks/bench_distributed.py
 
 # ---------------------------------------------------------------- reliability
 # docs/reliability.md says what each of these checks and what CI runs.

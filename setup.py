@@ -12,6 +12,13 @@ Environment switches (read when building):
                          (sm_80, sm_90, plus PTX of the last for newer GPUs).
   CUDA_HOME / CUDA_PATH  where the toolkit is (else nvcc on PATH, else
                          /usr/local/cuda).
+  DPMINI_MPI=0           skip the optional MPI extension dpmini._dist.
+  MPICC                  the MPI compiler wrapper to ask for flags (else mpicc).
+
+The optional extension dpmini._dist (csrc/dist/*.c plus csrc/plan.c, the
+engine of dpmini.distributed) is built when an MPI compiler wrapper (mpicc)
+or pkg-config names mpi.h and mpi4py's headers are importable; otherwise it
+is skipped with a message saying what is missing, and dpmini works without it.
 The CUDA runtime is linked statically (cudart_static), so the module imports
 on machines with no GPU, no driver and no CUDA libraries.
 """
@@ -59,14 +66,47 @@ class BuildExt(build_ext):
             ext.include_dirs.append(numpy.get_include())
 
     def build_extensions(self):
+        dist = [e for e in self.extensions if e.name == "dpmini._dist"]
+        for ext in dist:
+            why = self._add_mpi(ext)
+            if why:
+                print(f"dpmini: skipping the optional MPI extension dpmini._dist: {why}")
+                self.extensions.remove(ext)
         emulate = os.environ.get("DPMINI_CUDA_EMULATE") == "1"
         nvcc = None if (emulate or os.environ.get("DPMINI_CUDA") == "0") else find_nvcc()
         for ext in self.extensions:
+            if ext.name == "dpmini._dist":
+                continue
             if emulate:
                 ext.define_macros.append(("DPMINI_CUDA_EMULATE", "1"))
             elif nvcc:
                 self._add_cuda(ext, nvcc)
         super().build_extensions()
+
+    def _add_mpi(self, ext):
+        """Add MPI's and mpi4py's flags to ext; returns why not, or None."""
+        if os.environ.get("DPMINI_MPI") == "0":
+            return "DPMINI_MPI=0"
+        flags = mpi_flags()
+        if flags is None:
+            return ("no MPI found (no mpicc, no pkg-config ompi-c/mpich); install one, e.g. "
+                    "apt-get install openmpi-bin libopenmpi-dev, to get dpmini.distributed")
+        try:
+            import mpi4py
+        except ImportError:
+            return 'mpi4py is not installed (pip install "dpmini[mpi]")'
+        for flag in flags:
+            if flag.startswith("-I"):
+                ext.include_dirs.append(flag[2:])
+            elif flag.startswith("-L"):
+                ext.library_dirs.append(flag[2:])
+                ext.runtime_library_dirs.append(flag[2:])
+            elif flag.startswith("-l"):
+                ext.libraries.append(flag[2:])
+            else:
+                ext.extra_link_args.append(flag)
+        ext.include_dirs.append(mpi4py.get_include())
+        return None
 
     def _add_cuda(self, ext, nvcc):
         home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
@@ -91,6 +131,33 @@ class BuildExt(build_ext):
         ext.extra_link_args += ["-ldl", "-lrt", "-lpthread"]
 
 
+def mpi_flags():
+    """Compile and link flags of the MPI on this machine, or None (build time only)."""
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    if mpicc:
+        try:
+            cflags = subprocess.check_output([mpicc, "--showme:compile"], text=True,
+                                             stderr=subprocess.DEVNULL).split()
+            lflags = subprocess.check_output([mpicc, "--showme:link"], text=True,
+                                             stderr=subprocess.DEVNULL).split()
+            return cflags + lflags
+        except (OSError, subprocess.CalledProcessError):
+            pass
+        try:   # MPICH: "mpicc -show" prints the whole compiler line
+            words = subprocess.check_output([mpicc, "-show"], text=True,
+                                            stderr=subprocess.DEVNULL).split()
+            return [w for w in words[1:] if w[:2] in ("-I", "-L", "-l") or w.startswith("-Wl")]
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    for pkg in ("ompi-c", "mpich"):
+        try:
+            return subprocess.check_output(["pkg-config", "--cflags", "--libs", pkg], text=True,
+                                           stderr=subprocess.DEVNULL).split()
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    return None
+
+
 def c_sources():
     return sorted(glob.glob(os.path.join("csrc", "*.c")))
 
@@ -109,7 +176,15 @@ setup(
             include_dirs=["csrc"],
             extra_compile_args=extra_compile_args,
             extra_link_args=["-pthread"] + os.environ.get("DPMINI_LDFLAGS", "").split(),
-        )
+        ),
+        # Optional: dropped in BuildExt.build_extensions when MPI or mpi4py is missing.
+        Extension(
+            "dpmini._dist",
+            sources=sorted(glob.glob(os.path.join("csrc", "dist", "*.c"))) + ["csrc/plan.c"],
+            include_dirs=["csrc", "csrc/dist"],
+            extra_compile_args=extra_compile_args,
+            extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -4,10 +4,12 @@
 #   tools/deps.sh asan      gcc's AddressSanitizer/UBSan runtime (libasan.so)
 #   tools/deps.sh fuzz      clang with libFuzzer (libclang_rt.fuzzer)
 #   tools/deps.sh valgrind  valgrind
+#   tools/deps.sh mpi       Open MPI (mpirun, mpicc, mpi.h) for dpmini.distributed
 #
 # Each check looks for the tool first and only when it is missing installs
 # the Debian/Ubuntu package that provides it (apt-get, as root or via sudo).
-# Used by the Makefile targets test-asan, fuzz and test-valgrind, and so by
+# Used by the Makefile targets test-asan, fuzz, test-valgrind and
+# test-distributed / demo-distributed / bench-distributed, and so by
 # .ci/run. Never assumes the CI image already has them.
 set -euo pipefail
 
@@ -56,8 +58,14 @@ fuzz)
 valgrind)
     command -v valgrind >/dev/null || apt_install valgrind
     ;;
+mpi)
+    if ! { command -v mpirun >/dev/null && command -v mpicc >/dev/null; }; then
+        apt_install openmpi-bin libopenmpi-dev
+    fi
+    command -v mpirun >/dev/null || { echo "deps.sh: mpirun still missing after install" >&2; exit 1; }
+    ;;
 *)
-    echo "usage: tools/deps.sh asan|fuzz|valgrind" >&2
+    echo "usage: tools/deps.sh asan|fuzz|valgrind|mpi" >&2
     exit 2
     ;;
 esac

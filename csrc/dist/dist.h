@@ -1,0 +1,142 @@
+/* dist.h - dpmini._dist: dpmini's collectives across MPI processes.
+ *
+ * Layering: csrc/plan.c (the chunk rule, pure C) <- csrc/dist/ (this folder,
+ * MPI + CPython) <- dpmini/distributed.py (the thin Python API).
+ *
+ * Every data collective runs in two phases on a private duplicate of the
+ * user's communicator:
+ *   1. agreement (dist_guard.c): every rank sends a fixed-size record
+ *      (dist_meta: kind, call number, root, dim, op, dtype, shape, the
+ *      split arguments, and any local argument error) to every other rank
+ *      with non-blocking point-to-point messages, polled against the
+ *      deadline with the GIL released. Every rank then holds every record
+ *      and reaches the same verdict: go, the same ValueError everywhere, or
+ *      a TimeoutError naming the ranks that did not arrive.
+ *   2. data (dist_coll.c): only after agreement; non-blocking MPI
+ *      operations polled against the same deadline.
+ */
+#ifndef DPMINI_DIST_H
+#define DPMINI_DIST_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+#include <mpi.h>
+#include <stdint.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL dpmini_dist_ARRAY_API
+#ifndef DIST_IMPORT_ARRAY
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#define DIST_MAX_NDIM 32
+#define DIST_MAGIC 0x64706d696e693131LL /* "dpmini11" */
+#define DIST_TAG_META 7101
+#define DIST_TAG_DATA 7102
+
+enum dist_kind {
+    DIST_BARRIER = 1, DIST_SCATTER, DIST_GATHER, DIST_ALL_GATHER,
+    DIST_BROADCAST, DIST_ALL_REDUCE, DIST_REDUCE
+};
+enum dist_op { DIST_OP_NONE = 0, DIST_OP_SUM, DIST_OP_MEAN, DIST_OP_MAX, DIST_OP_MIN };
+
+/* One rank's description of the call it is making (phase 1). Plain bytes
+ * on the wire: every rank runs the same build, so the layout agrees. */
+typedef struct {
+    int64_t magic;
+    int64_t call;          /* 1, 2, ... per communicator                    */
+    int64_t kind;          /* enum dist_kind                                */
+    int64_t root;          /* -1 when the kind has no root                  */
+    int64_t dim;           /* as given (scatter) or wrapped (gather kinds)  */
+    int64_t op;            /* enum dist_op                                  */
+    int64_t ndim;          /* -1: no array on this rank                     */
+    int64_t itemsize;
+    int64_t is_object;     /* broadcast of a pickled object                 */
+    uint64_t split_hash;   /* chunk_sizes / weights, 0 when neither         */
+    int64_t shape[DIST_MAX_NDIM];
+    char dtype[24];        /* numpy dtype.str, e.g. "<f8"                   */
+    char dtype_name[24];   /* str(dtype), e.g. "float64", for messages      */
+    char split_text[56];   /* the split argument, for messages              */
+    char err[200];         /* a local argument error, "" when none          */
+} dist_meta;
+
+/* The Comm object: a duplicate of the user's communicator plus the state
+ * the guard needs. */
+typedef struct {
+    PyObject_HEAD
+    MPI_Comm comm;         /* MPI_COMM_NULL once freed                      */
+    int rank, size;
+    int64_t calls;
+    double timeout;        /* seconds, > 0                                  */
+    int broken;            /* a TimeoutError left messages in flight        */
+    char broken_why[160];
+    PyThread_type_lock lock;
+    dist_meta *peers;      /* size records                                  */
+    MPI_Request *reqs;     /* 2 * size requests for the agreement           */
+    int *done;             /* 2 * size flags                                */
+} dist_comm;
+
+/* dist_guard.c ---------------------------------------------------------- */
+const char *dist_kind_name(int64_t kind);
+const char *dist_op_name(int64_t op);
+double dist_now(void);
+/* Poll n requests until all complete or the deadline passes. Called with
+ * the GIL held; releases it while polling (taking it back every 50 ms to
+ * run signal handlers). done[i] is set for completed requests.
+ * Returns 0 all done, 1 deadline passed, -1 exception set (MPI error or
+ * KeyboardInterrupt). */
+int dist_poll(MPI_Request *reqs, int n, int *done, double deadline);
+/* Set a RuntimeError from an MPI error code; returns -1. */
+int dist_mpi_error(int code, const char *what);
+/* Record the pending Python exception as the local error of `mine`
+ * (cleared; kept in *saved to re-raise on this rank). */
+void dist_meta_fail(dist_meta *mine, PyObject **saved);
+/* Phase 1. `mine` is this rank's record (call number filled in here).
+ * Returns 0 when every rank agrees, -1 with the exception set (ValueError,
+ * TimeoutError, or this rank's own saved error). Steals *saved. */
+int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline);
+/* Fill shape/dtype fields of `m` from an ndarray. */
+void dist_meta_array(dist_meta *m, PyObject *arr);
+/* Refuse a call on a broken or busy communicator; takes the lock. */
+int dist_enter(dist_comm *c);
+void dist_leave(dist_comm *c);
+
+/* dist_split.c ----------------------------------------------------------- */
+typedef struct {
+    int mode;          /* 0 chunk rule, 1 chunk_sizes, 2 weights */
+    int64_t *sizes;    /* P explicit sizes (mode 1)              */
+    double *weights;   /* P weights (mode 2)                     */
+} split_args;
+/* Read chunk_sizes / weights (None or P entries) into s; records their
+ * hash and text in m. -1 with an exception set on bad input. */
+int dist_read_split(PyObject *cs, PyObject *w, int P, split_args *s, dist_meta *m);
+/* The rows of every rank for n rows (plan.c). -1 with ValueError. */
+int dist_plan_rows(const split_args *s, int64_t n, int P, int64_t *sizes);
+
+/* dist_move.c ------------------------------------------------------------ */
+/* Phase 2: poll the data requests against the deadline. On a timeout or
+ * error the requests are abandoned, the communicator is marked broken and
+ * `keep` (the buffers MPI may still touch) is leaked on purpose. */
+int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double deadline,
+                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
+                   PyObject *keep3);
+/* x as a C-contiguous aligned ndarray (NOTSWAPPED too when `native`);
+ * refuses object dtypes and more than DIST_MAX_NDIM dimensions. */
+PyObject *dist_as_array(PyObject *x, const char *name, int native);
+/* An empty ndarray shaped like the record's array with shape[dim] = rows
+ * (dim < 0: unchanged), of dtype `like`'s or, when NULL, the record's. */
+PyObject *dist_empty_like_meta(const dist_meta *m, int dim, int64_t rows, PyArrayObject *like);
+PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw);
+PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw);
+PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw);
+PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw);
+PyObject *dist_split_sizes(PyObject *m, PyObject *args, PyObject *kw);
+
+/* dist_reduce.c ---------------------------------------------------------- */
+PyObject *dist_barrier(dist_comm *c, PyObject *args);
+PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw);
+PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw);
+
+#endif

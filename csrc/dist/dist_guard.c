@@ -1,0 +1,471 @@
+/* dist_guard.c - phase 1 of every dpmini.distributed collective: the
+ * bounded agreement on what is being called (see dist.h).
+ *
+ * Why point-to-point and not MPI_Iallgather: a rank whose record never
+ * arrives is then known by name (its receive is the one still pending at
+ * the deadline), so the TimeoutError can say which ranks are missing. The
+ * records travel on their own tag of a communicator that only dpmini uses,
+ * in order between every pair of ranks (MPI's non-overtaking rule), so a
+ * rank that skipped a call is seen as a call-number mismatch, never as a
+ * silent match with the wrong call.
+ */
+#include "dist.h"
+
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+
+static const char *kind_names[] = {"?", "barrier", "scatter", "gather", "all_gather",
+                                   "broadcast", "all_reduce", "reduce"};
+static const char *op_names[] = {"", "sum", "mean", "max", "min"};
+
+const char *dist_kind_name(int64_t kind)
+{
+    return (kind >= 1 && kind <= DIST_REDUCE) ? kind_names[kind] : "?";
+}
+
+const char *dist_op_name(int64_t op)
+{
+    return (op >= 0 && op <= DIST_OP_MIN) ? op_names[op] : "?";
+}
+
+double dist_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int dist_mpi_error(int code, const char *what)
+{
+    char text[MPI_MAX_ERROR_STRING + 1];
+    int len = 0;
+    if (MPI_Error_string(code, text, &len) != MPI_SUCCESS)
+        len = 0;
+    text[len] = '\0';
+    PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: %s failed: MPI error %d: %s",
+                 what, code, text);
+    return -1;
+}
+
+int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
+{
+    int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
+    for (int i = 0; i < n; i++)
+        left += !done[i];
+    double last_progress = dist_now(), next_signals = last_progress + 0.05;
+    PyThreadState *ts = PyEval_SaveThread();
+    while (left > 0) {
+        for (int i = 0; i < n; i++) {
+            if (done[i])
+                continue;
+            int flag = 0;
+            rc = MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
+            if (rc != MPI_SUCCESS)
+                goto out;
+            if (flag) {
+                done[i] = 1;
+                left--;
+                last_progress = dist_now();
+            }
+        }
+        if (left == 0)
+            break;
+        double t = dist_now();
+        if (t >= deadline) {
+            result = 1;
+            break;
+        }
+        if (t >= next_signals) {
+            PyEval_RestoreThread(ts);
+            interrupted = PyErr_CheckSignals() < 0;
+            ts = PyEval_SaveThread();
+            if (interrupted)
+                break;
+            next_signals = t + 0.05;
+        }
+        /* Yield while data may be moving (MPI progresses inside MPI_Test);
+         * sleep once nothing has completed for 5 ms (a slow peer). */
+        if (t - last_progress < 0.005) {
+            sched_yield();
+        } else {
+            struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
+            nanosleep(&nap, NULL);
+        }
+    }
+out:
+    PyEval_RestoreThread(ts);
+    if (interrupted)
+        return -1;
+    if (rc != MPI_SUCCESS)
+        return dist_mpi_error(rc, "MPI_Test");
+    return result;
+}
+
+void dist_meta_fail(dist_meta *mine, PyObject **saved)
+{
+    PyObject *type = NULL, *exc = NULL, *tb = NULL;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc != NULL && tb != NULL)
+        PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    const char *tname = exc ? Py_TYPE(exc)->tp_name : "Error";
+    PyObject *msg = exc ? PyObject_Str(exc) : NULL;
+    const char *text = msg ? PyUnicode_AsUTF8(msg) : NULL;
+    if (text == NULL) {
+        PyErr_Clear();
+        text = "?";
+    }
+    snprintf(mine->err, sizeof mine->err, "%s: %s", tname, text);
+    Py_XDECREF(msg);
+    if (*saved == NULL)
+        *saved = exc;
+    else
+        Py_XDECREF(exc);
+}
+
+static void copy_attr_str(PyObject *obj, const char *attr, char *out, size_t n)
+{
+    PyObject *s = PyObject_GetAttrString(obj, attr);
+    const char *t = s ? PyUnicode_AsUTF8(s) : NULL;
+    if (t == NULL) {
+        PyErr_Clear();
+        t = "?";
+    }
+    snprintf(out, n, "%s", t);
+    Py_XDECREF(s);
+}
+
+void dist_meta_array(dist_meta *m, PyObject *arr)
+{
+    PyArrayObject *a = (PyArrayObject *)arr;
+    m->ndim = PyArray_NDIM(a);
+    for (int i = 0; i < PyArray_NDIM(a) && i < DIST_MAX_NDIM; i++)
+        m->shape[i] = PyArray_DIM(a, i);
+    m->itemsize = PyArray_ITEMSIZE(a);
+    copy_attr_str((PyObject *)PyArray_DESCR(a), "str", m->dtype, sizeof m->dtype);
+    copy_attr_str((PyObject *)PyArray_DESCR(a), "name", m->dtype_name, sizeof m->dtype_name);
+}
+
+int dist_enter(dist_comm *c)
+{
+    if (c->comm == MPI_COMM_NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "dpmini.distributed: this communicator was freed; call init() again");
+        return -1;
+    }
+    if (c->broken) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "dpmini.distributed: this communicator cannot be used after %s "
+                     "(messages of that call may still be in flight); end the job",
+                     c->broken_why);
+        return -1;
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = PyThread_acquire_lock(c->lock, NOWAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "dpmini.distributed: another thread of this process is inside a "
+                        "collective on the same communicator; collectives must be called "
+                        "in the same order on every rank, so call them from one thread");
+        return -1;
+    }
+    return 0;
+}
+
+void dist_leave(dist_comm *c)
+{
+    PyThread_release_lock(c->lock);
+}
+
+/* ------------------------------------------------------------------ */
+/* Messages                                                            */
+/* ------------------------------------------------------------------ */
+
+static int kind_has_root(int64_t k)
+{
+    return k == DIST_SCATTER || k == DIST_GATHER || k == DIST_BROADCAST || k == DIST_REDUCE;
+}
+
+static int kind_has_dim(int64_t k)
+{
+    return k == DIST_SCATTER || k == DIST_GATHER || k == DIST_ALL_GATHER;
+}
+
+static int kind_compares_arrays(int64_t k)
+{
+    return k == DIST_GATHER || k == DIST_ALL_GATHER || k == DIST_ALL_REDUCE || k == DIST_REDUCE;
+}
+
+static void describe(const dist_meta *m, char *buf, size_t n)
+{
+    size_t len = 0;
+#define ADD(...) do { if (len < n) len += (size_t)snprintf(buf + len, n - len, __VA_ARGS__); } while (0)
+    ADD("%s call %lld", dist_kind_name(m->kind), (long long)m->call);
+    if (kind_has_root(m->kind))
+        ADD(" root=%lld", (long long)m->root);
+    if (kind_has_dim(m->kind))
+        ADD(" dim=%lld", (long long)m->dim);
+    if (m->op != DIST_OP_NONE)
+        ADD(" op=%s", dist_op_name(m->op));
+    if (m->kind == DIST_SCATTER && m->split_text[0])
+        ADD(" %s", m->split_text);
+    if (kind_compares_arrays(m->kind) && m->ndim >= 0) {
+        ADD(" shape (");
+        for (int64_t i = 0; i < m->ndim && i < DIST_MAX_NDIM; i++)
+            ADD("%lld%s", (long long)m->shape[i], m->ndim == 1 ? "," : (i + 1 < m->ndim ? ", " : ""));
+        ADD(") dtype %s", m->dtype_name);
+    }
+#undef ADD
+}
+
+/* "0-2,5" into buf from the ranks r with group[r] == g. */
+static void rank_list(const int *group, int P, int g, char *buf, size_t n)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int r = 0; r < P; r++) {
+        if (group[r] != g)
+            continue;
+        int e = r;
+        while (e + 1 < P && group[e + 1] == g)
+            e++;
+        if (len < n)
+            len += (size_t)snprintf(buf + len, n - len, "%s%d", len ? "," : "", r);
+        if (e > r && len < n)
+            len += (size_t)snprintf(buf + len, n - len, "%s%d", e == r + 1 ? "," : "-", e);
+        r = e;
+    }
+}
+
+/* ValueError listing the ranks grouped by their description. */
+static int raise_mismatch(dist_comm *c, const dist_meta *mine, const char *what)
+{
+    int P = c->size;
+    int *group = PyMem_Malloc(sizeof(int) * (size_t)P);
+    char (*desc)[192] = PyMem_Malloc(sizeof(*desc) * (size_t)P);
+    PyObject *parts = PyList_New(0);
+    if (group == NULL || desc == NULL || parts == NULL) {
+        PyMem_Free(group);
+        PyMem_Free(desc);
+        Py_XDECREF(parts);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < P; r++) {
+        describe(&c->peers[r], desc[r], sizeof desc[r]);
+        group[r] = -1;
+    }
+    int groups = 0;
+    for (int r = 0; r < P; r++) {
+        if (group[r] >= 0)
+            continue;
+        for (int s = r; s < P; s++)
+            if (group[s] < 0 && strcmp(desc[s], desc[r]) == 0)
+                group[s] = groups;
+        if (groups < 32) {
+            char ranks[128];
+            rank_list(group, P, groups, ranks, sizeof ranks);
+            PyObject *line = PyUnicode_FromFormat("\n  rank %s: %s", ranks, desc[r]);
+            if (line == NULL || PyList_Append(parts, line) < 0) {
+                Py_XDECREF(line);
+                goto fail;
+            }
+            Py_DECREF(line);
+        }
+        groups++;
+    }
+    PyObject *empty = PyUnicode_FromString("");
+    PyObject *body = empty ? PyUnicode_Join(empty, parts) : NULL;
+    Py_XDECREF(empty);
+    if (body != NULL) {
+        PyErr_Format(PyExc_ValueError,
+                     "dpmini.distributed.%s: the ranks disagree on %s (every rank raises "
+                     "this error; the communicator stays usable):%U%s",
+                     dist_kind_name(c->peers[0].kind), what, body,
+                     groups > 32 ? "\n  ... (more groups left out)" : "");
+        Py_DECREF(body);
+    }
+fail:
+    PyMem_Free(group);
+    PyMem_Free(desc);
+    Py_DECREF(parts);
+    return -1;
+}
+
+/* The first field on which two records that must agree differ, or NULL. */
+static const char *first_difference(const dist_meta *a, const dist_meta *b)
+{
+    if (a->call != b->call)
+        return "the call number (a rank skipped or added a collective)";
+    if (a->kind != b->kind)
+        return "the collective";
+    if (kind_has_root(a->kind) && a->root != b->root)
+        return "root";
+    if (kind_has_dim(a->kind) && a->dim != b->dim)
+        return "dim";
+    if (a->op != b->op)
+        return "op";
+    if (a->kind == DIST_SCATTER && a->split_hash != b->split_hash)
+        return "chunk_sizes/weights";
+    if (!kind_compares_arrays(a->kind) || a->err[0] || b->err[0])
+        return NULL;
+    if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize)
+        return "dtype";
+    if (a->ndim != b->ndim)
+        return "the number of dimensions";
+    for (int64_t i = 0; i < a->ndim && i < DIST_MAX_NDIM; i++) {
+        int ragged = (a->kind == DIST_GATHER || a->kind == DIST_ALL_GATHER) && i == a->dim;
+        if (!ragged && a->shape[i] != b->shape[i])
+            return "shape";
+    }
+    return NULL;
+}
+
+static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
+{
+    int P = c->size;
+    for (int r = 0; r < P; r++) {
+        if (c->peers[r].magic != DIST_MAGIC) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "dpmini.distributed.%s: rank %d sent a record that is not "
+                         "dpmini's; is another library using dpmini's communicator?",
+                         dist_kind_name(mine->kind), r);
+            return -1;
+        }
+    }
+    /* 1. Every rank in the same call of the same collective. */
+    for (int r = 1; r < P; r++)
+        if (c->peers[r].call != c->peers[0].call || c->peers[r].kind != c->peers[0].kind)
+            return raise_mismatch(c, mine, c->peers[r].call != c->peers[0].call
+                                  ? "the call number (a rank skipped or added a collective)"
+                                  : "the collective");
+    /* 2. Local argument errors: raised everywhere. */
+    int first_err = -1;
+    for (int r = 0; r < P && first_err < 0; r++)
+        if (c->peers[r].err[0])
+            first_err = r;
+    if (first_err >= 0) {
+        if (*saved != NULL) {
+            PyObject *exc = *saved;
+            *saved = NULL;
+            PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+            return -1;
+        }
+        PyErr_Format(PyExc_ValueError,
+                     "dpmini.distributed.%s (call %lld): rank %d rejected its arguments: %s "
+                     "(every rank raises; the communicator stays usable)",
+                     dist_kind_name(mine->kind), (long long)mine->call, first_err,
+                     c->peers[first_err].err);
+        return -1;
+    }
+    /* 3. The fields this collective needs to agree. */
+    for (int r = 1; r < P; r++) {
+        const char *what = first_difference(&c->peers[0], &c->peers[r]);
+        if (what != NULL)
+            return raise_mismatch(c, mine, what);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* The exchange                                                        */
+/* ------------------------------------------------------------------ */
+
+static void set_broken(dist_comm *c, const char *why)
+{
+    c->broken = 1;
+    snprintf(c->broken_why, sizeof c->broken_why, "%s", why);
+}
+
+/* Cancel pending receives, release pending sends (their buffer is
+ * c->peers[rank], kept alive for good once the comm is broken). */
+static void abandon(dist_comm *c, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (c->done[i] || c->reqs[i] == MPI_REQUEST_NULL)
+            continue;
+        if (i < c->size)
+            MPI_Cancel(&c->reqs[i]);
+        MPI_Request_free(&c->reqs[i]);
+    }
+}
+
+int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
+{
+    int P = c->size, me = c->rank, rc = MPI_SUCCESS;
+    mine->magic = DIST_MAGIC;
+    mine->call = ++c->calls;
+    c->peers[me] = *mine;
+    for (int i = 0; i < 2 * P; i++) {
+        c->reqs[i] = MPI_REQUEST_NULL;
+        c->done[i] = 1;
+    }
+    for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
+        if (r == me)
+            continue;
+        rc = MPI_Irecv(&c->peers[r], (int)sizeof(dist_meta), MPI_BYTE, r, DIST_TAG_META,
+                       c->comm, &c->reqs[r]);
+        c->done[r] = rc != MPI_SUCCESS;
+    }
+    for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
+        if (r == me)
+            continue;
+        rc = MPI_Isend(&c->peers[me], (int)sizeof(dist_meta), MPI_BYTE, r, DIST_TAG_META,
+                       c->comm, &c->reqs[P + r]);
+        c->done[P + r] = rc != MPI_SUCCESS;
+    }
+    int st = rc == MPI_SUCCESS ? dist_poll(c->reqs, 2 * P, c->done, deadline) : -1;
+    if (rc != MPI_SUCCESS)
+        dist_mpi_error(rc, "posting the agreement messages");
+    if (st != 0) {
+        char why[160];
+        snprintf(why, sizeof why, "%s in %s call %lld",
+                 st == 1 ? "a TimeoutError" : "an error", dist_kind_name(mine->kind),
+                 (long long)mine->call);
+        abandon(c, 2 * P);
+        set_broken(c, why);
+    }
+    if (st == 1) {
+        int *miss = PyMem_Malloc(sizeof(int) * (size_t)P);
+        if (miss == NULL) {
+            Py_XDECREF(*saved);
+            *saved = NULL;
+            PyErr_NoMemory();
+            return -1;
+        }
+        int nmiss = 0, pending_sends = 0;
+        for (int r = 0; r < P; r++) {
+            miss[r] = (r != me && !c->done[r]) ? 1 : 0;
+            nmiss += miss[r];
+            pending_sends += (r != me && !c->done[P + r]);
+        }
+        if (nmiss == 0)   /* every record arrived but ours was not taken */
+            for (int r = 0; r < P; r++)
+                nmiss += miss[r] = (r != me && !c->done[P + r]);
+        char ranks[160], secs[32];
+        rank_list(miss, P, 1, ranks, sizeof ranks);
+        snprintf(secs, sizeof secs, "%g", c->timeout);
+        PyErr_Format(PyExc_TimeoutError,
+                     "dpmini.distributed.%s (call %lld on rank %d): rank%s %s did not "
+                     "arrive within the timeout of %s s (a rank skipped this call, is "
+                     "still busy, or has exited); this communicator cannot be used again",
+                     dist_kind_name(mine->kind), (long long)mine->call, me,
+                     nmiss == 1 ? "" : "s", ranks, secs);
+        (void)pending_sends;
+        PyMem_Free(miss);
+    }
+    if (st != 0) {
+        Py_XDECREF(*saved);
+        *saved = NULL;
+        return -1;
+    }
+    int v = verdict(c, mine, saved);
+    Py_XDECREF(*saved);
+    *saved = NULL;
+    return v;
+}

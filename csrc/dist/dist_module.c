@@ -1,0 +1,331 @@
+/* dist_module.c - the dpmini._dist module: the Comm type, the MPI ABI
+ * guard, multi-phase init with module state.
+ *
+ * Built only when mpi.h and mpi4py's headers are found (setup.py). The
+ * communicator comes from mpi4py's C API (PyMPIComm_Get after
+ * import_mpi4py()); dpmini works on its own MPI_Comm_dup of it, so its
+ * messages never meet the user's.
+ */
+#define DIST_IMPORT_ARRAY
+#include "dist.h"
+#include <mpi4py/mpi4py.h>
+
+#include <string.h>
+
+typedef struct {
+    PyTypeObject *Comm;
+} dist_state;
+
+/* ------------------------------------------------------------------ */
+/* ABI guard                                                           */
+/* ------------------------------------------------------------------ */
+
+#if defined(OPEN_MPI)
+#define DIST_BUILD_FAMILY "Open MPI"
+#elif defined(MPICH_VERSION) || defined(MPICH_NAME)
+#define DIST_BUILD_FAMILY "MPICH"
+#else
+#define DIST_BUILD_FAMILY "unknown"
+#endif
+
+/* The handle ABI family named by an MPI library version string. */
+static const char *family_of(const char *version)
+{
+    if (strstr(version, "Open MPI") != NULL)
+        return "Open MPI";
+    if (strstr(version, "MPICH") != NULL || strstr(version, "Intel(R) MPI") != NULL ||
+        strstr(version, "MVAPICH") != NULL)
+        return "MPICH";
+    return "unknown";
+}
+
+static PyObject *check_abi(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    const char *theirs = PyUnicode_AsUTF8(arg);
+    if (theirs == NULL)
+        return NULL;
+    char ours[MPI_MAX_LIBRARY_VERSION_STRING + 1];
+    int len = 0;
+    if (MPI_Get_library_version(ours, &len) != MPI_SUCCESS)
+        len = 0;
+    ours[len] = '\0';
+    const char *fam = family_of(theirs);
+    if (strcmp(fam, DIST_BUILD_FAMILY) != 0) {
+        PyErr_Format(PyExc_ImportError,
+                     "dpmini._dist was built against %s's mpi.h, but mpi4py runs on a %s "
+                     "library (%.80s); their MPI handles differ, so using them together "
+                     "would corrupt memory. Rebuild dpmini against the MPI that mpi4py uses "
+                     "(pip install --no-build-isolation --force-reinstall dpmini), or point "
+                     "mpi4py at the other one (MPI4PY_LIBMPI)",
+                     DIST_BUILD_FAMILY, fam, theirs);
+        return NULL;
+    }
+    size_t n = strcspn(theirs, "\n");
+    if (len > 0 && (strncmp(ours, theirs, n) != 0 || strcspn(ours, "\n") != n)) {
+        PyErr_Format(PyExc_ImportError,
+                     "dpmini._dist is linked to one MPI library (%.80s) and mpi4py runs on "
+                     "another (%.80s): two MPI libraries in one process; rebuild dpmini "
+                     "against the MPI that mpi4py uses", ours, theirs);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *build_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    char ours[MPI_MAX_LIBRARY_VERSION_STRING + 1];
+    int len = 0;
+    if (MPI_Get_library_version(ours, &len) != MPI_SUCCESS)
+        len = 0;
+    ours[len] = '\0';
+    return Py_BuildValue("{s:s,s:(ii),s:s}", "family", DIST_BUILD_FAMILY, "mpi_version",
+                         MPI_VERSION, MPI_SUBVERSION, "library", ours);
+}
+
+/* ------------------------------------------------------------------ */
+/* Comm                                                                */
+/* ------------------------------------------------------------------ */
+
+static void free_comm(dist_comm *c)
+{
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (c->comm != MPI_COMM_NULL && !finalized && !c->broken)
+        MPI_Comm_free(&c->comm);
+    c->comm = MPI_COMM_NULL;
+}
+
+static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"comm", "timeout", NULL};
+    PyObject *obj;
+    double timeout = 60.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Od:Comm", kwlist, &obj, &timeout))
+        return NULL;
+    if (!(timeout > 0.0) || timeout > 1e9) {
+        char t[32];
+        snprintf(t, sizeof t, "%g", timeout);
+        PyErr_Format(PyExc_ValueError, "timeout: expected seconds > 0 (and at most 1e9), got %s", t);
+        return NULL;
+    }
+    MPI_Comm *parent = PyMPIComm_Get(obj);
+    if (parent == NULL) {
+        PyErr_Format(PyExc_TypeError, "comm: expected an mpi4py communicator (mpi4py.MPI.Comm), "
+                     "got %.80s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    int inited = 0, finalized = 0, inter = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (!inited || finalized) {
+        PyErr_SetString(PyExc_RuntimeError, "comm: MPI is not initialized (or already finalized)");
+        return NULL;
+    }
+    if (*parent == MPI_COMM_NULL) {
+        PyErr_SetString(PyExc_ValueError, "comm: MPI.COMM_NULL is not a communicator to use");
+        return NULL;
+    }
+    MPI_Comm_test_inter(*parent, &inter);
+    if (inter) {
+        PyErr_SetString(PyExc_ValueError, "comm: an intercommunicator; give an intracommunicator");
+        return NULL;
+    }
+    dist_comm *c = (dist_comm *)tp->tp_alloc(tp, 0);
+    if (c == NULL)
+        return NULL;
+    c->comm = MPI_COMM_NULL;
+    c->timeout = timeout;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = MPI_Comm_dup(*parent, &c->comm);
+    Py_END_ALLOW_THREADS
+    if (rc != MPI_SUCCESS) {
+        c->comm = MPI_COMM_NULL;
+        dist_mpi_error(rc, "MPI_Comm_dup");
+        goto fail;
+    }
+    MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(c->comm, &c->rank);
+    MPI_Comm_size(c->comm, &c->size);
+    c->lock = PyThread_allocate_lock();
+    c->peers = PyMem_Calloc((size_t)c->size, sizeof(dist_meta));
+    c->reqs = PyMem_Calloc((size_t)c->size * 2, sizeof(MPI_Request));
+    c->done = PyMem_Calloc((size_t)c->size * 2, sizeof(int));
+    if (c->lock == NULL || c->peers == NULL || c->reqs == NULL || c->done == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    return (PyObject *)c;
+fail:
+    Py_DECREF(c);
+    return NULL;
+}
+
+static void Comm_dealloc(dist_comm *c)
+{
+    PyTypeObject *tp = Py_TYPE(c);
+    free_comm(c);
+    if (c->lock != NULL)
+        PyThread_free_lock(c->lock);
+    if (!c->broken) {   /* broken: MPI may still read peers[rank] */
+        PyMem_Free(c->peers);
+        PyMem_Free(c->reqs);
+    }
+    PyMem_Free(c->done);
+    tp->tp_free((PyObject *)c);
+    Py_DECREF(tp);
+}
+
+static PyObject *Comm_free(dist_comm *c, PyObject *Py_UNUSED(a))
+{
+    free_comm(c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_abort(dist_comm *c, PyObject *arg)
+{
+    int code = (int)PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred())
+        return NULL;
+    MPI_Abort(c->comm != MPI_COMM_NULL ? c->comm : MPI_COMM_WORLD, code);
+    Py_RETURN_NONE;   /* not reached */
+}
+
+static PyObject *get_rank(dist_comm *c, void *p) { return PyLong_FromLong(c->rank); }
+static PyObject *get_size(dist_comm *c, void *p) { return PyLong_FromLong(c->size); }
+static PyObject *get_calls(dist_comm *c, void *p) { return PyLong_FromLongLong(c->calls); }
+static PyObject *get_broken(dist_comm *c, void *p) { return PyBool_FromLong(c->broken); }
+static PyObject *get_timeout(dist_comm *c, void *p) { return PyFloat_FromDouble(c->timeout); }
+
+static int set_timeout(dist_comm *c, PyObject *v, void *p)
+{
+    double t = v ? PyFloat_AsDouble(v) : -1.0;
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(t > 0.0) || t > 1e9) {
+        PyErr_SetString(PyExc_ValueError, "timeout: expected seconds > 0 (and finite)");
+        return -1;
+    }
+    c->timeout = t;
+    return 0;
+}
+
+static PyGetSetDef Comm_getset[] = {
+    {"rank", (getter)get_rank, NULL, "This process's rank in the communicator (int).", NULL},
+    {"size", (getter)get_size, NULL, "Number of ranks (int).", NULL},
+    {"calls", (getter)get_calls, NULL, "Collectives called so far on this rank (int).", NULL},
+    {"broken", (getter)get_broken, NULL, "True after a TimeoutError: unusable.", NULL},
+    {"timeout", (getter)get_timeout, (setter)set_timeout,
+     "Seconds each collective may wait for the other ranks (float > 0).", NULL},
+    {NULL},
+};
+
+#define KW (PyCFunction)(void (*)(void))
+static PyMethodDef Comm_methods[] = {
+    {"barrier", (PyCFunction)dist_barrier, METH_NOARGS, "barrier() -> None (guarded)."},
+    {"scatter", KW dist_scatter, METH_VARARGS | METH_KEYWORDS,
+     "scatter(x, root=0, dim=0, chunk_sizes=None, weights=None) -> this rank's piece."},
+    {"gather", KW dist_gather, METH_VARARGS | METH_KEYWORDS,
+     "gather(x, root=0, dim=0) -> the joined array on root, None elsewhere."},
+    {"all_gather", KW dist_all_gather, METH_VARARGS | METH_KEYWORDS,
+     "all_gather(x, dim=0) -> the joined array on every rank."},
+    {"broadcast", KW dist_broadcast, METH_VARARGS | METH_KEYWORDS,
+     "broadcast(x, root=0, pickled=False, error=None) -> (root's array, root's pickled flag)."},
+    {"all_reduce", KW dist_all_reduce, METH_VARARGS | METH_KEYWORDS,
+     "all_reduce(x, op='sum') -> the reduced array on every rank."},
+    {"reduce", KW dist_reduce, METH_VARARGS | METH_KEYWORDS,
+     "reduce(x, root=0, op='sum') -> the reduced array on root, None elsewhere."},
+    {"free", (PyCFunction)Comm_free, METH_NOARGS, "Free dpmini's duplicate communicator."},
+    {"abort", (PyCFunction)Comm_abort, METH_O, "abort(code): MPI_Abort the whole job."},
+    {NULL},
+};
+
+PyDoc_STRVAR(Comm_doc,
+"Comm(comm, timeout)\n--\n\n"
+"dpmini's duplicate of an mpi4py intracommunicator (MPI_Comm_dup: collective, every rank\n"
+"must construct it), with the guarded collectives of dpmini.distributed. See that module\n"
+"for the API; this type is its engine.");
+
+static PyType_Slot Comm_slots[] = {
+    {Py_tp_new, Comm_new},
+    {Py_tp_dealloc, Comm_dealloc},
+    {Py_tp_methods, Comm_methods},
+    {Py_tp_getset, Comm_getset},
+    {Py_tp_doc, (void *)Comm_doc},
+    {0, NULL},
+};
+
+static PyType_Spec Comm_spec = {
+    "dpmini._dist.Comm", sizeof(dist_comm), 0, Py_TPFLAGS_DEFAULT, Comm_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module                                                              */
+/* ------------------------------------------------------------------ */
+
+static int dist_exec(PyObject *m)
+{
+    if (_import_array() < 0)
+        return -1;
+    if (import_mpi4py() < 0)
+        return -1;
+    /* The ABI guard, before any handle crosses from mpi4py. */
+    PyObject *mpi = PyImport_ImportModule("mpi4py.MPI");
+    PyObject *ver = mpi ? PyObject_CallMethod(mpi, "Get_library_version", NULL) : NULL;
+    PyObject *ok = ver ? check_abi(m, ver) : NULL;
+    Py_XDECREF(mpi);
+    Py_XDECREF(ver);
+    if (ok == NULL)
+        return -1;
+    Py_DECREF(ok);
+    dist_state *st = PyModule_GetState(m);
+    st->Comm = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Comm_spec, NULL);
+    if (st->Comm == NULL || PyModule_AddObjectRef(m, "Comm", (PyObject *)st->Comm) < 0)
+        return -1;
+    return PyModule_AddStringConstant(m, "BUILD_FAMILY", DIST_BUILD_FAMILY);
+}
+
+static int dist_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    dist_state *st = PyModule_GetState(m);
+    Py_VISIT(st->Comm);
+    return 0;
+}
+
+static int dist_clear(PyObject *m)
+{
+    dist_state *st = PyModule_GetState(m);
+    Py_CLEAR(st->Comm);
+    return 0;
+}
+
+static PyMethodDef dist_functions[] = {
+    {"_check_abi", check_abi, METH_O,
+     "_check_abi(library_version: str) -> None: ImportError unless an MPI library with this\n"
+     "version string has the handle ABI of the mpi.h dpmini._dist was built with and is\n"
+     "the library dpmini._dist is linked to."},
+    {"split_sizes", KW dist_split_sizes, METH_VARARGS | METH_KEYWORDS,
+     "split_sizes(n, size, chunk_sizes=None, weights=None) -> list of `size` ints: the rows\n"
+     "each rank gets of n rows, by plan.c's rules (torch.chunk's ceil(n/size) pieces,\n"
+     "torch.split_with_sizes' check of chunk_sizes, or dpmini's weighted rule)."},
+    {"build_info", build_info, METH_NOARGS,
+     "build_info() -> {'family', 'mpi_version', 'library'}: the MPI this module was built\n"
+     "against and the library it runs on."},
+    {NULL},
+};
+
+static PyModuleDef_Slot dist_slots[] = {
+    {Py_mod_exec, dist_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef dist_def = {
+    PyModuleDef_HEAD_INIT, "dpmini._dist",
+    "dpmini's MPI collectives in C (the engine of dpmini.distributed).",
+    sizeof(dist_state), dist_functions, dist_slots, dist_traverse, dist_clear, NULL,
+};
+
+PyMODINIT_FUNC PyInit__dist(void)
+{
+    return PyModuleDef_Init(&dist_def);
+}

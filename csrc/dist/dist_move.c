@@ -1,0 +1,510 @@
+/* dist_move.c - scatter, gather, all_gather and broadcast across ranks.
+ *
+ * An array of shape (outer..., n, inner...) is seen as `outer` blocks of n
+ * rows of `inner_bytes` bytes; a rank's piece is its rows of every block.
+ * Along the first dimension (outer == 1) pieces are contiguous and move
+ * straight from/to the arrays. Otherwise root packs the pieces into one
+ * staging buffer (one memcpy per block row, GIL released; see restage) and
+ * they move as contiguous messages; a non-root rank's piece is always
+ * contiguous. MPI derived datatypes (a vector of rows) describe both.
+ * The split of rows across ranks is plan.c's (torch.chunk, or explicit
+ * chunk_sizes, or weights), the same rule DataParallel uses for devices.
+ */
+#include "dist.h"
+#include "../plan.h"
+
+#include <limits.h>
+#include <string.h>
+
+PyObject *dist_as_array(PyObject *x, const char *name, int native)
+{
+    int flags = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (native ? NPY_ARRAY_NOTSWAPPED : 0);
+    PyObject *arr = PyArray_FromAny(x, NULL, 0, 0, flags, NULL);
+    if (arr == NULL)
+        return NULL;
+    if (PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)arr))) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: arrays holding Python objects (dtype %R) cannot travel as bytes; "
+                     "broadcast() sends any picklable object", name,
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (PyArray_NDIM((PyArrayObject *)arr) > DIST_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s: %d dimensions, at most %d", name,
+                     PyArray_NDIM((PyArrayObject *)arr), DIST_MAX_NDIM);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+PyObject *dist_empty_like_meta(const dist_meta *m, int dim, int64_t rows, PyArrayObject *like)
+{
+    npy_intp shape[DIST_MAX_NDIM];
+    for (int64_t i = 0; i < m->ndim; i++)
+        shape[i] = (npy_intp)m->shape[i];
+    if (dim >= 0)
+        shape[dim] = (npy_intp)rows;
+    PyArray_Descr *d = NULL;
+    if (like != NULL) {
+        d = PyArray_DESCR(like);
+        Py_INCREF(d);
+    } else {
+        PyObject *s = PyUnicode_FromString(m->dtype);
+        int ok = s != NULL && PyArray_DescrConverter(s, &d);
+        Py_XDECREF(s);
+        if (!ok)
+            return NULL;
+    }
+    return PyArray_Empty((int)m->ndim, shape, d, 0);   /* steals d */
+}
+
+int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double deadline,
+                   int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
+                   PyObject *keep3)
+{
+    int st = dist_poll(reqs, n, done, deadline);
+    if (st == 0)
+        return 0;
+    for (int i = 0; i < n; i++) {
+        if (done[i] || reqs[i] == MPI_REQUEST_NULL)
+            continue;
+        MPI_Cancel(&reqs[i]);
+        MPI_Request_free(&reqs[i]);
+    }
+    Py_XINCREF(keep1);   /* MPI may still read or write these: never freed */
+    Py_XINCREF(keep2);
+    Py_XINCREF(keep3);
+    c->broken = 1;
+    snprintf(c->broken_why, sizeof c->broken_why, "%s while moving the data of %s call %lld",
+             st == 1 ? "a TimeoutError" : "an error", dist_kind_name(kind), (long long)call);
+    char secs[32];
+    snprintf(secs, sizeof secs, "%g", c->timeout);
+    if (st == 1)
+        PyErr_Format(PyExc_TimeoutError,
+                     "dpmini.distributed.%s (call %lld on rank %d): every rank agreed on the "
+                     "call but its data did not arrive within the timeout of %s s (a rank "
+                     "died or is stalled); this communicator cannot be used again",
+                     dist_kind_name(kind), (long long)call, c->rank, secs);
+    return -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* Geometry and datatypes                                              */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t outer, rows, inner_bytes;   /* rows = shape[dim] of the whole */
+} geometry;
+
+/* From an agreed record; raises OverflowError (identically on every rank,
+ * since every rank holds the same records) past MPI's int counts. */
+static int geometry_of(const dist_meta *m, int dim, int64_t rows, geometry *g)
+{
+    int64_t outer = 1, inner = m->itemsize;
+    for (int i = 0; i < dim; i++)
+        outer *= m->shape[i];
+    for (int64_t i = dim + 1; i < m->ndim; i++)
+        inner *= m->shape[i];   /* a whole array's bytes fit in npy_intp */
+    g->outer = outer;
+    g->rows = rows;
+    g->inner_bytes = inner;
+    if (outer > INT_MAX || rows > INT_MAX || inner > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError,
+                     "dpmini.distributed.%s: %lld blocks of %lld rows of %lld bytes do not fit "
+                     "MPI's int counts (each must be < 2**31)", dist_kind_name(m->kind),
+                     (long long)outer, (long long)rows, (long long)inner);
+        return -1;
+    }
+    return 0;
+}
+
+/* `count` rows of each of g->outer blocks, stride `stride` rows. */
+static int rows_type(const geometry *g, int64_t count, int64_t stride, MPI_Datatype *t)
+{
+    MPI_Datatype row;
+    int rc = MPI_Type_contiguous((int)g->inner_bytes, MPI_BYTE, &row);
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Type_vector((int)g->outer, (int)count, (int)stride, row, t);
+        MPI_Type_free(&row);
+    }
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Type_commit(t);
+    return rc == MPI_SUCCESS ? 0 : dist_mpi_error(rc, "building an MPI datatype");
+}
+
+static int check_root(int root, int P)
+{
+    if (root >= 0 && root < P)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
+                 root, P - 1);
+    return -1;
+}
+
+static int wrap_dim(int dim, int ndim, const char *name)
+{
+    int d = dp_wrap_dim(dim, ndim);
+    if (d < 0) {
+        if (ndim < 1)
+            PyErr_Format(PyExc_ValueError, "%s: a 0-d array has no dim to split or join "
+                         "along", name);
+        else
+            PyErr_Format(PyExc_IndexError, "dim: %d is out of range for %s with %d "
+                         "dimension(s) (expected %d..%d)", dim, name, ndim, -ndim, ndim - 1);
+    }
+    return d;
+}
+
+/* Between the strided layout (g->outer blocks of g->rows rows) and the
+ * staged one (every rank's piece contiguous, in rank order), in the
+ * direction `to_staged`, GIL released. Used when outer > 1 (dim is not the
+ * first non-trivial one): Open MPI packs a vector datatype with a slower
+ * pipeline than one memcpy per block row, and the staged pieces then move
+ * as plain contiguous messages. */
+static void restage(char *strided, char *staged, const geometry *g, const int64_t *rows,
+                    int P, int to_staged)
+{
+    Py_BEGIN_ALLOW_THREADS
+    size_t ib = (size_t)g->inner_bytes;
+    char *s = staged;
+    int64_t off = 0;
+    for (int r = 0; r < P; r++) {
+        size_t n = (size_t)rows[r] * ib;
+        for (int64_t o = 0; o < g->outer && n > 0; o++) {
+            char *t = strided + ((size_t)(o * g->rows + off)) * ib;
+            if (to_staged)
+                memcpy(s, t, n);
+            else
+                memcpy(t, s, n);
+            s += n;
+        }
+        off += rows[r];
+    }
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *new_stage(const geometry *g)
+{
+    npy_intp nbytes = (npy_intp)(g->outer * g->rows * g->inner_bytes);
+    return PyArray_SimpleNew(1, &nbytes, NPY_UINT8);
+}
+
+/* ------------------------------------------------------------------ */
+/* scatter                                                             */
+/* ------------------------------------------------------------------ */
+
+PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", NULL};
+    PyObject *x = Py_None, *cs = Py_None, *w = Py_None;
+    int root = 0, dim = 0, P = c->size, me = c->rank;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiOO:scatter", kwlist, &x, &root, &dim, &cs, &w))
+        return NULL;
+    if (dist_enter(c) < 0)
+        return NULL;
+    double deadline = dist_now() + c->timeout;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
+    MPI_Datatype *types = NULL;
+    MPI_Request *reqs = NULL;
+    int *done = NULL, ntypes = 0;
+    int64_t *sizes = PyMem_Calloc((size_t)P * 2 + 1, sizeof(int64_t));
+    double *wts = PyMem_Calloc((size_t)P + 1, sizeof(double));
+    split_args s = {0, NULL, wts};
+    dist_meta mine;
+    memset(&mine, 0, sizeof mine);
+    mine.kind = DIST_SCATTER;
+    mine.root = root;
+    mine.dim = dim;
+    mine.ndim = -1;
+    if (sizes == NULL || wts == NULL) {
+        PyErr_NoMemory();
+        goto fail_local;
+    }
+    s.sizes = sizes + P;
+    if (check_root(root, P) == 0 && dist_read_split(cs, w, P, &s, &mine) == 0 && me == root &&
+        (arr = dist_as_array(x, "x", 0)) != NULL) {
+        int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
+        if (d >= 0 && dist_plan_rows(&s, PyArray_DIM((PyArrayObject *)arr, d), P, sizes) == 0)
+            dist_meta_array(&mine, arr);
+    }
+    if (PyErr_Occurred())
+        dist_meta_fail(&mine, &saved);
+    if (dist_agree(c, &mine, &saved, deadline) < 0)
+        goto fail;
+
+    const dist_meta *rm = &c->peers[root];
+    int d = dp_wrap_dim(dim, (int)rm->ndim);
+    geometry g;
+    if (dist_plan_rows(&s, rm->shape[d], P, sizes) < 0 || geometry_of(rm, d, rm->shape[d], &g) < 0)
+        goto fail;
+    out = dist_empty_like_meta(rm, d, sizes[me], (PyArrayObject *)arr);
+    types = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Datatype));
+    reqs = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Request));
+    done = PyMem_Calloc((size_t)P + 1, sizeof(int));
+    if (out == NULL || types == NULL || reqs == NULL || done == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto fail;
+    }
+    int n = 0, rc = MPI_SUCCESS;
+    if (rows_type(&g, sizes[me], sizes[me], &types[ntypes]) < 0)
+        goto fail;
+    rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)out), 1, types[ntypes++], root, DIST_TAG_DATA,
+                   c->comm, &reqs[n++]);
+    int64_t off = 0;
+    if (me == root && g.outer > 1) {
+        if ((stage = new_stage(&g)) == NULL)
+            goto fail;
+        restage(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)stage), &g,
+                sizes, P, 1);
+    }
+    for (int r = 0; me == root && r < P && rc == MPI_SUCCESS; r++) {
+        char *base;
+        if (stage != NULL) {
+            base = (char *)PyArray_DATA((PyArrayObject *)stage) + g.outer * off * g.inner_bytes;
+            if (rows_type(&g, sizes[r], sizes[r], &types[ntypes]) < 0)
+                goto fail;
+        } else {
+            base = (char *)PyArray_DATA((PyArrayObject *)arr) + off * g.inner_bytes;
+            if (rows_type(&g, sizes[r], g.rows, &types[ntypes]) < 0)
+                goto fail;
+        }
+        rc = MPI_Isend(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+        off += sizes[r];
+    }
+    if (rc != MPI_SUCCESS) {
+        dist_mpi_error(rc, "posting the scatter messages");
+        c->broken = 1;
+        snprintf(c->broken_why, sizeof c->broken_why, "an MPI error in scatter");
+        goto fail;
+    }
+    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, DIST_SCATTER, arr, out, stage) < 0)
+        goto fail;
+    goto done;
+fail_local:
+    dist_meta_fail(&mine, &saved);
+    dist_agree(c, &mine, &saved, deadline);
+fail:
+    Py_CLEAR(out);
+done:
+    for (int i = 0; i < ntypes; i++)
+        MPI_Type_free(&types[i]);
+    PyMem_Free(types);
+    PyMem_Free(reqs);
+    PyMem_Free(done);
+    PyMem_Free(sizes);
+    PyMem_Free(wts);
+    Py_XDECREF(stage);
+    Py_XDECREF(arr);
+    dist_leave(c);
+    return out;
+}
+
+/* ------------------------------------------------------------------ */
+/* gather / all_gather                                                 */
+/* ------------------------------------------------------------------ */
+
+static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind)
+{
+    int P = c->size, me = c->rank, all = kind == DIST_ALL_GATHER;
+    if (dist_enter(c) < 0)
+        return NULL;
+    double deadline = dist_now() + c->timeout;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
+    MPI_Datatype *types = NULL;
+    MPI_Request *reqs = NULL;
+    int64_t *rows_of = NULL;
+    int *done = NULL, ntypes = 0, n = 0, rc = MPI_SUCCESS;
+    dist_meta mine;
+    memset(&mine, 0, sizeof mine);
+    mine.kind = kind;
+    mine.root = all ? -1 : root;
+    mine.dim = dim;
+    mine.ndim = -1;
+    if ((all || check_root(root, P) == 0) && (arr = dist_as_array(x, "x", 0)) != NULL) {
+        int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
+        mine.dim = d;
+        if (d >= 0)
+            dist_meta_array(&mine, arr);
+    }
+    if (PyErr_Occurred())
+        dist_meta_fail(&mine, &saved);
+    if (dist_agree(c, &mine, &saved, deadline) < 0)
+        goto fail;
+
+    int d = (int)mine.dim;
+    int64_t total = 0;
+    for (int r = 0; r < P; r++)
+        total += c->peers[r].shape[d];
+    geometry g;
+    if (geometry_of(&mine, d, total, &g) < 0)
+        goto fail;
+    int receives = all || me == root;
+    types = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Datatype));
+    reqs = PyMem_Calloc((size_t)P * 2, sizeof(MPI_Request));
+    done = PyMem_Calloc((size_t)P * 2, sizeof(int));
+    rows_of = PyMem_Calloc((size_t)P, sizeof(int64_t));
+    if (types == NULL || reqs == NULL || done == NULL || rows_of == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int r = 0; r < P; r++)
+        rows_of[r] = c->peers[r].shape[d];
+    if (receives) {
+        out = dist_empty_like_meta(&mine, d, total, (PyArrayObject *)arr);
+        if (out == NULL || (g.outer > 1 && (stage = new_stage(&g)) == NULL))
+            goto fail;
+        int64_t off = 0;
+        for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
+            char *base;
+            if (stage != NULL) {
+                base = (char *)PyArray_DATA((PyArrayObject *)stage) + g.outer * off * g.inner_bytes;
+                if (rows_type(&g, rows_of[r], rows_of[r], &types[ntypes]) < 0)
+                    goto fail;
+            } else {
+                base = (char *)PyArray_DATA((PyArrayObject *)out) + off * g.inner_bytes;
+                if (rows_type(&g, rows_of[r], total, &types[ntypes]) < 0)
+                    goto fail;
+            }
+            rc = MPI_Irecv(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+            off += rows_of[r];
+        }
+    }
+    if (rc == MPI_SUCCESS) {
+        if (rows_type(&g, mine.shape[d], mine.shape[d], &types[ntypes]) < 0)
+            goto fail;
+        ntypes++;
+    }
+    MPI_Datatype piece = types[ntypes - 1];
+    for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
+        if (!all && r != root)
+            continue;
+        rc = MPI_Isend(PyArray_DATA((PyArrayObject *)arr), 1, piece, r, DIST_TAG_DATA,
+                       c->comm, &reqs[n++]);
+    }
+    if (rc != MPI_SUCCESS) {
+        dist_mpi_error(rc, "posting the gather messages");
+        c->broken = 1;
+        snprintf(c->broken_why, sizeof c->broken_why, "an MPI error in gather");
+        goto fail;
+    }
+    if (dist_wait_data(c, reqs, done, n, deadline, mine.call, kind, arr, out, stage) < 0)
+        goto fail;
+    if (stage != NULL)
+        restage(PyArray_DATA((PyArrayObject *)out), PyArray_DATA((PyArrayObject *)stage), &g,
+                rows_of, P, 0);
+    if (out == NULL)
+        out = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    for (int i = 0; i < ntypes; i++)
+        MPI_Type_free(&types[i]);
+    PyMem_Free(types);
+    PyMem_Free(reqs);
+    PyMem_Free(done);
+    PyMem_Free(rows_of);
+    Py_XDECREF(stage);
+    Py_XDECREF(arr);
+    dist_leave(c);
+    return out;
+}
+
+PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "root", "dim", NULL};
+    PyObject *x;
+    int root = 0, dim = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ii:gather", kwlist, &x, &root, &dim))
+        return NULL;
+    return gather_common(c, x, root, dim, DIST_GATHER);
+}
+
+PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "dim", NULL};
+    PyObject *x;
+    int dim = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i:all_gather", kwlist, &x, &dim))
+        return NULL;
+    return gather_common(c, x, 0, dim, DIST_ALL_GATHER);
+}
+
+/* ------------------------------------------------------------------ */
+/* broadcast                                                           */
+/* ------------------------------------------------------------------ */
+
+/* broadcast(x, root=0, pickled=False, error=None) -> (array, root's
+ * pickled flag). x matters on root only: an ndarray, or (pickled=True) a
+ * uint8 array of pickle bytes that the Python wrapper made; error: an
+ * exception the wrapper met (pickling) to raise on every rank. */
+PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "root", "pickled", "error", NULL};
+    PyObject *x = Py_None, *error = Py_None;
+    int root = 0, pickled = 0, P = c->size, me = c->rank;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ipO:broadcast", kwlist, &x, &root, &pickled,
+                                     &error))
+        return NULL;
+    if (error != Py_None && !PyExceptionInstance_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "error: expected an exception instance or None");
+        return NULL;
+    }
+    if (dist_enter(c) < 0)
+        return NULL;
+    double deadline = dist_now() + c->timeout;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL, *res = NULL;
+    MPI_Datatype unit = MPI_DATATYPE_NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int done = 0;
+    dist_meta mine;
+    memset(&mine, 0, sizeof mine);
+    mine.kind = DIST_BROADCAST;
+    mine.root = root;
+    mine.ndim = -1;
+    mine.is_object = pickled;
+    if (error != Py_None)   /* the wrapper's own failure (pickling), raised everywhere */
+        PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    else if (check_root(root, P) == 0 && me == root && (arr = dist_as_array(x, "x", 0)) != NULL)
+        dist_meta_array(&mine, arr);
+    if (PyErr_Occurred())
+        dist_meta_fail(&mine, &saved);
+    if (dist_agree(c, &mine, &saved, deadline) < 0)
+        goto fail;
+    const dist_meta *rm = &c->peers[root];
+    out = me == root ? PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER)
+                     : dist_empty_like_meta(rm, -1, 0, NULL);
+    if (out == NULL)
+        goto fail;
+    npy_intp count = PyArray_SIZE((PyArrayObject *)out);
+    if (count > INT_MAX || rm->itemsize > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError, "dpmini.distributed.broadcast: %lld elements do "
+                     "not fit MPI's int count (< 2**31)", (long long)count);
+        goto fail;
+    }
+    if (count > 0 && rm->itemsize > 0) {
+        int rc = MPI_Type_contiguous((int)rm->itemsize, MPI_BYTE, &unit);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Type_commit(&unit);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Ibcast(PyArray_DATA((PyArrayObject *)out), (int)count, unit, root,
+                            c->comm, &req);
+        if (rc != MPI_SUCCESS) {
+            dist_mpi_error(rc, "MPI_Ibcast");
+            goto fail;
+        }
+        if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, DIST_BROADCAST, out, NULL, NULL) < 0)
+            goto fail;
+    }
+    res = Py_BuildValue("(OO)", out, rm->is_object ? Py_True : Py_False);
+fail:
+    if (unit != MPI_DATATYPE_NULL)
+        MPI_Type_free(&unit);
+    Py_XDECREF(out);
+    Py_XDECREF(arr);
+    dist_leave(c);
+    return res;
+}

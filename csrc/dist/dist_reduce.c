@@ -1,0 +1,191 @@
+/* dist_reduce.c - barrier, all_reduce and reduce across ranks.
+ *
+ * Reductions run on MPI's own operations (MPI_Iallreduce / MPI_Ireduce on
+ * the predefined datatype of the array's dtype), polled against the
+ * deadline. "mean" is "sum" divided by the number of ranks on the result,
+ * for floating and complex dtypes only (an integer mean would have to
+ * round or change dtype; say which you want with op="sum").
+ */
+#include "dist.h"
+
+#include <limits.h>
+#include <string.h>
+
+PyObject *dist_barrier(dist_comm *c, PyObject *Py_UNUSED(args))
+{
+    if (dist_enter(c) < 0)
+        return NULL;
+    dist_meta mine;
+    memset(&mine, 0, sizeof mine);
+    mine.kind = DIST_BARRIER;
+    mine.root = -1;
+    mine.ndim = -1;
+    PyObject *saved = NULL;
+    int rc = dist_agree(c, &mine, &saved, dist_now() + c->timeout);
+    dist_leave(c);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static int parse_op(const char *op)
+{
+    if (strcmp(op, "sum") == 0)
+        return DIST_OP_SUM;
+    if (strcmp(op, "mean") == 0)
+        return DIST_OP_MEAN;
+    if (strcmp(op, "max") == 0)
+        return DIST_OP_MAX;
+    if (strcmp(op, "min") == 0)
+        return DIST_OP_MIN;
+    PyErr_Format(PyExc_ValueError, "op: expected 'sum', 'mean', 'max' or 'min', got '%.40s'",
+                 op);
+    return -1;
+}
+
+/* The MPI datatype and operation for this dtype and op, or an error
+ * naming the dtype. */
+static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
+{
+    PyArray_Descr *d = PyArray_DESCR(a);
+    char kind = d->kind;
+    npy_intp size = PyArray_ITEMSIZE(a);
+    *t = MPI_DATATYPE_NULL;
+    if (kind == 'b') {
+        *t = MPI_C_BOOL;
+    } else if (kind == 'i') {
+        *t = size == 1 ? MPI_INT8_T : size == 2 ? MPI_INT16_T : size == 4 ? MPI_INT32_T
+           : size == 8 ? MPI_INT64_T : MPI_DATATYPE_NULL;
+    } else if (kind == 'u') {
+        *t = size == 1 ? MPI_UINT8_T : size == 2 ? MPI_UINT16_T : size == 4 ? MPI_UINT32_T
+           : size == 8 ? MPI_UINT64_T : MPI_DATATYPE_NULL;
+    } else if (kind == 'f') {
+        *t = d->type_num == NPY_FLOAT ? MPI_FLOAT : d->type_num == NPY_DOUBLE ? MPI_DOUBLE
+           : d->type_num == NPY_LONGDOUBLE ? MPI_LONG_DOUBLE : MPI_DATATYPE_NULL;
+    } else if (kind == 'c') {
+        *t = d->type_num == NPY_CFLOAT ? MPI_C_FLOAT_COMPLEX
+           : d->type_num == NPY_CDOUBLE ? MPI_C_DOUBLE_COMPLEX : MPI_DATATYPE_NULL;
+    }
+    if (*t == MPI_DATATYPE_NULL) {
+        PyErr_Format(PyExc_TypeError, "x: dtype %R has no MPI reduction (bool, integers, "
+                     "float32, float64, longdouble, complex64 and complex128 do)", (PyObject *)d);
+        return -1;
+    }
+    if (op == DIST_OP_MEAN && kind != 'f' && kind != 'c') {
+        PyErr_Format(PyExc_TypeError, "op='mean' needs a floating or complex dtype, x has %R; "
+                     "use op='sum' and divide as you want", (PyObject *)d);
+        return -1;
+    }
+    if (kind == 'b' && op == DIST_OP_SUM) {
+        PyErr_SetString(PyExc_TypeError, "op='sum' of bool arrays: MPI has no sum of bools; "
+                        "use op='max' (any) or op='min' (all), or sum an integer dtype");
+        return -1;
+    }
+    if (kind == 'c' && (op == DIST_OP_MAX || op == DIST_OP_MIN)) {
+        PyErr_Format(PyExc_TypeError, "op='%s' of complex arrays: complex numbers have no "
+                     "order", dist_op_name(op));
+        return -1;
+    }
+    if (kind == 'b')
+        *o = op == DIST_OP_MAX ? MPI_LOR : MPI_LAND;
+    else
+        *o = op == DIST_OP_MAX ? MPI_MAX : op == DIST_OP_MIN ? MPI_MIN : MPI_SUM;
+    if (PyArray_SIZE(a) > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError, "x: %lld elements do not fit MPI's int count "
+                     "(< 2**31); reduce it in parts", (long long)PyArray_SIZE(a));
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
+                               int64_t kind)
+{
+    int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
+    if (dist_enter(c) < 0)
+        return NULL;
+    double deadline = dist_now() + c->timeout;
+    PyObject *arr = NULL, *out = NULL, *saved = NULL;
+    MPI_Datatype t = MPI_DATATYPE_NULL;
+    MPI_Op o = MPI_OP_NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int done = 0;
+    dist_meta mine;
+    memset(&mine, 0, sizeof mine);
+    mine.kind = kind;
+    mine.root = all ? -1 : root;
+    mine.ndim = -1;
+    int op = parse_op(opname);
+    mine.op = op < 0 ? DIST_OP_NONE : op;
+    if (op >= 0 && !all && (root < 0 || root >= P))
+        PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
+                     root, P - 1);
+    else if (op >= 0 && (arr = dist_as_array(x, "x", 1)) != NULL &&
+             mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
+        dist_meta_array(&mine, arr);
+    if (PyErr_Occurred())
+        dist_meta_fail(&mine, &saved);
+    if (dist_agree(c, &mine, &saved, deadline) < 0)
+        goto fail;
+
+    int count = (int)PyArray_SIZE((PyArrayObject *)arr);
+    int rc;
+    if (all || me == root) {
+        out = PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER);
+        if (out == NULL)
+            goto fail;
+    }
+    if (all)
+        rc = MPI_Iallreduce(MPI_IN_PLACE, PyArray_DATA((PyArrayObject *)out), count, t, o,
+                            c->comm, &req);
+    else if (me == root)
+        rc = MPI_Ireduce(MPI_IN_PLACE, PyArray_DATA((PyArrayObject *)out), count, t, o, root,
+                         c->comm, &req);
+    else
+        rc = MPI_Ireduce(PyArray_DATA((PyArrayObject *)arr), NULL, count, t, o, root,
+                         c->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        dist_mpi_error(rc, all ? "MPI_Iallreduce" : "MPI_Ireduce");
+        goto fail;
+    }
+    if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, kind, arr, out, NULL) < 0)
+        goto fail;
+    if (out == NULL) {
+        out = Py_NewRef(Py_None);
+    } else if (op == DIST_OP_MEAN) {
+        PyObject *k = PyLong_FromLong(P);
+        PyObject *q = k ? PyNumber_InPlaceTrueDivide(out, k) : NULL;
+        Py_XDECREF(k);
+        if (q == NULL)
+            goto fail;
+        Py_DECREF(q);   /* in place: q is out */
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(arr);
+    dist_leave(c);
+    return out;
+}
+
+PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "op", NULL};
+    PyObject *x;
+    const char *op = "sum";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|s:all_reduce", kwlist, &x, &op))
+        return NULL;
+    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE);
+}
+
+PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"x", "root", "op", NULL};
+    PyObject *x;
+    int root = 0;
+    const char *op = "sum";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|is:reduce", kwlist, &x, &root, &op))
+        return NULL;
+    return reduce_common(c, x, root, op, DIST_REDUCE);
+}

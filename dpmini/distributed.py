@@ -1,0 +1,289 @@
+"""dpmini.distributed: data parallel across processes and machines, on MPI.
+
+Launch one process per rank with ``mpirun -np N python script.py`` (or ``srun``)
+and call :func:`init` in each. Every collective here is called by every rank of
+the communicator, in the same order (SPMD), and works on NumPy host arrays of
+any dtype (object arrays excepted; :func:`broadcast` also takes any picklable
+object).
+
+The collectives run in C (``dpmini._dist``) with the GIL released, on dpmini's
+own duplicate of the communicator, and each is **guarded**: before any data
+moves, every rank sends every other rank a small record of the call (which
+collective, its call number, root, dim, op, shape, dtype, the split
+arguments). Every rank then holds every record and decides the same thing:
+
+* the records agree: the data moves (non-blocking MPI, polled against the same
+  deadline);
+* they disagree: the same ``ValueError`` on every rank, naming each rank's
+  call (the communicator stays usable);
+* a rank's argument was bad (a dim out of range, a wrong ``chunk_sizes``): that
+  rank raises its own error and every other rank a ``ValueError`` quoting it;
+* a rank did not arrive within ``timeout`` seconds: ``TimeoutError`` on the
+  ranks that did, naming the missing ranks (the communicator is then unusable:
+  messages of that call may still be in flight).
+
+:func:`init` also installs a ``sys.excepthook`` that calls ``MPI_Abort`` when
+an exception ends a rank, so one failing rank ends the whole job with a
+non-zero exit in seconds instead of leaving the others waiting (the same as
+running ``python -m mpi4py script.py``; pass ``abort_on_exception=False`` to
+keep Python's own hook).
+
+Splits follow dpmini's (and PyTorch's) chunk rule over ranks: ``ceil(n/size)``
+rows per rank with a shorter last piece, so 9 rows on 4 ranks give 3, 3, 3, 0
+(an empty piece of the right shape, never an error); or explicit
+``chunk_sizes`` / ``weights`` (one per rank, the same on every rank).
+Then :class:`DistributedDataParallel` splits each rank's rows across its local
+devices with :class:`dpmini.DataParallel`'s rules.
+
+Requires ``mpi4py`` and an MPI library: ``pip install "dpmini[mpi]"`` plus the
+system MPI (``apt-get install openmpi-bin libopenmpi-dev`` or MPICH), then
+rebuild dpmini so that ``dpmini._dist`` is compiled.
+"""
+import atexit
+import pickle
+import sys
+
+import numpy as np
+
+_HOW = ('dpmini.distributed needs MPI: install the system MPI (Debian/Ubuntu: '
+        'apt-get install openmpi-bin libopenmpi-dev, or MPICH), then '
+        'pip install "dpmini[mpi]" (mpi4py) and rebuild dpmini '
+        '(pip install --no-build-isolation -e . or make build) so that its optional '
+        'extension dpmini._dist is compiled')
+
+try:
+    from mpi4py import MPI
+except ImportError as exc:   # no mpi4py, or mpi4py without a loadable libmpi
+    raise ImportError(f"{_HOW} ({exc})") from exc
+try:
+    from . import _dist
+except ImportError as exc:
+    if "dpmini._dist" in str(exc) and ("built against" in str(exc) or "linked" in str(exc)):
+        raise   # the ABI guard: say exactly that
+    raise ImportError(f"{_HOW} ({exc})") from exc
+
+from ._ddp import DistributedDataParallel, reduce_gradients  # noqa: E402
+from ._dist_explain import DistPlan, explain  # noqa: E402
+
+__all__ = [
+    "init", "is_initialized", "finalize", "rank", "size", "local_rank", "local_size",
+    "barrier", "scatter", "gather", "all_gather", "broadcast", "all_reduce", "reduce",
+    "split_sizes", "set_timeout", "get_timeout", "DistributedDataParallel",
+    "reduce_gradients", "explain", "DistPlan",
+]
+
+
+class _State:
+    comm = None          # _dist.Comm
+    local_rank = 0
+    local_size = 1
+    prev_hook = None
+    exit_hook = False
+
+
+_state = _State()
+
+
+def init(comm=None, timeout=60.0, abort_on_exception=True):
+    """Start dpmini.distributed on `comm` (collective: every rank calls it).
+
+    comm: an mpi4py intracommunicator, default ``MPI.COMM_WORLD``; dpmini works
+        on its own duplicate (``MPI_Comm_dup``), so its messages never meet yours.
+    timeout: seconds (float > 0) each collective waits for the other ranks
+        before raising ``TimeoutError``; choose it above the longest time one
+        rank can run ahead of the slowest between two collectives.
+    abort_on_exception: install a ``sys.excepthook`` that prints the traceback
+        and then calls ``MPI_Abort`` (exit code 1 for the whole job) when an
+        uncaught exception ends this rank and there is more than one rank.
+
+    Calling init again replaces the communicator. Raises TypeError (comm not
+    an mpi4py communicator), ValueError (bad timeout, an intercommunicator).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout: expected seconds as a number, got {type(timeout).__name__}")
+    parent = MPI.COMM_WORLD if comm is None else comm
+    new = _dist.Comm(parent, float(timeout))
+    if _state.comm is not None:
+        _state.comm.free()
+    _state.comm = new
+    local = parent.Split_type(MPI.COMM_TYPE_SHARED, key=parent.Get_rank())
+    try:
+        _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+    if not _state.exit_hook:
+        atexit.register(_abort_if_broken)   # runs before mpi4py's MPI_Finalize (LIFO)
+        _state.exit_hook = True
+    if abort_on_exception and _state.prev_hook is None:
+        _state.prev_hook = sys.excepthook
+        sys.excepthook = _abort_hook
+    elif not abort_on_exception and _state.prev_hook is not None:
+        sys.excepthook, _state.prev_hook = _state.prev_hook, None
+
+
+def _abort_hook(tp, value, tb):
+    """sys.excepthook while initialized: print, then MPI_Abort the job."""
+    prev = _state.prev_hook or sys.__excepthook__
+    prev(tp, value, tb)
+    comm = _state.comm
+    if comm is not None and comm.size > 1:
+        sys.stderr.write(f"dpmini.distributed: rank {comm.rank} of {comm.size} ended with "
+                         f"{tp.__name__}; aborting the job (MPI_Abort, exit code 1)\n")
+        sys.stderr.flush()
+        comm.abort(1)
+
+
+def _abort_if_broken():
+    """At exit: a communicator left broken by a TimeoutError may still have
+    messages in flight, and MPI_Finalize could wait on them forever; end the
+    job instead (exit code 1)."""
+    comm = _state.comm
+    if comm is not None and comm.broken and comm.size > 1:
+        sys.stderr.write(f"dpmini.distributed: rank {comm.rank} exits after a TimeoutError; "
+                         "aborting the job (MPI_Abort, exit code 1) rather than waiting in "
+                         "MPI_Finalize\n")
+        sys.stderr.flush()
+        comm.abort(1)
+
+
+def is_initialized():
+    """True once :func:`init` has run (and :func:`finalize` has not)."""
+    return _state.comm is not None
+
+
+def finalize():
+    """Free dpmini's communicator and restore ``sys.excepthook`` (collective).
+
+    MPI itself is finalized by mpi4py at exit, not here.
+    """
+    if _state.comm is not None:
+        _state.comm.free()
+        _state.comm = None
+    if _state.prev_hook is not None:
+        sys.excepthook, _state.prev_hook = _state.prev_hook, None
+
+
+def _comm():
+    if _state.comm is None:
+        raise RuntimeError("dpmini.distributed is not initialized: call "
+                           "dpmini.distributed.init() on every rank first")
+    return _state.comm
+
+
+def rank():
+    """This process's rank (int, 0..size()-1)."""
+    return _comm().rank
+
+
+def size():
+    """The number of ranks (int >= 1)."""
+    return _comm().size
+
+
+def local_rank():
+    """This process's rank among the ranks on its machine (MPI_COMM_TYPE_SHARED)."""
+    _comm()
+    return _state.local_rank
+
+
+def local_size():
+    """The number of ranks on this process's machine."""
+    _comm()
+    return _state.local_size
+
+
+def get_timeout():
+    """The current timeout in seconds (float)."""
+    return _comm().timeout
+
+
+def set_timeout(seconds):
+    """Set the timeout (seconds > 0) of the collectives that follow, on this rank."""
+    _comm().timeout = seconds
+
+
+def barrier():
+    """Wait until every rank arrives (guarded: TimeoutError naming the missing ranks)."""
+    _comm().barrier()
+
+
+def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
+    """Split `x` along `dim` across the ranks; every rank returns its piece.
+
+    x: the global array on `root` (ignored on the other ranks; pass None).
+    root: the rank that holds x (the same on every rank).
+    dim: the split dimension, may be negative (the same on every rank).
+    chunk_sizes: rows per rank (list of size() ints, summing to x.shape[dim]),
+        or weights: size() positive numbers (rows in proportion, dpmini's
+        weighted rule); neither: torch.chunk's rule, ceil(n/size) rows per rank
+        with a shorter last piece, so trailing ranks may get 0 rows (an empty
+        array of the right shape). The same on every rank (checked).
+    Returns a new C-contiguous ndarray with x's dtype and x's shape except
+    shape[dim] (x's dtype string is sent, so structured dtypes arrive as raw
+    void of the same size on the other ranks).
+    Raises (on every rank): ValueError/IndexError/TypeError for bad arguments on
+    any rank, ValueError when the ranks disagree, TimeoutError.
+    """
+    return _comm().scatter(x, root, dim, chunk_sizes, weights)
+
+
+def gather(x, root=0, dim=0):
+    """Join every rank's `x` along `dim` on `root` (ragged along dim allowed).
+
+    x: this rank's array; every rank's must have the same dtype and the same
+    shape except along dim. Returns the joined array (ranks in order) on root,
+    None elsewhere. gather(scatter(x)) returns x exactly. Errors as scatter.
+    """
+    return _comm().gather(x, root, dim)
+
+
+def all_gather(x, dim=0):
+    """gather on every rank: every rank returns the joined array."""
+    return _comm().all_gather(x, dim)
+
+
+def broadcast(x, root=0):
+    """Root's `x` on every rank.
+
+    On root, an ndarray (or NumPy scalar) travels as raw bytes and arrives as an
+    ndarray of the same dtype and shape; anything else is pickled and arrives
+    as an equal object. x is ignored on the other ranks (pass None).
+    A pickling error on root is raised on every rank.
+    """
+    c = _comm()
+    pickled, error = False, None
+    if c.rank == root and not isinstance(x, (np.ndarray, np.generic)):
+        try:
+            x = np.frombuffer(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+            pickled = True
+        except Exception as exc:  # raised on every rank by the guard
+            error = TypeError(f"x: cannot pickle {type(x).__name__} for broadcast: {exc}")
+    arr, was_pickled = c.broadcast(x, root, pickled, error)
+    return pickle.loads(arr.tobytes()) if was_pickled else arr
+
+
+def all_reduce(x, op="sum"):
+    """Combine every rank's `x` element-wise; every rank returns the result.
+
+    op: "sum", "mean" (sum / size(), floating and complex dtypes only), "max"
+    or "min". Every rank's x must have the same shape and dtype (checked).
+    Supported dtypes: bool (max = any, min = all), integers, float32, float64,
+    longdouble, complex64, complex128 (float16 has no MPI type). Returns a new
+    array (non-native byte order comes back native).
+    """
+    return _comm().all_reduce(x, op)
+
+
+def reduce(x, root=0, op="sum"):
+    """all_reduce whose result lands on `root` only (None elsewhere)."""
+    return _comm().reduce(x, root, op)
+
+
+def split_sizes(n, size=None, chunk_sizes=None, weights=None):
+    """Rows per rank for n rows: what :func:`scatter` gives (list of ints).
+
+    size: number of ranks (default: size()). Needs no communication.
+    """
+    if size is None:
+        size = _comm().size
+    return _dist.split_sizes(n, size, chunk_sizes, weights)

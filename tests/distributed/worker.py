@@ -1,0 +1,301 @@
+"""Worker for tests/test_distributed.py: run under mpirun, one case per launch.
+
+    mpirun -np 4 python tests/distributed/worker.py CASE
+
+Each rank writes lines "<rank> OK <what>" or "<rank> ERR <case> <Type>: <message>"
+(one line, newlines escaped as |) to $DIST_TEST_OUT/rank<r>.txt, and the pytest side asserts on them and on
+the exit code. Values are checked here with asserts (an AssertionError ends the
+job non-zero through dpmini's abort hook).
+"""
+import os
+import sys
+
+import numpy as np
+
+import dpmini
+import dpmini.distributed as dist
+
+CASE = sys.argv[1]
+
+
+def say(msg):
+    """One line to this rank's file in $DIST_TEST_OUT (stdout lines of ranks interleave)."""
+    line = f"{RANK} {msg}".replace("\n", "|")
+    print(line, flush=True)
+    out = os.environ.get("DIST_TEST_OUT")
+    if out:
+        with open(os.path.join(out, f"rank{RANK}.txt"), "a") as f:
+            f.write(line + "\n")
+
+
+def err(case, exc):
+    say(f"ERR {case} {type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------ values
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+          np.uint64, np.float16, np.float32, np.float64, np.longdouble, np.complex64,
+          np.complex128, ">f8", "<U3", "S2", "M8[s]", "m8[ms]", [("a", "<i4"), ("b", "<f8")]]
+
+
+def make(shape, dtype, seed=0):
+    raw = np.random.default_rng(seed).integers(0, 100, size=shape)
+    dt = np.dtype(dtype)
+    if dt.fields:
+        out = np.zeros(shape, dt)
+        out["a"], out["b"] = raw, raw / 7
+        return out
+    if dt.kind in "US":
+        return raw.astype(str).astype(dt)
+    return raw.astype(dt)
+
+
+def same(a, b):
+    """Equal values (not bytes: longdouble carries padding bytes)."""
+    if a.shape != b.shape:
+        return False
+    if b.dtype.fields and not a.dtype.fields:   # documented: raw void off root
+        assert a.dtype.itemsize == b.dtype.itemsize
+        a = a.view(b.dtype)
+    if a.dtype.fields:
+        return all(np.array_equal(a[f], b[f]) for f in a.dtype.fields)
+    return np.array_equal(a, b)
+
+
+def pieces_of(n, P, **kw):
+    sizes = dist.split_sizes(n, P, **kw)
+    return sizes, np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+
+def case_values():
+    P = dist.size()
+    assert dist.is_initialized()
+    for n in (0, 1, P - 1 if P > 1 else 1, 9, 10, 2 * P + 1):
+        for dim in (0, 1, -1):
+            for dtype in DTYPES:
+                shape = [2, 3, 4]
+                shape[dim] = n
+                x = make(tuple(shape), dtype, seed=n)
+                sizes, off = pieces_of(n, P)
+                piece = dist.scatter(x if RANK == 0 else None, dim=dim)
+                want = np.take(x, np.arange(off[RANK], off[RANK + 1]), axis=dim)
+                assert piece.shape == want.shape, (n, dim, dtype, piece.shape, want.shape)
+                assert piece.dtype.itemsize == x.dtype.itemsize
+                assert same(piece, want), (n, dim, dtype)
+                back = dist.gather(piece, dim=dim)
+                if RANK == 0:
+                    assert same(back, x), (n, dim, dtype)
+                    if not x.dtype.fields:
+                        assert back.dtype == x.dtype
+                else:
+                    assert back is None
+                every = dist.all_gather(piece, dim=dim)
+                assert same(every, x), (n, dim, dtype)
+    say("OK roundtrip")
+    # explicit sizes and weights, root != 0, non-contiguous input
+    x = make((11, 5), np.float64)
+    cs = [11 - 3 * (P - 1)] + [3] * (P - 1) if P > 1 else [11]
+    for kw in ({"chunk_sizes": cs}, {"weights": [1.0 + r for r in range(P)]}):
+        sizes, off = pieces_of(11, P, **kw)
+        piece = dist.scatter(x if RANK == P - 1 else None, root=P - 1, **kw)
+        assert np.array_equal(piece, x[off[RANK]:off[RANK + 1]]), kw
+        back = dist.gather(piece, root=P - 1)
+        assert (RANK != P - 1 and back is None) or np.array_equal(back, x)
+    strided = make((6, 8), np.int32)[:, ::2]
+    piece = dist.scatter(strided if RANK == 0 else None, dim=1)
+    sizes, off = pieces_of(4, P)
+    assert np.array_equal(piece, strided[:, off[RANK]:off[RANK + 1]])
+    say("OK sizes")
+    # reductions
+    v = np.arange(6, dtype=np.int64).reshape(2, 3) + RANK
+    ranks = np.arange(P)
+    assert np.array_equal(dist.all_reduce(v), np.arange(6).reshape(2, 3) * P + ranks.sum())
+    assert np.array_equal(dist.all_reduce(v, "max"), np.arange(6).reshape(2, 3) + P - 1)
+    assert np.array_equal(dist.all_reduce(v, "min"), np.arange(6).reshape(2, 3))
+    m = dist.all_reduce(v.astype(np.float32), "mean")
+    assert m.dtype == np.float32 and np.allclose(m, np.arange(6).reshape(2, 3) + ranks.mean())
+    assert dist.all_reduce(np.float64(RANK)).shape == ()
+    assert float(dist.all_reduce(np.float64(RANK))) == ranks.sum()
+    b = dist.all_reduce(np.array([RANK == 0, True]), "min")
+    assert b.tolist() == [P == 1, True]
+    c = dist.all_reduce(np.array([1 + 1j * RANK], np.complex128))
+    assert c[0] == P + 1j * ranks.sum()
+    assert dist.all_reduce(np.zeros((0, 3))).shape == (0, 3)
+    r = dist.reduce(v, root=P - 1)
+    assert (RANK == P - 1 and np.array_equal(r, np.arange(6).reshape(2, 3) * P + ranks.sum())) \
+        or (RANK != P - 1 and r is None)
+    say("OK reduce")
+    # broadcast arrays and objects
+    a = dist.broadcast(make((3, 4), ">f8") if RANK == P - 1 else None, root=P - 1)
+    assert a.dtype == np.dtype(">f8") and np.array_equal(a, make((3, 4), ">f8"))
+    o = dist.broadcast({"k": [1, 2.5, "x"], "rank": RANK} if RANK == 0 else None)
+    assert o == {"k": [1, 2.5, "x"], "rank": 0}
+    assert dist.broadcast(np.float32(2.5) if RANK == 0 else None).tolist() == 2.5
+    dist.barrier()
+    assert 0 <= dist.local_rank() < dist.local_size() <= P
+    say("OK broadcast")
+
+
+# ------------------------------------------------------------------ disagreement
+def case_mismatch():
+    P = dist.size()
+    calls = [
+        ("shape", lambda: dist.all_reduce(np.zeros(5 if RANK == P - 1 else 4))),
+        ("dtype", lambda: dist.all_reduce(np.zeros(4, np.float32 if RANK == 1 else np.float64))),
+        ("op", lambda: dist.all_reduce(np.zeros(4), "max" if RANK == 2 else "sum")),
+        ("gather_shape", lambda: dist.gather(np.zeros((RANK + 1, 3 if RANK else 2)))),
+        ("root", lambda: dist.reduce(np.zeros(2), root=1 if RANK == 0 else 0)),
+        ("kind", lambda: dist.all_gather(np.zeros(2)) if RANK == 3 else dist.all_reduce(np.zeros(2))),
+        ("split", lambda: dist.scatter(np.zeros(8) if RANK == 0 else None,
+                                       chunk_sizes=[2, 2, 2, 2] if RANK else [5, 1, 1, 1])),
+        ("bad_dim", lambda: dist.gather(np.zeros((2, 2)), dim=7 if RANK == 2 else 0)),
+        ("bad_sizes", lambda: dist.scatter(np.zeros(8) if RANK == 0 else None,
+                                           chunk_sizes=[1, 1, 1, 1])),
+        ("bad_op", lambda: dist.all_reduce(np.zeros(2, np.int64), "mean")),
+        ("unpicklable", lambda: dist.broadcast((lambda: 0) if RANK == 0 else None)),
+    ]
+    for name, call in calls:
+        try:
+            call()
+            say(f"NOERR {name}")
+        except Exception as exc:  # every rank must raise, and go on
+            err(name, exc)
+        # the communicator stays usable after every one of them
+        assert float(dist.all_reduce(np.float64(1.0))) == P
+    say("OK mismatch")
+
+
+def case_skip():
+    """Rank P-1 runs one step fewer and exits; the others must get TimeoutError."""
+    dist.set_timeout(3.0)
+    steps = 2 if RANK == dist.size() - 1 else 3
+    for _ in range(steps):
+        dist.all_reduce(np.ones(4))
+    say("finished loop")
+
+
+def case_raise():
+    """Rank 1 raises; the others wait in a collective with a long timeout."""
+    dist.set_timeout(120.0)
+    if RANK == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.all_reduce(np.ones(4))
+    say("NOT REACHED")
+
+
+def case_ddp():
+    """reduce_gradients over an uneven split equals the single-process gradient."""
+    P = dist.size()
+
+    class Linear:
+        def __init__(self, seed):
+            rng = np.random.default_rng(seed)
+            self.W = rng.normal(size=(5, 3))
+            self.b = rng.normal(size=3)
+
+        def __call__(self, x, y):   # summed squared error and its gradients
+            err_ = x @ self.W + self.b - y
+            return {"loss": float((err_ ** 2).sum()),
+                    "grads": {"W": 2 * x.T @ err_, "b": 2 * err_.sum(axis=0)}}
+
+    model = Linear(seed=100 + RANK)
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0", "cpu:1"],
+                                       out_dims={"loss": "sum", "grads": "sum"})
+    ref = Linear(seed=100)
+    assert np.array_equal(model.W, ref.W) and np.array_equal(model.b, ref.b)
+    rng = np.random.default_rng(7)
+    X, Y = rng.normal(size=(11, 5)), rng.normal(size=(11, 3))
+    full = ref(X, Y)["grads"]
+    want = {k: g / len(X) for k, g in full.items()}
+    for kw in ({}, {"chunk_sizes": [5, 0, 4, 2][:P] if P == 4 else None}):
+        kw = {k: v for k, v in kw.items() if v is not None}
+        xs = dist.scatter(X if RANK == 0 else None, **kw)
+        ys = dist.scatter(Y if RANK == 0 else None, **kw)
+        out = ddp(xs, ys)
+        rows = len(xs)
+        means = {k: (g / rows if rows else np.full_like(g, np.nan)) for k, g in out["grads"].items()}
+        got = ddp.reduce_gradients(means)
+        for k in want:
+            assert np.max(np.abs(got[k] - want[k])) <= 1e-12, (k, kw)
+        summed = dist.DistributedDataParallel.reduce_gradients(ddp, out["grads"], weights="sum")
+        for k in want:
+            assert np.max(np.abs(summed[k] - full[k])) <= 1e-12
+    plan = ddp.explain(X)
+    assert [b - a for a, b in plan.ranks] == dist.split_sizes(11)
+    say("OK ddp")
+
+
+def case_caught_timeout():
+    """The ranks catch the TimeoutError and return normally: the job must still
+    end (non-zero) instead of waiting in MPI_Finalize on messages in flight."""
+    dist.set_timeout(2.0)
+    if RANK == dist.size() - 1:
+        say("left early")
+        return
+    try:
+        dist.barrier()
+    except TimeoutError as exc:
+        err("caught_timeout", exc)
+    try:
+        dist.all_reduce(np.ones(2))
+    except RuntimeError as exc:
+        err("after_timeout", exc)
+
+
+def case_misc():
+    """DDP parameter mismatch, reduce_gradients and init argument errors, explain."""
+    P = dist.size()
+
+    class M:
+        def __init__(self):
+            self.W = np.zeros((3, 2) if RANK != P - 1 else (2, 3))
+
+        def __call__(self, x):
+            return x
+
+    try:
+        dist.DistributedDataParallel(M(), device_ids=["cpu:0"])
+    except ValueError as exc:
+        err("ddp_mismatch", exc)
+    for name, call in [
+        ("rows_missing", lambda: dist.reduce_gradients({"w": np.ones(2)})),
+        ("int_grads", lambda: dist.reduce_gradients({"w": np.ones(2, np.int64)}, weights="sum")),
+        ("bad_weights", lambda: dist.reduce_gradients([np.ones(2)], weights="median")),
+        ("bad_timeout", lambda: dist.init(timeout=-1.0)),
+        ("bad_comm", lambda: dist.init(comm=object())),
+    ]:
+        try:
+            call()
+            say(f"NOERR {name}")
+        except (TypeError, ValueError) as exc:
+            err(name, exc)
+    got = dist.reduce_gradients((np.full(2, float(RANK)),), weights="mean")
+    assert isinstance(got, tuple) and np.allclose(got[0], (P - 1) / 2)
+    got = dist.reduce_gradients({"g": np.full(2, float(RANK))}, weights=float(RANK))
+    assert np.allclose(got["g"], sum(r * r for r in range(P)) / max(sum(range(P)), 1)) or P == 1
+    plan = dist.explain(9, ["cpu:0", "cpu:1"], size=4)
+    assert plan.ranks == [(0, 3), (3, 6), (6, 9), (9, 9)], plan.ranks
+    assert plan.devices[3] == [("cpu:0", 9, 9), ("cpu:1", 9, 9)], plan.devices
+    assert "rank 3: rows 9:9 (0)" in str(plan)
+    assert dist.split_sizes(10, 4) == [3, 3, 3, 1]
+    assert dist.split_sizes(10, 2, weights=[1, 3]) == [3, 7]
+    dist.init(timeout=5.0)              # again: replaces the communicator
+    assert dist.all_reduce(np.ones(1))[0] == P
+    say("OK misc")
+
+
+def case_uninitialized():
+    try:
+        dist.scatter(np.zeros(3))
+    except RuntimeError as exc:
+        err("uninitialized", exc)
+
+
+if __name__ == "__main__":
+    RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    if CASE == "uninitialized":
+        case_uninitialized()
+        sys.exit(0)
+    dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
+    RANK = dist.rank()
+    globals()["case_" + CASE]()

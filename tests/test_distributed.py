@@ -1,0 +1,277 @@
+"""dpmini.distributed under mpirun: values, the guard, timeouts, aborts, DDP.
+
+Each test launches `mpirun -np N python tests/distributed/worker.py CASE` inside
+an outer `timeout` and asserts on every rank's output lines and the exit code
+(the worker asserts values itself; a failed assert ends the job non-zero).
+Skipped when mpirun or the optional extension dpmini._dist is missing (then
+`make test-distributed` installs Open MPI and mpi4py and rebuilds). The tests
+that need no MPI (the ImportError text, import dpmini without mpi4py) always run.
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import dpmini
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed" / "worker.py"
+# The dpmini under test (the in-place build, or build/asan under make test-asan).
+PKG_ROOT = Path(dpmini.__file__).resolve().parents[1]
+MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def _have_dist():
+    if MPIRUN is None:
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import dpmini._dist"], capture_output=True,
+                           timeout=60, env=_env())
+    return probe.returncode == 0
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    # Open MPI as root on few cores; ignored by MPICH.
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PKG_ROOT), env.get("PYTHONPATH")] if p)
+    env.update(extra)
+    return env
+
+
+needs_mpi = pytest.mark.skipif(not _have_dist(), reason="needs mpirun and dpmini._dist "
+                               "(make test-distributed installs and builds them)")
+
+
+def mpirun(case, np=4, limit=120, **env):
+    """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds)."""
+    cmd = ["timeout", "-k", "10", str(limit), MPIRUN, "-np", str(np), sys.executable,
+           str(WORKER), case]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        # Own process group: if even `timeout -k` cannot end mpirun, every rank
+        # is killed with it here, so no orphan keeps the pipes (or the CPU).
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(DIST_TEST_OUT=tmp, **env), cwd=ROOT,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=limit + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"mpirun {case} did not end within {limit + 30} s:\n{stdout}{stderr}")
+        took = time.monotonic() - start
+        lines = {}
+        for path in Path(tmp).glob("rank*.txt"):
+            for line in path.read_text().splitlines():
+                m = re.match(r"^(\d+) (.*)$", line)
+                if m:
+                    lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    out = stdout + stderr
+    assert proc.returncode not in (124, 137), f"mpirun hit the outer timeout:\n{out}"
+    return proc.returncode, lines, out, took
+
+
+def errors(lines, case):
+    """{rank: 'Type: message'} of the ERR lines for one case."""
+    got = {}
+    for r, ls in lines.items():
+        for line in ls:
+            if line.startswith(f"ERR {case} "):
+                got[r] = line[len(f"ERR {case} "):]
+    return got
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_", [4, 1])
+def test_scatter_gather_reduce_broadcast_values(np_):
+    rc, lines, out, _ = mpirun("values", np=np_)
+    assert rc == 0, out
+    for r in range(np_):
+        assert lines[r] == ["OK roundtrip", "OK sizes", "OK reduce", "OK broadcast"], out
+
+
+@needs_mpi
+def test_uneven_batch_gradient_equals_single_process():
+    rc, lines, out, _ = mpirun("ddp")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK ddp"] for r in range(4)), out
+
+
+@needs_mpi
+def test_uneven_batch_gradient_one_rank():
+    rc, lines, out, _ = mpirun("ddp", np=1)
+    assert rc == 0 and lines[0] == ["OK ddp"], out
+
+
+@pytest.fixture(scope="module")
+def mismatch_run():
+    if not _have_dist():
+        pytest.skip("needs mpirun and dpmini._dist")
+    return mpirun("mismatch")
+
+
+@pytest.mark.parametrize("case,words", [
+    ("shape", ["disagree on shape", "rank 0-2: all_reduce", "shape (4,)", "rank 3:", "shape (5,)"]),
+    ("dtype", ["disagree on dtype", "rank 1: all_reduce", "float32", "rank 0,2,3:", "float64"]),
+    ("op", ["disagree on op", "rank 2: all_reduce", "op=max", "op=sum"]),
+    ("gather_shape", ["disagree on shape", "rank 0: gather", "shape (1, 2)", "shape (2, 3)"]),
+    ("root", ["disagree on root", "rank 0: reduce call", "root=1", "rank 1-3:"]),
+    ("kind", ["disagree on the collective", "all_gather", "all_reduce"]),
+    ("split", ["disagree on chunk_sizes/weights", "chunk_sizes=[5, 1, 1, 1]"]),
+])
+def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, words):
+    rc, lines, out, _ = mismatch_run
+    assert rc == 0, out
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert len(set(got.values())) == 1, got          # word for word the same
+    msg = got[0]
+    assert msg.startswith("ValueError: dpmini.distributed."), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("case,bad_rank,own", [
+    ("bad_dim", 2, "IndexError: dim: 7 is out of range"),
+    ("bad_sizes", 0, "ValueError: chunk_sizes: the sizes must add up to the 8 rows"),
+    ("unpicklable", 0, "TypeError: x: cannot pickle function"),
+])
+def test_bad_argument_on_one_rank_raises_on_every_rank(mismatch_run, case, bad_rank, own):
+    rc, lines, out, _ = mismatch_run
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert got[bad_rank].startswith(own), got
+    for r in range(4):
+        if r != bad_rank:
+            assert got[r].startswith("ValueError: dpmini.distributed."), got
+            assert f"rank {bad_rank} rejected its arguments: {own}" in got[r], got
+
+
+def test_communicator_stays_usable_after_each_disagreement(mismatch_run):
+    rc, lines, out, _ = mismatch_run
+    assert rc == 0 and all("OK mismatch" in lines[r] for r in range(4)), out
+    assert not any("NOERR" in line for ls in lines.values() for line in ls), out
+    assert sorted(errors(lines, "bad_op")) == [0, 1, 2, 3]
+
+
+@needs_mpi
+def test_rank_that_skips_a_call_gives_timeout_error_naming_it():
+    rc, lines, out, took = mpirun("skip", DIST_TEST_TIMEOUT="3")
+    assert rc != 0, out                                # uncaught TimeoutError -> MPI_Abort
+    assert lines[3] == ["finished loop"], out
+    named = re.findall(r"TimeoutError: dpmini.distributed.all_reduce \(call 3 on rank (\d)\): "
+                       r"rank 3 did not arrive within the timeout of 3 s", out)
+    assert set(named) <= {"0", "1", "2"} and named, out
+    assert took < 60, took
+
+
+@needs_mpi
+def test_caught_timeout_still_ends_the_job_instead_of_hanging_in_finalize():
+    rc, lines, out, took = mpirun("caught_timeout", limit=90)
+    assert rc != 0, out
+    # The first rank to abort ends the others, so some may not have written yet.
+    caught = errors(lines, "caught_timeout")
+    assert caught and set(caught) <= {0, 1, 2}, out
+    for r, msg in caught.items():
+        assert msg.startswith(f"TimeoutError: dpmini.distributed.barrier (call 1 on rank {r}): "
+                              "rank 3 did not arrive"), msg
+    after = errors(lines, "after_timeout")
+    assert after and set(after) <= {0, 1, 2}, out
+    assert all("cannot be used after a TimeoutError in barrier call 1" in m
+               for m in after.values()), out
+    assert "aborting the job (MPI_Abort, exit code 1) rather than waiting" in out
+    assert took < 60, took
+
+
+@needs_mpi
+def test_ddp_mismatch_reduce_gradients_errors_explain():
+    rc, lines, out, _ = mpirun("misc")
+    assert rc == 0, out
+    assert all("OK misc" in lines[r] for r in range(4)), out
+    ddp = errors(lines, "ddp_mismatch")
+    assert sorted(ddp) == [0, 1, 2, 3] and len(set(ddp.values())) == 1, ddp
+    assert "on rank(s) [3] differ from rank 0's" in ddp[0], ddp
+    assert errors(lines, "rows_missing")[0].startswith("ValueError: rows: weights='rows' needs")
+    assert errors(lines, "int_grads")[0].startswith("TypeError: grads['w']: expected a floating")
+    assert errors(lines, "bad_weights")[0].startswith("ValueError: weights: expected 'rows'")
+    assert errors(lines, "bad_timeout")[0].startswith("ValueError: timeout: expected seconds > 0")
+    assert errors(lines, "bad_comm")[0].startswith("TypeError: comm: expected an mpi4py")
+
+
+@needs_mpi
+def test_exception_on_one_rank_ends_the_job_in_seconds():
+    rc, lines, out, took = mpirun("raise")
+    assert rc != 0, out
+    assert "RuntimeError: boom on rank 1" in out
+    assert "rank 1 of 4 ended with RuntimeError; aborting the job" in out
+    assert "NOT REACHED" not in out
+    assert took < 60, took     # the others wait with timeout=120: the abort ended them
+
+
+@needs_mpi
+def test_collective_before_init_is_a_runtime_error():
+    rc, lines, out, _ = mpirun("uninitialized", np=1)
+    assert rc == 0, out
+    assert errors(lines, "uninitialized")[0].startswith(
+        "RuntimeError: dpmini.distributed is not initialized"), out
+
+
+@needs_mpi
+def test_abi_guard_refuses_another_mpi_family():
+    code = (
+        "import dpmini._dist as d\n"
+        "from mpi4py import MPI\n"
+        "d._check_abi(MPI.Get_library_version())\n"
+        "fam = d.BUILD_FAMILY\n"
+        "other = 'MPICH Version: 4.1.2' if fam == 'Open MPI' else 'Open MPI v4.1.4'\n"
+        "for s in (other, fam + ' but another build'):\n"
+        "    try:\n"
+        "        d._check_abi(s)\n"
+        "    except ImportError as e:\n"
+        "        print('REFUSED', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2, proc.stdout
+    assert "built against" in refused[0] and "handles differ" in refused[0]
+    assert "two MPI libraries in one process" in refused[1]
+
+
+def _without_mpi4py(code):
+    blocker = (
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mpi4py' or name.startswith('mpi4py.'):\n"
+        "            raise ImportError('No module named mpi4py (blocked)')\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True,
+                          text=True, timeout=60, env=_env())
+
+
+def test_import_dpmini_works_without_mpi():
+    proc = _without_mpi4py("import dpmini; print(dpmini.DataParallel.__name__)")
+    assert proc.returncode == 0 and "DataParallel" in proc.stdout, proc.stderr
+
+
+def test_import_distributed_without_mpi_says_how_to_install():
+    proc = _without_mpi4py(
+        "try:\n"
+        "    import dpmini.distributed\n"
+        "except ImportError as e:\n"
+        "    print('IMPORTERROR', e)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "IMPORTERROR dpmini.distributed needs MPI" in proc.stdout
+    assert 'pip install "dpmini[mpi]"' in proc.stdout
+    assert "openmpi-bin libopenmpi-dev" in proc.stdout
