@@ -54,6 +54,8 @@ typedef struct {
     job_node *head, *tail;   /* guarded by mu; head also read as a spin hint */
     int nqueued;             /* jobs in the queue; guarded by mu */
     int nthreads;            /* threads started and not exited; guarded by mu */
+    int ntrim;               /* idle threads asked to exit (dp_pool_trim);
+                                guarded by mu */
     int nidle;               /* of those, the ones not running a job (spinning,
                                 waiting or about to take one); guarded by mu.
                                 Invariant: every idle thread takes a queued job
@@ -70,7 +72,11 @@ static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
  * which ends the child with status 0 unless the job exited or exec'd. */
 static unsigned fork_gen;
 
-static _Thread_local int tl_kind, tl_index = -1;
+static dp_exit_hook_fn exit_hook;   /* set once, before workers start */
+static int ntrimming;               /* threads leaving for dp_pool_trim (atomic) */
+
+static DP_THREAD_LOCAL int tl_kind;
+static DP_THREAD_LOCAL int tl_index = -1;
 
 static inline void cpu_relax(void)
 {
@@ -122,6 +128,7 @@ static void reset_slots(void)
             s->nqueued = 0;
             s->nthreads = 0;
             s->nidle = 0;
+            s->ntrim = 0;
             s->kind = k + 1;
             s->index = i;
         }
@@ -170,6 +177,7 @@ static void *worker_main(void *p)
 {
     slot *s = p;
     unsigned gen = fork_gen;
+    int trimmed = 0;
     tl_kind = s->kind;
     tl_index = s->index;
     for (;;) {
@@ -182,6 +190,14 @@ static void *worker_main(void *p)
         }
         pthread_mutex_lock(&s->mu);
         while (!s->head) {
+            if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
+                s->ntrim--;
+                s->nthreads--;
+                s->nidle--;
+                trimmed = 1;
+                pthread_mutex_unlock(&s->mu);
+                goto leave;
+            }
             if (s->nthreads <= DP_POOL_KEEP_THREADS) {
                 pthread_cond_wait(&s->cv, &s->mu);
                 continue;
@@ -196,7 +212,7 @@ static void *worker_main(void *p)
                 s->nthreads--;
                 s->nidle--;
                 pthread_mutex_unlock(&s->mu);
-                return NULL;
+                goto leave;
             }
         }
         job_node *j = s->head;
@@ -220,6 +236,16 @@ static void *worker_main(void *p)
         pthread_mutex_unlock(&s->mu);
         finish_job(b);
     }
+leave:
+    {
+        dp_exit_hook_fn hook = __atomic_load_n(&exit_hook, __ATOMIC_ACQUIRE);
+        if (hook != NULL)
+            hook();
+    }
+    tl_index = -1;
+    if (trimmed)
+        __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
+    return NULL;
 }
 
 /* Called with s->mu held. */
@@ -372,4 +398,40 @@ int dp_pool_threads(int kind, int index)
     int n = s->nthreads;
     pthread_mutex_unlock(&s->mu);
     return n;
+}
+
+void dp_pool_set_exit_hook(dp_exit_hook_fn fn)
+{
+    __atomic_store_n(&exit_hook, fn, __ATOMIC_RELEASE);
+}
+
+void dp_pool_trim(void)
+{
+    pthread_once(&slots_once, init_slots);
+    for (int k = 0; k < NKINDS; k++)
+        for (int i = 0; i < DP_POOL_MAX_INDEX; i++) {
+            slot *s = &slots[k][i];
+            pthread_mutex_lock(&s->mu);
+            /* Idle threads not needed for queued jobs; at most that many
+             * wake to leave, so a queued job keeps its thread. */
+            int spare = s->nidle - s->nqueued - s->ntrim;
+            if (spare > 0) {
+                s->ntrim += spare;
+                __atomic_add_fetch(&ntrimming, spare, __ATOMIC_RELAXED);
+                pthread_cond_broadcast(&s->cv);
+            }
+            pthread_mutex_unlock(&s->mu);
+        }
+}
+
+int dp_pool_trim_wait(long timeout_ms)
+{
+    long long end = now_ns() + timeout_ms * 1000000LL;
+    struct timespec ms = {0, 1000000L};
+    while (__atomic_load_n(&ntrimming, __ATOMIC_ACQUIRE) > 0) {
+        if (now_ns() > end)
+            return 0;
+        nanosleep(&ms, NULL);
+    }
+    return 1;
 }
