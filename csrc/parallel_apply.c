@@ -293,14 +293,15 @@ int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out)
  * delete the thread state apply_job_main made for it. Ensure takes the GIL
  * (count 2); the first Release keeps it (count 1), the second drops the
  * count to 0, which clears and deletes the state and releases the GIL.
- * Skipped during finalization, when taking the GIL would stop the thread. */
+ * Skipped during and after finalization, when taking the GIL would stop the
+ * thread (or there is no interpreter left). */
 static void worker_exit(void)
 {
     if (!tl_gil_pinned) {
         return;
     }
     tl_gil_pinned = 0;
-    if (DP_IS_FINALIZING()) {
+    if (DP_IS_FINALIZING() || !Py_IsInitialized()) {
         return;
     }
     (void)PyGILState_Ensure();

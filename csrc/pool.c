@@ -65,6 +65,8 @@ typedef struct {
 } slot;
 
 static slot slots[NKINDS][DP_POOL_MAX_INDEX];
+static dp_exit_hook_fn exit_hook;   /* set once, before workers start */
+static int ntrimming;               /* threads leaving for dp_pool_trim (atomic) */
 static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
 /* Bumped in the fork child. A worker that finds it changed after its job is
  * the thread that called fork() inside that job, now alone in the child: it
@@ -72,8 +74,6 @@ static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
  * which ends the child with status 0 unless the job exited or exec'd. */
 static unsigned fork_gen;
 
-static dp_exit_hook_fn exit_hook;   /* set once, before workers start */
-static int ntrimming;               /* threads leaving for dp_pool_trim (atomic) */
 
 static DP_THREAD_LOCAL int tl_kind;
 static DP_THREAD_LOCAL int tl_index = -1;
@@ -141,6 +141,7 @@ static void reset_slots(void)
 static void atfork_child(void)
 {
     reset_slots();
+    ntrimming = 0;     /* threads the parent was trimming are not here */
     fork_gen++;
     tl_kind = 0;       /* the forking thread is no longer any slot's worker */
     tl_index = -1;
