@@ -32,7 +32,6 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "cuda_api.h"
-#include "pool.h" /* DP_THREAD_LOCAL */
 #include "../cuda/strided.h"
 
 #include <limits.h>
@@ -60,7 +59,7 @@ static emu_alloc *emu_live;                 /* guarded by emu_mu          */
 static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
 static int emu_count = -1;
 static size_t emu_limit;
-static DP_THREAD_LOCAL int emu_current;
+static __thread int emu_current;
 static int emu_fault;                       /* next failing code, 0: none */
 
 #define EMU_FAIL(code, call, dev, msg)                                          \

@@ -595,7 +595,7 @@ done:
  * create a context on device 0, the default of a fresh thread). */
 static void adopt_worker_device(int dev)
 {
-    static DP_THREAD_LOCAL int adopted = -1;
+    static _Thread_local int adopted = -1;
     if (adopted != dev && dp_pool_on_worker(2, dev)) {
         if (dpc_set_device(dev).code == 0) {
             adopted = dev;

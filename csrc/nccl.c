@@ -418,10 +418,8 @@ typedef struct {
     emu_comm *comm;
 } emu_call;
 
-/* Per thread, allocated on first use: a DP_MAX_DEVICES array in static TLS
- * would not fit the static TLS block (pool.h, DP_THREAD_LOCAL). */
-static DP_THREAD_LOCAL emu_call *emu_calls;
-static DP_THREAD_LOCAL int emu_ncalls, emu_depth;
+static __thread emu_call emu_calls[DP_MAX_DEVICES];
+static __thread int emu_ncalls, emu_depth;
 static int emu_nccl_fail_next;    /* tests: next GroupEnd fails with this  */
 static int emu_nccl_live;         /* communicators alive (tests)           */
 
@@ -473,12 +471,6 @@ static ncclResult_t emu_record(int op, const void *send, void *recv, size_t coun
 {
     if (emu_depth == 0 || emu_ncalls >= DP_MAX_DEVICES || comm == NULL) {
         return 5; /* ncclInvalidUsage: dpmini always groups */
-    }
-    if (emu_calls == NULL) {
-        emu_calls = calloc(DP_MAX_DEVICES, sizeof *emu_calls); /* kept for the thread's life */
-        if (emu_calls == NULL) {
-            return 2; /* ncclSystemError */
-        }
     }
     emu_call *c = &emu_calls[emu_ncalls++];
     c->op = op;

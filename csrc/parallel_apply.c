@@ -70,10 +70,18 @@ typedef struct {
     PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
 } apply_job;
 
-/* Per thread: the worker keeps its Python thread state between jobs, and
- * a replica running on a worker runs nested parallel_apply calls inline. */
-static DP_THREAD_LOCAL int tl_gil_pinned;
-static DP_THREAD_LOCAL int tl_replica_depth;
+/* Per worker thread, in the pool's worker-local ints (pool.h; no
+ * _Thread_local, see there): WL_PINNED, the worker keeps its Python thread
+ * state between jobs; WL_DEPTH, replicas running in this thread (a replica
+ * running on a worker runs nested parallel_apply calls inline). */
+enum { WL_PINNED = 0, WL_DEPTH = 1 };
+
+/* Replicas running in the calling thread (0 on threads that are not workers). */
+static int replica_depth(void)
+{
+    int *wl = dp_pool_worker_local();
+    return wl != NULL ? wl[WL_DEPTH] : 0;
+}
 
 /* ------------------------------------------------------------------ */
 /* Helpers: exceptions                                                 */
@@ -297,10 +305,11 @@ int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out)
  * thread (or there is no interpreter left). */
 static void worker_exit(void)
 {
-    if (!tl_gil_pinned) {
+    int *wl = dp_pool_worker_local();
+    if (wl == NULL || !wl[WL_PINNED]) {
         return;
     }
-    tl_gil_pinned = 0;
+    wl[WL_PINNED] = 0;
     if (DP_IS_FINALIZING() || !Py_IsInitialized()) {
         return;
     }
@@ -314,7 +323,12 @@ static void worker_exit(void)
 static void apply_job_main(void *arg)
 {
     apply_job *job = arg;
-    if (!tl_gil_pinned) {
+    int *wl = dp_pool_worker_local();
+    int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
+    if (wl == NULL) {
+        wl = unpinned;
+    }
+    if (!wl[WL_PINNED]) {
         /* The thread's first job: make its thread state here, where a
          * failure (out of memory) can be reported, rather than inside
          * PyGILState_Ensure, which ends the process with a fatal error. The
@@ -325,13 +339,13 @@ static void apply_job_main(void *arg)
             job->no_tstate = 1;   /* read by the caller after the batch wait */
             return;
         }
-        tl_gil_pinned = 1;
+        wl[WL_PINNED] = 1;
     }
     PyGILState_STATE g = PyGILState_Ensure();
     if (!job->cancelled) {
         job->ident = PyThread_get_thread_ident();
         job->state = JOB_RUNNING;
-        tl_replica_depth++;
+        wl[WL_DEPTH]++;
         /* A replica on a GPU runs with that GPU current, so CuPy / PyTorch
          * code in the module allocates and launches on its device. */
         dpc_status cs = job->dev.kind == DP_CUDA ? dpc_set_device(job->dev.index) : dpc_ok();
@@ -359,7 +373,7 @@ static void apply_job_main(void *arg)
                 }
             }
         }
-        tl_replica_depth--;
+        wl[WL_DEPTH]--;
         if (job->interrupted) {
             /* An injected exception that arrived after the call returned
              * must not fire in this worker's next job. */
@@ -441,7 +455,7 @@ static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
 static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
 {
     dp_batch batch;
-    int have_batch = 0, nsubmitted = 0, nested = tl_replica_depth > 0, trim = 0;
+    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0;
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
     char devbuf[32];

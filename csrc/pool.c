@@ -68,6 +68,7 @@ static slot slots[NKINDS][DP_POOL_MAX_INDEX];
 static dp_exit_hook_fn exit_hook;   /* set once, before workers start */
 static int ntrimming;               /* threads leaving for dp_pool_trim (atomic) */
 static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
+static void init_slots(void);
 /* Bumped in the fork child. A worker that finds it changed after its job is
  * the thread that called fork() inside that job, now alone in the child: it
  * must not touch the batch (its mutex may be stuck locked) and it stops,
@@ -75,8 +76,20 @@ static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
 static unsigned fork_gen;
 
 
-static DP_THREAD_LOCAL int tl_kind;
-static DP_THREAD_LOCAL int tl_index = -1;
+/* What a worker keeps on its stack; found through worker_key. */
+typedef struct {
+    slot *s;
+    int local[2];   /* dp_pool_worker_local */
+} worker_self;
+
+static pthread_key_t worker_key;   /* -> the worker's worker_self; made in init_slots */
+static int worker_key_ok;          /* 0 when the key could not be made */
+
+static worker_self *self_of_thread(void)
+{
+    pthread_once(&slots_once, init_slots);
+    return worker_key_ok ? pthread_getspecific(worker_key) : NULL;
+}
 
 static inline void cpu_relax(void)
 {
@@ -143,12 +156,13 @@ static void atfork_child(void)
     reset_slots();
     ntrimming = 0;     /* threads the parent was trimming are not here */
     fork_gen++;
-    tl_kind = 0;       /* the forking thread is no longer any slot's worker */
-    tl_index = -1;
+    if (worker_key_ok)   /* the forking thread is no longer any slot's worker */
+        (void)pthread_setspecific(worker_key, NULL);
 }
 
 static void init_slots(void)
 {
+    worker_key_ok = pthread_key_create(&worker_key, NULL) == 0;
     reset_slots();
     pthread_atfork(NULL, NULL, atfork_child);
 }
@@ -179,8 +193,13 @@ static void *worker_main(void *p)
     slot *s = p;
     unsigned gen = fork_gen;
     int trimmed = 0;
-    tl_kind = s->kind;
-    tl_index = s->index;
+    worker_self self = {s, {0, 0}};
+    /* Keys below PTHREAD_KEY_2NDLEVEL_SIZE (32) need no memory; a later key
+     * may fail with ENOMEM, and then this thread does not know it is a
+     * worker: its jobs' nested work goes to the pool instead of inline,
+     * which still works below DP_POOL_MAX_THREADS. */
+    if (worker_key_ok)
+        (void)pthread_setspecific(worker_key, &self);
     for (;;) {
         long long spin_end = now_ns() + WORKER_SPIN_NS;
         unsigned n = 0;
@@ -243,7 +262,8 @@ leave:
         if (hook != NULL)
             hook();
     }
-    tl_index = -1;
+    if (worker_key_ok)
+        (void)pthread_setspecific(worker_key, NULL);
     if (trimmed)
         __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
     return NULL;
@@ -382,12 +402,19 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
 
 int dp_pool_on_worker(int kind, int index)
 {
-    return tl_index >= 0 && tl_kind == kind && tl_index == index;
+    worker_self *w = self_of_thread();
+    return w != NULL && w->s->kind == kind && w->s->index == index;
 }
 
 int dp_pool_in_worker(void)
 {
-    return tl_index >= 0;
+    return self_of_thread() != NULL;
+}
+
+int *dp_pool_worker_local(void)
+{
+    worker_self *w = self_of_thread();
+    return w != NULL ? w->local : NULL;
 }
 
 int dp_pool_threads(int kind, int index)

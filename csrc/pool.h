@@ -38,15 +38,6 @@
 #define DP_POOL_MAX_THREADS 1024
 #define DP_POOL_KEEP_THREADS 4
 
-/* Thread-local variables of this extension. initial-exec puts them in the
- * static TLS block that glibc allocates with a thread's stack, so a failed
- * allocation makes pthread_create fail (an error dpmini reports) instead of
- * aborting the process on the thread's first access ("cannot allocate memory
- * for thread-local data", the lazy allocation of a dlopen'ed module's
- * dynamic TLS). Keep them few and small: the static block is a few hundred
- * bytes shared by every dlopen'ed library (docs/reliability.md). */
-#define DP_THREAD_LOCAL _Thread_local __attribute__((tls_model("initial-exec")))
-
 typedef void (*dp_job_fn)(void *arg);
 
 /* A batch: a count of jobs not yet finished, with a mutex and a condition.
@@ -89,6 +80,16 @@ int dp_pool_trim_wait(long timeout_ms);
  * state. Set once, before the first job. */
 typedef void (*dp_exit_hook_fn)(void);
 void dp_pool_set_exit_hook(dp_exit_hook_fn fn);
+
+/* Two ints of per-thread storage for the code a worker runs (parallel_apply
+ * keeps its thread-state flag and nesting depth there), zero when the
+ * thread starts; NULL on threads that are not workers. The pool keeps no
+ * _Thread_local variables: glibc allocates a dlopen'ed library's
+ * thread-locals lazily, on a thread's first access, and aborts the process
+ * ("cannot allocate memory for thread-local data") when that allocation
+ * fails, so worker identity lives on the worker's stack, found through a
+ * pthread key (docs/reliability.md). */
+int *dp_pool_worker_local(void);
 
 /* True when the calling thread is a worker thread of (kind, index). */
 int dp_pool_on_worker(int kind, int index);
