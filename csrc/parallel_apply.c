@@ -783,7 +783,12 @@ PyDoc_STRVAR(parallel_apply_doc,
 "failing replica (lowest index) is re-raised with its type and the message\n"
 "'Caught T in replica i on device d.\\nOriginal Traceback (most recent call\n"
 "last):\\n...', the original exception as __cause__ (RuntimeError when T\n"
-"cannot be built from one string).");
+"cannot be built from one string). RuntimeError, before any replica runs,\n"
+"for more than 1024 replicas on one device (they run at once, one worker\n"
+"thread each) and for a call during interpreter finalization\n"
+"(sys.is_finalizing(); as concurrent.futures); RuntimeError when a worker\n"
+"thread cannot be started (out of memory, address space or threads) and\n"
+"MemoryError when its Python thread state cannot be made.");
 
 static PyObject *dp_parallel_apply(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
