@@ -105,7 +105,7 @@ FUZZ_FLAGS   := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,
 fuzz-build:
 	tools/deps.sh fuzz
 	mkdir -p $(FUZZ_DIR)/corpus
-	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/plan.c csrc/copy.c -o $(FUZZ_DIR)/fuzz_core
+	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/plan.c csrc/copy.c csrc/alloc.c -o $(FUZZ_DIR)/fuzz_core
 
 fuzz: fuzz-build
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \

@@ -18,44 +18,93 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include "alloc.h"
 
 /* ------------------------------------------------------------------ */
 /* Caching allocator                                                   */
 /* ------------------------------------------------------------------ */
 
-/* Freed blocks are kept per device and handed out again for a request of
- * the same rounded size, like PyTorch's CUDA caching allocator. Without it
- * every scatter of a large array would map fresh pages and pay a page fault
- * per 4 KiB, which costs more than the copy itself. */
+/* Freed blocks are kept per device by the caching allocator (alloc.h: size
+ * classes, a bound of min($DPMINI_CACHE_LIMIT, peak allocated bytes +
+ * 32 MiB) per device, one mutex per device). This file gives it host memory: blocks of
+ * DP_MMAP_MIN bytes and more are mapped and unmapped directly, so that
+ * evicted blocks and empty_cache() hand memory back to the system (glibc's
+ * heap would keep it: its mmap threshold grows as large blocks are freed). */
 
 #define DP_ALIGN 64
 #define DP_HUGE_ALIGN ((size_t)2 << 20)            /* 2 MiB: transparent huge pages */
-#define DP_CACHE_LIMIT_DEFAULT ((size_t)1 << 30)   /* bytes cached per device; the
+#define DP_MMAP_MIN ((size_t)256 << 10)            /* blocks this large are mmap'ed */
+#define DP_CACHE_LIMIT_DEFAULT ((size_t)1 << 30)   /* bytes cached per device at most; the
                                                       $DPMINI_CACHE_LIMIT default */
+#define DP_CACHE_SLACK ((size_t)32 << 20)          /* cached above the peak (alloc.h) */
 
-typedef struct dp_block {
-    struct dp_block *next;
-    void *ptr;
-    size_t size;     /* rounded size, bytes */
-} dp_block;
-
-typedef struct {
-    dp_block *free_list;  /* cached blocks, most recently freed first     */
-    size_t allocated;     /* bytes handed out and not yet freed (rounded) */
-    size_t cached;        /* bytes sitting in free_list                   */
-} dp_heap;
-
-/* Slot 0 is the host; 1 + index for virtual CPU devices. CUDA memory lives
- * in cuda/ and is accounted there. */
-static dp_heap heaps[1 + DP_POOL_MAX_INDEX];
-static pthread_mutex_t heap_mu = PTHREAD_MUTEX_INITIALIZER;
-/* Set once, with the GIL held, by the first dp_buffer_new (before any block
- * can be freed); read by raw_free under heap_mu. */
+/* Slot 0 is the host; 1 + index for virtual CPU devices. CUDA memory has
+ * its own caches in gpu.c. */
+static dp_cache heaps[1 + DP_POOL_MAX_INDEX];
+static pthread_once_t heaps_once = PTHREAD_ONCE_INIT;
+/* Set once, with the GIL held, by the first dp_buffer_new. */
 static size_t cache_limit = DP_CACHE_LIMIT_DEFAULT;
 static int cache_limit_read;
 
-static dp_heap *heap_of(dp_device d)
+static int host_block_alloc(void *ctx, size_t size, void **out, void *err)
 {
+    (void)ctx;
+    (void)err;
+    if (size < DP_MMAP_MIN) {
+        return posix_memalign(out, DP_ALIGN, size) == 0 ? DP_ALLOC_OK : DP_ALLOC_OOM;
+    }
+    /* Class sizes from DP_MMAP_MIN up are multiples of 64 KiB, so of the
+     * page size. From DP_HUGE_ALIGN up, map 2 MiB more and unmap the ends so
+     * that the block starts on a huge-page boundary. */
+    size_t extra = size >= DP_HUGE_ALIGN ? DP_HUGE_ALIGN : 0;
+    char *base = mmap(NULL, size + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (base == MAP_FAILED) {
+        return DP_ALLOC_OOM;
+    }
+    char *p = base;
+    if (extra) {
+        p = (char *)(((uintptr_t)base + DP_HUGE_ALIGN - 1) & ~(uintptr_t)(DP_HUGE_ALIGN - 1));
+        if (p > base) {
+            (void)munmap(base, (size_t)(p - base));
+        }
+        if (p + size < base + size + extra) {
+            (void)munmap(p + size, (size_t)(base + size + extra - (p + size)));
+        }
+#ifdef MADV_HUGEPAGE
+        (void)madvise(p, size, MADV_HUGEPAGE); /* a hint: fewer page faults */
+#endif
+    }
+    *out = p;
+    return DP_ALLOC_OK;
+}
+
+static void host_block_release(void *ctx, void *p, size_t size)
+{
+    (void)ctx;
+    if (size < DP_MMAP_MIN) {
+        free(p);
+    } else {
+        (void)munmap(p, size);
+    }
+}
+
+static void init_heaps(void)
+{
+    dp_alloc_backend be = {host_block_alloc, host_block_release, NULL};
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        /* a default mutex attribute cannot fail on Linux */
+        (void)dp_cache_init(&heaps[i], be, cache_limit, DP_CACHE_SLACK);
+    }
+}
+
+static dp_cache *heap_of(dp_device d)
+{
+    pthread_once(&heaps_once, init_heaps);
     if (d.kind == DP_HOST) {
         return &heaps[0];
     }
@@ -63,17 +112,6 @@ static dp_heap *heap_of(dp_device d)
         return &heaps[1 + d.index];
     }
     return NULL;
-}
-
-static size_t round_size(size_t n)
-{
-    if (n < 512) {
-        return 512;
-    }
-    if (n < ((size_t)1 << 20)) {
-        return (n + 511) & ~(size_t)511;
-    }
-    return (n + ((size_t)1 << 16) - 1) & ~(((size_t)1 << 16) - 1);
 }
 
 /* Test hook (dpmini._dpmini._fail_alloc_after, docs/reliability.md): when
@@ -99,78 +137,20 @@ static int fail_alloc_now(void)
  * error is set, callers raise MemoryError). */
 static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
 {
-    dp_heap *h = heap_of(d);
-    size_t size = round_size(nbytes);
+    dp_cache *h = heap_of(d);
     void *p = NULL;
     if (h == NULL || fail_alloc_now()) {
         return NULL;
     }
-    pthread_mutex_lock(&heap_mu);
-    for (dp_block **link = &h->free_list; *link; link = &(*link)->next) {
-        if ((*link)->size == size) {
-            dp_block *b = *link;
-            *link = b->next;
-            h->cached -= size;
-            h->allocated += size;
-            p = b->ptr;
-            free(b);
-            break;
-        }
-    }
-    pthread_mutex_unlock(&heap_mu);
-    if (p != NULL) {
-        *rounded = size;
-        return p;
-    }
-    size_t align = size >= DP_HUGE_ALIGN ? DP_HUGE_ALIGN : DP_ALIGN;
-    if (posix_memalign(&p, align, size) != 0) {
+    if (dp_cache_alloc(h, nbytes, &p, rounded, NULL) != DP_ALLOC_OK) {
         return NULL;
     }
-#ifdef MADV_HUGEPAGE
-    if (align == DP_HUGE_ALIGN) {
-        (void)madvise(p, size, MADV_HUGEPAGE); /* a hint: fewer page faults */
-    }
-#endif
-    pthread_mutex_lock(&heap_mu);
-    h->allocated += size;
-    pthread_mutex_unlock(&heap_mu);
-    *rounded = size;
     return p;
 }
 
 static void raw_free(dp_device d, void *p, size_t size)
 {
-    dp_heap *h = heap_of(d);
-    dp_block *b = malloc(sizeof *b);
-    pthread_mutex_lock(&heap_mu);
-    h->allocated -= size;
-    if (b != NULL && h->cached + size <= cache_limit) {
-        b->ptr = p;
-        b->size = size;
-        b->next = h->free_list;
-        h->free_list = b;
-        h->cached += size;
-        p = NULL;
-        b = NULL;
-    }
-    pthread_mutex_unlock(&heap_mu);
-    free(b);
-    free(p);
-}
-
-static void release_cache(dp_heap *h)
-{
-    pthread_mutex_lock(&heap_mu);
-    dp_block *b = h->free_list;
-    h->free_list = NULL;
-    h->cached = 0;
-    pthread_mutex_unlock(&heap_mu);
-    while (b != NULL) {
-        dp_block *next = b->next;
-        free(b->ptr);
-        free(b);
-        b = next;
-    }
+    dp_cache_free(heap_of(d), p, size);
 }
 
 /* ------------------------------------------------------------------ */
@@ -249,6 +229,10 @@ static int read_cache_limit(void)
                                 getenv("DPMINI_CACHE_LIMIT"), (size_t)DP_CACHE_LIMIT_DEFAULT);
     }
     cache_limit = (size_t)v;
+    pthread_once(&heaps_once, init_heaps);
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        dp_cache_set_limit(&heaps[i], cache_limit);
+    }
     return 0;
 }
 
@@ -934,7 +918,7 @@ static int gpu_memory_arg(dp_state *st, PyObject *obj, size_t *alloc, size_t *re
     return 1;
 }
 
-static int heap_arg(dp_state *st, PyObject *obj, dp_heap **out)
+static int heap_arg(dp_state *st, PyObject *obj, dp_cache **out)
 {
     dp_device d;
     if (dp_device_from_object(st, obj, "device", DP_DEV_ALLOW_HOST, &d) < 0) {
@@ -950,7 +934,7 @@ static int heap_arg(dp_state *st, PyObject *obj, dp_heap **out)
 
 static PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
 {
-    dp_heap *h;
+    dp_cache *h;
     size_t ga, gr;
     int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
     if (g != 0) {
@@ -959,15 +943,12 @@ static PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
     if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
         return NULL;
     }
-    pthread_mutex_lock(&heap_mu);
-    size_t v = h->allocated;
-    pthread_mutex_unlock(&heap_mu);
-    return PyLong_FromSize_t(v);
+    return PyLong_FromSize_t(dp_cache_get_stats(h).allocated);
 }
 
 static PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
 {
-    dp_heap *h;
+    dp_cache *h;
     size_t ga, gr;
     int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
     if (g != 0) {
@@ -976,18 +957,34 @@ static PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
     if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
         return NULL;
     }
-    pthread_mutex_lock(&heap_mu);
-    size_t v = h->allocated + h->cached;
-    pthread_mutex_unlock(&heap_mu);
-    return PyLong_FromSize_t(v);
+    dp_cache_stats cs = dp_cache_get_stats(h);
+    return PyLong_FromSize_t(cs.allocated + cs.cached);
+}
+
+static PyObject *py_cache_stats(PyObject *m, PyObject *arg)
+{
+    dp_cache *h;
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    dp_cache_stats cs = dp_cache_get_stats(h);
+    return Py_BuildValue("{snsnsnsnsnsnsKsKsK}", "allocated", (Py_ssize_t)cs.allocated,
+                         "cached", (Py_ssize_t)cs.cached, "peak", (Py_ssize_t)cs.peak,
+                         "blocks", (Py_ssize_t)cs.nblocks, "limit", (Py_ssize_t)cs.limit,
+                         "slack", (Py_ssize_t)cs.slack, "hits", cs.hits,
+                         "misses", cs.misses, "evictions", cs.evictions);
 }
 
 static PyObject *py_empty_cache(PyObject *m, PyObject *unused)
 {
-    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
-        release_cache(&heaps[i]);
-    }
+    pthread_once(&heaps_once, init_heaps);
     Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        dp_cache_empty(&heaps[i]);
+    }
+#ifdef __GLIBC__
+    malloc_trim(0);   /* blocks below DP_MMAP_MIN came from glibc's heap */
+#endif
     dp_gpu_empty_cache();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1008,6 +1005,10 @@ PyMethodDef dp_device_methods[] = {
      "_fail_alloc_after(n) -> int\n\nTest hook: let n more device allocations succeed, "
      "then fail the next one (MemoryError); n < 0 turns it off. Returns the previous "
      "count (-1 when none was pending, e.g. once the failure has fired)."},
+    {"_cache_stats", py_cache_stats, METH_O,
+     "_cache_stats(device) -> dict\n\nFor tests and benchmarks: the caching allocator's counters "
+     "for a host or virtual CPU device: allocated, cached, peak, limit, slack (bytes), blocks (cached), "
+     "hits, misses, evictions. Errors: as memory_allocated; ValueError for a CUDA device."},
     {"device_count", py_device_count, METH_NOARGS,
      "device_count()\n--\n\nReturns an int: the number of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},

@@ -21,6 +21,7 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "env.h"
+#include "alloc.h"
 #include "pool.h"
 
 #include <stdlib.h>
@@ -77,98 +78,65 @@ int dp_gpu_raise(dp_state *st, dpc_status s, const char *op)
 /* Caching allocator                                                   */
 /* ------------------------------------------------------------------ */
 
-typedef struct gblock {
-    struct gblock *next;
-    void *ptr;
-    size_t size;       /* rounded bytes */
-} gblock;
+/* One cache per GPU (alloc.h): the same size classes and bound as host
+ * memory, with no hard limit (as PyTorch) but the peak + 32 MiB bound, and
+ * cudaMalloc / cudaFree (through cuda_api.h) as the backend. */
+#define GPU_CACHE_SLACK ((size_t)32 << 20)
 
-typedef struct {
-    gblock *free_list; /* cached blocks, most recently freed first */
-    size_t allocated;  /* rounded bytes handed out                 */
-    size_t cached;     /* rounded bytes in free_list               */
-} gheap;
+static dp_cache gcaches[DP_GPU_MAX];
+static int gdevs[DP_GPU_MAX];          /* backend contexts: the device index */
+static pthread_once_t gcaches_once = PTHREAD_ONCE_INIT;
 
-static gheap gheaps[DP_GPU_MAX];
-static pthread_mutex_t gheap_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static size_t g_round(size_t n)
+/* err: a dpc_status * for the failure's details. */
+static int gpu_block_alloc(void *ctx, size_t size, void **out, void *err)
 {
-    if (n < ((size_t)1 << 20)) {
-        return n < 512 ? 512 : (n + 511) & ~(size_t)511;
+    dpc_status s = dpc_malloc(*(int *)ctx, size, out);
+    *(dpc_status *)err = s;
+    if (s.code == 0) {
+        return DP_ALLOC_OK;
     }
-    return (n + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
+    return s.oom ? DP_ALLOC_OOM : 2;
 }
 
-static void release_dev_cache(int dev)
+static void gpu_block_release(void *ctx, void *ptr, size_t size)
 {
-    pthread_mutex_lock(&gheap_mu);
-    gblock *b = gheaps[dev].free_list;
-    gheaps[dev].free_list = NULL;
-    gheaps[dev].cached = 0;
-    pthread_mutex_unlock(&gheap_mu);
-    while (b != NULL) {
-        gblock *next = b->next;
-        (void)dpc_free(dev, b->ptr);
-        free(b);
-        b = next;
+    (void)size;
+    (void)dpc_free(*(int *)ctx, ptr);
+}
+
+static void init_gcaches(void)
+{
+    for (int d = 0; d < DP_GPU_MAX; d++) {
+        gdevs[d] = d;
+        dp_alloc_backend be = {gpu_block_alloc, gpu_block_release, &gdevs[d]};
+        (void)dp_cache_init(&gcaches[d], be, SIZE_MAX, GPU_CACHE_SLACK);
     }
+}
+
+static dp_cache *gcache(int dev)
+{
+    pthread_once(&gcaches_once, init_gcaches);
+    return &gcaches[dev];
 }
 
 dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded)
 {
-    size_t size = g_round(nbytes);
     if (dev < 0 || dev >= DP_GPU_MAX) {
         return dpc_fail(DPC_LIB_DPMINI, 1, 0, dev, "dp_gpu_alloc", __FILE__, __LINE__,
                         "device index out of range");
     }
-    pthread_mutex_lock(&gheap_mu);
-    for (gblock **l = &gheaps[dev].free_list; *l; l = &(*l)->next) {
-        if ((*l)->size == size) {
-            gblock *b = *l;
-            *l = b->next;
-            gheaps[dev].cached -= size;
-            gheaps[dev].allocated += size;
-            pthread_mutex_unlock(&gheap_mu);
-            *out = b->ptr;
-            *rounded = size;
-            free(b);
-            return dpc_ok();
-        }
+    dpc_status s = dpc_ok();
+    int rc = dp_cache_alloc(gcache(dev), nbytes, out, rounded, &s);
+    if (rc != DP_ALLOC_OK && s.code == 0) {   /* the size cannot be rounded */
+        s = dpc_fail(DPC_LIB_DPMINI, 2, 1, dev, "dp_gpu_alloc", __FILE__, __LINE__,
+                     "allocation size too large");
     }
-    pthread_mutex_unlock(&gheap_mu);
-    dpc_status s = dpc_malloc(dev, size, out);
-    if (s.code != 0 && s.oom) {
-        release_dev_cache(dev); /* as PyTorch: free the cache, try once more */
-        s = dpc_malloc(dev, size, out);
-    }
-    if (s.code != 0) {
-        return s;
-    }
-    pthread_mutex_lock(&gheap_mu);
-    gheaps[dev].allocated += size;
-    pthread_mutex_unlock(&gheap_mu);
-    *rounded = size;
-    return dpc_ok();
+    return rc == DP_ALLOC_OK ? dpc_ok() : s;
 }
 
 void dp_gpu_free(int dev, void *p, size_t rounded)
 {
-    gblock *b = malloc(sizeof *b);
-    pthread_mutex_lock(&gheap_mu);
-    gheaps[dev].allocated -= rounded;
-    if (b != NULL) {
-        b->ptr = p;
-        b->size = rounded;
-        b->next = gheaps[dev].free_list;
-        gheaps[dev].free_list = b;
-        gheaps[dev].cached += rounded;
-        p = NULL;
-    }
-    pthread_mutex_unlock(&gheap_mu);
-    if (p != NULL) {
-        (void)dpc_free(dev, p);
-    }
+    dp_cache_free(gcache(dev), p, rounded);
 }
 
 long dp_gpu_stat_export_syncs;
@@ -184,9 +152,7 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded)
     dpc_status s = dpc_device_sync(dev);
     __atomic_add_fetch(&dp_gpu_stat_export_syncs, 1, __ATOMIC_RELAXED);
     if (s.code != 0) {
-        pthread_mutex_lock(&gheap_mu);
-        gheaps[dev].allocated -= rounded;
-        pthread_mutex_unlock(&gheap_mu);
+        dp_cache_forget(gcache(dev), rounded);
         return;
     }
     dp_gpu_free(dev, p, rounded);
@@ -194,17 +160,16 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded)
 
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved)
 {
-    pthread_mutex_lock(&gheap_mu);
-    *allocated = gheaps[dev].allocated;
-    *reserved = gheaps[dev].allocated + gheaps[dev].cached;
-    pthread_mutex_unlock(&gheap_mu);
+    dp_cache_stats st = dp_cache_get_stats(gcache(dev));
+    *allocated = st.allocated;
+    *reserved = st.allocated + st.cached;
 }
 
 void dp_gpu_empty_cache(void)
 {
     int n = dpc_device_count();
     for (int d = 0; d < n && d < DP_GPU_MAX; d++) {
-        release_dev_cache(d);
+        dp_cache_empty(gcache(d));
     }
 }
 

@@ -14,6 +14,7 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 
+#include <errno.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------ */
@@ -22,6 +23,31 @@
 
 #define DP_WAIT_SLICE_MS 50              /* signal checks while waiting  */
 #define DP_SMALL_JOBS 8                  /* replicas without heap memory */
+
+/* A new thread state for the calling thread, bound as its GILState state;
+ * NULL when out of memory. CPython 3.11's PyThreadState_New dereferences
+ * the state it failed to allocate (its _PyThreadState_SetCurrent has no NULL
+ * check), so there it is the same two steps with the check; 3.10 and 3.12+
+ * check themselves. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+PyAPI_FUNC(void) _PyThreadState_SetCurrent(PyThreadState *tstate); /* exported, internal header */
+static PyThreadState *new_thread_state(PyInterpreterState *interp)
+{
+    PyThreadState *ts = _PyThreadState_Prealloc(interp);
+    if (ts != NULL) {
+        _PyThreadState_SetCurrent(ts);
+    }
+    return ts;
+}
+#else
+#define new_thread_state(interp) PyThreadState_New(interp)
+#endif
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define DP_IS_FINALIZING() Py_IsFinalizing()
+#else
+#define DP_IS_FINALIZING() _Py_IsFinalizing()
+#endif
 
 /* One replica call of parallel_apply. Owned by the caller (on its stack or
  * PyMem); a worker touches it only while the caller waits for the batch. */
@@ -40,12 +66,22 @@ typedef struct {
     int on_worker;         /* 1: submitted to the device worker; 0: inline    */
     int cancelled;         /* caller (GIL held): skip the call if not started */
     int interrupted;       /* caller (GIL held): an async exception was sent  */
+    int no_tstate;         /* worker: no Python thread state could be made    */
+    PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
 } apply_job;
 
-/* Per thread: the worker keeps its Python thread state between jobs, and
- * a replica running on a worker runs nested parallel_apply calls inline. */
-static _Thread_local int tl_gil_pinned;
-static _Thread_local int tl_replica_depth;
+/* Per worker thread, in the pool's worker-local ints (pool.h; no
+ * _Thread_local, see there): WL_PINNED, the worker keeps its Python thread
+ * state between jobs; WL_DEPTH, replicas running in this thread (a replica
+ * running on a worker runs nested parallel_apply calls inline). */
+enum { WL_PINNED = 0, WL_DEPTH = 1 };
+
+/* Replicas running in the calling thread (0 on threads that are not workers). */
+static int replica_depth(void)
+{
+    int *wl = dp_pool_worker_local();
+    return wl != NULL ? wl[WL_DEPTH] : 0;
+}
 
 /* ------------------------------------------------------------------ */
 /* Helpers: exceptions                                                 */
@@ -261,22 +297,55 @@ int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out)
 /* Helpers: parallel_apply                                             */
 /* ------------------------------------------------------------------ */
 
+/* pool.c calls this in a worker thread that exits (idle, or dp_pool_trim):
+ * delete the thread state apply_job_main made for it. Ensure takes the GIL
+ * (count 2); the first Release keeps it (count 1), the second drops the
+ * count to 0, which clears and deletes the state and releases the GIL.
+ * Skipped during and after finalization, when taking the GIL would stop the
+ * thread (or there is no interpreter left). */
+static void worker_exit(void)
+{
+    int *wl = dp_pool_worker_local();
+    if (wl == NULL || !wl[WL_PINNED]) {
+        return;
+    }
+    wl[WL_PINNED] = 0;
+    if (DP_IS_FINALIZING() || !Py_IsInitialized()) {
+        return;
+    }
+    (void)PyGILState_Ensure();
+    PyGILState_Release(PyGILState_LOCKED);
+    PyGILState_Release(PyGILState_UNLOCKED);
+}
+
 /* Runs on the worker of job->dev (pool.c): takes the GIL, enters the
  * caller's context copy, calls the replica, records the outcome. */
 static void apply_job_main(void *arg)
 {
     apply_job *job = arg;
-    PyGILState_STATE g = PyGILState_Ensure();
-    if (!tl_gil_pinned) {
-        /* One extra, never released: the thread state outlives the job, so
-         * the next job does not create and destroy one again. */
-        (void)PyGILState_Ensure();
-        tl_gil_pinned = 1;
+    int *wl = dp_pool_worker_local();
+    int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
+    if (wl == NULL) {
+        wl = unpinned;
     }
+    if (!wl[WL_PINNED]) {
+        /* The thread's first job: make its thread state here, where a
+         * failure (out of memory) can be reported, rather than inside
+         * PyGILState_Ensure, which ends the process with a fatal error. The
+         * state is the thread's GILState state with a count of one that is
+         * never released, so it outlives the job and the next job does not
+         * create and destroy one again. */
+        if (new_thread_state(job->interp) == NULL) {
+            job->no_tstate = 1;   /* read by the caller after the batch wait */
+            return;
+        }
+        wl[WL_PINNED] = 1;
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
     if (!job->cancelled) {
         job->ident = PyThread_get_thread_ident();
         job->state = JOB_RUNNING;
-        tl_replica_depth++;
+        wl[WL_DEPTH]++;
         /* A replica on a GPU runs with that GPU current, so CuPy / PyTorch
          * code in the module allocates and launches on its device. */
         dpc_status cs = job->dev.kind == DP_CUDA ? dpc_set_device(job->dev.index) : dpc_ok();
@@ -304,7 +373,7 @@ static void apply_job_main(void *arg)
                 }
             }
         }
-        tl_replica_depth--;
+        wl[WL_DEPTH]--;
         if (job->interrupted) {
             /* An injected exception that arrived after the call returned
              * must not fire in this worker's next job. */
@@ -344,12 +413,49 @@ static void interrupt_jobs(apply_job *jobs, Py_ssize_t m, PyObject *exc_type)
     }
 }
 
+/* Refuse (RuntimeError) a call with more worker replicas on one device
+ * than that device has threads (DP_POOL_MAX_THREADS): replicas may wait on
+ * each other (a barrier), so a replica left queued behind the others could
+ * deadlock the call. Below the cap the device starts a thread per replica. */
+static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
+{
+    if (m <= DP_POOL_MAX_THREADS) {
+        return 0;
+    }
+    int *count = PyMem_Calloc(2 * DP_POOL_MAX_INDEX, sizeof *count);
+    if (count == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < m && rc == 0; i++) {
+        const apply_job *job = &jobs[i];
+        int slot = (job->dev.kind == DP_CUDA ? DP_POOL_MAX_INDEX : 0) + job->dev.index;
+        if (!job->on_worker || job->dev.index < 0 || job->dev.index >= DP_POOL_MAX_INDEX) {
+            continue;
+        }
+        if (++count[slot] > DP_POOL_MAX_THREADS) {
+            char devbuf[32];
+            dp_device_format(job->dev, devbuf, sizeof devbuf);
+            PyErr_Format(PyExc_RuntimeError,
+                         "parallel_apply: more than %d replicas on device %s (replica %zd is "
+                         "one too many): replicas of one call run at the same time, one "
+                         "worker thread each, and a device has at most %d threads; use fewer "
+                         "replicas per device", DP_POOL_MAX_THREADS, devbuf, i,
+                         DP_POOL_MAX_THREADS);
+            rc = -1;
+        }
+    }
+    PyMem_Free(count);
+    return rc;
+}
+
 /* Run the m prepared jobs and return their results as a list, in replica
  * order; on failure re-raise the first failing replica's error (spec 6.5). */
 static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
 {
     dp_batch batch;
-    int have_batch = 0, nsubmitted = 0, nested = tl_replica_depth > 0;
+    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0;
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
     char devbuf[32];
@@ -358,6 +464,17 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
         apply_job *job = &jobs[i];
         job->on_worker = !(m == 1 || nested || job->dev.kind == DP_HOST ||
                            dp_pool_on_worker(job->dev.kind, job->dev.index));
+        job->interp = PyThreadState_GetInterpreter(PyThreadState_Get());
+        if (job->on_worker && DP_IS_FINALIZING()) {
+            /* A worker taking the GIL now would be stopped by CPython for
+             * good (it exits threads that are not the finalizing one), so
+             * the call would never return: refuse it, as concurrent.futures
+             * refuses new work after interpreter shutdown. */
+            PyErr_SetString(PyExc_RuntimeError,
+                            "parallel_apply: cannot run replicas on worker threads during "
+                            "interpreter shutdown (sys.is_finalizing() is true)");
+            return NULL;
+        }
         if (job->on_worker && !have_batch) {
             int rc = dp_batch_init(&batch);
             if (rc != 0) {
@@ -366,7 +483,12 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
                 return NULL;
             }
             have_batch = 1;
+            dp_pool_set_exit_hook(worker_exit);
         }
+    }
+    if (have_batch && check_threads_per_device(jobs, m) < 0) {
+        dp_batch_destroy(&batch);
+        return NULL;
     }
     /* Queue the worker jobs first, then run the inline ones meanwhile. */
     for (Py_ssize_t i = 0; i < m && abort == NULL; i++) {
@@ -384,9 +506,18 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
         int rc = dp_batch_submit(&batch, job->dev.kind, job->dev.index, apply_job_main, job);
         if (rc != 0) {
             dp_device_format(job->dev, devbuf, sizeof devbuf);
-            PyErr_Format(PyExc_RuntimeError,
-                         "parallel_apply: cannot queue replica %zd on the worker of device %s (%s)",
-                         i, devbuf, strerror(rc));
+            if (rc == EAGAIN || rc == ENOMEM) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "parallel_apply: cannot start a worker thread for replica %zd on "
+                             "device %s (%s: the process is out of memory, address space or "
+                             "threads); no replica of this call is left running",
+                             i, devbuf, strerror(rc));
+                trim = 1;
+            } else {
+                PyErr_Format(PyExc_RuntimeError,
+                             "parallel_apply: cannot queue replica %zd on the worker of device "
+                             "%s (%s)", i, devbuf, strerror(rc));
+            }
             job->on_worker = 0;
             job->cancelled = 1;
             abort = take_exception();
@@ -434,11 +565,26 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
     if (have_batch) {
         dp_batch_destroy(&batch);
     }
+    if (trim) {
+        /* Let idle workers go, so that the threads this failed call started
+         * give their stacks back and the next call has room. */
+        dp_pool_trim();
+        Py_BEGIN_ALLOW_THREADS   /* their exit hooks take the GIL */
+        (void)dp_pool_trim_wait(2000);
+        Py_END_ALLOW_THREADS
+    }
     if (abort != NULL) {
         restore_exception(abort);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
+        if (jobs[i].no_tstate) {
+            dp_device_format(jobs[i].dev, devbuf, sizeof devbuf);
+            PyErr_Format(PyExc_MemoryError,
+                         "parallel_apply: out of memory making a Python thread state for "
+                         "replica %zd's worker thread on device %s", i, devbuf);
+            return NULL;
+        }
         if (jobs[i].exc != NULL) {
             raise_replica_error(st, jobs[i].exc, i, jobs[i].dev);
             return NULL;
@@ -637,7 +783,12 @@ PyDoc_STRVAR(parallel_apply_doc,
 "failing replica (lowest index) is re-raised with its type and the message\n"
 "'Caught T in replica i on device d.\\nOriginal Traceback (most recent call\n"
 "last):\\n...', the original exception as __cause__ (RuntimeError when T\n"
-"cannot be built from one string).");
+"cannot be built from one string). RuntimeError, before any replica runs,\n"
+"for more than 1024 replicas on one device (they run at once, one worker\n"
+"thread each) and for a call during interpreter finalization\n"
+"(sys.is_finalizing(); as concurrent.futures); RuntimeError when a worker\n"
+"thread cannot be started (out of memory, address space or threads) and\n"
+"MemoryError when its Python thread state cannot be made.");
 
 static PyObject *dp_parallel_apply(PyObject *mod, PyObject *args, PyObject *kwargs)
 {

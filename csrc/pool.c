@@ -54,6 +54,8 @@ typedef struct {
     job_node *head, *tail;   /* guarded by mu; head also read as a spin hint */
     int nqueued;             /* jobs in the queue; guarded by mu */
     int nthreads;            /* threads started and not exited; guarded by mu */
+    int ntrim;               /* idle threads asked to exit (dp_pool_trim);
+                                guarded by mu */
     int nidle;               /* of those, the ones not running a job (spinning,
                                 waiting or about to take one); guarded by mu.
                                 Invariant: every idle thread takes a queued job
@@ -63,14 +65,31 @@ typedef struct {
 } slot;
 
 static slot slots[NKINDS][DP_POOL_MAX_INDEX];
+static dp_exit_hook_fn exit_hook;   /* set once, before workers start */
+static int ntrimming;               /* threads leaving for dp_pool_trim (atomic) */
 static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
+static void init_slots(void);
 /* Bumped in the fork child. A worker that finds it changed after its job is
  * the thread that called fork() inside that job, now alone in the child: it
  * must not touch the batch (its mutex may be stuck locked) and it stops,
  * which ends the child with status 0 unless the job exited or exec'd. */
 static unsigned fork_gen;
 
-static _Thread_local int tl_kind, tl_index = -1;
+
+/* What a worker keeps on its stack; found through worker_key. */
+typedef struct {
+    slot *s;
+    int local[2];   /* dp_pool_worker_local */
+} worker_self;
+
+static pthread_key_t worker_key;   /* -> the worker's worker_self; made in init_slots */
+static int worker_key_ok;          /* 0 when the key could not be made */
+
+static worker_self *self_of_thread(void)
+{
+    pthread_once(&slots_once, init_slots);
+    return worker_key_ok ? pthread_getspecific(worker_key) : NULL;
+}
 
 static inline void cpu_relax(void)
 {
@@ -122,6 +141,7 @@ static void reset_slots(void)
             s->nqueued = 0;
             s->nthreads = 0;
             s->nidle = 0;
+            s->ntrim = 0;
             s->kind = k + 1;
             s->index = i;
         }
@@ -134,13 +154,15 @@ static void reset_slots(void)
 static void atfork_child(void)
 {
     reset_slots();
+    ntrimming = 0;     /* threads the parent was trimming are not here */
     fork_gen++;
-    tl_kind = 0;       /* the forking thread is no longer any slot's worker */
-    tl_index = -1;
+    if (worker_key_ok)   /* the forking thread is no longer any slot's worker */
+        (void)pthread_setspecific(worker_key, NULL);
 }
 
 static void init_slots(void)
 {
+    worker_key_ok = pthread_key_create(&worker_key, NULL) == 0;
     reset_slots();
     pthread_atfork(NULL, NULL, atfork_child);
 }
@@ -170,8 +192,14 @@ static void *worker_main(void *p)
 {
     slot *s = p;
     unsigned gen = fork_gen;
-    tl_kind = s->kind;
-    tl_index = s->index;
+    int trimmed = 0;
+    worker_self self = {s, {0, 0}};
+    /* Keys below PTHREAD_KEY_2NDLEVEL_SIZE (32) need no memory; a later key
+     * may fail with ENOMEM, and then this thread does not know it is a
+     * worker: its jobs' nested work goes to the pool instead of inline,
+     * which still works below DP_POOL_MAX_THREADS. */
+    if (worker_key_ok)
+        (void)pthread_setspecific(worker_key, &self);
     for (;;) {
         long long spin_end = now_ns() + WORKER_SPIN_NS;
         unsigned n = 0;
@@ -182,6 +210,14 @@ static void *worker_main(void *p)
         }
         pthread_mutex_lock(&s->mu);
         while (!s->head) {
+            if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
+                s->ntrim--;
+                s->nthreads--;
+                s->nidle--;
+                trimmed = 1;
+                pthread_mutex_unlock(&s->mu);
+                goto leave;
+            }
             if (s->nthreads <= DP_POOL_KEEP_THREADS) {
                 pthread_cond_wait(&s->cv, &s->mu);
                 continue;
@@ -196,7 +232,7 @@ static void *worker_main(void *p)
                 s->nthreads--;
                 s->nidle--;
                 pthread_mutex_unlock(&s->mu);
-                return NULL;
+                goto leave;
             }
         }
         job_node *j = s->head;
@@ -220,6 +256,17 @@ static void *worker_main(void *p)
         pthread_mutex_unlock(&s->mu);
         finish_job(b);
     }
+leave:
+    {
+        dp_exit_hook_fn hook = __atomic_load_n(&exit_hook, __ATOMIC_ACQUIRE);
+        if (hook != NULL)
+            hook();
+    }
+    if (worker_key_ok)
+        (void)pthread_setspecific(worker_key, NULL);
+    if (trimmed)
+        __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
+    return NULL;
 }
 
 /* Called with s->mu held. */
@@ -355,12 +402,19 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
 
 int dp_pool_on_worker(int kind, int index)
 {
-    return tl_index >= 0 && tl_kind == kind && tl_index == index;
+    worker_self *w = self_of_thread();
+    return w != NULL && w->s->kind == kind && w->s->index == index;
 }
 
 int dp_pool_in_worker(void)
 {
-    return tl_index >= 0;
+    return self_of_thread() != NULL;
+}
+
+int *dp_pool_worker_local(void)
+{
+    worker_self *w = self_of_thread();
+    return w != NULL ? w->local : NULL;
 }
 
 int dp_pool_threads(int kind, int index)
@@ -372,4 +426,40 @@ int dp_pool_threads(int kind, int index)
     int n = s->nthreads;
     pthread_mutex_unlock(&s->mu);
     return n;
+}
+
+void dp_pool_set_exit_hook(dp_exit_hook_fn fn)
+{
+    __atomic_store_n(&exit_hook, fn, __ATOMIC_RELEASE);
+}
+
+void dp_pool_trim(void)
+{
+    pthread_once(&slots_once, init_slots);
+    for (int k = 0; k < NKINDS; k++)
+        for (int i = 0; i < DP_POOL_MAX_INDEX; i++) {
+            slot *s = &slots[k][i];
+            pthread_mutex_lock(&s->mu);
+            /* Idle threads not needed for queued jobs; at most that many
+             * wake to leave, so a queued job keeps its thread. */
+            int spare = s->nidle - s->nqueued - s->ntrim;
+            if (spare > 0) {
+                s->ntrim += spare;
+                __atomic_add_fetch(&ntrimming, spare, __ATOMIC_RELAXED);
+                pthread_cond_broadcast(&s->cv);
+            }
+            pthread_mutex_unlock(&s->mu);
+        }
+}
+
+int dp_pool_trim_wait(long timeout_ms)
+{
+    long long end = now_ns() + timeout_ms * 1000000LL;
+    struct timespec ms = {0, 1000000L};
+    while (__atomic_load_n(&ntrimming, __ATOMIC_ACQUIRE) > 0) {
+        if (now_ns() > end)
+            return 0;
+        nanosleep(&ms, NULL);
+    }
+    return 1;
 }

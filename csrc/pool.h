@@ -32,8 +32,10 @@
 
 /* Threads per device: at most DP_POOL_MAX_THREADS run jobs at once; the
  * first DP_POOL_KEEP_THREADS stay when idle, the others exit after ~10 s
- * without work. */
-#define DP_POOL_MAX_THREADS 64
+ * without work. parallel_apply refuses a call with more replicas on one
+ * device than this up front (they may wait on each other, so they must all
+ * run at once); 1024 threads of 8 MiB stack is 8 GiB of address space. */
+#define DP_POOL_MAX_THREADS 1024
 #define DP_POOL_KEEP_THREADS 4
 
 typedef void (*dp_job_fn)(void *arg);
@@ -61,6 +63,33 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg);
 /* Wait until every job of the batch has finished. timeout_ms < 0 waits
  * forever. Returns 1 when all are finished, 0 on timeout. */
 int dp_batch_wait(dp_batch *b, long timeout_ms);
+
+/* Ask every idle worker thread of every device to exit (they release their
+ * stacks); devices start threads again on demand. parallel_apply calls it
+ * when a thread could not be started (out of memory or threads), so that a
+ * failed call does not keep the address space it took. Returns at once. */
+void dp_pool_trim(void);
+/* Wait until the threads dp_pool_trim asked to leave have run the exit hook
+ * and returned (their stacks go back to glibc's stack cache or the system),
+ * at most timeout_ms. Returns 1 when all have left, 0 on timeout. Call
+ * without locks that the exit hook takes (the GIL: see parallel_apply.c). */
+int dp_pool_trim_wait(long timeout_ms);
+
+/* A function every worker thread calls just before it exits (idle timeout
+ * or dp_pool_trim; not at process exit), e.g. to free its Python thread
+ * state. Set once, before the first job. */
+typedef void (*dp_exit_hook_fn)(void);
+void dp_pool_set_exit_hook(dp_exit_hook_fn fn);
+
+/* Two ints of per-thread storage for the code a worker runs (parallel_apply
+ * keeps its thread-state flag and nesting depth there), zero when the
+ * thread starts; NULL on threads that are not workers. The pool keeps no
+ * _Thread_local variables: glibc allocates a dlopen'ed library's
+ * thread-locals lazily, on a thread's first access, and aborts the process
+ * ("cannot allocate memory for thread-local data") when that allocation
+ * fails, so worker identity lives on the worker's stack, found through a
+ * pthread key (docs/reliability.md). */
+int *dp_pool_worker_local(void);
 
 /* True when the calling thread is a worker thread of (kind, index). */
 int dp_pool_on_worker(int kind, int index);

@@ -351,7 +351,7 @@ def cmd_info(out):
         "",
         "backends",
         "  CPU: built (virtual devices; one worker thread per device, more while its "
-        "jobs overlap, up to 64)",
+        "jobs overlap, up to 1024)",
         f"  CUDA: {('built (' + backend + ')') if has_cuda else 'not built'}",
         "",
         "versions",

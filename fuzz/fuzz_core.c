@@ -1,4 +1,5 @@
-/* fuzz_core.c - libFuzzer harness over the pure-C core: plan.c and copy.c.
+/* fuzz_core.c - libFuzzer harness over the pure-C core: plan.c, copy.c and
+ * alloc.c.
  *
  * Build and run: `make fuzz` (clang -fsanitize=fuzzer,address,undefined),
  * FUZZ_SECONDS=60 by default; seeds in fuzz/corpus/. The same file also
@@ -21,11 +22,21 @@
  *   4 dp_layout_is_dense / dp_dense_strides on arbitrary shapes and strides
  *     (no buffer): no UB, and when it says dense, the strides it implies are
  *     the input's.
+ *   5 the caching allocator (alloc.c; first byte 250..255, so that the
+ *     older seeds keep their targets): a sequence of alloc / free / empty /
+ *     set_limit on a book-keeping backend that may run out of memory. After
+ *     every step the cache's counts must match the live blocks and what the
+ *     backend has outstanding, the cache must hold at most
+ *     min(limit, peak + slack), a block must be of the request's class or
+ *     at most DP_ALLOC_FIT_CLASSES above,
+ *     no block may be handed out twice, and at the end every backend block
+ *     must have been released with the size it was allocated with.
  * Every broken invariant calls fail(), which prints and aborts, so libFuzzer
  * records the input as a crash.
  */
 #include "plan.h"
 #include "copy.h"
+#include "alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -488,11 +499,117 @@ static void fuzz_dense_any(reader *r)
 }
 
 /* ------------------------------------------------------------------ */
+/* 5: the caching allocator                                            */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    size_t live_bytes, live_blocks, cap;
+} books;
+
+static int books_alloc(void *ctx, size_t size, void **out, void *err)
+{
+    books *b = ctx;
+    (void)err;
+    if (size > b->cap || b->live_bytes > b->cap - size)
+        return DP_ALLOC_OOM;
+    size_t *p = malloc(sizeof *p);   /* a token standing for the block */
+    CHECK(p != NULL);
+    *p = size;
+    b->live_bytes += size;
+    b->live_blocks++;
+    *out = p;
+    return DP_ALLOC_OK;
+}
+
+static void books_release(void *ctx, void *ptr, size_t size)
+{
+    books *b = ctx;
+    CHECK(*(size_t *)ptr == size);
+    CHECK(b->live_blocks > 0 && b->live_bytes >= size);
+    b->live_bytes -= size;
+    b->live_blocks--;
+    free(ptr);
+}
+
+#define FUZZ_SLOTS 16
+
+static void fuzz_alloc(reader *r)
+{
+    books bk = {0, 0, 0};
+    dp_cache c;
+    void *ptr[FUZZ_SLOTS] = {0};
+    size_t rounded[FUZZ_SLOTS] = {0}, live = 0;
+    uint8_t capb = u8(r);
+    bk.cap = capb == 0 ? SIZE_MAX : (size_t)capb << (u8(r) % 40);
+    size_t limit = (size_t)i64(r);
+    size_t slack = (size_t)u8(r) << (u8(r) % 64);
+    dp_alloc_backend be = {books_alloc, books_release, &bk};
+    CHECK(dp_cache_init(&c, be, limit, slack) == 0);
+    for (int step = 0; step < 256 && r->n > 0; step++) {
+        uint8_t op = u8(r);
+        int i = (op >> 2) % FUZZ_SLOTS;
+        switch (op % 4) {
+        case 0:
+        case 1:
+            if (ptr[i] == NULL) {
+                size_t n = (size_t)u64(r) >> (u8(r) % 64);
+                int rc = dp_cache_alloc(&c, n, &ptr[i], &rounded[i], NULL);
+                if (rc == DP_ALLOC_OK) {
+                    CHECK(rounded[i] >= n && dp_cache_class(rounded[i]) >= 0);
+                    CHECK(dp_cache_class(rounded[i]) <= dp_cache_class(n) + DP_ALLOC_FIT_CLASSES);
+                    CHECK(dp_cache_class_size(dp_cache_class(rounded[i])) == rounded[i]);
+                    for (int j = 0; j < FUZZ_SLOTS; j++)
+                        CHECK(j == i || ptr[j] != ptr[i]);
+                    live += rounded[i];
+                } else {
+                    CHECK(rc == DP_ALLOC_OOM);
+                    ptr[i] = NULL;
+                }
+                break;
+            }
+            /* the slot is taken: free it */
+            /* fall through */
+        case 2:
+            if (ptr[i] != NULL) {
+                dp_cache_free(&c, ptr[i], rounded[i]);
+                live -= rounded[i];
+                ptr[i] = NULL;
+            }
+            break;
+        default:
+            if (op & 0x80) {
+                dp_cache_empty(&c);
+                CHECK(dp_cache_get_stats(&c).cached == 0);
+            } else {
+                limit = (size_t)i64(r);
+                dp_cache_set_limit(&c, limit);
+            }
+            break;
+        }
+        dp_cache_stats st = dp_cache_get_stats(&c);
+        CHECK(st.allocated == live);
+        CHECK(st.allocated + st.cached == bk.live_bytes);
+        CHECK(st.cached <= limit && st.allocated <= st.peak);
+        CHECK(st.cached <= st.peak || st.cached - st.peak <= slack);
+    }
+    for (int i = 0; i < FUZZ_SLOTS; i++)
+        if (ptr[i] != NULL)
+            dp_cache_free(&c, ptr[i], rounded[i]);
+    dp_cache_destroy(&c);
+    CHECK(bk.live_blocks == 0 && bk.live_bytes == 0);
+}
+
+/* ------------------------------------------------------------------ */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     reader r = {data, size};
-    switch (u8(&r) % 5) {
+    uint8_t target = u8(&r);
+    if (target >= 250) {
+        fuzz_alloc(&r);
+        return 0;
+    }
+    switch (target % 5) {
     case 0: fuzz_chunk_sizes(&r); break;
     case 1: fuzz_check_chunk_sizes(&r); break;
     case 2: fuzz_wrap_dim(&r); break;

@@ -299,7 +299,7 @@ def test_9_info_describes_the_pool_and_a_rejected_env():
     p = subprocess.run([sys.executable, "-m", "dpmini", "info"], capture_output=True,
                        text=True, env=env, timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
-    assert "one worker thread per device, more while its jobs overlap, up to 64" in p.stdout
+    assert "one worker thread per device, more while its jobs overlap, up to 1024" in p.stdout
     assert "one worker thread each" not in p.stdout
     assert "$DPMINI_CPU_DEVICES='abc' rejected (not an int in 1..256)" in p.stdout
     assert "$DPMINI_CPU_DEVICES=abc)" not in p.stdout

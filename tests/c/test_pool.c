@@ -139,13 +139,31 @@ static void test_helper_thread_on_own_device(void)
 
 /* ---- beyond DP_POOL_MAX_THREADS busy threads, a job queues ---- */
 static atomic_int gate_open, blocked_running, late_ran;
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+
+/* Blocks (no polling: up to DP_POOL_MAX_THREADS of these wait at once)
+ * until open_gate(), at most 60 s. */
 static void job_blocked(void *arg)
 {
     (void)arg;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 60;
     atomic_fetch_add(&blocked_running, 1);
-    double end = secs() + 10.0;
-    while (!atomic_load(&gate_open) && secs() < end)
-        sleep_ms(1);
+    pthread_mutex_lock(&gate_mu);
+    while (!atomic_load(&gate_open))
+        if (pthread_cond_timedwait(&gate_cv, &gate_mu, &deadline) == ETIMEDOUT)
+            break;
+    pthread_mutex_unlock(&gate_mu);
+}
+
+static void open_gate(void)
+{
+    pthread_mutex_lock(&gate_mu);
+    atomic_store(&gate_open, 1);
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
 }
 static void job_late(void *arg) { (void)arg; atomic_store(&late_ran, 1); }
 
@@ -159,17 +177,52 @@ static void test_cap(void)
     for (int i = 0; i < DP_POOL_MAX_THREADS; i++)
         CHECK(dp_batch_submit(&b, 1, 32, job_blocked, NULL) == 0);
     CHECK(dp_batch_submit(&b, 1, 32, job_late, NULL) == 0);
-    double end = secs() + 5.0;
+    double end = secs() + 30.0;
     while (atomic_load(&blocked_running) < DP_POOL_MAX_THREADS && secs() < end)
         sleep_ms(1);
     CHECK(atomic_load(&blocked_running) == DP_POOL_MAX_THREADS);
     sleep_ms(50);
     CHECK(!atomic_load(&late_ran));
     CHECK(dp_pool_threads(1, 32) == DP_POOL_MAX_THREADS);
-    atomic_store(&gate_open, 1);
+    open_gate();
     CHECK(dp_batch_wait(&b, 10000) == 1);
     CHECK(atomic_load(&late_ran));
     dp_batch_destroy(&b);
+}
+
+/* ---- dp_pool_trim lets idle threads go; the device starts new ones ---- */
+static atomic_int trim_exits;
+static void count_exit(void) { atomic_fetch_add(&trim_exits, 1); }
+
+static void test_trim(void)
+{
+    dp_batch b;
+    atomic_store(&gate_open, 0);
+    atomic_store(&blocked_running, 0);
+    atomic_store(&late_ran, 0);
+    atomic_store(&trim_exits, 0);
+    dp_pool_set_exit_hook(count_exit);
+    CHECK(dp_batch_init(&b) == 0);
+    for (int i = 0; i < 6; i++)
+        CHECK(dp_batch_submit(&b, 1, 40, job_blocked, NULL) == 0);
+    double end = secs() + 5.0;
+    while (atomic_load(&blocked_running) < 6 && secs() < end)
+        sleep_ms(1);
+    CHECK(dp_pool_threads(1, 40) == 6);
+    dp_pool_trim();                    /* all 6 busy: none leaves */
+    CHECK(dp_pool_trim_wait(100) == 1);
+    CHECK(dp_pool_threads(1, 40) == 6);
+    open_gate();
+    CHECK(dp_batch_wait(&b, 10000) == 1);
+    dp_pool_trim();                    /* now idle: all leave, hook run by each */
+    CHECK(dp_pool_trim_wait(5000) == 1);
+    CHECK(dp_pool_threads(1, 40) == 0);
+    CHECK(atomic_load(&trim_exits) >= 6);
+    CHECK(dp_batch_submit(&b, 1, 40, job_late, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 10000) == 1);
+    CHECK(atomic_load(&late_ran) && dp_pool_threads(1, 40) == 1);
+    dp_batch_destroy(&b);
+    dp_pool_set_exit_hook(NULL);
 }
 
 /* ---- one job at a time on a device keeps one thread ---- */
@@ -389,6 +442,7 @@ int main(void)
     test_parallel_same_device();
     test_helper_thread_on_own_device();
     test_cap();
+    test_trim();
     test_sequential_keeps_one_thread();
     test_many_batches();
     test_timeout();
