@@ -40,6 +40,8 @@ typedef struct {
     int on_worker;         /* 1: submitted to the device worker; 0: inline    */
     int cancelled;         /* caller (GIL held): skip the call if not started */
     int interrupted;       /* caller (GIL held): an async exception was sent  */
+    int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
+                              the worker's call (interop.c)                   */
 } apply_job;
 
 /* Per thread: the worker keeps its Python thread state between jobs, and
@@ -290,9 +292,15 @@ static void apply_job_main(void *arg)
         } else if (PyContext_Enter(job->ctx) < 0) {
             job->exc = take_exception();
         } else {
+            /* torch's grad mode is per thread: carry the caller's over, as
+             * torch.nn.parallel.parallel_apply does. */
+            int prev = job->torch_no_grad ? dp_torch_set_grad(0) : -1;
             job->result = PyObject_Call(job->module, job->args, job->kwargs);
             if (job->result == NULL) {
                 job->exc = take_exception();
+            }
+            if (prev >= 0) {
+                dp_torch_set_grad(prev);
             }
             if (PyContext_Exit(job->ctx) < 0) {
                 PyObject *e = take_exception();
@@ -375,6 +383,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             continue;
         }
         job->ctx = PyContext_CopyCurrent();
+        job->torch_no_grad = dp_torch_grad_enabled() == 0;
         if (job->ctx == NULL) {
             job->on_worker = 0;
             job->cancelled = 1;
