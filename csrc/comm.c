@@ -304,6 +304,7 @@ static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
     for (int j = 0; j < nchunks; j++) {
         PyTuple_SET_ITEM(result, j, chunks[j]);
     }
+    result = dp_comm_back(st, obj, 0, result);   /* torch in, torch out */
 done:
     PyMem_Free(chunks);
     PyMem_Free(sizes);
@@ -399,6 +400,7 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
     }
     if (out_obj == Py_None) {
         result = dp_gather_arrays(st, parts, n, dim, dest, NULL, "arrays");
+        result = dp_comm_back(st, arrays_obj, 1, result);
     } else {
         PyArrayObject *out_arr = dp_as_array(st, out_obj, "out", 0);
         if (out_arr != NULL) {
@@ -515,6 +517,7 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
         }
     }
     Py_DECREF(rows);
+    result = dp_comm_back(st, obj, 0, result);
 done:
     jobs_free(&jobs);
     arrays_free(outs, nout);
@@ -574,6 +577,7 @@ static PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject 
         return NULL;
     }
     result = dp_broadcast_coalesced(st, arrays_obj, devs, ndev, bs);
+    result = dp_comm_back_rows(st, arrays_obj, result);
     PyMem_Free(devs);
     return result;
 }
@@ -620,7 +624,7 @@ static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
     if (parse_destination(st, dest_obj, "destination", dflt, &dest) < 0) {
         return NULL;
     }
-    return dp_reduce_add(st, arrays_obj, dest, "arrays");
+    return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
 PyDoc_STRVAR(comm_reduce_add_coalesced_doc,

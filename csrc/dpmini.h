@@ -257,6 +257,15 @@ PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_dev
 int dp_replicas_leaves(dp_state *st, PyObject *row, PyObject *imported, PyObject *leaves,
                        PyObject *origins);
 
+/* A comm function's result (stolen) in the library of `like` (the input
+ * array; with from_seq, the first item of the input sequence): an array, or
+ * each item of a tuple/list result. NumPy / dpmini / unknown: as it is. */
+PyObject *dp_comm_back(dp_state *st, PyObject *like, int from_seq, PyObject *result);
+
+/* broadcast_coalesced's rows (stolen list of lists): entry i of each row in
+ * the library of arrays[i]. */
+PyObject *dp_comm_back_rows(dp_state *st, PyObject *arrays, PyObject *rows);
+
 /* "numpy.ndarray", "dpmini.Array", "torch.Tensor", "jax.Array", "cupy.ndarray". */
 PyObject *dp_array_type_name(dp_state *st, PyObject *obj);
 

@@ -596,3 +596,89 @@ int dp_torch_set_grad(int on)
     PyErr_Clear();
     return r == NULL ? -1 : prev;
 }
+
+/* ------------------------------------------------------------------ */
+/* comm results                                                        */
+/* ------------------------------------------------------------------ */
+
+/* The first item of a sequence (new reference), or NULL with no error. */
+static PyObject *first_item(PyObject *seq)
+{
+    if (PyArray_Check(seq) || !PySequence_Check(seq) || PyUnicode_Check(seq))
+        return NULL;
+    PyObject *f = PySequence_GetItem(seq, 0);
+    if (f == NULL)
+        PyErr_Clear();
+    return f;
+}
+
+PyObject *dp_comm_back(dp_state *st, PyObject *like, int from_seq, PyObject *result)
+{
+    if (result == NULL)
+        return NULL;
+    PyObject *src = from_seq ? first_item(like) : Py_NewRef(like);
+    if (src == NULL)
+        return result;
+    PyObject *origin = dp_array_origin(st, src);
+    Py_DECREF(src);
+    if (origin == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyObject *res = result;
+    if (origin != Py_None && (PyTuple_CheckExact(result) || PyList_CheckExact(result))) {
+        /* scatter / broadcast: each piece back into the library */
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(result);
+        res = PyTuple_CheckExact(result) ? PyTuple_New(n) : PyList_New(n);
+        for (Py_ssize_t i = 0; res != NULL && i < n; i++) {
+            PyObject *v = dp_to_origin(st, origin,
+                                       Py_NewRef(PySequence_Fast_GET_ITEM(result, i)), "result");
+            if (v == NULL)
+                Py_CLEAR(res);
+            else if (PyTuple_Check(res))
+                PyTuple_SET_ITEM(res, i, v);
+            else
+                PyList_SET_ITEM(res, i, v);
+        }
+        Py_DECREF(result);
+    }
+    else if (origin != Py_None) {
+        res = dp_to_origin(st, origin, result, "result");
+    }
+    Py_DECREF(origin);
+    return res;
+}
+
+PyObject *dp_comm_back_rows(dp_state *st, PyObject *arrays, PyObject *rows)
+{
+    if (rows == NULL || !PyList_Check(rows))
+        return rows;
+    PyObject *seq = PySequence_Fast(arrays, "arrays");
+    if (seq == NULL) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *origin = dp_array_origin(st, PySequence_Fast_GET_ITEM(seq, i));
+        if (origin == NULL)
+            goto fail;
+        for (Py_ssize_t d = 0; d < PyList_GET_SIZE(rows); d++) {
+            PyObject *row = PyList_GET_ITEM(rows, d);
+            if (!PyList_Check(row) || i >= PyList_GET_SIZE(row))
+                continue;
+            PyObject *v = dp_to_origin(st, origin, Py_NewRef(PyList_GET_ITEM(row, i)),
+                                       "result");
+            if (v == NULL || PyList_SetItem(row, i, v) < 0) {
+                Py_DECREF(origin);
+                goto fail;
+            }
+        }
+        Py_DECREF(origin);
+    }
+    Py_DECREF(seq);
+    return rows;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(rows);
+    return NULL;
+}
