@@ -380,8 +380,19 @@ static PyObject *origin_lookup(PyObject *obj)
                 PyErr_Clear();
             }
         }
-        if (conv == NULL && !PyErr_Occurred())
-            conv = import_attr_quiet(name, "from_dlpack");
+        if (conv == NULL && !PyErr_Occurred()) {
+            /* only a package already imported (the type's __module__ is
+             * never imported on its behalf) */
+            PyObject *mod = PyImport_GetModule(top);
+            if (mod != NULL) {
+                conv = PyObject_GetAttrString(mod, "from_dlpack");
+                Py_DECREF(mod);
+                if (conv != NULL && !PyCallable_Check(conv))
+                    Py_CLEAR(conv);
+            }
+            if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception))
+                PyErr_Clear();
+        }
     }
     Py_DECREF(top);
     if (conv == NULL && PyErr_Occurred())
