@@ -931,9 +931,16 @@ PyDoc_STRVAR(replicate_doc,
 "object in each replica. A module holding no arrays (functions, builtins,\n"
 "bound methods, plain objects) is returned as the same object for every\n"
 "device. The replica on devices[0] holds the original arrays where they\n"
-"already live there (spec 5.6). detach is accepted for PyTorch\n"
-"compatibility and ignored. Errors: ValueError/TypeError for bad devices;\n"
-"TypeError when an object with arrays cannot be copied.");
+"already live there (spec 5.6). Arrays of other libraries (torch, JAX, CuPy,\n"
+"dpmini.Array: anything with __dlpack__/__dlpack_device__ or\n"
+"__cuda_array_interface__) are copied the same way and stay of their type; a\n"
+"torch.nn.Module is shared on virtual CPU devices and replicated with\n"
+"torch.nn.parallel.replicate on CUDA devices (README, 'With PyTorch, JAX,\n"
+"CuPy'). detach is accepted for PyTorch compatibility and ignored. Errors:\n"
+"ValueError/TypeError for bad devices; TypeError when an object with arrays\n"
+"cannot be copied, or for a tensor that requires grad (naming its path,\n"
+"e.g. module.w); a non-AttributeError raised while probing an attribute for\n"
+"the array protocols, re-raised naming its path (module.cfg).");
 
 PyObject *replicate_common(dp_state *st, PyObject *module, PyObject *devices)
 {
