@@ -213,7 +213,9 @@ PyDoc_STRVAR(comm_scatter_doc,
 "\n"
 "Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
 "Split `array` along `dim` and copy chunk i to devices[i] (torch.cuda.comm.scatter,\n"
-"spec 8.5). array: ndarray, buffer-protocol object (bytes read as 1-D uint8) or\n"
+"spec 8.5). array: ndarray, dpmini.Array, a torch/JAX/CuPy array (any __dlpack__ or\n"
+"__cuda_array_interface__ object: the chunks come back in its library, sharing\n"
+"dpmini's memory), buffer-protocol object (bytes read as 1-D uint8) or\n"
 "__array_interface__ object, ndim >= 1, any non-object dtype, any strides. Without\n"
 "chunk_sizes the rule is torch.chunk: split = ceil(n / k) elements per chunk with a\n"
 "shorter last one, so there may be fewer chunks than devices; n == 0 gives k empty\n"
@@ -352,7 +354,8 @@ PyDoc_STRVAR(comm_gather_doc,
 "fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast), from\n"
 "dpmini's caching allocator. out: an ndarray of the gathered shape, written in place\n"
 "and returned (then destination must be None). Copies run on the device threads with\n"
-"the GIL released.\n"
+"the GIL released. Arrays of another library (torch, JAX, CuPy) are read without a\n"
+"copy and the result comes back in arrays[0]'s library (out=None only).\n"
 "Raises ValueError (empty list, shape or rank mismatch, out mismatch, out with\n"
 "destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
 "TypeError (not arrays, object dtype, MaskedArray/matrix).");
@@ -594,7 +597,8 @@ PyDoc_STRVAR(comm_reduce_add_doc,
 "Sum arrays of one shape and one dtype onto destination (torch.cuda.comm.reduce_add,\n"
 "spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
 "device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
-"returned as is.\n"
+"returned as is. Arrays of another library (torch, JAX, CuPy) are read without a\n"
+"copy; the sum comes back in arrays[0]'s library.\n"
 "Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
 "dtypes).");
@@ -708,7 +712,7 @@ static PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject
             Py_CLEAR(result);
             goto done;
         }
-        PyObject *sum = dp_reduce_add(st, column, dest, name);
+        PyObject *sum = dp_comm_back(st, column, 1, dp_reduce_add(st, column, dest, name));
         Py_CLEAR(column);
         if (sum == NULL) {
             Py_CLEAR(result);

@@ -109,14 +109,17 @@ void dp_reraise_at(dp_state *st, PyObject *path)
         reraise_with(st, msg);
 }
 
-/* Look attribute name up on obj: 1 there, 0 AttributeError, -1 any other
- * error (re-raised naming the protocol and the type). */
-static int probe_attr(dp_state *st, PyObject *obj, const char *name)
+/* Look attribute name up on obj: 1 there (callable for the DLPack methods,
+ * a dict for the CUDA Array Interface: a __getattr__ answering None for
+ * every name is no exporter), 0 AttributeError or the wrong kind of value,
+ * -1 any other error (re-raised naming the protocol and the type). */
+static int probe_attr(dp_state *st, PyObject *obj, const char *name, int callable)
 {
     PyObject *v = PyObject_GetAttrString(obj, name);
     if (v != NULL) {
+        int ok = callable ? PyCallable_Check(v) : PyDict_Check(v);
         Py_DECREF(v);
-        return 1;
+        return ok;
     }
     if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
         PyErr_Clear();
@@ -141,15 +144,15 @@ int dp_is_foreign_array(dp_state *st, PyObject *obj)
 {
     if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) || never_foreign(obj))
         return 0;
-    int r = probe_attr(st, obj, "__dlpack__");
+    int r = probe_attr(st, obj, "__dlpack__", 1);
     if (r < 0)
         return -1;
     if (r == 1) {
-        r = probe_attr(st, obj, "__dlpack_device__");
+        r = probe_attr(st, obj, "__dlpack_device__", 1);
         if (r != 0)
             return r;
     }
-    return probe_attr(st, obj, "__cuda_array_interface__");
+    return probe_attr(st, obj, "__cuda_array_interface__", 0);
 }
 
 /* ------------------------------------------------------------------ */

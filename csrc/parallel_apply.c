@@ -477,6 +477,9 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
         PyObject *a = PyTuple_GET_ITEM(args, j);
         int r = dp_is_array_leaf(st, a);
         if (r < 0 && PyErr_Occurred()) {
+            PyObject *path = PyUnicode_FromFormat("inputs[%zd][%zd]", i, j);
+            dp_reraise_at(st, path);   /* a protocol probe raised: name it */
+            Py_XDECREF(path);
             return -1;
         }
         if (r > 0) {

@@ -207,3 +207,19 @@ def test_probe_errors_never_crash_in_a_subprocess():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_probe_error_in_parallel_apply_device_guess_names_the_input():
+    f = lambda *a: 1  # noqa: E731
+    with pytest.raises(KeyError, match=r"^inputs\[1\]\[0\]: looking up __dlpack__"):
+        dpmini.parallel_apply([f, f], [(np.ones(2),), (DictBacked(),)])
+
+
+def test_getattr_answering_for_every_name_is_not_a_dlpack_exporter():
+    class Namespace:
+        def __getattr__(self, name):
+            return None   # no AttributeError, but nothing callable either
+
+    ns = Namespace()
+    parts = dpmini.scatter((np.ones(4), ns), DEVS)
+    assert parts[0][1] is ns and parts[1][1] is ns
