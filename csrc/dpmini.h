@@ -224,8 +224,9 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
 PyObject *dp_array_origin(dp_state *st, PyObject *obj);
 
 /* origin(arr): arr (stolen; ndarray or dpmini.Array) in the origin's
- * library, sharing its memory; arr itself when origin is NULL or None.
- * Errors name argname. */
+ * library, sharing its memory; arr itself when origin is NULL or None, and
+ * a host ndarray the library refuses (CuPy holds GPU memory only) stays an
+ * ndarray. Other errors name argname. */
 PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char *argname);
 
 /* dp_to_origin on each of items[0..n) in place; -1 leaves the failed slot

@@ -430,6 +430,12 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
     if (arr == NULL || origin == NULL || origin == Py_None)
         return arr;
     PyObject *r = PyObject_CallOneArg(origin, arr);
+    if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
+        /* A GPU-only library (CuPy) cannot hold host memory: results on
+         * the host or a virtual CPU device stay NumPy arrays (README). */
+        PyErr_Clear();
+        return arr;
+    }
     Py_DECREF(arr);
     if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
         PyObject *t, *v, *tb;

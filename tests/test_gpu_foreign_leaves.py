@@ -50,7 +50,13 @@ class GpuArray:
 
 GpuArray.__module__ = "dpmini_test_gpulib"
 gpulib.GpuArray = GpuArray
-gpulib.from_dlpack = lambda x: GpuArray(dpmini.from_dlpack(x))
+def _gpu_from_dlpack(x):
+    if x.__dlpack_device__()[0] != 2:   # as CuPy: GPU memory only
+        raise BufferError("GpuArray holds CUDA memory only")
+    return GpuArray(dpmini.from_dlpack(x))
+
+
+gpulib.from_dlpack = _gpu_from_dlpack
 
 
 class Model:
@@ -151,3 +157,13 @@ def test_module_holding_foreign_gpu_arrays_gets_copies_of_that_type():
     assert reps[1].w.arr.data_ptr != w.arr.data_ptr
     assert str(reps[1].w.arr.device) == "cuda:1"
     np.testing.assert_array_equal(host(reps[1].w.arr), np.arange(4.0))
+
+
+def test_gpu_only_library_results_on_the_host_stay_numpy():
+    x = sample((4, 2), "float64")
+    out = dpmini.DataParallel(lambda a: a, [0, 0], output_device="cpu")(
+        GpuArray(dpmini.asarray(x, 0)))
+    assert type(out) is np.ndarray   # CuPy cannot hold host memory
+    np.testing.assert_array_equal(out, x)
+    parts = dpmini.scatter(GpuArray(dpmini.asarray(x, 0)), ["cpu:0", "cpu:1"])
+    assert [type(p) for p in parts] == [np.ndarray, np.ndarray]
