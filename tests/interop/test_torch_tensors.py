@@ -202,3 +202,28 @@ def test_explain_shows_torch_leaves(torch):
     plan = dpmini.explain((torch.ones(4, 2),), DEVS)
     assert plan.leaves[0]["library"] == "torch.Tensor cpu"
     assert "[torch.Tensor cpu]" in str(plan)
+
+
+def test_data_parallel_and_scatter_kwargs_with_tensors(torch):
+    x = torch.arange(8.0).reshape(4, 2)
+    out = dpmini.data_parallel(lambda t, k: t + k, (x,), device_ids=DEVS,
+                               module_kwargs={"k": torch.ones(4, 1)})
+    assert type(out) is torch.Tensor and torch.equal(out, x + 1)
+    ins, kws = dpmini.scatter_kwargs((x,), {"m": x > 2}, DEVS)
+    assert [type(i[0]) for i in ins] == [torch.Tensor] * 2
+    assert [type(k["m"]) for k in kws] == [torch.Tensor] * 2
+
+
+def test_strided_and_non_float_tensors(torch):
+    x = torch.arange(12).reshape(3, 4).T          # non-contiguous int64
+    parts = dpmini.scatter(x, DEVS, dim=1)
+    assert [p.dtype for p in parts] == [torch.int64] * 2
+    assert torch.equal(torch.cat(parts, dim=1), x)
+    b = torch.tensor([True, False, True, True])
+    assert torch.equal(dpmini.gather(list(dpmini.scatter(b, DEVS)), "cpu"), b)
+
+
+def test_a_dtype_numpy_cannot_hold_is_named(torch):
+    x = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^args\[0\]: cannot read Tensor as an array"):
+        dpmini.DataParallel(lambda t: t, DEVS)(x)
