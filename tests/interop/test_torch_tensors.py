@@ -227,3 +227,23 @@ def test_a_dtype_numpy_cannot_hold_is_named(torch):
     x = torch.ones(4, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"^args\[0\]: cannot read Tensor as an array"):
         dpmini.DataParallel(lambda t: t, DEVS)(x)
+
+
+def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
+    import sys
+    x = torch.arange(64.0).reshape(16, 4)
+    holder = Holder(torch)
+    dp = dpmini.DataParallel(lambda t: {"y": t * 2, "s": t.sum()}, DEVS,
+                             out_dims={"y": 0, "s": "sum"})
+    dpr = dpmini.DataParallel(holder, DEVS)
+    for _ in range(20):   # warm the caches (origins, allocator)
+        dp(x), dpr(x[:, 0])
+    refs = sys.getrefcount(x), sys.getrefcount(holder.w)
+    mem = [dpmini.memory_allocated(d) for d in DEVS]
+    for _ in range(500):
+        out = dp(x)
+        dpr(x[:, 0])
+        dpmini.gather(list(dpmini.scatter(x, DEVS)), "cpu")
+    del out
+    assert (sys.getrefcount(x), sys.getrefcount(holder.w)) == refs
+    assert [dpmini.memory_allocated(d) for d in DEVS] == mem
