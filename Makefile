@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 EMU := build/emulated
 
 .PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind \
-	deps-mpi demo-distributed test-distributed bench-distributed
+	deps-mpi demo-distributed test-distributed bench-distributed test-interop
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ test: build
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=60 notebooks
 	$(MAKE) --no-print-directory test-emulated
+
+# Against the real PyTorch and JAX (tests/interop; they skip under `make test`
+# when the libraries are missing). Installs them into the venv from PyPI when
+# missing: torch (the PyPI wheel is a CUDA build, ~5 GB, ~5 minutes; it runs on
+# the CPU here), jax (~0.6 GB) and array-api-compat.
+INTEROP_PKGS := torch jax array-api-compat
+
+test-interop: build
+	@$(PY) -c "import torch, jax, array_api_compat" 2>/dev/null || \
+		$(PY) -m pip install -q $(INTEROP_PKGS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/interop
 
 build-emulated: $(VENV)/.installed
 	DPMINI_CUDA_EMULATE=1 DPMINI_WERROR=1 $(PY) setup.py -q build_ext --build-lib $(EMU) --build-temp $(EMU)-tmp

@@ -202,7 +202,9 @@ PyDoc_STRVAR(comm_scatter_doc,
 "\n"
 "Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
 "Split `array` along `dim` and copy chunk i to devices[i] (torch.cuda.comm.scatter,\n"
-"spec 8.5). array: ndarray, buffer-protocol object (bytes read as 1-D uint8) or\n"
+"spec 8.5). array: ndarray, dpmini.Array, a torch/JAX/CuPy array (any __dlpack__ or\n"
+"__cuda_array_interface__ object: the chunks come back in its library, sharing\n"
+"dpmini's memory), buffer-protocol object (bytes read as 1-D uint8) or\n"
 "__array_interface__ object, ndim >= 1, any non-object dtype, any strides. Without\n"
 "chunk_sizes the rule is torch.chunk: split = ceil(n / k) elements per chunk with a\n"
 "shorter last one, so there may be fewer chunks than devices; n == 0 gives k empty\n"
@@ -293,6 +295,7 @@ static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
     for (int j = 0; j < nchunks; j++) {
         PyTuple_SET_ITEM(result, j, chunks[j]);
     }
+    result = dp_comm_back(st, obj, 0, result);   /* torch in, torch out */
 done:
     PyMem_Free(chunks);
     PyMem_Free(sizes);
@@ -340,7 +343,8 @@ PyDoc_STRVAR(comm_gather_doc,
 "fresh C-contiguous array with arrays[0]'s dtype (other dtypes are cast), from\n"
 "dpmini's caching allocator. out: an ndarray of the gathered shape, written in place\n"
 "and returned (then destination must be None). Copies run on the device threads with\n"
-"the GIL released.\n"
+"the GIL released. Arrays of another library (torch, JAX, CuPy) are read without a\n"
+"copy and the result comes back in arrays[0]'s library (out=None only).\n"
 "Raises ValueError (empty list, shape or rank mismatch, out mismatch, out with\n"
 "destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
 "TypeError (not arrays, object dtype, MaskedArray/matrix).");
@@ -387,6 +391,7 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
     }
     if (out_obj == Py_None) {
         result = dp_gather_arrays(st, parts, n, dim, dest, NULL, "arrays");
+        result = dp_comm_back(st, arrays_obj, 1, result);
     } else {
         PyArrayObject *out_arr = dp_as_array(st, out_obj, "out", 0);
         if (out_arr != NULL) {
@@ -503,6 +508,7 @@ static PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
         }
     }
     Py_DECREF(rows);
+    result = dp_comm_back(st, obj, 0, result);
 done:
     jobs_free(&jobs);
     arrays_free(outs, nout);
@@ -562,6 +568,7 @@ static PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject 
         return NULL;
     }
     result = dp_broadcast_coalesced(st, arrays_obj, devs, ndev, bs);
+    result = dp_comm_back_rows(st, arrays_obj, result);
     PyMem_Free(devs);
     return result;
 }
@@ -578,7 +585,8 @@ PyDoc_STRVAR(comm_reduce_add_doc,
 "Sum arrays of one shape and one dtype onto destination (torch.cuda.comm.reduce_add,\n"
 "spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
 "device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
-"returned as is.\n"
+"returned as is. Arrays of another library (torch, JAX, CuPy) are read without a\n"
+"copy; the sum comes back in arrays[0]'s library.\n"
 "Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
 "dtypes).");
@@ -608,7 +616,7 @@ static PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
     if (parse_destination(st, dest_obj, "destination", dflt, &dest) < 0) {
         return NULL;
     }
-    return dp_reduce_add(st, arrays_obj, dest, "arrays");
+    return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
 PyDoc_STRVAR(comm_reduce_add_coalesced_doc,
@@ -692,7 +700,7 @@ static PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject
             Py_CLEAR(result);
             goto done;
         }
-        PyObject *sum = dp_reduce_add(st, column, dest, name);
+        PyObject *sum = dp_comm_back(st, column, 1, dp_reduce_add(st, column, dest, name));
         Py_CLEAR(column);
         if (sum == NULL) {
             Py_CLEAR(result);

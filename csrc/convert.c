@@ -4,9 +4,11 @@
 
 int dp_is_array_leaf(dp_state *st, PyObject *obj)
 {
-    /* GPU arrays: dpmini.Array, and any __cuda_array_interface__ exporter
-     * (CuPy, PyTorch CUDA tensors, Numba), imported zero-copy when split. */
-    return PyArray_Check(obj) || dp_is_device_object(st, obj);
+    /* Every other library's arrays (PyTorch, JAX, CuPy: DLPack or the CUDA
+     * Array Interface) are leaves too, imported zero-copy (interop.c). */
+    if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType))
+        return 1;
+    return dp_is_foreign_array(st, obj);
 }
 
 /* hasattr(obj, name) that lets errors other than AttributeError through
@@ -96,18 +98,36 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
 {
     PyArrayObject *arr;
     int kind = 0;   /* 1: buffer protocol, 2: __array_interface__/__array_struct__ */
-    if (!PyArray_Check(obj)) {
+    if (!PyArray_Check(obj) && !PyObject_TypeCheck(obj, st->ArrayType)) {
+        /* PyTorch, JAX, CuPy...: DLPack or CUDA Array Interface first. */
+        int r = dp_is_foreign_array(st, obj);
+        if (r < 0) {
+            PyObject *path = PyUnicode_FromString(argname);
+            dp_reraise_at(st, path);
+            Py_XDECREF(path);
+            return NULL;
+        }
+        if (r) {
+            arr = dp_import_foreign(st, obj, argname);
+            if (arr == NULL)
+                return NULL;
+            goto check;
+        }
         if (PyObject_CheckBuffer(obj)) {
             kind = 1;
         } else {
-            int r = dp_has_attr(obj, "__array_interface__");
-            if (r == 0) {
-                r = dp_has_attr(obj, "__array_struct__");
+            int h = dp_has_attr(obj, "__array_interface__");
+            if (h == 0) {
+                h = dp_has_attr(obj, "__array_struct__");
             }
-            if (r < 0) {
-                return NULL;   /* the getter's own error, e.g. KeyboardInterrupt */
+            if (h < 0) {
+                /* the getter's own error (KeyboardInterrupt as it is) */
+                PyObject *path = PyUnicode_FromString(argname);
+                dp_reraise_at(st, path);
+                Py_XDECREF(path);
+                return NULL;
             }
-            kind = r ? 2 : 0;
+            kind = h ? 2 : 0;
         }
     }
     if (PyArray_Check(obj)) {
@@ -116,7 +136,7 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
         }
         Py_INCREF(obj);
         arr = (PyArrayObject *)obj;
-    } else if (dp_is_device_object(st, obj)) {
+    } else if (PyObject_TypeCheck(obj, st->ArrayType)) {
         /* the shadow ndarray of a GPU array (see dpmini.h); never exposed */
         arr = dp_device_object_meta(st, obj, argname);
         if (arr == NULL) {
@@ -146,11 +166,14 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
         }
     } else {
         PyErr_Format(PyExc_TypeError,
-                     "%s: expected an array (numpy.ndarray, or an object with the buffer "
-                     "protocol or __array_interface__), got %.100s",
+                     "%s: expected an array (numpy.ndarray, dpmini.Array, an object with "
+                     "__dlpack__ or __cuda_array_interface__ such as a torch.Tensor, JAX or "
+                     "CuPy array, or an object with the buffer protocol or "
+                     "__array_interface__), got %.100s",
                      argname, Py_TYPE(obj)->tp_name);
         return NULL;
     }
+check:
     if (PyDataType_REFCHK(PyArray_DESCR(arr))) {
         PyErr_Format(PyExc_TypeError,
                      "%s: arrays holding Python objects (dtype %S) cannot be copied between "

@@ -59,6 +59,8 @@ typedef struct {
     PyObject *format_exception;      /* traceback.format_exception         */
     PyObject *KeyErrorMessage;       /* dpmini._dpmini._KeyErrorMessage(str):
                                         repr() is the text itself (spec 6.5) */
+    PyObject *origins;               /* dict: array type -> its library's
+                                        from_dlpack, or None (interop.c)  */
 } dp_state;
 
 extern struct PyModuleDef dp_module_def;
@@ -157,8 +159,10 @@ dp_device dp_array_device(dp_state *st, PyArrayObject *a);
 /* Arrays and arguments (convert.c)                                    */
 /* ------------------------------------------------------------------ */
 
-/* Is obj an array leaf for scatter/gather (a numpy.ndarray, subclasses
- * included)? NumPy scalars and Python numbers are not. */
+/* Is obj an array leaf (scatter, gather, replicate, explain): a
+ * numpy.ndarray (subclasses included), a dpmini.Array, or a foreign array
+ * (dp_is_foreign_array)? NumPy scalars, Python numbers, bytes and
+ * memoryview are not. 1/0, or -1 with the probe's error (see interop.c). */
 int dp_is_array_leaf(dp_state *st, PyObject *obj);
 
 /* The ndarray subclasses dpmini refuses as array leaves, because plain
@@ -170,8 +174,9 @@ int dp_is_array_leaf(dp_state *st, PyObject *obj);
  * NULL), 0 otherwise, -1 with an exception set. */
 int dp_refused_array_subclass(PyObject *obj, const char *argname);
 
-/* obj (ndarray, buffer-protocol object or __array_interface__ object) as an
- * ndarray without a copy. Refuses object dtypes and, with min_ndim 1,
+/* obj (ndarray, dpmini.Array, foreign array, buffer-protocol object or
+ * __array_interface__ object) as an ndarray without a copy (a shadow for GPU
+ * memory; see dp_import_foreign for the exceptions). Refuses object dtypes and, with min_ndim 1,
  * 0-dim arrays ("argname: chunk expects at least a 1-dimensional array"). */
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname,
                            int min_ndim);
@@ -217,6 +222,86 @@ PyObject *dp_type_name(PyObject *obj);
  * naming its full type (mylib.ndarray, not a bare "ndarray") and what to
  * pass instead. Always -1. */
 int dp_refuse_out_array(PyObject *obj, const char *argname);
+
+/* ------------------------------------------------------------------ */
+/* Arrays of other libraries (interop.c)                               */
+/* ------------------------------------------------------------------ */
+
+/* Does obj (not an ndarray, not a dpmini.Array) export __dlpack__ with
+ * __dlpack_device__, or __cuda_array_interface__ (PyTorch, JAX, CuPy)?
+ * 1/0; -1 when looking a protocol up raised something other than
+ * AttributeError (re-raised, same type, naming the protocol and the type;
+ * callers prefix the path with dp_reraise_at). */
+int dp_is_foreign_array(dp_state *st, PyObject *obj);
+
+/* Re-raise the pending Exception (same type, the original as __cause__) as
+ * "<path>: <message>", unless the message starts with path already.
+ * BaseExceptions that are not Exceptions pass as they are. */
+void dp_reraise_at(dp_state *st, PyObject *path);
+
+/* A foreign array as an ndarray (host memory: numpy.from_dlpack, a view) or
+ * a shadow ndarray (CUDA memory, array.c's import), without a copy; a JAX
+ * array sharded over several JAX devices is read with numpy.asarray (a
+ * copy). TypeError naming argname for a tensor that requires grad, a device
+ * dpmini cannot read, or a producer that fails. */
+PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname);
+
+/* The converter back into obj's library (new reference): that library's
+ * from_dlpack (torch, jax.numpy, cupy, else array_api_compat's namespace or
+ * the type's package), or Py_None for NumPy, dpmini.Array and libraries with
+ * none. Cached per type. */
+PyObject *dp_array_origin(dp_state *st, PyObject *obj);
+
+/* origin(arr): arr (stolen; ndarray or dpmini.Array) in the origin's
+ * library, sharing its memory; arr itself when origin is NULL or None, and
+ * a host ndarray the library refuses (CuPy holds GPU memory only) stays an
+ * ndarray. Other errors name argname. */
+PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char *argname);
+
+/* dp_to_origin on each of items[0..n) in place; -1 leaves the failed slot
+ * NULL (the others as they are, owned by the caller). */
+int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
+                   const char *argname);
+
+/* torch.is_grad_enabled() in this thread: 1/0; -1 when torch is not
+ * imported (never an exception). */
+int dp_torch_grad_enabled(void);
+
+/* torch.set_grad_enabled(on) in this thread; returns the previous mode (1/0),
+ * or -1 when torch is not imported or the call failed (never an exception). */
+int dp_torch_set_grad(int on);
+
+/* Is obj a torch.nn.Module instance (only looked up when torch.nn is
+ * imported)? 1/0/-1. */
+int dp_is_torch_module(PyObject *obj);
+
+/* replicate of a torch.nn.Module (list of ndev replicas): on virtual CPU
+ * devices the module itself for every device; on CUDA devices
+ * torch.nn.parallel.replicate(module, ids, detach=True); a mix is TypeError. */
+PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_device *devs,
+                                    Py_ssize_t ndev);
+
+/* After replicate's broadcast, one device's row (a list, changed in place):
+ * an entry that is the import itself (already on that device) becomes the
+ * original leaf; any other goes back into its library (origins[i]). */
+int dp_replicas_leaves(dp_state *st, PyObject *row, PyObject *imported, PyObject *leaves,
+                       PyObject *origins);
+
+/* A comm function's result (stolen) in the library of `like` (the input
+ * array; with from_seq, the first item of the input sequence): an array, or
+ * each item of a tuple/list result. NumPy / dpmini / unknown: as it is. */
+PyObject *dp_comm_back(dp_state *st, PyObject *like, int from_seq, PyObject *result);
+
+/* broadcast_coalesced's rows (stolen list of lists): entry i of each row in
+ * the library of arrays[i]. */
+PyObject *dp_comm_back_rows(dp_state *st, PyObject *arrays, PyObject *rows);
+
+/* "numpy.ndarray", "dpmini.Array", "torch.Tensor", "jax.Array", "cupy.ndarray". */
+PyObject *dp_array_type_name(dp_state *st, PyObject *obj);
+
+/* "torch.Tensor cpu", "cupy.ndarray cuda:0", "numpy.ndarray cpu:1": the type
+ * name and the device of arr (obj imported). */
+PyObject *dp_array_describe(dp_state *st, PyObject *obj, PyArrayObject *arr);
 
 /* ------------------------------------------------------------------ */
 /* The copy engine (copy_engine.c; dp_reduce_add in reduce.c)         */

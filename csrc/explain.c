@@ -33,7 +33,7 @@ static PyObject *int_list(const int64_t *v, int n)
  * each device that runs a replica (none when the call would raise). */
 static PyObject *plan_bcast_leaf(scatter_ctx *c, scatter_leaf *lf, int ok)
 {
-    PyObject *shape = NULL, *nbytes = NULL, *res = NULL;
+    PyObject *shape = NULL, *nbytes = NULL, *res = NULL, *lib = NULL;
     int64_t *nb = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
     if (nb == NULL)
         return PyErr_NoMemory();
@@ -41,9 +41,10 @@ static PyObject *plan_bcast_leaf(scatter_ctx *c, scatter_leaf *lf, int ok)
         nb[j] = (ok && j < c->k) ? (int64_t)PyArray_NBYTES(lf->arr) : 0;
     shape = PyArray_IntTupleFromIntp(PyArray_NDIM(lf->arr), PyArray_DIMS(lf->arr));
     nbytes = int_list(nb, c->ndev);
-    if (shape != NULL && nbytes != NULL)
-        res = Py_BuildValue("{s:O,s:O,s:O,s:n,s:O,s:O,s:O,s:O,s:O}",
-                            "path", lf->path, "shape", shape,
+    lib = dp_array_describe(c->st, lf->obj, lf->arr);
+    if (shape != NULL && nbytes != NULL && lib != NULL)
+        res = Py_BuildValue("{s:O,s:O,s:O,s:O,s:n,s:O,s:O,s:O,s:O,s:O}",
+                            "path", lf->path, "library", lib, "shape", shape,
                             "dtype", (PyObject *)PyArray_DESCR(lf->arr),
                             "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
                             "dim", Py_None, "broadcast", Py_True, "sizes", Py_None,
@@ -51,6 +52,7 @@ static PyObject *plan_bcast_leaf(scatter_ctx *c, scatter_leaf *lf, int ok)
     PyMem_Free(nb);
     Py_XDECREF(shape);
     Py_XDECREF(nbytes);
+    Py_XDECREF(lib);
     return res;
 }
 
@@ -60,6 +62,7 @@ static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
     if (lf->bcast)
         return plan_bcast_leaf(c, lf, truncate);
     PyObject *shape = NULL, *sizes = NULL, *starts = NULL, *nbytes = NULL, *res = NULL;
+    PyObject *lib = NULL;
     int64_t *buf = PyMem_Malloc(3 * (size_t)c->ndev * sizeof(int64_t));
     if (buf == NULL)
         return PyErr_NoMemory();
@@ -81,9 +84,10 @@ static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
     sizes = int_list(sz, c->ndev);
     starts = int_list(st, c->ndev);
     nbytes = int_list(nb, c->ndev);
-    if (shape != NULL && sizes != NULL && starts != NULL && nbytes != NULL)
-        res = Py_BuildValue("{s:O,s:O,s:O,s:n,s:i,s:O,s:O,s:O,s:O}",
-                            "path", lf->path, "shape", shape,
+    lib = dp_array_describe(c->st, lf->obj, lf->arr);
+    if (shape != NULL && sizes != NULL && starts != NULL && nbytes != NULL && lib != NULL)
+        res = Py_BuildValue("{s:O,s:O,s:O,s:O,s:n,s:i,s:O,s:O,s:O,s:O}",
+                            "path", lf->path, "library", lib, "shape", shape,
                             "dtype", (PyObject *)PyArray_DESCR(lf->arr),
                             "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
                             "dim", lf->dim, "broadcast", Py_False, "sizes", sizes,
@@ -93,6 +97,7 @@ static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
     Py_XDECREF(sizes);
     Py_XDECREF(starts);
     Py_XDECREF(nbytes);
+    Py_XDECREF(lib);
     return res;
 }
 
@@ -169,7 +174,9 @@ PyDoc_STRVAR(plan_doc,
 "    arguments at all, as DataParallel runs it; 0 when 'error' is set);\n"
 "  'rule': how sizes are computed: 'chunk' (torch.chunk), 'chunk_sizes' or\n"
 "    'weights';\n"
-"  'leaves': one dict per array, in argument order: 'path' (str), 'shape'\n"
+"  'leaves': one dict per array, in argument order: 'path' (str), 'library'\n"
+"    (str: the array's type and device, e.g. 'torch.Tensor cpu', 'cupy.ndarray\n"
+"    cuda:0', 'numpy.ndarray cpu:1'), 'shape'\n"
 "    (tuple), 'dtype' (numpy.dtype), 'itemsize' (int), 'broadcast' (bool:\n"
 "    in_dims None; then 'dim', 'sizes' and 'starts' are None and 'nbytes'\n"
 "    the whole array's bytes on every device that runs a replica), 'dim'\n"

@@ -149,6 +149,16 @@ static PyObject *scalar_as_array(PyObject *o)
     return NULL;
 }
 
+/* gather_kind failed (probing a value for the array protocols raised):
+ * name the position. Returns -1. */
+static int kind_error_at(gather_ctx *g, const path_seg *seg)
+{
+    PyObject *path = path_str(seg);
+    dp_reraise_at(g->st, path);
+    Py_XDECREF(path);
+    return -1;
+}
+
 /* Every replica must return the same kind of value at this position (for a
  * dataclass, the same class): R19 c/d. Two mixes are allowed, as one kind:
  * namedtuples with plain tuples or lists (replica 0's type is rebuilt, as
@@ -162,7 +172,7 @@ static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     for (Py_ssize_t i = 1; i < n; i++) {
         int ki = gather_kind(g->st, vals[i]);
         if (ki < 0)
-            return -1;
+            return kind_error_at(g, seg);
         if (ki == kind0 && (kind0 != G_DATACLASS || Py_TYPE(vals[i]) == Py_TYPE(vals[0])))
             continue;
         if ((kind0 == G_SEQ || kind0 == G_NAMEDTUPLE) && (ki == G_SEQ || ki == G_NAMEDTUPLE))
@@ -896,6 +906,52 @@ static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ss
     return Py_NewRef(vals[0]);
 }
 
+/* An array position: every replica's arrays from one library (NumPy and
+ * dpmini.Array count as one), gathered by the mode, and the result handed
+ * back in that library (torch tensors in, one torch tensor out; interop.c). */
+static PyObject *gather_array_position(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                       const path_seg *seg)
+{
+    PyObject *origin = dp_array_origin(g->st, vals[0]), *res = NULL, *path = NULL;
+    if (origin == NULL)
+        return NULL;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *oi = dp_array_origin(g->st, vals[i]);
+        if (oi == NULL)
+            goto done;
+        Py_DECREF(oi);
+        if (oi == origin)
+            continue;
+        PyObject *names = join_each(vals, n, SHOW_TYPE);
+        path = path_str(seg);
+        if (names != NULL && path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned arrays of different libraries (types "
+                         "per replica: %U); return one library's arrays at each position",
+                         path, names);
+        Py_XDECREF(names);
+        goto done;
+    }
+    if (g->mode == OUT_SAME)
+        res = gather_equal_arrays(g, vals, n, seg);
+    else if (g->mode == OUT_SUM)
+        res = gather_sum_arrays(g, vals, n, seg);
+    else
+        res = gather_leaf(g, vals, n, seg);
+    if (res != NULL && origin != Py_None) {
+        path = path_str(seg);
+        const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+        if (cpath != NULL)
+            res = dp_to_origin(g->st, origin, res, cpath);
+        else
+            Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(path);
+    Py_DECREF(origin);
+    return res;
+}
+
 /* The gathered value of one position; vals[i] is replica i's value there
  * (borrowed: the caller keeps them alive). spec: the out_dims entry for
  * this position (NULL: g->mode and g->dim, inherited), sseg its path. */
@@ -923,7 +979,11 @@ static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         return gather_map(&g2, vals, n, seg, NULL, sseg);
     }
     int kind = gather_kind(g->st, vals[0]);
-    if (kind < 0 || (kind = check_kinds(g, vals, n, kind, seg)) < 0)
+    if (kind < 0) {
+        kind_error_at(g, seg);
+        return NULL;
+    }
+    if ((kind = check_kinds(g, vals, n, kind, seg)) < 0)
         return NULL;
     if (spec != NULL) {
         /* A container entry must mirror a container of its kind. */
@@ -937,11 +997,7 @@ static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     }
     switch (kind) {
     case G_ARRAY:
-        if (g->mode == OUT_SAME)
-            return gather_equal_arrays(g, vals, n, seg);
-        if (g->mode == OUT_SUM)
-            return gather_sum_arrays(g, vals, n, seg);
-        return gather_leaf(g, vals, n, seg);
+        return gather_array_position(g, vals, n, seg);
     case G_NONE:
         Py_RETURN_NONE;
     case G_VALUE:

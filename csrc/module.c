@@ -221,6 +221,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->dataclasses_fields);
     Py_VISIT(st->format_exception);
     Py_VISIT(st->KeyErrorMessage);
+    Py_VISIT(st->origins);
     return 0;
 }
 
@@ -239,6 +240,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->dataclasses_fields);
     Py_CLEAR(st->format_exception);
     Py_CLEAR(st->KeyErrorMessage);
+    Py_CLEAR(st->origins);
     return 0;
 }
 

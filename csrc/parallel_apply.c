@@ -68,6 +68,8 @@ typedef struct {
     int interrupted;       /* caller (GIL held): an async exception was sent  */
     int no_tstate;         /* worker: no Python thread state could be made    */
     PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
+    int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
+                              the worker's call (interop.c)                   */
 } apply_job;
 
 /* Per worker thread, in the pool's worker-local ints (pool.h; no
@@ -359,9 +361,15 @@ static void apply_job_main(void *arg)
         } else if (PyContext_Enter(job->ctx) < 0) {
             job->exc = take_exception();
         } else {
+            /* torch's grad mode is per thread: carry the caller's over, as
+             * torch.nn.parallel.parallel_apply does. */
+            int prev = job->torch_no_grad ? dp_torch_set_grad(0) : -1;
             job->result = PyObject_Call(job->module, job->args, job->kwargs);
             if (job->result == NULL) {
                 job->exc = take_exception();
+            }
+            if (prev >= 0) {
+                dp_torch_set_grad(prev);
             }
             if (PyContext_Exit(job->ctx) < 0) {
                 PyObject *e = take_exception();
@@ -497,6 +505,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             continue;
         }
         job->ctx = PyContext_CopyCurrent();
+        job->torch_no_grad = dp_torch_grad_enabled() == 0;
         if (job->ctx == NULL) {
             job->on_worker = 0;
             job->cancelled = 1;
@@ -614,6 +623,9 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
         PyObject *a = PyTuple_GET_ITEM(args, j);
         int r = dp_is_array_leaf(st, a);
         if (r < 0 && PyErr_Occurred()) {
+            PyObject *path = PyUnicode_FromFormat("inputs[%zd][%zd]", i, j);
+            dp_reraise_at(st, path);   /* a protocol probe raised: name it */
+            Py_XDECREF(path);
             return -1;
         }
         if (r > 0) {

@@ -66,6 +66,14 @@ typedef struct {
     Py_ssize_t ivals[PTRMAP_INLINE];
 } ptrmap;
 
+/* One step of the path from the module to the node being walked (for
+ * error messages only: module.cfg, module.layers[1]['w']). */
+typedef struct {
+    int parent_kind;           /* RK_* of the parent                          */
+    Py_ssize_t index;          /* as rep_edge.index                           */
+    PyObject *key;             /* borrowed, as rep_edge.key                   */
+} rep_step;
+
 #define REP_INLINE_NODES 8
 #define REP_INLINE_EDGES 16
 typedef struct {
@@ -75,7 +83,13 @@ typedef struct {
     rep_edge *edges;           /* every parent -> node edge, in walk order    */
     Py_ssize_t nedges, cap_edges;
     rep_edge *sorted;          /* edges to array paths, grouped by parent     */
-    PyObject *arrays;          /* owned list: arrays found, deduplicated      */
+    PyObject *arrays;          /* owned list: arrays found, deduplicated, as
+                                  imported (ndarray or GPU shadow)            */
+    PyObject *leaves;          /* owned list: the objects found, same order   */
+    PyObject *origins;         /* owned list: each one's way back (interop.c) */
+    int share_torch;           /* all devices virtual CPUs: torch.nn.Module
+                                  objects are shared, not copied              */
+    rep_step path[DP_REPLICATE_MAX_DEPTH + 2];  /* path[1..depth]             */
     ptrmap map;
     rep_node inline_nodes[REP_INLINE_NODES];
     rep_edge inline_edges[REP_INLINE_EDGES];
@@ -175,7 +189,8 @@ static void rep_walk_init(rep_walk *w, dp_state *st)
     w->nedges = 0;
     w->cap_edges = REP_INLINE_EDGES;
     w->sorted = NULL;
-    w->arrays = NULL;
+    w->arrays = w->leaves = w->origins = NULL;
+    w->share_torch = 0;
     ptrmap_init(&w->map);
 }
 
@@ -196,6 +211,8 @@ static void rep_walk_free(rep_walk *w)
     }
     PyMem_Free(w->sorted);
     Py_XDECREF(w->arrays);
+    Py_XDECREF(w->leaves);
+    Py_XDECREF(w->origins);
     ptrmap_free(&w->map);
 }
 
@@ -293,8 +310,9 @@ static int has_slots(PyTypeObject *tp)
     return 0;
 }
 
-static int rep_classify(dp_state *st, PyObject *o)
+static int rep_classify(rep_walk *w, PyObject *o)
 {
+    dp_state *st = w->st;
     PyTypeObject *tp = Py_TYPE(o);
     if (o == Py_None || tp == &PyLong_Type || tp == &PyFloat_Type || tp == &PyUnicode_Type ||
         tp == &PyBool_Type || tp == &PyBytes_Type || tp == &PyComplex_Type) {
@@ -303,6 +321,9 @@ static int rep_classify(dp_state *st, PyObject *o)
     int r = dp_is_array_leaf(st, o);
     if (r < 0 && PyErr_Occurred()) {
         return RK_ERROR;
+    }
+    if (r > 0 && !PyArray_Check(o)) {
+        return RK_ARRAY;   /* dpmini.Array, torch, JAX, CuPy: imported by the walk */
     }
     if (r > 0) {
         /* Shared by reference, as PyTorch shares a module's non-parameter
@@ -336,6 +357,12 @@ static int rep_classify(dp_state *st, PyObject *o)
         (!has_instance_dict(tp) && !has_slots(tp))) {
         return RK_LEAF;
     }
+    if (w->share_torch) {
+        r = dp_is_torch_module(o);   /* shared on virtual CPUs (docs/design.md) */
+        if (r != 0) {
+            return r < 0 ? RK_ERROR : RK_LEAF;
+        }
+    }
     return RK_OBJECT;
 }
 
@@ -348,6 +375,11 @@ static int rep_walk_child(rep_walk *w, Py_ssize_t parent, PyObject *child,
                           Py_ssize_t index, PyObject *key, int depth)
 {
     Py_INCREF(child);   /* the walk may run Python code (e.g. a __dict__ hook) */
+    if (depth < DP_REPLICATE_MAX_DEPTH + 2) {
+        w->path[depth].parent_kind = w->nodes[parent].kind;
+        w->path[depth].index = index;
+        w->path[depth].key = key;
+    }
     Py_ssize_t c = rep_walk_obj(w, child, depth);
     Py_DECREF(child);
     if (c == RK_ERROR) {
@@ -453,14 +485,77 @@ static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth
     return 0;
 }
 
+/* "module.layers[1]['w']": the path of the node at depth (new str). */
+static PyObject *rep_path(rep_walk *w, int depth)
+{
+    PyObject *p = PyUnicode_FromString("module");
+    for (int d = 1; p != NULL && d <= depth && d < DP_REPLICATE_MAX_DEPTH + 2; d++) {
+        const rep_step *s = &w->path[d];
+        PyObject *name = NULL;
+        if (s->index >= 0) {
+            Py_SETREF(p, PyUnicode_FromFormat("%U[%zd]", p, s->index));
+        } else if (s->index == REP_SLOT_EDGE || s->parent_kind == RK_OBJECT) {
+            name = s->index == REP_SLOT_EDGE ? PyObject_GetAttrString(s->key, "__name__")
+                                             : Py_NewRef(s->key);
+            Py_SETREF(p, name != NULL ? PyUnicode_FromFormat("%U.%S", p, name) : NULL);
+        } else {
+            Py_SETREF(p, PyUnicode_FromFormat("%U[%R]", p, s->key));
+        }
+        Py_XDECREF(name);
+    }
+    return p;
+}
+
+/* The walk failed at depth: name the object's path in the error. */
+static Py_ssize_t rep_error_at(rep_walk *w, int depth)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *path = rep_path(w, depth);
+    if (path == NULL) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(t, v, tb);
+    dp_reraise_at(w->st, path);
+    Py_XDECREF(path);
+    return RK_ERROR;
+}
+
+/* An array leaf found by the walk: its import (ndarray or GPU shadow, no
+ * copy), itself and its way back, appended to w's lists. */
+static int rep_add_array(rep_walk *w, PyObject *o, int depth)
+{
+    PyObject *imp = NULL, *origin = NULL, *path = NULL;
+    int rc = -1;
+    if (PyArray_Check(o)) {
+        imp = Py_NewRef(o);
+    } else {
+        path = rep_path(w, depth);
+        const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+        imp = cpath != NULL ? (PyObject *)dp_as_array(w->st, o, cpath, 0) : NULL;
+    }
+    origin = imp != NULL ? dp_array_origin(w->st, o) : NULL;
+    if (origin != NULL && PyList_Append(w->arrays, imp) == 0 &&
+        PyList_Append(w->leaves, o) == 0 && PyList_Append(w->origins, origin) == 0) {
+        rc = 0;
+    }
+    Py_XDECREF(imp);
+    Py_XDECREF(origin);
+    Py_XDECREF(path);
+    return rc;
+}
+
 static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
 {
     Py_ssize_t n = ptrmap_get(&w->map, o);
     if (n >= 0) {
         return n;
     }
-    int kind = rep_classify(w->st, o);
-    if (kind == RK_ERROR || kind == RK_LEAF) {
+    int kind = rep_classify(w, o);
+    if (kind == RK_ERROR) {
+        return rep_error_at(w, depth);
+    }
+    if (kind == RK_LEAF) {
         return kind;
     }
     if (kind != RK_ARRAY && depth >= DP_REPLICATE_MAX_DEPTH) {
@@ -473,7 +568,7 @@ static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
     switch (kind) {
     case RK_ARRAY:
         w->nodes[n].array_index = PyList_GET_SIZE(w->arrays);
-        if (PyList_Append(w->arrays, o) < 0) {
+        if (rep_add_array(w, o, depth) < 0) {
             return RK_ERROR;
         }
         break;
@@ -714,10 +809,29 @@ PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
     if (ndev == 0) {
         goto done;
     }
+    /* A torch.nn.Module: its own rule (interop.c, docs/design.md). */
+    int torch_mod = dp_is_torch_module(module);
+    if (torch_mod < 0) {
+        goto fail;
+    }
+    if (torch_mod) {
+        Py_DECREF(result);
+        result = dp_replicate_torch_module(st, module, devs, ndev);
+        if (result == NULL) {
+            goto fail;
+        }
+        goto done;
+    }
+    w.share_torch = 1;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        w.share_torch &= devs[d].kind == DP_VCPU;
+    }
     /* Plain callables (functions, builtins, bound methods) hold no arrays. */
     if (!PyFunction_Check(module) && !PyCFunction_Check(module) && !PyMethod_Check(module)) {
         w.arrays = PyList_New(0);
-        if (w.arrays == NULL) {
+        w.leaves = PyList_New(0);
+        w.origins = PyList_New(0);
+        if (w.arrays == NULL || w.leaves == NULL || w.origins == NULL) {
             goto fail;
         }
         root = rep_walk_obj(&w, module, 0);
@@ -752,6 +866,9 @@ PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
         if (!PyList_Check(arrays_d) || PyList_GET_SIZE(arrays_d) != PyList_GET_SIZE(w.arrays)) {
             PyErr_SetString(PyExc_SystemError,
                             "replicate: broadcast_coalesced returned a bad list");
+            goto fail;
+        }
+        if (dp_replicas_leaves(st, arrays_d, w.arrays, w.leaves, w.origins) < 0) {
             goto fail;
         }
         PyObject *rep = rep_build(&w, root, arrays_d, memo);
@@ -814,9 +931,16 @@ PyDoc_STRVAR(replicate_doc,
 "object in each replica. A module holding no arrays (functions, builtins,\n"
 "bound methods, plain objects) is returned as the same object for every\n"
 "device. The replica on devices[0] holds the original arrays where they\n"
-"already live there (spec 5.6). detach is accepted for PyTorch\n"
-"compatibility and ignored. Errors: ValueError/TypeError for bad devices;\n"
-"TypeError when an object with arrays cannot be copied.");
+"already live there (spec 5.6). Arrays of other libraries (torch, JAX, CuPy,\n"
+"dpmini.Array: anything with __dlpack__/__dlpack_device__ or\n"
+"__cuda_array_interface__) are copied the same way and stay of their type; a\n"
+"torch.nn.Module is shared on virtual CPU devices and replicated with\n"
+"torch.nn.parallel.replicate on CUDA devices (README, 'With PyTorch, JAX,\n"
+"CuPy'). detach is accepted for PyTorch compatibility and ignored. Errors:\n"
+"ValueError/TypeError for bad devices; TypeError when an object with arrays\n"
+"cannot be copied, or for a tensor that requires grad (naming its path,\n"
+"e.g. module.w); a non-AttributeError raised while probing an attribute for\n"
+"the array protocols, re-raised naming its path (module.cfg).");
 
 PyObject *replicate_common(dp_state *st, PyObject *module, PyObject *devices)
 {

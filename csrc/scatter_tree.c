@@ -108,6 +108,14 @@ static int scatter_copy(scatter_ctx *c)
     PyMem_Free(items);
     if (r == 0 && nitems < c->nleaves)
         r = broadcast_copy(c, c->nleaves - nitems);
+    /* Each leaf's pieces go back into its own library (torch in, torch
+     * shards out), sharing the memory dpmini copied into (interop.c). */
+    for (Py_ssize_t i = 0; r == 0 && i < c->nleaves; i++) {
+        const char *cpath = PyUnicode_AsUTF8(c->leaves[i].path);
+        if (cpath == NULL ||
+            dp_convert_all(c->st, c->leaves[i].origin, c->chunks + i * c->k, c->k, cpath) < 0)
+            r = -1;
+    }
     return r;
 }
 
@@ -527,9 +535,9 @@ static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
         goto done;
     c.chunk_sizes = opts.chunk_sizes;
     c.weights = opts.weights;
-    if ((kind = scatter_kind(st, inputs)) < 0)
-        goto done;
     if (collect(&c, inputs, &root, spec, &sroot) < 0)
+        goto done;
+    if ((kind = scatter_kind(st, inputs)) < 0)
         goto done;
     scatter_count(&c);
     if (scatter_check(&c, strict) < 0 || scatter_copy(&c) < 0)

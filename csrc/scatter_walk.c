@@ -44,6 +44,7 @@ void ctx_clear(scatter_ctx *c)
         scatter_leaf *lf = &c->leaves[i];
         Py_CLEAR(lf->obj);
         Py_CLEAR(lf->arr);
+        Py_CLEAR(lf->origin);
         Py_CLEAR(lf->path);
         PyMem_Free(lf->sizes);
         lf->sizes = NULL;
@@ -219,7 +220,7 @@ static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *
 static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
                         PyObject *spec, const path_seg *sseg)
 {
-    PyObject *path = NULL;
+    PyObject *path = NULL, *origin = NULL;
     PyArrayObject *arr = NULL;
     int64_t *sizes = NULL;
     const char *cpath;
@@ -281,6 +282,9 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
     }
 
 record:
+    origin = dp_array_origin(c->st, obj);
+    if (origin == NULL)
+        goto fail;
     if (c->nleaves == c->cap) {
         Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
         scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
@@ -294,6 +298,7 @@ record:
     scatter_leaf *lf = &c->leaves[c->nleaves++];
     lf->obj = Py_NewRef(obj);
     lf->arr = arr;
+    lf->origin = origin;
     lf->path = path;
     lf->bcast = bcast;
     lf->dim = wdim;
@@ -309,6 +314,7 @@ leaf_error:
     }
 fail:
     PyMem_Free(sizes);
+    Py_XDECREF(origin);
     Py_XDECREF(arr);
     Py_XDECREF(path);
     return -1;
@@ -378,8 +384,13 @@ int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
             PyObject *spec, const path_seg *sseg)
 {
     int kind = scatter_kind(c->st, obj);
-    if (kind < 0)
+    if (kind < 0) {
+        /* probing obj for the array protocols raised: name its path */
+        PyObject *path = path_str(seg);
+        dp_reraise_at(c->st, path);
+        Py_XDECREF(path);
         return -1;
+    }
     if (kind == S_ARRAY)
         return collect_leaf(c, obj, seg, spec, sseg);
     if (kind == S_SHARED) {

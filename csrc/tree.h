@@ -58,6 +58,8 @@ enum {
 typedef struct {
     PyObject *obj;        /* the leaf as found in the structure (strong)   */
     PyArrayObject *arr;   /* dp_as_array(obj): what is split (strong)      */
+    PyObject *origin;     /* dp_array_origin(obj): the way back into obj's
+                             library for its chunks, or None (strong)      */
     PyObject *path;       /* str, e.g. "args[1]['img']"                    */
     int bcast;            /* 1: in_dims None: the whole array goes to every
                              replica (dim, count, sizes unused)            */

@@ -82,6 +82,8 @@ class Plan:
         "weights"; chunk_sizes / weights: the lists given, or None.
     leaves: one dict per array leaf, in argument order, with
         'path'     the argument path, e.g. "args[0]" or "kwargs['mask']";
+        'library'  the array's type and device: "numpy.ndarray cpu",
+                   "torch.Tensor cpu", "jax.Array cpu", "cupy.ndarray cuda:0";
         'shape'    the full shape (tuple of ints); 'dtype' a numpy.dtype;
         'itemsize' bytes per element;
         'broadcast' True for an in_dims None leaf: the whole array goes to every
@@ -350,11 +352,17 @@ def _shorten(text, width):
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def _library_text(leaf):
+    """' [torch.Tensor cpu]': the leaf's library and device, for its title."""
+    return f" [{leaf['library']}]" if leaf.get("library") else ""
+
+
 def _leaf_block(leaf, devices, replicas):
     """Lines of the table for one array leaf: a title, a header and one row per device."""
     if leaf.get("broadcast"):
         title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
-                 f"{_dtype_name(leaf['dtype'])}, broadcast whole (in_dims None)")
+                 f"{_dtype_name(leaf['dtype'])}, broadcast whole (in_dims None)"
+                 f"{_library_text(leaf)}")
         header = ("device", "rows", "chunk shape", "size")
         rows = []
         for i, dev in enumerate(devices):
@@ -366,7 +374,7 @@ def _leaf_block(leaf, devices, replicas):
         return [title] + _columns([header] + rows, indent="  ")
     dim = leaf["dim"]
     title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
-             f"{_dtype_name(leaf['dtype'])}, split along dim {dim}")
+             f"{_dtype_name(leaf['dtype'])}, split along dim {dim}{_library_text(leaf)}")
     header = ("device", f"dim {dim} range", "chunk shape", "size")
     rows = [_device_row(leaf, i, str(dev), replicas) for i, dev in enumerate(devices)]
     return [title] + _columns([header] + rows, indent="  ")

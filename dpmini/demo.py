@@ -1,6 +1,11 @@
-"""dpmini's demo: data-parallel training of a small NumPy MLP on real handwritten digits.
+"""dpmini's demo: data-parallel training of a small MLP on real handwritten digits.
 
-Run as `python -m dpmini.demo` (`make demo`). It trains a 64 -> 64 (tanh) -> 10
+Run as `python -m dpmini.demo` (`make demo`). The model is written once against
+the Python array API standard (`xp = array_namespace(x)`), so the same code
+trains with NumPy on the virtual CPU devices (the default, `--library numpy`),
+with PyTorch CPU tensors (`--library torch`: the replicas receive torch tensors)
+and with CuPy on the GPUs (`--library cupy`, needs a GPU and CuPy). It trains a
+64 -> 64 (tanh) -> 10
 (softmax) network, float64, on scikit-learn's bundled digits data (1,797 real
 8x8 images shipped inside the package, no download) with mini-batch SGD, the
 gradient of every batch computed by a dpmini.DataParallel whose replicas each
@@ -13,7 +18,8 @@ calls on the whole batch, and compares the parameters. The output ends with
     accuracy <test accuracy of the data-parallel model>
     max_abs_diff_vs_single_device <largest |parameter difference|>
 
-and main() returns 1 unless accuracy >= 0.95 and the difference <= 1e-6.
+and main() returns 1 unless accuracy >= 0.95 and the difference <= 1e-6, for
+every library.
 """
 import argparse
 import sys
@@ -28,21 +34,57 @@ MIN_ACCURACY = 0.95
 MAX_PARAM_DIFF = 1e-6
 
 
+LIBRARIES = ("numpy", "torch", "cupy")
+
+
+def array_namespace(*arrays):
+    """The array-API namespace of the arrays: array_api_compat's when it is
+    installed (NumPy, PyTorch, CuPy, JAX), else the arrays' own
+    __array_namespace__ (NumPy >= 2.0 has one)."""
+    try:
+        from array_api_compat import array_namespace as find
+    except ImportError:
+        return arrays[0].__array_namespace__()
+    return find(*arrays)
+
+
+def library_module(name):
+    """The array library by name ('numpy', 'torch', 'cupy'), imported."""
+    if name == "numpy":
+        return np
+    import importlib
+    return importlib.import_module(name)
+
+
+def to_library(a, library):
+    """A NumPy array a as an array of library (float64 / int64 kept)."""
+    if library == "numpy":
+        return a
+    if library == "torch":
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(a))
+    return library_module(library).asarray(a)
+
+
 class MLP:
     """A 64 -> hidden (tanh) -> 10 (softmax) classifier with hand-written backprop.
 
-    The parameters are plain ndarray attributes (W1, b1, W2, b2), so
-    DataParallel's replicate broadcasts them to every device on each call.
+    Written once against the array API: the parameters (W1, b1, W2, b2) are
+    arrays of one library (NumPy by default, torch or CuPy with library=), and
+    every computation goes through xp = array_namespace(x), so DataParallel's
+    replicate copies them to every device as arrays of that same library.
     Calling the model on a batch returns the SUMMED cross-entropy loss and its
     gradients (not means), so per-shard results add up to the whole batch's.
     """
 
-    def __init__(self, n_in=64, n_hidden=64, n_out=10, seed=0):
+    def __init__(self, n_in=64, n_hidden=64, n_out=10, seed=0, library="numpy"):
         rng = np.random.default_rng(seed)
-        self.W1 = rng.normal(0.0, 1.0 / np.sqrt(n_in), (n_in, n_hidden))
-        self.b1 = np.zeros(n_hidden)
-        self.W2 = rng.normal(0.0, 1.0 / np.sqrt(n_hidden), (n_hidden, n_out))
-        self.b2 = np.zeros(n_out)
+        init = {"W1": rng.normal(0.0, 1.0 / np.sqrt(n_in), (n_in, n_hidden)),
+                "b1": np.zeros(n_hidden),
+                "W2": rng.normal(0.0, 1.0 / np.sqrt(n_hidden), (n_hidden, n_out)),
+                "b2": np.zeros(n_out)}
+        for name, value in init.items():
+            setattr(self, name, to_library(value, library))
 
     def parameters(self):
         """The parameters by name (the arrays themselves, not copies)."""
@@ -50,12 +92,14 @@ class MLP:
 
     def logits(self, x):
         """x: (B, 64) float64 -> (hidden activations (B, H), logits (B, 10))."""
-        h = np.tanh(x @ self.W1 + self.b1)
+        xp = array_namespace(x)
+        h = xp.tanh(x @ self.W1 + self.b1)
         return h, h @ self.W2 + self.b2
 
     def predict(self, x):
         """x: (B, 64) -> predicted class per row, (B,) int."""
-        return np.argmax(self.logits(x)[1], axis=1)
+        xp = array_namespace(x)
+        return xp.argmax(self.logits(x)[1], axis=1)
 
     def __call__(self, x, y):
         """Loss and gradients of one batch (or one shard of it).
@@ -64,17 +108,28 @@ class MLP:
         Returns {'loss_sum': float, the summed cross-entropy over the B rows,
         'grads': {name: array shaped like the parameter}, gradients of that sum}.
         """
+        xp = array_namespace(x, y)
         h, z = self.logits(x)
-        z = z - z.max(axis=1, keepdims=True)
-        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        rows = np.arange(len(y))
-        loss_sum = -log_p[rows, y].sum()
-        dz = np.exp(log_p)
-        dz[rows, y] -= 1.0
+        z = z - xp.max(z, axis=1, keepdims=True)
+        log_p = z - xp.log(xp.sum(xp.exp(z), axis=1, keepdims=True))
+        # one-hot labels: the array API has no assignment by index arrays
+        onehot = xp.astype(y[:, None] == xp.arange(z.shape[1], device=xp_device(xp, y))[None, :],
+                           z.dtype)
+        loss_sum = -xp.sum(log_p * onehot)
+        dz = xp.exp(log_p) - onehot
         dh = (dz @ self.W2.T) * (1.0 - h * h)
-        grads = {"W1": x.T @ dh, "b1": dh.sum(axis=0),
-                 "W2": h.T @ dz, "b2": dz.sum(axis=0)}
+        grads = {"W1": x.T @ dh, "b1": xp.sum(dh, axis=0),
+                 "W2": h.T @ dz, "b2": xp.sum(dz, axis=0)}
         return {"loss_sum": float(loss_sum), "grads": grads}
+
+
+def xp_device(xp, a):
+    """a's device as its namespace names it (array_api_compat's device(), else a.device)."""
+    try:
+        from array_api_compat import device
+    except ImportError:
+        return a.device
+    return device(a)
 
 
 # How DataParallel combines the replicas' results: out_dims mirrors what the
@@ -106,6 +161,14 @@ def batches(n, batch_size, epoch, seed):
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
+def take_rows(a, idx):
+    """Rows idx (a NumPy int array) of a, in a's library."""
+    if isinstance(a, np.ndarray):
+        return a[idx]
+    xp = array_namespace(a)
+    return xp.take(a, xp.asarray(idx, device=xp_device(xp, a)), axis=0)
+
+
 def sgd_step(model, step, x, y, lr):
     """One SGD step on a batch: step(x, y) gives summed loss and gradients.
 
@@ -135,7 +198,7 @@ def train(model, step, x, y, args, desc, bar_per_epoch):
                  if bar_per_epoch else parts)
         total = seen = 0
         for idx in inner:
-            total += sgd_step(model, step, x[idx], y[idx], args.lr)
+            total += sgd_step(model, step, take_rows(x, idx), take_rows(y, idx), args.lr)
             seen += len(idx)
             if bar_per_epoch:
                 inner.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
@@ -147,29 +210,36 @@ def train(model, step, x, y, args, desc, bar_per_epoch):
         outer.close()
 
 
-def choose_devices(n_devices):
+def choose_devices(n_devices, library="numpy"):
     """The device list for DataParallel, and a line saying why.
 
-    n_devices: use cpu:0 .. cpu:(n-1); None: the default, all virtual CPU
-    devices. The demo's model is NumPy code that reads its shards directly, which
-    device memory does not allow (shards on GPUs are dpmini.Array), so GPUs are
-    named and skipped; a CuPy replica is not written yet.
+    library 'cupy': the GPUs (cuda:0 .. cuda:(n-1); SystemExit without one).
+    Otherwise n_devices: use cpu:0 .. cpu:(n-1); None: the default, all virtual
+    CPU devices. NumPy and torch CPU replicas stay on the virtual CPU devices
+    even when GPUs exist (run --library cupy for the GPUs).
     """
+    n_cuda = dpmini.device_count()
+    if library == "cupy":
+        if n_cuda == 0:
+            raise SystemExit("--library cupy needs a CUDA device, and dpmini sees none")
+        n = n_cuda if n_devices is None else min(n_devices, n_cuda)
+        return [f"cuda:{i}" for i in range(n)], f"--library cupy: {n} CUDA device(s)"
     if n_devices is not None:
         return [f"cpu:{i}" for i in range(n_devices)], "devices given with --devices"
-    n_cuda = dpmini.device_count()
     if n_cuda > 0:
         devices = [f"cpu:{i}" for i in range(dpmini.cpu_device_count())]
-        return devices, (f"{n_cuda} CUDA device(s) found, but the demo stays on the virtual "
-                         "CPU devices: its replicas are NumPy code, and GPU shards "
-                         "(dpmini.Array) need CuPy or PyTorch inside the replica")
+        return devices, (f"{n_cuda} CUDA device(s) found, but --library {library} stays on "
+                         "the virtual CPU devices (--library cupy trains on the GPUs)")
     return None, "no CUDA device, so DataParallel's default: the virtual CPU devices"
 
 
 def max_param_diff(a, b):
     """Largest |a.p - b.p| over every parameter of two models (float)."""
-    return max(float(np.max(np.abs(pa - pb)))
-               for pa, pb in zip(a.parameters().values(), b.parameters().values()))
+    diffs = []
+    for pa, pb in zip(a.parameters().values(), b.parameters().values()):
+        xp = array_namespace(pa, pb)
+        diffs.append(float(xp.max(xp.abs(pa - pb))))
+    return max(diffs)
 
 
 def parse_args(argv):
@@ -180,6 +250,9 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default 64)")
     parser.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2)")
     parser.add_argument("--seed", type=int, default=0, help="weights and shuffling seed (default 0)")
+    parser.add_argument("--library", choices=LIBRARIES, default="numpy",
+                        help="array library of the model and the data: numpy (default), torch "
+                             "(CPU tensors on the virtual CPU devices) or cupy (the GPUs)")
     args = parser.parse_args(argv)
     if args.devices is not None and args.devices < 1:
         parser.error("--devices must be at least 1")
@@ -189,23 +262,29 @@ def parse_args(argv):
 def main(argv=None):
     """Run the demo; returns 0 when both expectations hold, else 1."""
     args = parse_args(argv)
-    x_train, x_test, y_train, y_test = load_digits_split()
-
-    device_ids, why = choose_devices(args.devices)
-    model = MLP(seed=args.seed)
+    device_ids, why = choose_devices(args.devices, args.library)
+    try:
+        library_module(args.library)
+    except ImportError as e:
+        raise SystemExit(f"--library {args.library}: {e}") from None
+    x_train, x_test, y_train, y_test = (to_library(a, args.library)
+                                        for a in load_digits_split())
+    model = MLP(seed=args.seed, library=args.library)
     parallel = dpmini.DataParallel(model, device_ids=device_ids, out_dims=OUT_DIMS)
     print(f"devices: {', '.join(str(d) for d in parallel.device_ids)} ({why})")
     first = batches(len(x_train), args.batch_size, 0, args.seed)[0]
-    print(dpmini.explain((x_train[first], y_train[first]), parallel.device_ids))
+    print(dpmini.explain((take_rows(x_train, first), take_rows(y_train, first)),
+                         parallel.device_ids))
     print()
 
     start = time.perf_counter()
     train(model, parallel, x_train, y_train, args, "data-parallel", bar_per_epoch=True)
     parallel_s = time.perf_counter() - start
-    accuracy = float(np.mean(model.predict(x_test) == y_test))
+    xp = array_namespace(x_test)
+    accuracy = float(xp.mean(xp.astype(model.predict(x_test) == y_test, xp.float64)))
 
     start = time.perf_counter()
-    single = MLP(seed=args.seed)
+    single = MLP(seed=args.seed, library=args.library)
     train(single, single, x_train, y_train, args, "single device", bar_per_epoch=False)
     single_s = time.perf_counter() - start
     diff = max_param_diff(model, single)

@@ -1,0 +1,502 @@
+/* interop.c - arrays of other libraries (PyTorch, JAX, CuPy, ...): the one
+ * definition of an array leaf, the zero-copy import of a foreign array, and
+ * the way back into the caller's library.
+ *
+ * An array leaf (scatter, gather, replicate, explain, the comm functions) is
+ * a numpy.ndarray (subclasses included), a dpmini.Array, or any object that
+ * exports __dlpack__ together with __dlpack_device__, or
+ * __cuda_array_interface__. Buffer-protocol objects (bytes, memoryview) and
+ * __array_interface__-only objects are not leaves (comm still reads them).
+ *
+ * Probing an object for those protocols looks the attributes up; only
+ * AttributeError means "not there". Any other Exception raised by a lookup
+ * (a dict-backed __getattr__ raising KeyError, a CUDA tensor's property
+ * raising RuntimeError) is re-raised, same type, saying which protocol and
+ * type raised it; the tree walkers then prefix the path of the object
+ * (args[1], module.cfg) with dp_reraise_at. docs/design.md, "Arrays of other
+ * libraries", states the rule.
+ *
+ * Import: host memory (DLPack device kDLCPU / kDLCUDAHost) through
+ * numpy.from_dlpack (a view, no copy); CUDA memory through array.c's
+ * DLPack/CAI import (a shadow ndarray, no copy). A producer whose DLPack
+ * export refuses (JAX arrays sharded over several JAX devices) is read with
+ * numpy.asarray (a copy). A tensor that requires grad is refused.
+ *
+ * The way back ("origin"): the library's own from_dlpack, found from the
+ * type's top-level module (torch, jax/jaxlib, cupy), else through
+ * array_api_compat.array_namespace, else the module's from_dlpack; cached per
+ * type in the module state. NumPy, dpmini.Array and libraries without a
+ * from_dlpack have origin None: their results stay NumPy / dpmini.Array.
+ *
+ * interop_torch.c holds what PyTorch needs beyond this (nn.Module, grad mode).
+ */
+#include "dpmini.h"
+#include "dlpack.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Probing                                                             */
+/* ------------------------------------------------------------------ */
+
+/* Types that never carry the protocols: no attribute lookup for them. */
+static int never_foreign(PyObject *obj)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    return obj == Py_None || tp == &PyBool_Type || tp == &PyLong_Type ||
+           tp == &PyFloat_Type || tp == &PyComplex_Type || tp == &PyUnicode_Type ||
+           tp == &PyBytes_Type || tp == &PyByteArray_Type || tp == &PyMemoryView_Type ||
+           tp == &PyTuple_Type || tp == &PyList_Type || tp == &PyDict_Type ||
+           tp == &PySet_Type || tp == &PyFrozenSet_Type || PyType_Check(obj) ||
+           PyModule_Check(obj) || PyFunction_Check(obj) || PyCFunction_Check(obj) ||
+           PyMethod_Check(obj) || PyArray_IsScalar(obj, Generic);
+}
+
+/* Re-raise the pending exception as the same type with message msg (a str,
+ * stolen) and the original as __cause__. KeyError gets the dpmini
+ * _KeyErrorMessage str so that str(e) is the text, not its repr. When the
+ * type cannot be built from one message, the original stays pending. */
+static void reraise_with(dp_state *st, PyObject *msg)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (msg == NULL || v == NULL) {
+        Py_XDECREF(msg);
+        PyErr_Restore(t, v, tb);
+        return;
+    }
+    if (tb != NULL)
+        PyException_SetTraceback(v, tb);
+    PyObject *arg = msg;
+    if (PyType_IsSubtype((PyTypeObject *)t, (PyTypeObject *)PyExc_KeyError) &&
+        st->KeyErrorMessage != NULL)
+        arg = PyObject_CallOneArg(st->KeyErrorMessage, msg);
+    PyObject *nv = arg != NULL ? PyObject_CallOneArg(t, arg) : NULL;
+    if (arg != msg)
+        Py_XDECREF(arg);
+    Py_DECREF(msg);
+    if (nv == NULL || !PyExceptionInstance_Check(nv)) {
+        Py_XDECREF(nv);
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        return;
+    }
+    PyException_SetCause(nv, v);   /* steals v */
+    PyErr_SetObject(t, nv);
+    Py_DECREF(nv);
+    Py_DECREF(t);
+    Py_XDECREF(tb);
+}
+
+void dp_reraise_at(dp_state *st, PyObject *path)
+{
+    if (path == NULL || !PyErr_ExceptionMatches(PyExc_Exception))
+        return;   /* KeyboardInterrupt, SystemExit: as they are */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *text = v != NULL ? PyObject_Str(v) : NULL;
+    if (text == NULL) {
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        return;
+    }
+    /* Already named (an inner walker prefixed it): leave it. */
+    int named = PyUnicode_Tailmatch(text, path, 0, PY_SSIZE_T_MAX, -1) == 1;
+    PyObject *msg = named ? NULL : PyUnicode_FromFormat("%U: %U", path, text);
+    Py_DECREF(text);
+    PyErr_Restore(t, v, tb);
+    if (!named)
+        reraise_with(st, msg);
+}
+
+/* Look attribute name up on obj: 1 there (callable for the DLPack methods,
+ * a dict for the CUDA Array Interface: a __getattr__ answering None for
+ * every name is no exporter), 0 AttributeError or the wrong kind of value,
+ * -1 any other error (re-raised naming the protocol and the type). */
+static int probe_attr(dp_state *st, PyObject *obj, const char *name, int callable)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v != NULL) {
+        int ok = callable ? PyCallable_Check(v) : PyDict_Check(v);
+        Py_DECREF(v);
+        return ok;
+    }
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyObject *t, *v2, *tb;
+        PyErr_Fetch(&t, &v2, &tb);
+        PyErr_NormalizeException(&t, &v2, &tb);
+        PyObject *msg = PyUnicode_FromFormat(
+            "looking up %s on a %.100s object (to tell whether it is an array) raised "
+            "%.100s: %S; dpmini takes only AttributeError to mean that an object lacks "
+            "an attribute (make __getattr__ raise AttributeError)", name,
+            Py_TYPE(obj)->tp_name, Py_TYPE(v2)->tp_name, v2);
+        PyErr_Restore(t, v2, tb);
+        reraise_with(st, msg);
+    }
+    return -1;
+}
+
+int dp_is_foreign_array(dp_state *st, PyObject *obj)
+{
+    if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) || never_foreign(obj))
+        return 0;
+    int r = probe_attr(st, obj, "__dlpack__", 1);
+    if (r < 0)
+        return -1;
+    if (r == 1) {
+        r = probe_attr(st, obj, "__dlpack_device__", 1);
+        if (r != 0)
+            return r;
+    }
+    return probe_attr(st, obj, "__cuda_array_interface__", 0);
+}
+
+/* ------------------------------------------------------------------ */
+/* Import                                                              */
+/* ------------------------------------------------------------------ */
+
+/* "torch", "jax", "cupy": the top-level package of obj's type (new str). */
+/* The type's own name, without a module prefix ("ArrayImpl"). */
+static const char *short_name(PyTypeObject *tp)
+{
+    const char *dot = strrchr(tp->tp_name, '.');
+    return dot != NULL ? dot + 1 : tp->tp_name;
+}
+
+static PyObject *top_module(PyObject *obj)
+{
+    PyObject *mod = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
+    if (mod == NULL || !PyUnicode_Check(mod)) {
+        Py_XDECREF(mod);
+        PyErr_Clear();
+        return PyUnicode_FromString("");
+    }
+    Py_ssize_t dot = PyUnicode_FindChar(mod, '.', 0, PyUnicode_GET_LENGTH(mod), 1);
+    if (dot >= 0)
+        Py_SETREF(mod, PyUnicode_Substring(mod, 0, dot));
+    return mod;
+}
+
+PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
+{
+    if (PyArray_Check(obj))
+        return PyUnicode_FromString("numpy.ndarray");
+    if (PyObject_TypeCheck(obj, st->ArrayType))
+        return PyUnicode_FromString("dpmini.Array");
+    PyObject *top = top_module(obj), *res = NULL;
+    if (top == NULL)
+        return NULL;
+    if (PyUnicode_CompareWithASCIIString(top, "jaxlib") == 0 ||
+        PyUnicode_CompareWithASCIIString(top, "jax") == 0) {
+        Py_DECREF(top);
+        return PyUnicode_FromString("jax.Array");   /* jaxlib._jax.ArrayImpl */
+    }
+    Py_DECREF(top);
+    PyObject *mod = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
+    if (mod != NULL && PyUnicode_Check(mod) && PyUnicode_GET_LENGTH(mod) > 0 &&
+        PyUnicode_CompareWithASCIIString(mod, "builtins") != 0)
+        res = PyUnicode_FromFormat("%U.%s", mod, short_name(Py_TYPE(obj)));
+    else
+        res = PyUnicode_FromString(short_name(Py_TYPE(obj)));
+    PyErr_Clear();
+    Py_XDECREF(mod);
+    return res;
+}
+
+/* A tensor that requires grad (torch): 1 with TypeError naming argname, 0. */
+static int refuse_requires_grad(dp_state *st, PyObject *obj, const char *argname)
+{
+    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+    if (rg == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int yes = rg == Py_True;
+    Py_DECREF(rg);
+    if (!yes)
+        return 0;
+    PyObject *name = dp_array_type_name(st, obj);
+    if (name == NULL)
+        return 1;
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a %U that requires grad: dpmini has no autograd (its copies would cut "
+                 "the graph); pass x.detach(), or call under torch.no_grad() so that "
+                 "results need no grad", argname, name);
+    Py_DECREF(name);
+    return 1;
+}
+
+/* The pending error as "argname: cannot read <type> as an array (<what>: <error>)". */
+static void raise_unreadable(PyObject *obj, const char *argname, const char *what)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_Format(PyExc_TypeError, "%s: cannot read %.100s as an array (%s raised %.100s: %S)",
+                 argname, Py_TYPE(obj)->tp_name, what, v ? Py_TYPE(v)->tp_name : "?",
+                 v ? v : Py_None);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && v != NULL)
+        PyException_SetCause(v2, Py_NewRef(v));
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
+/* numpy.<fn>(obj) as an ndarray (new reference), errors as raise_unreadable. */
+static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argname)
+{
+    PyObject *np = PyImport_ImportModule("numpy");
+    PyObject *r = np != NULL ? PyObject_CallMethod(np, fn, "O", obj) : NULL;
+    Py_XDECREF(np);
+    if (r != NULL && !PyArray_Check(r)) {
+        Py_DECREF(r);
+        PyErr_Format(PyExc_TypeError, "%s: numpy.%s returned no ndarray", argname, fn);
+        return NULL;
+    }
+    if (r == NULL) {
+        char what[64];
+        snprintf(what, sizeof what, "numpy.%s", fn);
+        raise_unreadable(obj, argname, what);
+    }
+    return (PyArrayObject *)r;
+}
+
+PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
+{
+    if (refuse_requires_grad(st, obj, argname))
+        return NULL;
+    PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
+    if (m == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();   /* CUDA Array Interface only */
+        return dp_device_object_meta(st, obj, argname);
+    }
+    PyObject *dev = PyObject_CallNoArgs(m);
+    Py_DECREF(m);
+    int type = 0, id = 0;
+    if (dev != NULL) {
+        int ok = PyTuple_Check(dev) && PyArg_ParseTuple(dev, "ii", &type, &id);
+        Py_DECREF(dev);
+        if (!ok) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "__dlpack_device__() did not return a "
+                                "(device_type, device_id) tuple");
+            raise_unreadable(obj, argname, "__dlpack_device__()");
+            return NULL;
+        }
+    }
+    else {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        /* The producer cannot say where one buffer lives (a JAX array
+         * sharded over several JAX devices): a host copy through
+         * numpy.asarray, as the docs say. */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyArrayObject *a = numpy_read(obj, "asarray", argname);
+        if (a == NULL) {
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return a;
+    }
+    if (type == kDLCPU || type == kDLCUDAHost)
+        return numpy_read(obj, "from_dlpack", argname);   /* a view, no copy */
+    if (type == kDLCUDA || type == kDLCUDAManaged)
+        return dp_device_object_meta(st, obj, argname);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %.100s lives on DLPack device type %d (device %d); dpmini reads host "
+                 "memory and CUDA device memory only", argname, Py_TYPE(obj)->tp_name, type,
+                 id);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Origins: the way back                                               */
+/* ------------------------------------------------------------------ */
+
+/* module.attr, or NULL with no exception when either is missing. */
+static PyObject *import_attr_quiet(const char *module, const char *attr)
+{
+    PyObject *mod = PyImport_ImportModule(module);
+    PyObject *r = mod != NULL ? PyObject_GetAttrString(mod, attr) : NULL;
+    Py_XDECREF(mod);
+    if (r == NULL || !PyCallable_Check(r)) {
+        Py_XDECREF(r);
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;   /* KeyboardInterrupt: the caller sees it pending */
+        PyErr_Clear();
+        return NULL;
+    }
+    return r;
+}
+
+/* The converter for obj's type (new reference; Py_None when none). */
+static PyObject *origin_lookup(PyObject *obj)
+{
+    PyObject *top = top_module(obj), *conv = NULL;
+    if (top == NULL)
+        return NULL;
+    const char *name = PyUnicode_AsUTF8(top);
+    if (name == NULL) {
+        Py_DECREF(top);
+        return NULL;
+    }
+    if (strcmp(name, "torch") == 0)
+        conv = import_attr_quiet("torch", "from_dlpack");
+    else if (strcmp(name, "jax") == 0 || strcmp(name, "jaxlib") == 0)
+        conv = import_attr_quiet("jax.numpy", "from_dlpack");
+    else if (strcmp(name, "cupy") == 0)
+        conv = import_attr_quiet("cupy", "from_dlpack");
+    else if (name[0] != '\0' && strcmp(name, "numpy") != 0 && strcmp(name, "builtins") != 0) {
+        /* array_api_compat's namespace when it knows the type, else the
+         * type's own package's from_dlpack. */
+        PyObject *ns_fn = import_attr_quiet("array_api_compat", "array_namespace");
+        if (ns_fn != NULL) {
+            PyObject *ns = PyObject_CallOneArg(ns_fn, obj);
+            Py_DECREF(ns_fn);
+            if (ns != NULL) {
+                conv = PyObject_GetAttrString(ns, "from_dlpack");
+                Py_DECREF(ns);
+            }
+            if (conv == NULL && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                    Py_DECREF(top);
+                    return NULL;
+                }
+                PyErr_Clear();
+            }
+        }
+        if (conv == NULL && !PyErr_Occurred()) {
+            /* only a package already imported (the type's __module__ is
+             * never imported on its behalf) */
+            PyObject *mod = PyImport_GetModule(top);
+            if (mod != NULL) {
+                conv = PyObject_GetAttrString(mod, "from_dlpack");
+                Py_DECREF(mod);
+                if (conv != NULL && !PyCallable_Check(conv))
+                    Py_CLEAR(conv);
+            }
+            if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception))
+                PyErr_Clear();
+        }
+    }
+    Py_DECREF(top);
+    if (conv == NULL && PyErr_Occurred())
+        return NULL;
+    return conv != NULL ? conv : Py_NewRef(Py_None);
+}
+
+PyObject *dp_array_origin(dp_state *st, PyObject *obj)
+{
+    if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) ||
+        PyArray_IsScalar(obj, Generic))
+        return Py_NewRef(Py_None);
+    if (st->origins == NULL && (st->origins = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *conv = PyDict_GetItemWithError(st->origins, (PyObject *)Py_TYPE(obj));
+    if (conv != NULL)
+        return Py_NewRef(conv);
+    if (PyErr_Occurred())
+        return NULL;
+    conv = origin_lookup(obj);
+    if (conv == NULL)
+        return NULL;
+    if (PyDict_SetItem(st->origins, (PyObject *)Py_TYPE(obj), conv) < 0) {
+        Py_DECREF(conv);
+        return NULL;
+    }
+    return conv;
+}
+
+PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char *argname)
+{
+    if (arr == NULL || origin == NULL || origin == Py_None)
+        return arr;
+    PyObject *r = PyObject_CallOneArg(origin, arr);
+    if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
+        /* A GPU-only library (CuPy) cannot hold host memory: results on
+         * the host or a virtual CPU device stay NumPy arrays (README). */
+        PyErr_Clear();
+        return arr;
+    }
+    Py_DECREF(arr);
+    if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        PyObject *msg = PyUnicode_FromFormat(
+            "%s: cannot hand the result back through %R (the from_dlpack of the inputs' "
+            "library): %S", argname, origin, v ? v : Py_None);
+        PyErr_Restore(t, v, tb);
+        reraise_with(st, msg);
+    }
+    return r;
+}
+
+int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
+                   const char *argname)
+{
+    if (origin == NULL || origin == Py_None)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        items[i] = dp_to_origin(st, origin, items[i], argname);
+        if (items[i] == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+PyObject *dp_array_describe(dp_state *st, PyObject *obj, PyArrayObject *arr)
+{
+    PyObject *name = dp_array_type_name(st, obj);
+    if (name == NULL)
+        return NULL;
+    char dev[48];
+    dp_device d = dp_array_device(st, arr);
+    dp_device_format(d, dev, sizeof dev);
+    PyObject *res = PyUnicode_FromFormat("%U %s", name, dev);
+    Py_DECREF(name);
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* replicate                                                           */
+/* ------------------------------------------------------------------ */
+
+int dp_replicas_leaves(dp_state *st, PyObject *row, PyObject *imported, PyObject *leaves,
+                       PyObject *origins)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
+        PyObject *item = PyList_GET_ITEM(row, i), *imp = PyList_GET_ITEM(imported, i);
+        PyObject *leaf = PyList_GET_ITEM(leaves, i), *v;
+        int same = item == imp || (PyObject_TypeCheck(item, st->ArrayType) &&
+                                   (PyObject *)((dp_ArrayObject *)item)->meta == imp);
+        if (same)
+            v = Py_NewRef(leaf);   /* already on this device: the original */
+        else
+            v = dp_to_origin(st, PyList_GET_ITEM(origins, i), Py_NewRef(item), "module");
+        if (v == NULL)
+            return -1;
+        PyList_SetItem(row, i, v);
+    }
+    return 0;
+}

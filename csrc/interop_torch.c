@@ -1,0 +1,210 @@
+/* interop_torch.c - what PyTorch needs beyond DLPack (docs/design.md,
+ * "Arrays of other libraries"): the torch.nn.Module rule of replicate, and
+ * torch's per-thread grad mode carried into the replica threads
+ * (parallel_apply.c), as torch.nn.parallel.parallel_apply does. Everything
+ * here looks torch up in sys.modules only: dpmini never imports torch.
+ */
+#include "dpmini.h"
+
+/* sys.modules[name] (new reference) or NULL, never an exception. */
+static PyObject *module_if_imported(const char *name)
+{
+    PyObject *n = PyUnicode_FromString(name);
+    PyObject *mod = n != NULL ? PyImport_GetModule(n) : NULL;
+    Py_XDECREF(n);
+    PyErr_Clear();
+    return mod;
+}
+
+/* ------------------------------------------------------------------ */
+/* replicate                                                           */
+/* ------------------------------------------------------------------ */
+
+int dp_is_torch_module(PyObject *obj)
+{
+    if (PyType_Check(obj))
+        return 0;
+    PyObject *mod = module_if_imported("torch.nn");   /* only when torch is imported */
+    if (mod == NULL)
+        return 0;
+    PyObject *cls = PyObject_GetAttrString(mod, "Module");
+    Py_DECREF(mod);
+    if (cls == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int r = PyType_Check(cls) && PyType_IsSubtype(Py_TYPE(obj), (PyTypeObject *)cls);
+    Py_DECREF(cls);
+    return r;
+}
+
+PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_device *devs,
+                                    Py_ssize_t ndev)
+{
+    int ncpu = 0, ncuda = 0;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        ncpu += devs[d].kind == DP_VCPU;
+        ncuda += devs[d].kind == DP_CUDA;
+    }
+    if (ncpu == ndev) {
+        /* Virtual CPU devices are one host memory: every replica calls the
+         * module itself (no copy of its parameters; torch's forward under
+         * torch.no_grad() reads them only). */
+        PyObject *res = PyList_New(ndev);
+        for (Py_ssize_t d = 0; res != NULL && d < ndev; d++)
+            PyList_SET_ITEM(res, d, Py_NewRef(module));
+        return res;
+    }
+    if (ncuda != ndev) {
+        PyErr_SetString(PyExc_TypeError,
+                        "replicate: a torch.nn.Module is replicated over virtual CPU devices "
+                        "(shared) or over CUDA devices (torch.nn.parallel.replicate), not a "
+                        "mix of both");
+        return NULL;
+    }
+    /* CUDA devices: PyTorch's own replicate (its parameters must be on
+     * devices[0], as torch.nn.DataParallel requires), detached: dpmini has
+     * no autograd. Not run on a real GPU yet (docs/design.md). */
+    PyObject *ids = PyList_New(ndev), *res = NULL;
+    for (Py_ssize_t d = 0; ids != NULL && d < ndev; d++) {
+        PyObject *i = PyLong_FromLong(devs[d].index);
+        if (i == NULL) {
+            Py_CLEAR(ids);
+            break;
+        }
+        PyList_SET_ITEM(ids, d, i);
+    }
+    PyObject *par = ids != NULL ? PyImport_ImportModule("torch.nn.parallel") : NULL;
+    PyObject *fn = par != NULL ? PyObject_GetAttrString(par, "replicate") : NULL;
+    Py_XDECREF(par);
+    if (fn != NULL) {
+        PyObject *args = Py_BuildValue("(OO)", module, ids), *kw = Py_BuildValue("{s:O}",
+                                                                               "detach", Py_True);
+        if (args != NULL && kw != NULL)
+            res = PyObject_Call(fn, args, kw);
+        Py_XDECREF(args);
+        Py_XDECREF(kw);
+        Py_DECREF(fn);
+    }
+    Py_XDECREF(ids);
+    if (res != NULL && !PyList_Check(res)) {
+        Py_SETREF(res, PySequence_List(res));
+    }
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* torch's per-thread grad mode (parallel_apply.c)                     */
+/* ------------------------------------------------------------------ */
+
+int dp_torch_grad_enabled(void)
+{
+    PyObject *torch = module_if_imported("torch");
+    if (torch == NULL)
+        return -1;
+    PyObject *r = PyObject_CallMethod(torch, "is_grad_enabled", NULL);
+    Py_DECREF(torch);
+    int res = r == NULL ? -1 : PyObject_IsTrue(r);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    return res < 0 ? -1 : res;
+}
+
+int dp_torch_set_grad(int on)
+{
+    PyObject *torch = module_if_imported("torch");
+    if (torch == NULL)
+        return -1;
+    int prev = dp_torch_grad_enabled();
+    PyObject *r = PyObject_CallMethod(torch, "set_grad_enabled", "O", on ? Py_True : Py_False);
+    Py_DECREF(torch);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    return r == NULL ? -1 : prev;
+}
+
+/* ------------------------------------------------------------------ */
+/* comm results                                                        */
+/* ------------------------------------------------------------------ */
+
+/* The first item of a sequence (new reference), or NULL with no error. */
+static PyObject *first_item(PyObject *seq)
+{
+    if (PyArray_Check(seq) || !PySequence_Check(seq) || PyUnicode_Check(seq))
+        return NULL;
+    PyObject *f = PySequence_GetItem(seq, 0);
+    if (f == NULL)
+        PyErr_Clear();
+    return f;
+}
+
+PyObject *dp_comm_back(dp_state *st, PyObject *like, int from_seq, PyObject *result)
+{
+    if (result == NULL)
+        return NULL;
+    PyObject *src = from_seq ? first_item(like) : Py_NewRef(like);
+    if (src == NULL)
+        return result;
+    PyObject *origin = dp_array_origin(st, src);
+    Py_DECREF(src);
+    if (origin == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyObject *res = result;
+    if (origin != Py_None && (PyTuple_CheckExact(result) || PyList_CheckExact(result))) {
+        /* scatter / broadcast: each piece back into the library */
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(result);
+        res = PyTuple_CheckExact(result) ? PyTuple_New(n) : PyList_New(n);
+        for (Py_ssize_t i = 0; res != NULL && i < n; i++) {
+            PyObject *v = dp_to_origin(st, origin,
+                                       Py_NewRef(PySequence_Fast_GET_ITEM(result, i)), "result");
+            if (v == NULL)
+                Py_CLEAR(res);
+            else if (PyTuple_Check(res))
+                PyTuple_SET_ITEM(res, i, v);
+            else
+                PyList_SET_ITEM(res, i, v);
+        }
+        Py_DECREF(result);
+    }
+    else if (origin != Py_None) {
+        res = dp_to_origin(st, origin, result, "result");
+    }
+    Py_DECREF(origin);
+    return res;
+}
+
+PyObject *dp_comm_back_rows(dp_state *st, PyObject *arrays, PyObject *rows)
+{
+    if (rows == NULL || !PyList_Check(rows))
+        return rows;
+    PyObject *seq = PySequence_Fast(arrays, "arrays");
+    if (seq == NULL) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *origin = dp_array_origin(st, PySequence_Fast_GET_ITEM(seq, i));
+        if (origin == NULL)
+            goto fail;
+        for (Py_ssize_t d = 0; d < PyList_GET_SIZE(rows); d++) {
+            PyObject *row = PyList_GET_ITEM(rows, d);
+            if (!PyList_Check(row) || i >= PyList_GET_SIZE(row))
+                continue;
+            PyObject *v = dp_to_origin(st, origin, Py_NewRef(PyList_GET_ITEM(row, i)),
+                                       "result");
+            if (v == NULL || PyList_SetItem(row, i, v) < 0) {
+                Py_DECREF(origin);
+                goto fail;
+            }
+        }
+        Py_DECREF(origin);
+    }
+    Py_DECREF(seq);
+    return rows;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(rows);
+    return NULL;
+}
