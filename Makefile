@@ -39,7 +39,7 @@ INTEROP_PKGS := torch jax array-api-compat
 test-interop: build
 	@$(PY) -c "import torch, jax, array_api_compat" 2>/dev/null || \
 		$(PY) -m pip install -q $(INTEROP_PKGS)
-	$(PY) -m pytest -q -p no:cacheprovider tests/interop
+	$(PY) -m pytest -q -p no:cacheprovider tests/interop tests/test_readme_blocks.py
 
 build-emulated: $(VENV)/.installed
 	DPMINI_CUDA_EMULATE=1 DPMINI_WERROR=1 $(PY) setup.py -q build_ext --build-lib $(EMU) --build-temp $(EMU)-tmp
