@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 # GPU code paths without a GPU: an emulated build (DPMINI_CUDA_EMULATE=1,
-# csrc/cuda_emulate.c) in its own folder, and the tests marked gpu run on it
+# csrc/backend/cuda_emulate.c) in its own folder, and the tests marked gpu run on it
 # with two fake GPUs. `make test` runs both suites.
 EMU := build/emulated
 
@@ -111,12 +111,12 @@ test-asan: $(VENV)/.installed
 FUZZ_SECONDS ?= 60
 FUZZ_DIR     := build/fuzz
 FUZZ_FLAGS   := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
-	-fno-sanitize-recover=undefined -fno-omit-frame-pointer -Icsrc
+	-fno-sanitize-recover=undefined -fno-omit-frame-pointer -Icsrc/core
 
 fuzz-build:
 	tools/deps.sh fuzz
 	mkdir -p $(FUZZ_DIR)/corpus
-	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/plan.c csrc/copy.c csrc/alloc.c -o $(FUZZ_DIR)/fuzz_core
+	clang $(FUZZ_FLAGS) fuzz/fuzz_core.c csrc/core/plan.c csrc/core/copy.c csrc/core/alloc.c -o $(FUZZ_DIR)/fuzz_core
 
 fuzz: fuzz-build
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \

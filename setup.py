@@ -1,13 +1,13 @@
 """Build script for dpmini's C extension.
 
-The C core (csrc/*.c) is always built. CUDA sources (cuda/*.cu) join the
+The C core (csrc/<layer>/*.c, docs/architecture.md) is always built. CUDA sources (cuda/*.cu) join the
 build only when nvcc is found at build time; nothing is looked up when this
 file is merely imported.
 
 Environment switches (read when building):
   DPMINI_CUDA=0          CPU-only build even when nvcc is present.
   DPMINI_CUDA_EMULATE=1  no nvcc: the CPU emulation of the CUDA layer
-                         (csrc/cuda_emulate.c), for testing GPU code paths.
+                         (csrc/backend/cuda_emulate.c), for testing GPU code paths.
   DPMINI_CUDA_ARCHS      semicolon list of SM versions, default "80;90"
                          (sm_80, sm_90, plus PTX of the last for newer GPUs).
   CUDA_HOME / CUDA_PATH  where the toolkit is (else nvcc on PATH, else
@@ -15,7 +15,7 @@ Environment switches (read when building):
   DPMINI_MPI=0           skip the optional MPI extension dpmini._dist.
   MPICC                  the MPI compiler wrapper to ask for flags (else mpicc).
 
-The optional extension dpmini._dist (csrc/dist/*.c plus csrc/plan.c, the
+The optional extension dpmini._dist (csrc/dist/*.c plus csrc/core/plan.c, the
 engine of dpmini.distributed) is built when an MPI compiler wrapper (mpicc)
 or pkg-config names mpi.h and mpi4py's headers are importable; otherwise it
 is skipped with a message saying what is missing, and dpmini works without it.
@@ -113,12 +113,12 @@ class BuildExt(build_ext):
         os.makedirs(self.build_temp, exist_ok=True)
         for src in sorted(glob.glob(os.path.join("cuda", "*.cu"))):
             obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-            deps = [src] + glob.glob(os.path.join("cuda", "*.h")) + ["csrc/cuda_api.h"]
+            deps = [src] + glob.glob(os.path.join("cuda", "*.h")) + ["csrc/backend/cuda_api.h"]
             if self.force or not os.path.exists(obj) or any(
                 os.path.getmtime(d) > os.path.getmtime(obj) for d in deps
             ):
                 cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                       "--cudart", "static", "-Icsrc"] + gencode_flags()
+                       "--cudart", "static", "-Icsrc/backend"] + gencode_flags()
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
             ext.extra_objects.append(obj)
@@ -158,8 +158,17 @@ def mpi_flags():
     return None
 
 
+# csrc/ is one folder a layer (docs/architecture.md); dist/ is the separate
+# MPI extension. Every layer folder is on the include path, so a C file names
+# a header by its file name alone ("plan.h"); "csrc" itself stays on the path
+# for csrc/backend/cuda_emulate.c's "../cuda/strided.h".
+LAYERS = ["core", "backend", "py", "engine", "tree", "dp"]
+INCLUDE_DIRS = ["csrc"] + [os.path.join("csrc", layer) for layer in LAYERS]
+
+
 def c_sources():
-    return sorted(glob.glob(os.path.join("csrc", "*.c")))
+    return sorted(src for layer in LAYERS
+                  for src in glob.glob(os.path.join("csrc", layer, "*.c")))
 
 
 extra_compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
@@ -173,15 +182,15 @@ setup(
         Extension(
             "dpmini._dpmini",
             sources=c_sources(),
-            include_dirs=["csrc"],
+            include_dirs=list(INCLUDE_DIRS),
             extra_compile_args=extra_compile_args,
             extra_link_args=["-pthread"] + os.environ.get("DPMINI_LDFLAGS", "").split(),
         ),
         # Optional: dropped in BuildExt.build_extensions when MPI or mpi4py is missing.
         Extension(
             "dpmini._dist",
-            sources=sorted(glob.glob(os.path.join("csrc", "dist", "*.c"))) + ["csrc/plan.c"],
-            include_dirs=["csrc", "csrc/dist"],
+            sources=sorted(glob.glob(os.path.join("csrc", "dist", "*.c"))) + ["csrc/core/plan.c"],
+            include_dirs=["csrc/core", "csrc/dist"],
             extra_compile_args=extra_compile_args,
             extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),
         ),

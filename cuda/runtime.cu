@@ -19,7 +19,7 @@
 #include <limits.h>
 #include <pthread.h>
 
-#include "../csrc/cuda_api.h"
+#include "cuda_api.h" /* csrc/backend/ (-I in setup.py) */
 #include "strided.h"
 
 #define CUDA_TRY(call, dev)                                                          \

@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "../csrc/cuda_api.h"
+#include "cuda_api.h" /* csrc/backend/ (-I in setup.py) */
 
 #if defined(__CUDACC__)
 #define DP_HD __host__ __device__ __forceinline__

@@ -1,4 +1,4 @@
-"""The one conversion of int and real arguments (csrc/convert.c), Device
+"""The one conversion of int and real arguments (csrc/py/convert.c), Device
 spellings, setters that accept what the constructor accepts, the one parser of
 DPMINI_* environment variables, out= type messages, and explain's dtype text.
 

@@ -1,4 +1,4 @@
-"""The one definition of an array leaf (csrc/interop.c), without any other
+"""The one definition of an array leaf (csrc/py/interop.c), without any other
 array library installed: an object with __dlpack__ + __dlpack_device__ is
 split, handed to the replicas in its own "library" (the from_dlpack of its
 type's module) and gathered back into it; bytes/memoryview stay shared;

@@ -2,7 +2,7 @@
 
 Each tests/c/test_*.c is a standalone program with a main() that prints its
 failed checks and exits non-zero when any failed. It is linked against the
-Python-free core (csrc/plan.c, copy.c, pool.c, env.c, alloc.c) with warnings as errors, so a
+Python-free core (csrc/core/: plan.c, copy.c, pool.c, env.c, alloc.c) with warnings as errors, so a
 warning in those files or in a test fails here too. Skipped when no C
 compiler named `cc` is on PATH. $DPMINI_TEST_CFLAGS adds flags (`make test-asan`
 sets the sanitizer flags there, so these programs run sanitized too).
@@ -16,8 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 C_TESTS = sorted((ROOT / "tests" / "c").glob("test_*.c"))
-CORE_SOURCES = ["csrc/plan.c", "csrc/copy.c", "csrc/pool.c", "csrc/env.c", "csrc/alloc.c"]
-CFLAGS = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pthread", "-Icsrc",
+CORE_SOURCES = ["csrc/core/plan.c", "csrc/core/copy.c", "csrc/core/pool.c", "csrc/core/env.c",
+                "csrc/core/alloc.c"]
+CFLAGS = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pthread", "-Icsrc/core",
           *os.environ.get("DPMINI_TEST_CFLAGS", "").split()]
 
 

@@ -2,7 +2,7 @@
 
 Every walker (scatter, scatter_kwargs, gather, explain, replicate,
 DataParallel on the base type and on a subclass, in_dims / out_dims) bounds
-its depth with DP_MAX_NESTING (csrc/tree.h): CPython's recursion guard alone
+its depth with DP_MAX_NESTING (csrc/tree/tree.h): CPython's recursion guard alone
 does not protect the C stack once sys.setrecursionlimit() is raised. The
 crash cases run in a subprocess with a timeout, with the limit raised to
 10**6; a segfault there shows as a negative return code.
@@ -17,7 +17,7 @@ import pytest
 import dpmini
 
 D2 = ["cpu:0", "cpu:1"]
-MAX_NESTING = 512  # DP_MAX_NESTING in csrc/tree.h
+MAX_NESTING = 512  # DP_MAX_NESTING in csrc/tree/tree.h
 
 CHILD = textwrap.dedent(
     """

@@ -19,7 +19,8 @@ def test_fuzz_corpus_replays_clean(tmp_path):
     assert len(CORPUS) >= 20, "the seed corpus is missing"
     exe = tmp_path / "replay"
     build = subprocess.run(
-        [cc, *CFLAGS, "fuzz/fuzz_core.c", "fuzz/replay.c", "csrc/plan.c", "csrc/copy.c", "csrc/alloc.c", "-o", str(exe)],
+        [cc, *CFLAGS, "fuzz/fuzz_core.c", "fuzz/replay.c", "csrc/core/plan.c", "csrc/core/copy.c", "csrc/core/alloc.c",
+         "-o", str(exe)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, "compiling the fuzz harness failed: " + _show(build)

@@ -2,7 +2,7 @@
 
 chunk_sizes is torch.cuda.comm.scatter's argument (spec 0.7, 8.5) brought to
 DataParallel (pytorch issue 46381); weights makes sizes proportional, with the
-largest-remainder rounding of csrc/plan.c (dp_weighted_sizes): the sizes sum
+largest-remainder rounding of csrc/core/plan.c (dp_weighted_sizes): the sizes sum
 to n and no device gets an empty chunk unless n < number of devices.
 """
 import math

@@ -11,7 +11,7 @@
  * chunk_sizes, or weights), the same rule DataParallel uses for devices.
  */
 #include "dist.h"
-#include "../plan.h"
+#include "plan.h" /* csrc/core/ */
 
 #include <limits.h>
 #include <string.h>

@@ -4,7 +4,7 @@
  * rows per rank by plan.c (never a second copy of the rule).
  */
 #include "dist.h"
-#include "../plan.h"
+#include "plan.h" /* csrc/core/ */
 
 #include <string.h>
 

@@ -1,7 +1,7 @@
-/* test_alloc.c - standalone tests of csrc/alloc.c (the caching allocator).
+/* test_alloc.c - standalone tests of csrc/core/alloc.c (the caching allocator).
  *
- * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -Icsrc \
- *            tests/c/test_alloc.c csrc/alloc.c
+ * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -Icsrc/core \
+ *            tests/c/test_alloc.c csrc/core/alloc.c
  * The backend here is malloc with books: every block it hands out is
  * tracked, so the tests can check what the cache holds against what the
  * backend has outstanding, and it can be told to run out of memory.

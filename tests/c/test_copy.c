@@ -1,4 +1,4 @@
-/* test_copy.c - unit tests for csrc/copy.c (strided N-d host copies).
+/* test_copy.c - unit tests for csrc/core/copy.c (strided N-d host copies).
  *
  * A standalone program: prints each failed check and exits non-zero if any
  * failed. Run by tests/test_c_units.py.

@@ -1,4 +1,4 @@
-/* test_env.c - unit tests for dp_env_parse_uint (csrc/env.c): the one rule
+/* test_env.c - unit tests for dp_env_parse_uint (csrc/core/env.c): the one rule
  * for dpmini's numeric environment variables.
  *
  * A standalone program run by tests/test_c_units.py.

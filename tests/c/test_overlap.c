@@ -1,4 +1,4 @@
-/* test_overlap.c - unit tests for the overlap checks of csrc/copy.c
+/* test_overlap.c - unit tests for the overlap checks of csrc/core/copy.c
  * (dp_layout_extent, dp_layouts_may_overlap, dp_layout_has_internal_overlap).
  *
  * A standalone program: prints each failed check and exits non-zero if any

@@ -1,4 +1,4 @@
-/* test_plan.c - unit tests for csrc/plan.c (torch.chunk / split_with_sizes
+/* test_plan.c - unit tests for csrc/core/plan.c (torch.chunk / split_with_sizes
  * arithmetic and dim wrapping).
  *
  * A standalone program: prints each failed check and exits non-zero if any

@@ -1,7 +1,7 @@
-/* test_pool.c - standalone tests of csrc/pool.c (worker threads and batches).
+/* test_pool.c - standalone tests of csrc/core/pool.c (worker threads and batches).
  *
- * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -Icsrc \
- *            tests/c/test_pool.c csrc/pool.c
+ * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -Icsrc/core \
+ *            tests/c/test_pool.c csrc/core/pool.c
  * Exit status 0 when every check passes; each failure is printed.
  */
 #ifndef _GNU_SOURCE

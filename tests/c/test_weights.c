@@ -1,5 +1,5 @@
 /* test_weights.c - unit tests for dp_weighted_sizes and dp_sizes_count
- * (csrc/plan.c): dpmini's weights= rule.
+ * (csrc/core/plan.c): dpmini's weights= rule.
  *
  * A standalone program run by tests/test_c_units.py: prints each failed check
  * and exits non-zero if any failed. The worked examples are those of plan.h;
