@@ -1,8 +1,8 @@
-"""Review 2 on CUDA devices: the extension options (in_dims, out_dims,
-weights, chunk_sizes) with GPU device ids, on two GPUs and on one GPU
-twice, gathered on a GPU and on the host. Findings 2 (out_dims "sum" on
-dpmini.Array outputs) and 3 (out_dims None compared GPU arrays by identity
-and returned replica 0's array where it was)."""
+"""The extension options (in_dims, out_dims, weights, chunk_sizes) with GPU
+device ids, on two GPUs and on one GPU twice, gathered on a GPU and on the
+host: out_dims "sum" on dpmini.Array and CUDA-array-interface outputs, and
+out_dims None comparing GPU arrays by value (not by identity) and returning
+the array on the output device."""
 import numpy as np
 import pytest
 
@@ -38,7 +38,7 @@ class FakeForeign:
 @pytest.mark.parametrize("devs", DEVS, ids=str)
 @pytest.mark.parametrize("output_device", OUTS, ids=str)
 @pytest.mark.parametrize("wrap", [lambda a: a, FakeForeign], ids=["dpmini", "cai"])
-def test_2_out_dims_sum_on_gpu_outputs(devs, output_device, wrap):
+def test_out_dims_sum_on_gpu_outputs(devs, output_device, wrap):
     x = np.arange(12.0).reshape(4, 3)
     dp = dpmini.DataParallel(lambda v: {"g": wrap(v), "n": v.shape[0]}, devs,
                              output_device=output_device, out_dims={"g": "sum", "n": "sum"})
@@ -50,7 +50,7 @@ def test_2_out_dims_sum_on_gpu_outputs(devs, output_device, wrap):
 @pytest.mark.parametrize("devs", DEVS, ids=str)
 @pytest.mark.parametrize("output_device", OUTS, ids=str)
 @pytest.mark.parametrize("wrap", [lambda a: a, FakeForeign], ids=["dpmini", "cai"])
-def test_3_out_dims_none_on_gpu_outputs(devs, output_device, wrap):
+def test_out_dims_none_on_gpu_outputs(devs, output_device, wrap):
     table = np.array([0.0, 1.0, np.nan, 3.0])          # NaN counts as equal (finding 10)
     dp = dpmini.DataParallel(lambda v, w: (v, wrap(w)), devs, output_device=output_device,
                              in_dims=(0, None), out_dims=(0, None))
@@ -60,7 +60,7 @@ def test_3_out_dims_none_on_gpu_outputs(devs, output_device, wrap):
 
 
 @pytest.mark.parametrize("devs", DEVS, ids=str)
-def test_3_out_dims_none_detects_different_gpu_arrays(devs):
+def test_out_dims_none_detects_different_gpu_arrays(devs):
     def model(v):
         return (v, dpmini.asarray(v.numpy()[:1], v.device))   # differs per replica
 
