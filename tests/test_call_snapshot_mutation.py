@@ -4,30 +4,15 @@ mutating them from another thread or from inside the call changes only the
 next call (matches torch.nn.DataParallel, which reads self.module and
 device_ids once per forward). Thread checks run in a subprocess with a
 timeout."""
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import numpy as np
 import pytest
 
 import dpmini
+from script_runner import run_script
 
 D2 = ["cpu:0", "cpu:1"]
-TIMEOUT = 60
-
-
-def run_script(body, *flags, env=None, timeout=TIMEOUT):
-    code = textwrap.dedent(body)
-    try:
-        res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
-                             text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the script did not finish in {timeout}s")
-    assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr
-    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
-    return res
 
 
 # --- a call keeps its own module reference and device list ----------

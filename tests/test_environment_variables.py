@@ -4,27 +4,13 @@ allocator cache)."""
 import os
 import subprocess
 import sys
-import textwrap
 import warnings
 
 import numpy as np
 import pytest
 
 import dpmini
-
-TIMEOUT = 60
-
-
-def run_script(body, *flags, env=None, timeout=TIMEOUT):
-    code = textwrap.dedent(body)
-    try:
-        res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
-                             text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the script did not finish in {timeout}s")
-    assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr
-    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
-    return res
+from script_runner import TIMEOUT, run_script
 
 
 # --- environment variables ----------------------

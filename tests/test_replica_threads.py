@@ -1,28 +1,11 @@
 """A device has more than one worker thread to wait on: a replica that hands work
 to a helper thread does not deadlock, and replicas on a repeated device run
 concurrently (in a subprocess with a timeout)."""
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
-import pytest
 
 import dpmini
-
-TIMEOUT = 60
-
-
-def run_script(body, timeout=TIMEOUT):
-    code = textwrap.dedent(body)
-    try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"deadlock or hang: the script did not finish in {timeout}s")
-    assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr
-    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
-    return res
+from script_runner import run_script
 
 
 # --- a device has more than one thread to wait on -----------------------

@@ -1,0 +1,24 @@
+"""Run a Python script in a fresh interpreter with a timeout, for the checks
+that could crash or hang the process (a segfault or a deadlock then fails
+the test instead of killing or stalling the suite)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TIMEOUT = 60
+
+
+def run_script(body, *flags, env=None, timeout=TIMEOUT):
+    """Run the dedented `body` with `python *flags -c`; fail unless it exits 0
+    and its output ends with OK. Returns the CompletedProcess."""
+    code = textwrap.dedent(body)
+    try:
+        res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
+                             text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"deadlock or hang: the script did not finish in {timeout}s")
+    assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr
+    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+    return res
