@@ -104,3 +104,36 @@ def test_reduce_form_and_plain_objects():
     s.in_dims = (1,)
     c = copy.deepcopy(s)
     assert type(c) is Sub and c.in_dims == (1,)
+
+
+class _OwnInitDP(dpmini.DataParallel):
+    """A subclass whose __init__ takes other arguments and counts its calls."""
+    inits = 0
+
+    def __init__(self, module, tag):
+        type(self).inits += 1
+        super().__init__(module, device_ids=["cpu:0", "cpu:1"], dim=1, out_dims={"y": "sum"})
+        self.tag = tag
+
+
+def _rows_dict(x):
+    return {"y": x}
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_subclass_with_own_init_clones_without_calling_it(clone):
+    dp = _OwnInitDP(_rows_dict, "a")
+    before = _OwnInitDP.inits
+    c = clone(dp)
+    assert _OwnInitDP.inits == before                      # __init__ not run again
+    assert type(c) is _OwnInitDP and c.tag == "a" and c.dim == 1
+    assert [str(d) for d in c.device_ids] == ["cpu:0", "cpu:1"]
+    x = np.arange(8.0).reshape(2, 4)
+    np.testing.assert_array_equal(c(x)["y"], dp(x)["y"])
+    np.testing.assert_array_equal(c(x)["y"], x[:, :2] + x[:, 2:])
+
+
+def test_rebuild_refuses_a_class_that_is_not_a_subclass():
+    with pytest.raises(TypeError, match="subclass of"):
+        dpmini.DataParallel._rebuild(dict, (abs,))

@@ -371,6 +371,29 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     return res;
 }
 
+/* DataParallel._rebuild(cls, args): the object that copy, deepcopy and
+ * pickle make for a subclass (see __reduce__): cls's memory with
+ * DataParallel's own __init__(*args), so a subclass whose __init__ takes
+ * other arguments (or runs work of its own) is cloned without calling it,
+ * as copy.copy does for plain Python objects. */
+static PyObject *DataParallel_rebuild(PyObject *base, PyObject *args)
+{
+    PyObject *cls, *initargs;
+    if (!PyArg_ParseTuple(args, "OO!:_rebuild", &cls, &PyTuple_Type, &initargs)) {
+        return NULL;
+    }
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)base)) {
+        PyErr_Format(PyExc_TypeError, "_rebuild: cls: expected a subclass of %s, got %R",
+                     ((PyTypeObject *)base)->tp_name, cls);
+        return NULL;
+    }
+    PyObject *obj = DataParallel_new((PyTypeObject *)cls, initargs, NULL);
+    if (obj != NULL && DataParallel_init((dp_DataParallelObject *)obj, initargs, NULL) < 0) {
+        Py_CLEAR(obj);
+    }
+    return obj;
+}
+
 static PyMethodDef DataParallel_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))DataParallel_forward,
      METH_VARARGS | METH_KEYWORDS, forward_doc},
@@ -383,6 +406,9 @@ static PyMethodDef DataParallel_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))DataParallel_gather,
      METH_VARARGS | METH_KEYWORDS, gather_doc},
     {"__reduce__", (PyCFunction)dp_DataParallel_reduce, METH_NOARGS, dp_DataParallel_reduce_doc},
+    {"_rebuild", (PyCFunction)DataParallel_rebuild, METH_VARARGS | METH_CLASS,
+     "_rebuild(cls, args)\n--\n\nFor __reduce__: a cls object set up by DataParallel.__init__(*args),\n"
+     "without calling cls.__init__. Errors: TypeError when cls is not a subclass."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -273,7 +273,10 @@ const char dp_DataParallel_reduce_doc[] =
 "chunk_sizes and weights (those that are not None) through their attribute\n"
 "setters, so the clone splits and gathers as self does. The state is\n"
 "(__dict__ or None, {option: value}), pickle's (state, slotstate) form.\n"
-"A subclass whose __init__ takes other arguments overrides __reduce__. The\n"
+"For a subclass the object is made by DataParallel._rebuild(type(self),\n"
+"args): the subclass's memory set up by DataParallel.__init__, without\n"
+"calling the subclass's __init__ (whatever arguments it takes), as copy.copy\n"
+"does for Python objects; its __dict__ is then restored. The\n"
 "module must itself be picklable for pickle. Errors: RuntimeError when\n"
 "__init__ was not called.";
 
@@ -335,7 +338,24 @@ PyObject *dp_DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
             }
         }
     }
-    res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    if (st == NULL) {
+        goto done;
+    }
+    if (Py_TYPE(self) == st->DataParallelType) {
+        res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
+    }
+    else {
+        /* A subclass: its __init__ may take other arguments, so the clone
+         * is made by DataParallel._rebuild without calling it. */
+        PyObject *rebuild = PyObject_GetAttrString((PyObject *)st->DataParallelType, "_rebuild");
+        PyObject *rargs = rebuild != NULL ? PyTuple_Pack(2, (PyObject *)Py_TYPE(self), args) : NULL;
+        if (rargs != NULL) {
+            res = PyTuple_Pack(3, rebuild, rargs, state);
+        }
+        Py_XDECREF(rebuild);
+        Py_XDECREF(rargs);
+    }
 done:
     Py_XDECREF(opts);
     Py_XDECREF(ids);
