@@ -52,8 +52,13 @@ def _shape(text):
     text = text.strip().strip("()")
     if not text:
         return ()
+    parts = text.split(",")
+    if len(parts) > 1 and parts[-1].strip() == "":
+        parts.pop()   # one trailing comma, as in Python's (5,)
+    if any(part.strip() == "" for part in parts):
+        raise argparse.ArgumentTypeError(f"empty size in {text!r} (expected a shape like 5,3)")
     try:
-        shape = tuple(int(part) for part in text.split(",") if part.strip() != "")
+        shape = tuple(int(part) for part in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a shape like 5,3, got {text!r}") from None
     if any(n < 0 for n in shape):
@@ -265,10 +270,16 @@ def cmd_explain(args, parser, out):
     if repeated:
         return _fail(sub, f"--kw: {', '.join(repeated)} given more than once (one "
                           "--kw NAME=SHAPE per keyword argument)")
+    if args.plot is not None and not args.plot.strip():
+        return _fail(sub, "--plot: expected a file name, got ''")
     try:
         dtype = np.dtype(args.dtype)
     except (TypeError, ValueError) as exc:
         return _fail(sub, f"--dtype: {exc}")
+    if dtype.subdtype is not None:   # '(2,3)f8' would add dims to every array
+        return _fail(sub, f"--dtype: {args.dtype!r} is a subarray dtype (shape "
+                          f"{dtype.shape}); give a plain dtype and put the extra "
+                          "dimensions in --shape")
     try:
         inputs = tuple(_placeholder(s, dtype) for s in args.shape)
         kwargs = {name: _placeholder(s, dtype) for name, s in args.kw}
@@ -376,5 +387,19 @@ def main(argv=None, out=None):
     return cmd_info(out)
 
 
+def _run_from_shell():
+    """main() for `python -m dpmini`: a reader that closes the pipe early
+    (`... | head`) ends the run quietly with status 1, as the Python docs
+    recommend for SIGPIPE (the rest of the output goes to devnull)."""
+    try:
+        rc = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run_from_shell())

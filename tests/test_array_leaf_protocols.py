@@ -223,3 +223,76 @@ def test_getattr_answering_for_every_name_is_not_a_dlpack_exporter():
     ns = Namespace()
     parts = dpmini.scatter((np.ones(4), ns), DEVS)
     assert parts[0][1] is ns and parts[1][1] is ns
+
+
+# ---- containers first: dict, list and tuple subclasses are never probed ------
+
+class AttrDict(dict):
+    """Attribute access on a dict: missing attributes raise KeyError."""
+    __getattr__ = dict.__getitem__
+
+
+class AddictLike(dict):
+    """addict-style: a missing key (and so any attribute) is a new empty
+    instance, so getattr(obj, '__dlpack__') returns a dict, never raises."""
+
+    def __missing__(self, key):
+        return AddictLike()
+
+    __getattr__ = dict.__getitem__
+
+
+class AttrList(list):
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+@pytest.mark.parametrize("cls", [AttrDict, AddictLike])
+def test_attribute_dicts_are_walked_as_dicts_as_inputs_and_outputs(cls):
+    parts = dpmini.scatter((cls(x=np.arange(4.0)),), DEVS)
+    assert type(parts[1][0]) is cls
+    np.testing.assert_array_equal(parts[1][0]["x"], [2.0, 3.0])
+    out = dpmini.DataParallel(lambda d: cls(y=d["x"] * 2), DEVS)(cls(x=np.arange(4.0)))
+    assert type(out) is cls
+    np.testing.assert_array_equal(out["y"], [0.0, 2.0, 4.0, 6.0])
+    plan = dpmini.explain((cls(x=np.arange(4.0)),), DEVS)
+    assert "['x']" in str(plan)
+
+
+@pytest.mark.parametrize("cls", [AttrDict, AddictLike])
+def test_attribute_dict_module_attribute_is_replicated_as_a_dict(cls):
+    class M:
+        def __init__(self):
+            self.cfg = cls(scale=2.0, w=np.ones(2))
+
+        def __call__(self, x):
+            return x * self.cfg["scale"]
+
+    m = M()
+    reps = dpmini.replicate(m, DEVS)
+    assert type(reps[1].cfg) is cls and reps[1].cfg["w"] is not m.cfg["w"]
+    np.testing.assert_array_equal(dpmini.DataParallel(m, DEVS)(np.arange(4.0)),
+                                  [0.0, 2.0, 4.0, 6.0])
+
+
+def test_list_subclass_with_a_raising_getattr_is_walked_as_a_list():
+    parts = dpmini.scatter((AttrList([np.arange(4.0)]),), DEVS)
+    np.testing.assert_array_equal(parts[1][0][0], [2.0, 3.0])
+    g = dpmini.gather([AttrList([np.ones(1)]), AttrList([np.ones(1)])], "cpu")
+    np.testing.assert_array_equal(g[0], [1.0, 1.0])
+
+
+def test_attribute_dict_in_dims_and_out_dims_walk_as_dicts():
+    out = dpmini.DataParallel(lambda d: d, DEVS, in_dims=(AttrDict(x=0),),
+                              out_dims=AttrDict(x=0))(AttrDict(x=np.arange(4.0)))
+    np.testing.assert_array_equal(out["x"], np.arange(4.0))
+
+
+def test_getattr_returning_a_dict_for_dlpack_is_not_an_array():
+    class AnswersDicts:
+        def __getattr__(self, name):
+            return {}
+
+    obj = AnswersDicts()
+    parts = dpmini.scatter((np.arange(4.0), obj), DEVS)
+    assert parts[0][1] is obj and parts[1][1] is obj

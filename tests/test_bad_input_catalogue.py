@@ -177,6 +177,10 @@ CATALOGUE = [
      r"^arrays: the gathered size along dimension 1 is larger than .* index 3"),
     ("comm-gather-dim1-bytes-too-big", lambda: comm.gather([huge8(2, 2 ** 61)] * 3, dim=1), ValueError,  # bug 9
      r"array is too big: its byte count overflows"),
+    ("empty-negative-dim", lambda: dpmini.empty((-1,), "f8", "cpu"), ValueError,
+     r"^shape\[0\] is -1: dimensions must be >= 0"),
+    ("empty-negative-second-dim", lambda: dpmini.empty((3, -2), "f8", "cpu:1"), ValueError,
+     r"^shape\[1\] is -2: dimensions must be >= 0"),
     ("comm-gather-huge-alloc", lambda: comm.gather([huge8(2 ** 50)] * 2, destination="cpu:1"), MemoryError,
      r"cannot allocate \d+ bytes on device cpu:1"),
     ("comm-gather-out-zero-stride", lambda: comm.gather([X, X], out=zero_stride_out((8, 3))), ValueError,  # bug 5

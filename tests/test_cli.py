@@ -159,3 +159,44 @@ def test_negative_chunk_sizes_from_the_shell():
                               timeout=60)
         assert proc.returncode == 2
         assert "chunk_sizes[0]: must be >= 0" in proc.stderr, proc.stderr
+
+
+def test_subarray_dtype_is_blamed_on_dtype(capsys):
+    rc = main(["explain", "--shape", "4", "--devices", "2", "--dtype", "(2,3)f8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--dtype: '(2,3)f8' is a subarray dtype" in err
+    assert "--shape/--kw" not in err
+
+
+def test_empty_plot_file_name_is_an_error(capsys):
+    rc = main(["explain", "--shape", "4", "--devices", "2", "--plot", ""])
+    assert rc == 2 and "--plot: expected a file name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["5,,3", ",5", "5,3,,"])
+def test_shape_with_an_empty_size_is_refused(text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "--shape", text, "--devices", "2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--shape" in err and "empty size" in err
+
+
+def test_shape_with_one_trailing_comma_is_a_tuple():
+    rc, text = run("explain", "--shape", "5,", "--devices", "2")
+    assert rc == 0 and "(5,)" in text
+
+
+def test_closed_pipe_ends_quietly_with_status_1():
+    # The reader closes the pipe before dpmini writes: no BrokenPipeError traceback.
+    code = ("import os, subprocess, sys\n"
+            "r, w = os.pipe()\n"
+            "os.close(r)\n"
+            "p = subprocess.run([sys.executable, '-m', 'dpmini', 'explain', '--shape', '5,3',"
+            " '--devices', '2'], stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)\n"
+            "print(p.returncode)\n"
+            "print(p.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "1", proc.stdout
+    assert "Traceback" not in proc.stdout and "BrokenPipeError" not in proc.stdout

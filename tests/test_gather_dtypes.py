@@ -109,3 +109,12 @@ def test_nat_equals_nat_under_out_dims_none(a):
 def test_nan_equals_nan_under_out_dims_none():
     g = dpmini.gather([(np.array([np.nan]),), (np.array([np.nan]),)], "cpu", out_dims=(None,))
     assert np.isnan(g[0]).all()
+
+
+@pytest.mark.parametrize("out_dims", [{"a": None}, "sum", None])
+def test_object_dtype_outputs_are_refused_naming_the_output_path(out_dims):
+    o = np.array(["a"], dtype=object)
+    with pytest.raises(TypeError) as info:
+        dpmini.gather([{"a": o}, {"a": o}], "cpu", out_dims=out_dims)
+    msg = str(info.value)
+    assert msg.startswith("out['a']: ") and "tensors" not in msg and "['a'][0]" not in msg

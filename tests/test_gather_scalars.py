@@ -89,3 +89,49 @@ def test_dataparallel_returning_equal_dates():
     dp = dpmini.DataParallel(lambda x: (x, datetime.date(2020, 1, 1)), ["cpu:0", "cpu:1"])
     out = dp(np.arange(4.0))
     assert out[1] == datetime.date(2020, 1, 1)
+
+
+# ---- errors at one position: the user's exception, the replica named apart --
+
+class _HashRaises:
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        raise RuntimeError("hash raised")
+
+
+def test_a_raising_hash_propagates_named_with_the_path():
+    with pytest.raises(RuntimeError, match=r"^out\[1\]: hash raised"):
+        dpmini.gather([(np.ones(1), _HashRaises()), (np.ones(1), _HashRaises())], "cpu")
+
+
+class _EqRaises(float):
+    def __eq__(self, other):
+        raise ValueError("eq raised")
+
+    __hash__ = float.__hash__
+
+
+@pytest.mark.parametrize("out_dims", [0, None])
+def test_a_raising_eq_propagates_named_with_the_path(out_dims):
+    with pytest.raises(ValueError, match=r"^out\[1\]: eq raised"):
+        dpmini.gather([(np.ones(1), _EqRaises(1.0)), (np.ones(1), _EqRaises(1.0))], "cpu",
+                      out_dims=out_dims)
+
+
+def test_values_of_different_types_name_the_types_not_a_kind():
+    with pytest.raises(TypeError) as info:
+        dpmini.gather([(np.ones(1), fractions.Fraction(1, 2)), (np.ones(1), 0.5)], "cpu")
+    msg = str(info.value)
+    assert msg.startswith("out[1]: the replicas returned values of different types here")
+    assert "Fraction, float" in msg and "not an array or container" not in msg
+
+
+def test_sum_of_mixed_dtypes_names_the_replica_apart_from_the_path():
+    outs = [(np.ones(1, "f4"), np.float32(1.0)), (np.ones(1, "f4"), 2.0)]
+    with pytest.raises(TypeError) as info:
+        dpmini.gather(outs, "cpu", out_dims="sum")
+    msg = str(info.value)
+    assert msg.startswith("out[1]: ") and "replica 1's value at out[1]" in msg
+    assert "float64" in msg and "float32" in msg and "out[1][1]" not in msg

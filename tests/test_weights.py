@@ -44,7 +44,7 @@ def weighted_oracle(n, w):
     if n >= k:
         for i in range(k):
             if s[i] == 0:
-                donor = max(range(k), key=lambda j: (s[j], -j))
+                donor = max(range(k), key=lambda j: (s[j], j))  # highest index among equals
                 s[donor] -= 1
                 s[i] = 1
     return s
@@ -117,6 +117,7 @@ def test_chunk_sizes_numpy_ints_ok():
     (5, [100, 1, 1], [3, 1, 1]),        # still no empty chunk
     (3, [1, 1, 1, 1], [1, 1, 1]),       # n < devices: as torch.chunk, 3 replicas
     (2, [1, 3, 1, 3], [0, 1, 0, 1]),    # n < devices: rows to the largest shares
+    (9, [0.001, 1, 1, 1], [1, 3, 3, 2]),  # the empty device's row from the last largest
 ])
 def test_weighted_examples(n, w, want):
     out = dpmini.scatter(np.arange(float(n)), [f"cpu:{i}" for i in range(len(w))], weights=w)

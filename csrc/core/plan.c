@@ -185,7 +185,7 @@ int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
                 continue;
             int donor = 0;
             for (int j = 1; j < k; j++)
-                if (sizes[j] > sizes[donor])
+                if (sizes[j] >= sizes[donor])  /* the highest index among equals */
                     donor = j;
             sizes[donor]--;  /* >= 2: n >= k rows and a device has none */
             sizes[i] = 1;

@@ -48,7 +48,9 @@ int dp_check_chunk_sizes(int64_t n, int k, const int64_t *sizes, int *bad_index)
  *      to the lower index, so the sizes sum to n exactly;
  *   3. no empty chunk unless there are too few rows: when n >= k, every
  *      device left with 0 rows (lowest index first) takes one row from the
- *      device with the most rows (the lowest index among equals). So a device
+ *      device with the most rows (the highest index among equals, so that
+ *      the lower indices keep the rows their ties gave them: (9,
+ *      [0.001,1,1,1]) -> [1,3,3,2]). So a device
  *      gets 0 rows only when n < k, and then the n rows go to the devices
  *      with the largest shares (equal weights: the first n devices, as
  *      torch.chunk does).

@@ -10,6 +10,7 @@
  */
 #include "dpmini.h"
 #include "dataparallel.h"
+#include "tree.h"
 
 #include <string.h>
 
@@ -17,7 +18,8 @@
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
 
-#define DP_REPLICATE_MAX_DEPTH 64        /* containers deeper are shared */
+/* The walkers' bound (tree.h): deeper raises RecursionError naming the path. */
+#define DP_REPLICATE_MAX_DEPTH DP_MAX_NESTING
 #define DP_BROADCAST_BUFFER ((size_t)10485760)  /* 10 MiB, spec 5.3 */
 
 /* replicate: what kind of object a walked node is. */
@@ -489,7 +491,9 @@ static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth
 static PyObject *rep_path(rep_walk *w, int depth)
 {
     PyObject *p = PyUnicode_FromString("module");
-    for (int d = 1; p != NULL && d <= depth && d < DP_REPLICATE_MAX_DEPTH + 2; d++) {
+    /* Long paths show their first 32 steps, as tree_common.c's path_str. */
+    int shown = depth > 40 ? 32 : depth;
+    for (int d = 1; p != NULL && d <= shown && d < DP_REPLICATE_MAX_DEPTH + 2; d++) {
         const rep_step *s = &w->path[d];
         PyObject *name = NULL;
         if (s->index >= 0) {
@@ -499,9 +503,13 @@ static PyObject *rep_path(rep_walk *w, int depth)
                                              : Py_NewRef(s->key);
             Py_SETREF(p, name != NULL ? PyUnicode_FromFormat("%U.%S", p, name) : NULL);
         } else {
-            Py_SETREF(p, PyUnicode_FromFormat("%U[%R]", p, s->key));
+            name = path_key_repr(s->key);   /* "<type key>" when repr fails */
+            Py_SETREF(p, name != NULL ? PyUnicode_FromFormat("%U[%U]", p, name) : NULL);
         }
         Py_XDECREF(name);
+    }
+    if (p != NULL && shown < depth) {
+        Py_SETREF(p, PyUnicode_FromFormat("%U...(%d more levels)", p, depth - shown));
     }
     return p;
 }
@@ -558,8 +566,18 @@ static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
     if (kind == RK_LEAF) {
         return kind;
     }
-    if (kind != RK_ARRAY && depth >= DP_REPLICATE_MAX_DEPTH) {
-        return RK_LEAF;
+    if (depth > DP_REPLICATE_MAX_DEPTH) {
+        /* As the scatter and gather walkers (check_depth): never a silent
+         * stop that would leave deeper arrays shared. */
+        PyObject *path = rep_path(w, depth);
+        if (path != NULL) {
+            PyErr_Format(PyExc_RecursionError,
+                         "%U: module nested deeper than %d levels (dpmini walks at most "
+                         "%d levels of attributes, tuples, lists, dicts and other "
+                         "containers)", path, DP_MAX_NESTING, DP_MAX_NESTING);
+        }
+        Py_XDECREF(path);
+        return RK_ERROR;
     }
     n = rep_add_node(w, o, kind);
     if (n < 0) {
@@ -923,7 +941,7 @@ PyDoc_STRVAR(replicate_doc,
 "empty sequence gives []. Arrays reachable from module through instance\n"
 "__dict__ attributes, __slots__ members (of every class in the MRO), lists,\n"
 "tuples, namedtuples, dicts (and their subclasses) and sub-objects (depth\n"
-"<= 64) are\n"
+"<= 512; deeper raises RecursionError naming the path) are\n"
 "broadcast with one broadcast_coalesced call (10 MiB buckets); replica d is a\n"
 "shallow copy (copy.copy; lists/dicts/tuples rebuilt) of every object on a\n"
 "path to an array, with the arrays replaced by device d's copies. Objects\n"

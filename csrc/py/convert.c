@@ -8,6 +8,12 @@ int dp_is_array_leaf(dp_state *st, PyObject *obj)
      * Array Interface) are leaves too, imported zero-copy (interop.c). */
     if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType))
         return 1;
+    /* Containers first: a dict, list or tuple (subclasses included: an
+     * attribute-access dict whose __getattr__ raises KeyError or returns a
+     * new empty dict) is walked as a container, never probed for the array
+     * protocols, as PyTorch walks any isinstance(obj, dict). */
+    if (PyTuple_Check(obj) || PyList_Check(obj) || PyDict_Check(obj))
+        return 0;
     return dp_is_foreign_array(st, obj);
 }
 

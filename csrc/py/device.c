@@ -351,6 +351,12 @@ PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
 {
     size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
     for (int i = 0; i < nd; i++) {
+        if (shape[i] < 0) {
+            Py_DECREF(descr);
+            PyErr_Format(PyExc_ValueError, "shape[%d] is %zd: dimensions must be >= 0",
+                         i, (Py_ssize_t)shape[i]);
+            return NULL;
+        }
         if (shape[i] != 0 && nbytes > SIZE_MAX / (size_t)shape[i]) {
             Py_DECREF(descr);
             PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");

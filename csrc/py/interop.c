@@ -112,14 +112,17 @@ void dp_reraise_at(dp_state *st, PyObject *path)
 }
 
 /* Look attribute name up on obj: 1 there (callable for the DLPack methods,
- * a dict for the CUDA Array Interface: a __getattr__ answering None for
+ * a dict with 'data' for the CUDA Array Interface: a __getattr__ answering None or {} for
  * every name is no exporter), 0 AttributeError or the wrong kind of value,
  * -1 any other error (re-raised naming the protocol and the type). */
 static int probe_attr(dp_state *st, PyObject *obj, const char *name, int callable)
 {
     PyObject *v = PyObject_GetAttrString(obj, name);
     if (v != NULL) {
-        int ok = callable ? PyCallable_Check(v) : PyDict_Check(v);
+        /* A CAI dict has a 'data' entry (v3: shape, typestr, data,
+         * version): a __getattr__ answering {} for every name is no array. */
+        int ok = callable ? PyCallable_Check(v)
+                          : PyDict_Check(v) && PyDict_GetItemString(v, "data") != NULL;
         Py_DECREF(v);
         return ok;
     }

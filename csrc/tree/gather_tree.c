@@ -188,7 +188,14 @@ static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
             }
         }
         PyObject *path = path_str(seg), *names = join_each(vals, n, SHOW_TYPE);
-        if (path != NULL && names != NULL)
+        if (path != NULL && names != NULL && (kind0 == G_VALUE || kind0 == G_OTHER) &&
+            (ki == G_VALUE || ki == G_OTHER))
+            /* Fraction(1, 2) and 0.5: both plain values, of different types. */
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned values of different types here "
+                         "(types per replica: %U); every replica must return a value "
+                         "of one type at one position", path, names);
+        else if (path != NULL && names != NULL)
             PyErr_Format(PyExc_TypeError,
                          "%U: every replica must return %s here, as replica 0 "
                          "does, but replica %zd does not (types per replica: %U)",
@@ -363,7 +370,7 @@ static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n
     for (Py_ssize_t i = 1; i < n; i++) {
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
-            return NULL;
+            return kind_error_at(g, seg), NULL;
         if (!eq)
             eq = same_nan_value(vals[0], vals[i]);
         if (eq)
@@ -401,13 +408,16 @@ static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         if (hashable && Py_TYPE(vals[i]) == tp) {
             int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
             if (eq < 0)
-                return NULL;
+                return kind_error_at(g, seg), NULL;
             if (eq) {
-                Py_hash_t h0 = PyObject_Hash(vals[0]), hi = PyObject_Hash(vals[i]);
-                if (h0 == -1 || hi == -1) {
-                    if (PyErr_Occurred())
-                        return NULL;
-                }
+                /* Each hash checked before the next call: a raising
+                 * __hash__ propagates, named with the path. */
+                Py_hash_t h0 = PyObject_Hash(vals[0]);
+                if (h0 == -1 && PyErr_Occurred())
+                    return kind_error_at(g, seg), NULL;
+                Py_hash_t hi = PyObject_Hash(vals[i]);
+                if (hi == -1 && PyErr_Occurred())
+                    return kind_error_at(g, seg), NULL;
                 if (h0 == hi)
                     continue;
             }
@@ -467,12 +477,13 @@ static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         for (Py_ssize_t i = 0; i < n && ok; i++) {
             int has = PyDict_Contains(vals[i], key);
             if (has == 0) {
-                PyObject *path = path_str(seg);
-                if (path != NULL)
+                PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+                if (path != NULL && kr != NULL)
                     PyErr_Format(PyExc_ValueError,
-                                 "%U: replica %zd returned a dict without the key %R "
+                                 "%U: replica %zd returned a dict without the key %U "
                                  "that replica 0 returned; every replica must "
-                                 "return the same keys", path, i, key);
+                                 "return the same keys", path, i, kr);
+                Py_XDECREF(kr);
                 Py_XDECREF(path);
             }
             if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL)
@@ -693,13 +704,14 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
             v = PyDict_GetItemWithError(byname, key);
             if (v == NULL) {
                 if (!PyErr_Occurred()) {
-                    PyObject *path = path_str(seg);
-                    if (path != NULL)
+                    PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+                    if (path != NULL && kr != NULL)
                         PyErr_Format(PyExc_TypeError,
                                      "%U: replica 0 returned a %.100s (a dataclass and a "
-                                     "dict) with the key %R, which is not one of its "
-                                     "fields", path, tp->tp_name, key);
+                                     "dict) with the key %U, which is not one of its "
+                                     "fields", path, tp->tp_name, kr);
                     Py_XDECREF(path);
+                    Py_XDECREF(kr);
                 }
                 goto done;
             }
@@ -739,6 +751,25 @@ static PyObject *host_for_compare(gather_ctx *g, PyObject *v, const char *cpath)
     PyObject *h = dp_copy_to_device(g->st, a, host);
     Py_DECREF(a);
     return h;
+}
+
+/* Arrays holding Python objects cannot go to a device (convert.c's rule):
+ * refused naming the output path and the replica, before the copy engine
+ * would name its own argument. 0, or -1 with TypeError. */
+static int refuse_object_arrays(PyObject *const *vals, Py_ssize_t n, const char *cpath)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyArray_Check(vals[i]) &&
+            PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)vals[i]))) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned an array holding Python objects "
+                         "(dtype %S), which cannot be copied between devices; use a "
+                         "numeric, bool or structured dtype without objects", cpath, i,
+                         (PyObject *)PyArray_DESCR((PyArrayObject *)vals[i]));
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* numpy.array_equal(a, b, equal_nan=...) with NaN equal to NaN when both
@@ -781,6 +812,8 @@ static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ss
         if (dp_refused_array_subclass(vals[i], cpath) != 0)
             goto done;
     }
+    if (refuse_object_arrays(vals, n, cpath) < 0)
+        goto done;
     h0 = host_for_compare(g, vals[0], cpath);
     if (h0 == NULL)
         goto done;
@@ -849,8 +882,23 @@ static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssiz
     int all_nd = 1;
     for (Py_ssize_t i = 0; i < n; i++)
         all_nd = all_nd && PyArray_Check(PyList_GET_ITEM(list, i));
-    if (all_nd && check_dtypes(((PyListObject *)list)->ob_item, n, cpath) < 0)
+    if (refuse_object_arrays(((PyListObject *)list)->ob_item, n, cpath) < 0 ||
+        (all_nd && check_dtypes(((PyListObject *)list)->ob_item, n, cpath) < 0))
         goto done;
+    for (Py_ssize_t i = 1; all_nd && i < n; i++) {
+        PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)PyList_GET_ITEM(list, 0)),
+                      *di = PyArray_DESCR((PyArrayObject *)PyList_GET_ITEM(list, i));
+        if (!PyArray_EquivTypes(d0, di)) {
+            /* The sum needs one dtype (PyTorch's reduce_add); name the
+             * replica apart from the path. */
+            PyErr_Format(PyExc_TypeError,
+                         "%s: out_dims gives \"sum\" here, but replica %zd's value at %s "
+                         "has dtype %S and replica 0's %S (a Python float is float64); "
+                         "\"sum\" adds in one dtype: return one dtype from every replica",
+                         cpath, i, cpath, (PyObject *)di, (PyObject *)d0);
+            goto done;
+        }
+    }
     res = dp_reduce_add(g->st, list, g->target, cpath);
 done:
     Py_DECREF(list);
@@ -888,7 +936,7 @@ static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ss
     for (Py_ssize_t i = 1; i < n; i++) {
         int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
         if (eq < 0)
-            return NULL;
+            return kind_error_at(g, seg), NULL;
         if (!eq)
             eq = same_nan_value(vals[0], vals[i]);  /* as gather_value */
         if (eq)

@@ -101,6 +101,9 @@ path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
 /* The path as a new str, e.g. "args[1]['img']"; iterative, and a path of
  * more than 40 steps shows its first 32 and "...(N more)". */
 PyObject *path_str(const path_seg *seg);
+/* A dict key as paths show it: repr(key), or "<type key>" when repr fails
+ * with an Exception (new str). */
+PyObject *path_key_repr(PyObject *key);
 /* 0 while seg is at most DP_MAX_NESTING levels deep; else RecursionError
  * "<path prefix>: nested deeper than ..." and -1. what: "inputs", ... */
 int check_depth(const path_seg *seg, const char *what);

@@ -40,7 +40,7 @@ path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
  * through their own tp_repr, which needs no recursion guard, so a path can
  * be written even at the recursion limit; other keys through repr(), and
  * when that fails, their type name. */
-static PyObject *key_repr(PyObject *key)
+PyObject *path_key_repr(PyObject *key)
 {
     if (PyUnicode_CheckExact(key) || PyLong_CheckExact(key))
         return Py_TYPE(key)->tp_repr(key);
@@ -63,7 +63,7 @@ static PyObject *seg_text(const path_seg *seg)
     case SEG_INDEX:
         return PyUnicode_FromFormat("[%zd]", seg->index);
     case SEG_KEY: {
-        PyObject *k = key_repr(seg->name);
+        PyObject *k = path_key_repr(seg->name);
         if (k == NULL)
             return NULL;
         PyObject *r = PyUnicode_FromFormat("[%U]", k);
