@@ -420,12 +420,24 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
     if (empty == NULL) {
         goto done;
     }
+    /* The producer's device current while it runs: PyTorch's __dlpack__
+     * orders its work through an event recorded on the current stream of
+     * the CURRENT device, so with another device current it would wait for
+     * the wrong GPU's work (and the import would read while kernels run). */
+    dpc_device_guard guard;
+    status = dpc_guard_enter(dev_hint, &guard);
+    if (status.code != 0) {
+        Py_DECREF(empty);
+        dp_gpu_raise(st, status, "import __dlpack__: make the producer's device current");
+        goto done;
+    }
     cap = PyObject_Call(meth, empty, kw);
     if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear(); /* a pre-1.0 producer: no max_version keyword */
         PyDict_DelItemString(kw, "max_version");
         cap = PyObject_Call(meth, empty, kw);
     }
+    dpc_guard_leave(&guard);
     Py_DECREF(empty);
     if (cap == NULL) {
         reraise_named(argname, obj, "__dlpack__()");

@@ -22,10 +22,10 @@
  *     when it differs, and switches back before returning, so dpmini never
  *     changes the caller's current device (PyTorch's device guard). Only
  *     dpc_set_device changes it for good (replica worker threads). The real
- *     backend does not switch back to a device whose primary context is not
- *     active (a fresh thread's default device 0): that would create a context
- *     (hundreds of MiB) on a GPU dpmini never used; such a thread is left on
- *     the device dpmini used, as PyTorch's guard does.
+ *     backend saves and restores the thread's CUDA context itself (NULL
+ *     included): a fresh thread that had no context is left with none, so no
+ *     context is created on a GPU dpmini never used and later code of another
+ *     library still lands on the device it would have used.
  *   - Streams are dpmini's own non-blocking streams, cached per (device,
  *     slot); they are never destroyed (like PyTorch's pool of streams). They
  *     are NOT ordered after the legacy default stream, so work another library
@@ -124,6 +124,19 @@ dpc_status dpc_set_device(int dev);
 /* Enable peer access from dev to peer when the hardware allows; *on is 1
  * when dev can read and write peer's memory directly afterwards. */
 dpc_status dpc_enable_peer(int dev, int peer, int *on);
+/* A device guard that the caller holds across its own code (e.g. a call into
+ * another library that works on "the current device", such as PyTorch's
+ * Tensor.__dlpack__): enter makes dev current, leave restores exactly what
+ * the thread had before (the real backend restores the thread's CUDA context,
+ * none included, so a thread that had no context is left without one).
+ * leave is a no-op when enter failed or did not switch. */
+typedef struct {
+    int prev;       /* device current before enter (-1 unknown)           */
+    int switched;   /* 1 when enter changed the device                     */
+    void *ctx;      /* real backend: the thread's CUcontext before (NULL ok) */
+} dpc_device_guard;
+dpc_status dpc_guard_enter(int dev, dpc_device_guard *g);
+void dpc_guard_leave(dpc_device_guard *g);
 /* The calling thread's current device (cudaGetDevice; -1 on failure). For
  * tests of the device guard (_dpmini._cuda_debug). */
 int dpc_current_device(void);
@@ -207,6 +220,24 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
 #ifdef DPMINI_CUDA_EMULATE
 /* Emulator only: the next copy or kernel fails with CUDA code `code`. */
 void dpc_emu_inject_fault(int code);
+/* Emulator only: the next dpc_stream_get of this slot fails (its *out is then
+ * a poisoned handle: any later use of it is counted, see dpc_emu_stats). */
+void dpc_emu_fail_stream_get(int slot);
+/* Emulator only: device memory of a kind peer access does not cover (VMM /
+ * cudaMallocAsync pools / IPC): a kernel on another device that touches it
+ * fails with cudaErrorIllegalAddress (700), as on hardware. Free with
+ * dpc_free. */
+dpc_status dpc_emu_malloc_nopeer(int dev, size_t nbytes, void **out);
+/* Emulator only: 0 makes dpc_enable_peer report no peer access. */
+void dpc_emu_set_peer(int on);
+/* Emulator only: 1 when queued work not yet synchronised (stream sync of its
+ * stream, device sync, cudaFree) touches [p, p + n); dpmini's allocator asks
+ * before a block goes back to its cache (gpu.c). */
+int dpc_emu_busy(const void *p, size_t n);
+/* Emulator only: uses of poisoned stream handles; blocks returned to a cache
+ * while queued work still touched them. */
+void dpc_emu_stats(long *bad_handles, long *freed_busy);
+void dpc_emu_note_freed_busy(void);
 #endif
 
 #ifdef __cplusplus

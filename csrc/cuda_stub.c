@@ -17,6 +17,12 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
     (void)dev; (void)peer; *on = 0;
     return NO_CUDA("cudaDeviceEnablePeerAccess");
 }
+dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
+{
+    (void)dev; g->prev = -1; g->switched = 0; g->ctx = NULL;
+    return NO_CUDA("cudaSetDevice");
+}
+void dpc_guard_leave(dpc_device_guard *g) { (void)g; }
 int dpc_current_device(void) { return -1; }
 size_t dpc_max_pitch(int dev) { (void)dev; return 0; }
 dpc_status dpc_device_sync(int dev) { (void)dev; return NO_CUDA("cudaDeviceSynchronize"); }

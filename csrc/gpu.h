@@ -44,6 +44,13 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded);
 extern long dp_gpu_stat_export_syncs;
 extern long dp_gpu_stat_legacy_syncs;
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved);
+/* dpmini's own cudaMalloc blocks (gpu_owned.c): only these are read by a
+ * kernel on a peer device; borrowed memory may be a kind peer access does
+ * not cover. add returns -1 when out of memory (the block is then simply
+ * never treated as peer-readable). */
+int dp_gpu_owned_add(int dev, void *p, size_t size);
+void dp_gpu_owned_remove(int dev, void *p);
+int dp_gpu_owned(int dev, const void *p);
 void dp_gpu_empty_cache(void);
 
 /* ---- copies ----

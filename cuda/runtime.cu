@@ -34,64 +34,73 @@
 
 // ---------------------------------------------------------------- device guard
 
-// cuDevicePrimaryCtxGetState through the runtime's driver entry point (no
-// link against libcuda, so import still works without a driver). NULL when
-// unavailable: then the guard always switches back.
-typedef int (*dp_cuDeviceGet_t)(int *, int);
-typedef int (*dp_cuPrimaryCtxGetState_t)(int, unsigned int *, int *);
-static dp_cuDeviceGet_t g_cuDeviceGet;
-static dp_cuPrimaryCtxGetState_t g_cuPrimaryCtxGetState;
+// cuCtxGetCurrent / cuCtxSetCurrent through the runtime's driver entry
+// points (no link against libcuda, so import still works without a driver).
+// The guard saves the thread's CUDA context before switching and restores
+// exactly that context afterwards, NULL included: a thread that had no
+// context (a fresh thread: cudaGetDevice says 0 but nothing is bound) is left
+// with none, so later code of another library (torch.ones(device='cuda'),
+// CuPy) still lands on the device it would have used, and no context is
+// created on a GPU dpmini never used. NULL entry points (very old driver):
+// the guard switches back with cudaSetDevice.
+typedef int (*dp_cuCtxGetCurrent_t)(void **);
+typedef int (*dp_cuCtxSetCurrent_t)(void *);
+static dp_cuCtxGetCurrent_t g_cuCtxGetCurrent;
+static dp_cuCtxSetCurrent_t g_cuCtxSetCurrent;
 static pthread_once_t g_entry_once = PTHREAD_ONCE_INIT;
 
 static void load_entry_points(void)
 {
     void *a = NULL, *b = NULL;
     cudaDriverEntryPointQueryResult qa, qb;
-    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &a, 12000, cudaEnableDefault, &qa) ==
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &a, 12000, cudaEnableDefault, &qa) ==
             cudaSuccess && qa == cudaDriverEntryPointSuccess &&
-        cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &b, 12000,
-                                         cudaEnableDefault, &qb) == cudaSuccess &&
+        cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &b, 12000, cudaEnableDefault,
+                                         &qb) == cudaSuccess &&
         qb == cudaDriverEntryPointSuccess) {
-        g_cuDeviceGet = (dp_cuDeviceGet_t)a;
-        g_cuPrimaryCtxGetState = (dp_cuPrimaryCtxGetState_t)b;
+        g_cuCtxGetCurrent = (dp_cuCtxGetCurrent_t)a;
+        g_cuCtxSetCurrent = (dp_cuCtxSetCurrent_t)b;
     }
     (void)cudaGetLastError();
 }
 
-// 1 when switching to dev would not create a context (or we cannot tell).
-static int has_context(int dev)
+// Make dev current; remember what to restore (device and context).
+static cudaError_t guard_enter(int dev, dpc_device_guard *g)
 {
+    g->prev = -1;
+    g->switched = 0;
+    g->ctx = NULL;
+    if (dev < 0)
+        return cudaSuccess;
     pthread_once(&g_entry_once, load_entry_points);
-    if (g_cuDeviceGet == NULL || g_cuPrimaryCtxGetState == NULL)
-        return 1;
-    int cudev = 0, active = 0;
-    unsigned int flags = 0;
-    if (g_cuDeviceGet(&cudev, dev) != 0 || g_cuPrimaryCtxGetState(cudev, &flags, &active) != 0)
-        return 1;
-    return active != 0;
+    cudaError_t err = cudaGetDevice(&g->prev);
+    if (err != cudaSuccess || g->prev == dev)
+        return err;
+    if (g_cuCtxGetCurrent != NULL && g_cuCtxGetCurrent(&g->ctx) != 0)
+        g->ctx = NULL;
+    err = cudaSetDevice(dev);
+    g->switched = err == cudaSuccess;
+    return err;
+}
+
+static void guard_leave(dpc_device_guard *g)
+{
+    if (!g->switched)
+        return;
+    g->switched = 0;
+    if (g_cuCtxSetCurrent != NULL) {
+        if (g_cuCtxSetCurrent(g->ctx) == 0)
+            return;
+    }
+    if (cudaSetDevice(g->prev) != cudaSuccess)
+        (void)cudaGetLastError();
 }
 
 struct DevGuard {
-    int prev;
-    bool switched;
+    dpc_device_guard g;
     cudaError_t err;
-    explicit DevGuard(int dev) : prev(-1), switched(false), err(cudaSuccess)
-    {
-        if (dev < 0)
-            return;
-        err = cudaGetDevice(&prev);
-        if (err == cudaSuccess && prev != dev) {
-            err = cudaSetDevice(dev);
-            switched = err == cudaSuccess;
-        }
-    }
-    ~DevGuard()
-    {
-        if (switched && has_context(prev)) {
-            if (cudaSetDevice(prev) != cudaSuccess)
-                (void)cudaGetLastError();
-        }
-    }
+    explicit DevGuard(int dev) { err = guard_enter(dev, &g); }
+    ~DevGuard() { guard_leave(&g); }
 };
 
 #define ON_DEVICE(dev)                                                               \
@@ -156,6 +165,20 @@ extern "C" dpc_status dpc_set_device(int dev)
     CUDA_TRY(cudaSetDevice(dev), dev);
     return dpc_ok();
 }
+
+extern "C" dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
+{
+    cudaError_t e = guard_enter(dev, g);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        g->switched = 0;
+        return dpc_fail(DPC_LIB_CUDA, (int)e, 0, dev, "cudaSetDevice(dev)", __FILE__, __LINE__,
+                        cudaGetErrorString(e));
+    }
+    return dpc_ok();
+}
+
+extern "C" void dpc_guard_leave(dpc_device_guard *g) { guard_leave(g); }
 
 extern "C" int dpc_current_device(void)
 {

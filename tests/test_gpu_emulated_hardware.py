@@ -1,0 +1,143 @@
+"""GPU faults that only real hardware shows, made visible by the CUDA
+emulator (csrc/cuda_emulate.c): the device a DLPack producer runs on,
+memory peer access does not cover, temporaries reused while queued work may
+still touch them, stream handles used after a failed request.
+
+Each test fails on the code before its fix (issue 13's findings) on the
+emulated build; the DLPack one also runs on real GPUs.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import dpmini
+from gpu_helpers import EMULATED, cuda_debug, gpu, sample, two_gpus
+
+pytestmark = gpu
+emulated = pytest.mark.skipif(not EMULATED, reason="uses the emulator's hooks")
+_d = dpmini._dpmini
+
+
+class TorchLikeProducer:
+    """DLPack like PyTorch's Tensor.__dlpack__(stream=...): it orders its work
+    through an event recorded on the current stream of the CURRENT device, so
+    it is correct only when its own device is current during the call."""
+
+    def __init__(self, arr, dev):
+        self.arr = arr
+        self.dev = dev
+        self.seen = []
+
+    def __dlpack__(self, stream=None, max_version=None, **kw):
+        self.seen.append(cuda_debug()["current_device"])
+        return self.arr.__dlpack__(stream=stream, max_version=max_version)
+
+    def __dlpack_device__(self):
+        return (2, self.dev)
+
+
+# ---- finding 1: DLPack import waits on the producer's own device ----
+
+@two_gpus
+def test_dlpack_producer_runs_with_its_own_device_current():
+    x = sample((4, 3), "float32")
+    start = cuda_debug()["current_device"]
+    other = 1 if start != 1 else 0
+    p = TorchLikeProducer(dpmini.asarray(x, other), other)
+    b = dpmini.from_dlpack(p)
+    np.testing.assert_array_equal(b.numpy(), x)
+    assert p.seen == [other]
+    assert cuda_debug()["current_device"] == start  # restored afterwards
+
+
+@two_gpus
+def test_gather_of_dlpack_outputs_waits_on_each_producers_device():
+    x = sample((6, 3), "int32")
+    c0, c1 = dpmini.comm.scatter(x, [0, 1])
+    p0, p1 = TorchLikeProducer(c0, 0), TorchLikeProducer(c1, 1)
+    g = dpmini.comm.gather([p0, p1], destination=0)
+    np.testing.assert_array_equal(g.numpy(), x)
+    assert p0.seen == [0] and p1.seen == [1]
+
+
+# ---- finding 2: no peer kernel on memory peer access does not cover ----
+
+class CAIView:
+    """Borrowed device memory (e.g. a VMM or cudaMallocAsync block)."""
+
+    def __init__(self, ptr, shape, strides, typestr):
+        self.__cuda_array_interface__ = {
+            "version": 3, "shape": shape, "strides": strides, "typestr": typestr,
+            "data": (ptr, False), "stream": None}
+
+
+@two_gpus
+@emulated
+def test_strided_copy_from_memory_peer_access_does_not_cover():
+    x = sample((4, 6), "float64")
+    ptr = _d._emu_nopeer_alloc(0, x.tobytes())
+    try:
+        src = CAIView(ptr, (6, 4), (8, 48), "<f8")  # x.T: strided, on cuda:0
+        b = dpmini.asarray(src, 1)
+        assert b.device == "cuda:1"
+        np.testing.assert_array_equal(b.numpy(), x.T)
+        # the same through gather, into a strided destination
+        out = dpmini.empty((6, 8), "float64", device=1)
+        dpmini.comm.gather([src, dpmini.asarray(x.T, 1)], dim=1, out=out)
+        np.testing.assert_array_equal(out.numpy(), np.concatenate([x.T, x.T], 1))
+    finally:
+        _d._emu_free(0, ptr)
+
+
+# ---- finding 6: temporaries are not cached while a peer copy uses them ----
+
+@two_gpus
+@emulated
+def test_temporaries_wait_for_queued_copies_on_an_error_path(tmp_path):
+    code = textwrap.dedent("""
+        import numpy as np, dpmini
+        d = dpmini._dpmini
+        x = np.arange(12.0).reshape(4, 3)
+        chunks = [dpmini.asarray(x, 0), dpmini.asarray(x, 0)]
+        out = dpmini.empty((4, 6), "float64", device=1)
+        before = d._emu_stats()["freed_while_queued"]
+        d._emulate_fault(1)  # the unpack kernel after the peer copy fails
+        try:
+            dpmini.comm.gather(chunks, dim=1, out=out)
+        except dpmini.CudaError as e:
+            assert e.status == 1, e
+        else:
+            raise SystemExit("no CudaError")
+        print("freed_while_queued", d._emu_stats()["freed_while_queued"] - before)
+        dpmini.comm.gather(chunks, dim=1, out=out)  # still usable afterwards
+        np.testing.assert_array_equal(out.numpy(), np.concatenate([x, x], 1))
+    """)
+    env = dict(os.environ, DPMINI_EMULATE_PEER="0",  # no peer access: pack, copy, unpack
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "freed_while_queued 0" in r.stdout, r.stdout
+
+
+# ---- finding 5: a failed stream request leaves nothing to sync ----
+
+@emulated
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_failed_staging_stream_request_syncs_only_obtained_streams(direction):
+    x = np.arange(100000.0)  # pageable host memory: staged through pinned halves
+    a = dpmini.asarray(x, 0)
+    before = _d._emu_stats()["bad_stream_handles"]
+    _d._emu_fail_stream_get(13)  # the second staging half's stream (DP_STAGE_SLOT + 1)
+    with pytest.raises(dpmini.CudaError) as e:
+        if direction == "to_device":
+            dpmini.asarray(x, 0)
+        else:
+            a.numpy()
+    assert e.value.status == 1
+    assert _d._emu_stats()["bad_stream_handles"] == before
+    np.testing.assert_array_equal(dpmini.asarray(x, 0).numpy(), x)  # usable afterwards
