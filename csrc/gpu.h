@@ -98,5 +98,8 @@ void dp_nccl_stats(long *calls, long *destroyed, long *aborted);
 int dp_nccl_emulate(int on, int fail_next);
 /* Tests, emulated builds: communicators alive (-1 elsewhere). */
 int dp_nccl_live_comms(void);
+/* Tests, emulated builds: collectives of different communicator sets that
+ * ran at once on a shared device (a hang on hardware); -1 elsewhere. */
+long dp_nccl_crossed(void);
 
 #endif

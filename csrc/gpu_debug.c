@@ -2,7 +2,8 @@
  * tests/test_gpu_emulated_hardware.py (not API). In a real CUDA build, or
  * one without CUDA, every hook raises RuntimeError.
  *
- *   _emu_stats()                 {"bad_stream_handles", "freed_while_queued"}
+ *   _emu_stats()                 {"bad_stream_handles", "freed_while_queued",
+ *                                 "nccl_crossed"}
  *   _emu_fail_stream_get(slot)   the next stream request of that slot fails
  *   _emu_nopeer_alloc(dev, data) device memory that peer access does not
  *                                cover (VMM / async pool / IPC), filled with
@@ -18,7 +19,8 @@ static PyObject *py_emu_stats(PyObject *m, PyObject *unused)
 {
     long bad, busy;
     dpc_emu_stats(&bad, &busy);
-    return Py_BuildValue("{s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued", busy);
+    return Py_BuildValue("{s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued", busy,
+                         "nccl_crossed", dp_nccl_crossed());
 }
 
 static PyObject *py_emu_fail_stream_get(PyObject *m, PyObject *arg)

@@ -12,9 +12,14 @@
  * Communicators (ncclCommInitAll over a device list) are cached per device
  * list (8 lists at most) for the life of the process, like PyTorch's; a list
  * that finds the cache full gets communicators that are destroyed after the
- * call. Each cache entry has a lock held from ncclGroupStart through the final
- * stream syncs, so two threads never interleave their calls on the same
- * communicators (NCCL needs every rank's calls in the same order). After any
+ * call. One process-wide lock (nccl_run_mu) is held from taking the
+ * communicators through the final stream syncs: collectives of two threads
+ * on overlapping device lists ([0, 1] and [1, 0]) share stream slot 0 of
+ * each device, and if they were queued there in different orders each
+ * device would wait in one collective for ranks that wait in the other (a
+ * hang). So collectives run one at a time, in one order on every device
+ * (a collective is bandwidth-bound on the same links anyway). Each cache
+ * entry also has its own lock (eviction, destroy). After any
  * failure the entry's communicators are aborted (ncclCommAbort) and evicted:
  * a failed collective can leave them unusable.
  *
@@ -28,6 +33,7 @@
 #include "gpu.h"
 
 #include <dlfcn.h>
+#include <time.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <string.h>
@@ -50,6 +56,7 @@ static struct {
 } nccl;
 
 static pthread_mutex_t nccl_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t nccl_run_mu = PTHREAD_MUTEX_INITIALIZER; /* one collective at a time */
 static int nccl_state;            /* 0 not tried, 1 loaded, -1 absent  */
 static char nccl_desc[256] = "not loaded";
 
@@ -298,10 +305,17 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
 {
     comm_lease L;
     dpc_status st;
-    DPC_TRY(comms_acquire(n, devs, &L));
+    pthread_mutex_lock(&nccl_run_mu);
+    st = comms_acquire(n, devs, &L);
+    if (st.code != 0) {
+        pthread_mutex_unlock(&nccl_run_mu);
+        return st;
+    }
     ncclResult_t r = nccl.GroupStart();
     if (r != 0) {
-        return comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
+        st = comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
+        pthread_mutex_unlock(&nccl_run_mu);
+        return st;
     }
     st = dpc_ok();
     for (int i = 0; i < n && st.code == 0; i++) {
@@ -322,7 +336,9 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         st = sync_all(n, devs);
     }
     __atomic_add_fetch(&nccl_calls, 1, __ATOMIC_RELAXED);
-    return comms_release(&L, st);
+    st = comms_release(&L, st);
+    pthread_mutex_unlock(&nccl_run_mu);
+    return st;
 }
 
 typedef struct {
@@ -421,6 +437,15 @@ typedef struct {
 static __thread emu_call emu_calls[DP_MAX_DEVICES];
 static __thread int emu_ncalls, emu_depth;
 static int emu_nccl_fail_next;    /* tests: next GroupEnd fails with this  */
+/* Collectives of different communicator sets running at once on a shared
+ * device: on hardware their kernels can be queued on the device's streams
+ * in different orders on different devices and wait for each other forever.
+ * The stand-in marks each device of a running collective (and holds it a
+ * little, so concurrent threads meet) and counts such crossings. */
+static pthread_mutex_t emu_busy_mu = PTHREAD_MUTEX_INITIALIZER;
+static emu_comm **emu_busy_set[DP_MAX_DEVICES]; /* guarded by emu_busy_mu */
+static int emu_busy_n[DP_MAX_DEVICES];          /* guarded by emu_busy_mu */
+static long emu_nccl_crossed;
 static int emu_nccl_live;         /* communicators alive (tests)           */
 
 static ncclResult_t emu_version(int *v)
@@ -600,7 +625,25 @@ static ncclResult_t emu_group_end(void)
         return 0;
     }
     int fail = __atomic_exchange_n(&emu_nccl_fail_next, 0, __ATOMIC_SEQ_CST);
+    int n = emu_ncalls;
+    pthread_mutex_lock(&emu_busy_mu);
+    for (int i = 0; i < n; i++) {
+        int d = emu_calls[i].comm->dev;
+        if (emu_busy_n[d] > 0 && emu_busy_set[d] != emu_calls[i].comm->set) {
+            emu_nccl_crossed++;
+        }
+        emu_busy_n[d]++;
+        emu_busy_set[d] = emu_calls[i].comm->set;
+    }
+    pthread_mutex_unlock(&emu_busy_mu);
+    struct timespec hold = {0, 200000}; /* 0.2 ms: a collective takes time */
+    nanosleep(&hold, NULL);
     ncclResult_t r = fail ? fail : emu_run();
+    pthread_mutex_lock(&emu_busy_mu);
+    for (int i = 0; i < n; i++) {
+        emu_busy_n[emu_calls[i].comm->dev]--;
+    }
+    pthread_mutex_unlock(&emu_busy_mu);
     emu_ncalls = 0;
     return r;
 }
@@ -654,7 +697,20 @@ int dp_nccl_live_comms(void)
 {
     return __atomic_load_n(&emu_nccl_live, __ATOMIC_RELAXED);
 }
+
+long dp_nccl_crossed(void)
+{
+    pthread_mutex_lock(&emu_busy_mu);
+    long c = emu_nccl_crossed;
+    pthread_mutex_unlock(&emu_busy_mu);
+    return c;
+}
 #else
+long dp_nccl_crossed(void)
+{
+    return -1;
+}
+
 int dp_nccl_emulate(int on, int fail_next)
 {
     (void)on;

@@ -141,3 +141,39 @@ def test_failed_staging_stream_request_syncs_only_obtained_streams(direction):
     assert e.value.status == 1
     assert _d._emu_stats()["bad_stream_handles"] == before
     np.testing.assert_array_equal(dpmini.asarray(x, 0).numpy(), x)  # usable afterwards
+
+
+# ---- finding 3: concurrent collectives on overlapping device lists ----
+
+@two_gpus
+@emulated
+def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
+    import threading
+    was = _d._emulated_nccl(1)
+    try:
+        x = np.arange(64, dtype="float32")
+        before = _d._emu_stats()["nccl_crossed"]
+        errors = []
+
+        def work(devs):
+            try:
+                src = dpmini.asarray(x, devs[0])
+                for _ in range(60):
+                    outs = dpmini.comm.broadcast(src, devs)
+                    parts = [dpmini.asarray(x, d) for d in devs]
+                    r = dpmini.comm.reduce_add(parts, destination=devs[0])
+                np.testing.assert_array_equal(outs[1].numpy(), x)
+                np.testing.assert_array_equal(r.numpy(), 2 * x)
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(d,)) for d in ([0, 1], [1, 0])]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not any(t.is_alive() for t in ts)
+        assert not errors, errors
+        assert _d._emu_stats()["nccl_crossed"] == before
+    finally:
+        _d._emulated_nccl(1 if was else 0)
