@@ -43,6 +43,10 @@ extern "C" {
 #endif
 
 enum { DPC_LIB_NONE = 0, DPC_LIB_CUDA = 1, DPC_LIB_NCCL = 2, DPC_LIB_DPMINI = 3 };
+/* DPC_LIB_DPMINI code of a wait that a signal handler interrupted: the
+ * handler's exception (KeyboardInterrupt) is already set, and dp_gpu_raise
+ * keeps it. */
+#define DPC_DPMINI_INTERRUPTED 90
 
 typedef struct {
     int code;          /* 0: success; else the library's own status code      */
@@ -193,6 +197,9 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out);
  * handle, or DPC_STREAM_LEGACY / DPC_STREAM_PER_THREAD (the values CUDA and
  * the CUDA Array Interface give them): the default streams of dev. */
 dpc_status dpc_stream_sync(int dev, dpc_stream s);
+/* Has all work queued on s (on dev) finished? *done 1 yes, 0 not yet
+ * (cudaStreamQuery's cudaErrorNotReady); a failed status for an error. */
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done);
 #define DPC_STREAM_LEGACY ((dpc_stream)(uintptr_t)1)
 #define DPC_STREAM_PER_THREAD ((dpc_stream)(uintptr_t)2)
 
@@ -238,6 +245,9 @@ int dpc_emu_busy(const void *p, size_t n);
  * while queued work still touched them. */
 void dpc_emu_stats(long *bad_handles, long *freed_busy);
 void dpc_emu_note_freed_busy(void);
+/* Emulator only: on (1), work on dev's streams never finishes (a hung
+ * collective): stream syncs block, queries say "not ready", until off. */
+void dpc_emu_set_stuck(int dev, int on);
 #endif
 
 #ifdef __cplusplus

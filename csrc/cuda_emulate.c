@@ -51,6 +51,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EMU_TAG ((uintptr_t)1 << 55)
 #define EMU_DEV_SHIFT 48
@@ -88,6 +89,8 @@ static int emu_fail_slot = -1;              /* next stream_get to fail     */
 static emu_pend *emu_pending;               /* guarded by emu_mu          */
 static long emu_npending;                   /* guarded by emu_mu          */
 static long emu_bad_handles, emu_freed_busy;
+static int emu_stuck[EMU_MAX_DEVICES];      /* 1: dev's work never finishes */
+static void wait_unstuck(int dev);
 
 #define EMU_POISON_STREAM ((dpc_stream)(uintptr_t)0xDEAD0000DEADull)
 #define E_INVALID_HANDLE 400
@@ -260,6 +263,7 @@ dpc_status dpc_device_sync(int dev)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
                         emu_msg(E_INVALID_DEVICE));
+    wait_unstuck(dev);
     forget_pending(1, dev, NULL);
     return dpc_ok();
 }
@@ -482,6 +486,33 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
     return dpc_ok();
 }
 
+void dpc_emu_set_stuck(int dev, int on)
+{
+    if (!bad_dev(dev))
+        __atomic_store_n(&emu_stuck[dev], on, __ATOMIC_SEQ_CST);
+}
+
+/* Block while dev is stuck, as cudaStreamSynchronize on a hung kernel does. */
+static void wait_unstuck(int dev)
+{
+    struct timespec t = {0, 1000000};
+    while (__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST))
+        nanosleep(&t, NULL);
+}
+
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    *done = 0;
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_DEVICE));
+    if (poisoned(s))
+        return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_HANDLE));
+    *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST);
+    if (*done)
+        forget_pending(0, dev, s);
+    return dpc_ok();
+}
+
 dpc_status dpc_stream_sync(int dev, dpc_stream s)
 {
     if (bad_dev(dev))
@@ -490,6 +521,7 @@ dpc_status dpc_stream_sync(int dev, dpc_stream s)
     if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamSynchronize(s)", dev,
                         emu_msg(E_INVALID_HANDLE));
+    wait_unstuck(dev);
     forget_pending(0, dev, s);
     return dpc_ok();
 }

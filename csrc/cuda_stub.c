@@ -45,6 +45,11 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
     (void)dev; (void)slot; *out = NULL;
     return NO_CUDA("cudaStreamCreate");
 }
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    (void)dev; (void)s; *done = 1;
+    return NO_CUDA("cudaStreamQuery");
+}
 dpc_status dpc_stream_sync(int dev, dpc_stream s) { (void)dev; (void)s; return NO_CUDA("cudaStreamSynchronize"); }
 dpc_status dpc_memcpy_async(int dev, void *d, const void *s, size_t n, int k, dpc_stream st)
 {

@@ -48,6 +48,9 @@ int dp_gpu_raise(dp_state *st, dpc_status s, const char *op)
      * calls cudaGetLastError on the failing thread: the last error is per
      * thread, so clearing it here, on the Python thread, would do nothing).
      * A sticky one cannot be cleared: say so. */
+    if (s.lib == DPC_LIB_DPMINI && s.code == DPC_DPMINI_INTERRUPTED && PyErr_Occurred()) {
+        return -1; /* a signal handler's exception (KeyboardInterrupt): keep it */
+    }
     int sticky = s.lib == DPC_LIB_CUDA && dpc_cuda_error_is_sticky(s.code);
     PyObject *msg = PyUnicode_FromFormat(
         "%s on %s: %s error %d (%s) from %s [%s:%d]%s", op, where, lib, s.code, s.msg,

@@ -101,5 +101,8 @@ int dp_nccl_live_comms(void);
 /* Tests, emulated builds: collectives of different communicator sets that
  * ran at once on a shared device (a hang on hardware); -1 elsewhere. */
 long dp_nccl_crossed(void);
+/* Tests, emulated builds: the next collective never finishes (1: and
+ * ncclCommGetAsyncError reports ncclRemoteError; 2: silently). */
+void dp_nccl_emulate_hang(int mode);
 
 #endif

@@ -9,6 +9,7 @@
  *                                cover (VMM / async pool / IPC), filled with
  *                                the bytes of `data`; returns its address
  *   _emu_free(dev, ptr)          frees such memory
+ *   _emu_nccl_hang(mode)         the next NCCL collective never finishes
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -21,6 +22,16 @@ static PyObject *py_emu_stats(PyObject *m, PyObject *unused)
     dpc_emu_stats(&bad, &busy);
     return Py_BuildValue("{s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued", busy,
                          "nccl_crossed", dp_nccl_crossed());
+}
+
+static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *arg)
+{
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    dp_nccl_emulate_hang((int)mode);
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_emu_fail_stream_get(PyObject *m, PyObject *arg)
@@ -92,6 +103,7 @@ static PyObject *py_emu_stats(PyObject *m, PyObject *unused) { return not_emulat
 static PyObject *py_emu_fail_stream_get(PyObject *m, PyObject *a) { return not_emulated(); }
 static PyObject *py_emu_nopeer_alloc(PyObject *m, PyObject *a) { return not_emulated(); }
 static PyObject *py_emu_free(PyObject *m, PyObject *a) { return not_emulated(); }
+static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *a) { return not_emulated(); }
 
 #endif
 
@@ -104,6 +116,9 @@ PyMethodDef dp_gpu_debug_methods[] = {
     {"_emu_nopeer_alloc", py_emu_nopeer_alloc, METH_VARARGS,
      "Private (tests, emulated builds): _emu_nopeer_alloc(dev, data) -> address of device "
      "memory peer access does not cover, holding data's bytes."},
+    {"_emu_nccl_hang", py_emu_nccl_hang, METH_O,
+     "Private (tests, emulated builds): the next NCCL collective never finishes (1: with an "
+     "asynchronous error, 2: silently)."},
     {"_emu_free", py_emu_free, METH_VARARGS,
      "Private (tests, emulated builds): _emu_free(dev, address)."},
     {NULL},

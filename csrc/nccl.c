@@ -31,6 +31,7 @@
  */
 #include "dpmini.h"
 #include "gpu.h"
+#include "nccl_wait.h"
 
 #include <dlfcn.h>
 #include <time.h>
@@ -53,6 +54,7 @@ static struct {
     ncclResult_t (*GroupStart)(void);
     ncclResult_t (*GroupEnd)(void);
     const char *(*GetErrorString)(ncclResult_t);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
 } nccl;
 
 static pthread_mutex_t nccl_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -103,6 +105,7 @@ static int try_open(const char *path)
     SYM(GroupStart, "ncclGroupStart");
     SYM(GroupEnd, "ncclGroupEnd");
     SYM(GetErrorString, "ncclGetErrorString");
+    SYM(CommGetAsyncError, "ncclCommGetAsyncError");
 #undef SYM
     int v = 0;
     nccl.GetVersion(&v);
@@ -287,14 +290,11 @@ static dpc_status comms_release(comm_lease *L, dpc_status st)
     return st;
 }
 
-static dpc_status sync_all(int n, const int *devs)
+static int async_err(void *ctx, int i)
 {
-    for (int i = 0; i < n; i++) {
-        dpc_stream s;
-        DPC_TRY(dpc_stream_get(devs[i], 0, &s));
-        DPC_TRY(dpc_stream_sync(devs[i], s));
-    }
-    return dpc_ok();
+    ncclResult_t e = 0;
+    ncclResult_t r = nccl.CommGetAsyncError(((ncclComm_t *)ctx)[i], &e);
+    return r != 0 ? r : e;
 }
 
 /* One grouped collective: op(i) queues rank i's call. */
@@ -333,7 +333,7 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         st = NCCL_FAIL(r, devs[root], "ncclGroupEnd()");
     }
     if (st.code == 0) {
-        st = sync_all(n, devs);
+        st = dp_nccl_wait(n, devs, async_err, L.comms); /* polls: errors, Ctrl-C, timeout */
     }
     __atomic_add_fetch(&nccl_calls, 1, __ATOMIC_RELAXED);
     st = comms_release(&L, st);
@@ -423,6 +423,7 @@ void dp_nccl_stats(long *calls, long *destroyed, long *aborted)
 enum { EMU_BCAST = 1, EMU_REDUCE = 2 };
 typedef struct dp_ncclComm {
     int rank, nranks, dev;
+    int async_err;                /* ncclCommGetAsyncError's answer          */
     struct dp_ncclComm **set;     /* comms[0 .. nranks-1]                    */
     int *alive;                   /* shared: ranks not yet destroyed         */
 } emu_comm;
@@ -477,11 +478,21 @@ static ncclResult_t emu_init_all(ncclComm_t *comms, int n, const int *devs)
     return 0;
 }
 
+static int emu_nccl_hang_next;    /* tests: next collective hangs (1: with
+                                   * an async error, 2: silently)           */
+
+static ncclResult_t emu_async_error(ncclComm_t c, ncclResult_t *e)
+{
+    *e = c == NULL ? 0 : __atomic_load_n(&c->async_err, __ATOMIC_SEQ_CST);
+    return c == NULL ? 4 : 0;
+}
+
 static ncclResult_t emu_destroy(ncclComm_t c)
 {
     if (c == NULL) {
         return 4; /* ncclInvalidArgument */
     }
+    dpc_emu_set_stuck(c->dev, 0); /* an abort ends a hung collective's kernels */
     if (--*c->alive == 0) {
         free(c->set);
         free(c->alive);
@@ -639,6 +650,11 @@ static ncclResult_t emu_group_end(void)
     struct timespec hold = {0, 200000}; /* 0.2 ms: a collective takes time */
     nanosleep(&hold, NULL);
     ncclResult_t r = fail ? fail : emu_run();
+    int hang = __atomic_exchange_n(&emu_nccl_hang_next, 0, __ATOMIC_SEQ_CST);
+    for (int i = 0; r == 0 && hang && i < n; i++) { /* a peer died: never finishes */
+        __atomic_store_n(&emu_calls[i].comm->async_err, hang == 1 ? 6 : 0, __ATOMIC_SEQ_CST);
+        dpc_emu_set_stuck(emu_calls[i].comm->dev, 1);
+    }
     pthread_mutex_lock(&emu_busy_mu);
     for (int i = 0; i < n; i++) {
         emu_busy_n[emu_calls[i].comm->dev]--;
@@ -655,6 +671,7 @@ static const char *emu_error_string(ncclResult_t r)
     case 3: return "internal error (emulated NCCL)";
     case 4: return "invalid argument (emulated NCCL)";
     case 5: return "invalid usage (emulated NCCL)";
+    case 6: return "remote process exited or there was a network error (emulated NCCL)";
     default: return "unknown result (emulated NCCL)";
     }
 }
@@ -670,6 +687,7 @@ static int emu_nccl_install(void)
     nccl.GroupStart = emu_group_start;
     nccl.GroupEnd = emu_group_end;
     nccl.GetErrorString = emu_error_string;
+    nccl.CommGetAsyncError = emu_async_error;
     snprintf(nccl_desc, sizeof nccl_desc, "2.21.5 (emulated)");
     return 1;
 }
@@ -698,6 +716,11 @@ int dp_nccl_live_comms(void)
     return __atomic_load_n(&emu_nccl_live, __ATOMIC_RELAXED);
 }
 
+void dp_nccl_emulate_hang(int mode)
+{
+    __atomic_store_n(&emu_nccl_hang_next, mode, __ATOMIC_SEQ_CST);
+}
+
 long dp_nccl_crossed(void)
 {
     pthread_mutex_lock(&emu_busy_mu);
@@ -706,6 +729,11 @@ long dp_nccl_crossed(void)
     return c;
 }
 #else
+void dp_nccl_emulate_hang(int mode)
+{
+    (void)mode;
+}
+
 long dp_nccl_crossed(void)
 {
     return -1;

@@ -327,6 +327,20 @@ extern "C" dpc_status dpc_stream_sync(int dev, dpc_stream s)
     return dpc_ok();
 }
 
+extern "C" dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    *done = 0;
+    ON_DEVICE(dev);
+    cudaError_t e = cudaStreamQuery((cudaStream_t)s);
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // "not yet" is not an error
+        return dpc_ok();
+    }
+    CUDA_TRY(e, dev);
+    *done = 1;
+    return dpc_ok();
+}
+
 // ---------------------------------------------------------------- copies
 
 static cudaMemcpyKind kind_of(int kind)

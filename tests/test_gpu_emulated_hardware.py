@@ -177,3 +177,52 @@ def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
         assert _d._emu_stats()["nccl_crossed"] == before
     finally:
         _d._emulated_nccl(1 if was else 0)
+
+
+# ---- finding 4: a collective that never finishes does not hang the caller ----
+
+_HUNG = textwrap.dedent("""
+    import signal, sys
+    import numpy as np, dpmini
+    d = dpmini._dpmini
+    d._emulated_nccl(1)
+    x = np.arange(32.0)
+    src = dpmini.asarray(x, 0)
+    dpmini.comm.broadcast(src, [0, 1])  # communicators made and cached
+    aborted = d._cuda_debug()["nccl_aborted"]
+    mode = sys.argv[1]
+    if mode == "signal":
+        def on_alarm(*a):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+    d._emu_nccl_hang(1 if mode == "async_error" else 2)
+    try:
+        dpmini.comm.broadcast(src, [0, 1])
+    except BaseException as e:
+        print("raised", type(e).__name__, str(e).replace("\\n", " "))
+    else:
+        print("no error")
+    print("aborted", d._cuda_debug()["nccl_aborted"] - aborted)
+    outs = dpmini.comm.broadcast(src, [0, 1])  # new communicators work
+    np.testing.assert_array_equal(outs[1].numpy(), x)
+    print("usable")
+""")
+
+
+@two_gpus
+@emulated
+@pytest.mark.parametrize("mode, expect", [
+    ("async_error", "raised NcclError .*ncclCommGetAsyncError"),
+    ("timeout", "raised CudaError .*DPMINI_NCCL_TIMEOUT"),
+    ("signal", "raised KeyboardInterrupt"),
+])
+def test_a_collective_that_never_finishes_is_aborted(mode, expect, tmp_path):
+    import re
+    env = dict(os.environ, DPMINI_NCCL_TIMEOUT="0.5" if mode == "timeout" else "60",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
+    r = subprocess.run([sys.executable, "-c", _HUNG, mode], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.search(expect, r.stdout), r.stdout
+    assert "aborted 1" in r.stdout and "usable" in r.stdout, r.stdout
