@@ -1074,10 +1074,12 @@ static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
     int rt = 0, drv = 0;
     dpc_versions(&rt, &drv);
     const char *nccl = dp_nccl_describe();
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i}", "backend", dpc_backend(),
+    char why[512] = "";
+    (void)dp_cuda_unusable(why, sizeof why);
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i,s:s}", "backend", dpc_backend(),
                          "runtime_version", rt, "driver_version", drv, "device_count",
                          dpc_device_count(), "nccl", nccl, "2d_min_run_default",
-                         DP_2D_MIN_RUN_DEFAULT);
+                         DP_2D_MIN_RUN_DEFAULT, "cuda_unusable", why);
 }
 
 /* Private hooks for the tests (tests/test_gpu_*.py); not API. */
@@ -1150,6 +1152,7 @@ PyMethodDef dp_array_methods[] = {
     {"cuda_build_info", py_cuda_build_info, METH_NOARGS,
      "cuda_build_info()\n--\n\nReturns a dict: backend ('cuda', 'emulated' or 'none'), CUDA runtime and "
      "driver versions (1000*major + 10*minor; 0 unknown), device_count, nccl (version and "
-     "path once loaded, else why not), the 2D-copy run threshold."},
+     "path once loaded, else why not), the 2D-copy run threshold, cuda_unusable (why CUDA cannot be "
+     "used although a driver is installed, e.g. a driver older than the runtime; '' otherwise)."},
     {NULL},
 };

@@ -119,6 +119,11 @@ typedef struct {
 /* Number of devices; 0 when there is no driver, no GPU, or no CUDA build.
  * Never fails; cached after the first call. */
 int dpc_device_count(void);
+/* The CUDA error code the device count query failed with (0: none), and
+ * the runtime's message for it (never NULL). A driver older than the
+ * runtime gives cudaErrorInsufficientDriver (35) with a driver version > 0;
+ * a machine without any driver gives the same code with driver version 0. */
+int dpc_device_error(const char **msg);
 /* "cuda", "emulated" or "none". */
 const char *dpc_backend(void);
 /* Versions: runtime and driver as CUDA encodes them (12040 = 12.4); 0 when

@@ -81,6 +81,7 @@ static pthread_mutex_t emu_mu = PTHREAD_MUTEX_INITIALIZER;
 static emu_alloc *emu_live;                 /* guarded by emu_mu          */
 static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
 static int emu_count = -1;
+static int emu_count_err;                   /* $DPMINI_EMULATE_DRIVER_ERROR */
 static size_t emu_limit;
 static __thread int emu_current;
 static int emu_fault;                       /* next failing code, 0: none */
@@ -121,16 +122,30 @@ int dpc_device_count(void)
         const char *m = getenv("DPMINI_EMULATE_MEM");
         emu_limit = m && *m ? (size_t)strtoull(m, NULL, 10) : ((size_t)4 << 30);
         emu_count = n < 0 ? 0 : (n > EMU_MAX_DEVICES ? EMU_MAX_DEVICES : (int)n);
+        /* a driver too old for the runtime: no device, the error kept */
+        const char *de = getenv("DPMINI_EMULATE_DRIVER_ERROR");
+        emu_count_err = de && *de ? (int)strtol(de, NULL, 10) : 0;
+        if (emu_count_err)
+            emu_count = 0;
     }
     return emu_count;
+}
+
+int dpc_device_error(const char **msg)
+{
+    (void)dpc_device_count();
+    *msg = emu_count_err == 35 ? "CUDA driver version is insufficient for CUDA runtime version"
+                               : (emu_count_err ? "unknown error" : "no error");
+    return emu_count_err;
 }
 
 const char *dpc_backend(void) { return "emulated"; }
 
 void dpc_versions(int *runtime, int *driver)
 {
-    *runtime = 0;
-    *driver = 0;
+    (void)dpc_device_count();
+    *runtime = emu_count_err ? 13000 : 0;  /* what a too-old driver would show */
+    *driver = emu_count_err ? 12020 : 0;
 }
 
 static int bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }

@@ -10,6 +10,7 @@
 
 int dpc_device_count(void) { return 0; }
 const char *dpc_backend(void) { return "none"; }
+int dpc_device_error(const char **msg) { *msg = "no error"; return 0; }
 void dpc_versions(int *runtime, int *driver) { *runtime = 0; *driver = 0; }
 dpc_status dpc_set_device(int dev) { (void)dev; return NO_CUDA("cudaSetDevice"); }
 dpc_status dpc_enable_peer(int dev, int peer, int *on)

@@ -74,6 +74,11 @@ dpc_status dp_gpu_sync_finish(dp_gpu_sync *sync);
 /* acc[i] += x[i] on dev (both device pointers, numel elements of type). */
 dpc_status dp_gpu_add(int dev, int type, void *acc, const void *x, int64_t numel);
 
+/* 1 with a sentence in buf when CUDA is unusable although a driver is
+ * installed (e.g. older than the runtime); 0 when it works or the machine
+ * simply has no driver or GPU (gpu_driver.c). */
+int dp_cuda_unusable(char *buf, size_t size);
+
 /* ---- NCCL (nccl.c), loaded with dlopen on first use ---- */
 /* 1 when libnccl could be loaded (never under emulation). */
 int dp_nccl_available(void);

@@ -129,18 +129,28 @@ __global__ void dp_add_kernel(T *acc, const T *x, int64_t n)
 // ---------------------------------------------------------------- devices
 
 static int g_count = -1;
+static int g_count_err; // the CUDA error of the count query, kept for reports
 
 extern "C" int dpc_device_count(void)
 {
     if (g_count < 0) {
         int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess) {
             (void)cudaGetLastError();
             n = 0;
+            g_count_err = (int)e;
         }
         g_count = n;
     }
     return g_count;
+}
+
+extern "C" int dpc_device_error(const char **msg)
+{
+    (void)dpc_device_count();
+    *msg = g_count_err ? cudaGetErrorString((cudaError_t)g_count_err) : "no error";
+    return g_count_err;
 }
 
 extern "C" const char *dpc_backend(void) { return "cuda"; }

@@ -226,3 +226,49 @@ def test_a_collective_that_never_finishes_is_aborted(mode, expect, tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.search(expect, r.stdout), r.stdout
     assert "aborted 1" in r.stdout and "usable" in r.stdout, r.stdout
+
+
+# ---- finding 9: a driver older than the runtime is reported, not hidden ----
+
+_OLD_DRIVER = textwrap.dedent("""
+    import io, warnings
+    import numpy as np, dpmini
+    from dpmini.__main__ import main
+    info = dpmini._dpmini.cuda_build_info()
+    print("count:", dpmini.device_count())
+    print("unusable:", info["cuda_unusable"])
+    if dpmini.device_count():
+        raise SystemExit(0)
+    try:
+        dpmini.asarray(np.ones(3), 0)
+    except ValueError as e:
+        print("asarray:", e)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        dp = dpmini.DataParallel(lambda x: x * 2)
+    print("warned:", [str(m.message) for m in w if m.category is RuntimeWarning])
+    np.testing.assert_array_equal(dp(np.arange(4.0)), 2 * np.arange(4.0))  # still runs, on CPU
+    out = io.StringIO()
+    main(["info"], out)
+    print("info:", out.getvalue().replace("\\n", " | "))
+""")
+
+
+@emulated
+@pytest.mark.parametrize("driver_error", ["35", ""])
+def test_a_driver_older_than_the_runtime_is_reported(driver_error, tmp_path):
+    env = dict(os.environ, DPMINI_EMULATE_DRIVER_ERROR=driver_error,
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
+    r = subprocess.run([sys.executable, "-c", _OLD_DRIVER], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    if not driver_error:  # the emulator's two GPUs work: nothing to report
+        assert lines["count"] == "2" and lines["unusable"] == "", r.stdout
+        return
+    why = "driver (CUDA 12.2) is older than the CUDA runtime dpmini was built with (13.0)"
+    assert why in lines["unusable"]
+    assert "CUDA device 0 requested, but CUDA is unusable" in lines["asarray"]
+    assert why in lines["asarray"]
+    assert "virtual CPU devices" in lines["warned"] and why in lines["warned"]
+    assert "CUDA UNUSABLE" in lines["info"] and "driver 12.2" in lines["info"]
