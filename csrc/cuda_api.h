@@ -253,6 +253,9 @@ void dpc_emu_note_freed_busy(void);
 /* Emulator only: on (1), work on dev's streams never finishes (a hung
  * collective): stream syncs block, queries say "not ready", until off. */
 void dpc_emu_set_stuck(int dev, int on);
+/* Emulator only: hook called at every stream or device sync (tests count
+ * syncs made with the GIL held). */
+void dpc_emu_set_sync_hook(void (*hook)(void));
 #endif
 
 #ifdef __cplusplus

@@ -92,6 +92,9 @@ static long emu_npending;                   /* guarded by emu_mu          */
 static long emu_bad_handles, emu_freed_busy;
 static int emu_stuck[EMU_MAX_DEVICES];      /* 1: dev's work never finishes */
 static void wait_unstuck(int dev);
+static void (*emu_sync_hook)(void);
+
+void dpc_emu_set_sync_hook(void (*hook)(void)) { emu_sync_hook = hook; }
 
 #define EMU_POISON_STREAM ((dpc_stream)(uintptr_t)0xDEAD0000DEADull)
 #define E_INVALID_HANDLE 400
@@ -510,6 +513,9 @@ void dpc_emu_set_stuck(int dev, int on)
 /* Block while dev is stuck, as cudaStreamSynchronize on a hung kernel does. */
 static void wait_unstuck(int dev)
 {
+    void (*hook)(void) = emu_sync_hook;
+    if (hook)
+        hook();
     struct timespec t = {0, 1000000};
     while (__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST))
         nanosleep(&t, NULL);

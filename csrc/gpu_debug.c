@@ -3,7 +3,8 @@
  * one without CUDA, every hook raises RuntimeError.
  *
  *   _emu_stats()                 {"bad_stream_handles", "freed_while_queued",
- *                                 "nccl_crossed"}
+ *                                 "nccl_crossed", "syncs_with_gil" (counted
+ *                                 from the first _emu_stats() call on)}
  *   _emu_fail_stream_get(slot)   the next stream request of that slot fails
  *   _emu_nopeer_alloc(dev, data) device memory that peer access does not
  *                                cover (VMM / async pool / IPC), filled with
@@ -16,12 +17,24 @@
 
 #ifdef DPMINI_CUDA_EMULATE
 
+static long syncs_with_gil;
+
+/* Called by the emulator at every sync, on the syncing thread. */
+static void count_gil_syncs(void)
+{
+    if (PyGILState_Check()) {
+        __atomic_add_fetch(&syncs_with_gil, 1, __ATOMIC_RELAXED);
+    }
+}
+
 static PyObject *py_emu_stats(PyObject *m, PyObject *unused)
 {
     long bad, busy;
+    dpc_emu_set_sync_hook(count_gil_syncs); /* counted from the first call on */
     dpc_emu_stats(&bad, &busy);
-    return Py_BuildValue("{s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued", busy,
-                         "nccl_crossed", dp_nccl_crossed());
+    return Py_BuildValue("{s:l,s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued",
+                         busy, "nccl_crossed", dp_nccl_crossed(), "syncs_with_gil",
+                         __atomic_load_n(&syncs_with_gil, __ATOMIC_RELAXED));
 }
 
 static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *arg)

@@ -272,3 +272,20 @@ def test_a_driver_older_than_the_runtime_is_reported(driver_error, tmp_path):
     assert why in lines["asarray"]
     assert "virtual CPU devices" in lines["warned"] and why in lines["warned"]
     assert "CUDA UNUSABLE" in lines["info"] and "driver 12.2" in lines["info"]
+
+
+# ---- finding 17: no stream sync with the GIL held, small copies included ----
+
+@two_gpus
+@emulated
+def test_small_copies_wait_on_streams_without_the_gil():
+    x = sample((6, 4), "float32")  # far below the 256 KiB inline threshold
+    before = _d._emu_stats()["syncs_with_gil"]
+    a = dpmini.asarray(x, 0)
+    b = dpmini.asarray(a, 1)
+    t = dpmini.asarray(x.T, 0)  # strided source: staged through pinned halves
+    g = dpmini.comm.gather(dpmini.comm.scatter(a, [0, 1]), destination=0)
+    np.testing.assert_array_equal(b.numpy(), x)
+    np.testing.assert_array_equal(t.numpy(), x.T)
+    np.testing.assert_array_equal(g.numpy(), x)
+    assert _d._emu_stats()["syncs_with_gil"] == before
