@@ -289,3 +289,25 @@ def test_small_copies_wait_on_streams_without_the_gil():
     np.testing.assert_array_equal(t.numpy(), x.T)
     np.testing.assert_array_equal(g.numpy(), x)
     assert _d._emu_stats()["syncs_with_gil"] == before
+
+
+# ---- finding 18: one-GPU DataParallel runs the module with its GPU current ----
+
+@two_gpus
+def test_one_gpu_dataparallel_runs_the_module_with_its_gpu_current():
+    start = cuda_debug()["current_device"]
+    other = 1 if start != 1 else 0
+    seen = []
+
+    def module(x):
+        seen.append(cuda_debug()["current_device"])
+        return x
+
+    x = sample((4, 2), "float32")
+    for devs in ([other], [other, other]):
+        seen.clear()
+        r = dpmini.DataParallel(module, device_ids=devs, output_device="cpu")(x)
+        np.testing.assert_array_equal(dpmini.asarray(r).numpy() if not isinstance(r, np.ndarray)
+                                      else r, x)
+        assert seen and set(seen) == {other}, (devs, seen)
+        assert cuda_debug()["current_device"] == start
