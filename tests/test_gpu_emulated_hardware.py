@@ -311,3 +311,26 @@ def test_one_gpu_dataparallel_runs_the_module_with_its_gpu_current():
                                       else r, x)
         assert seen and set(seen) == {other}, (devs, seen)
         assert cuda_debug()["current_device"] == start
+
+
+# ---- finding 12: the GPU block cache is bounded (size classes, peak + slack) ----
+
+def test_gpu_block_cache_stays_bounded_over_many_sizes(tmp_path):
+    # a fresh process: the bound follows the process's peak allocation
+    code = textwrap.dedent("""
+        import dpmini
+        step = 256 << 10
+        for k in range(1, 161):  # 160 distinct sizes up to 40 MiB, each freed at once
+            a = dpmini.empty((k * step,), "uint8", device="cuda:0")
+            del a
+        print(dpmini.memory_reserved("cuda:0") - dpmini.memory_allocated("cuda:0"))
+    """)
+    env = dict(os.environ,
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cached = int(r.stdout)
+    # an exact-size, unbounded cache would hold all of them (~3.1 GiB); the
+    # bound is the peak (one 40 MiB block, rounded up to its class) + 32 MiB
+    assert cached <= (160 << 18) * 5 // 4 + (32 << 20), cached
