@@ -334,3 +334,44 @@ def test_gpu_block_cache_stays_bounded_over_many_sizes(tmp_path):
     # an exact-size, unbounded cache would hold all of them (~3.1 GiB); the
     # bound is the peak (one 40 MiB block, rounded up to its class) + 32 MiB
     assert cached <= (160 << 18) * 5 // 4 + (32 << 20), cached
+
+
+# ---- finding 7: a fresh thread's current device survives dpmini's guard ----
+
+@two_gpus
+def test_fresh_thread_keeps_its_current_device_after_work_on_another_gpu():
+    import threading
+    seen = {}
+
+    def work():
+        seen["before"] = cuda_debug()["current_device"]
+        a = dpmini.asarray(np.arange(6.0), 1)
+        np.testing.assert_array_equal(a.numpy(), np.arange(6.0))
+        seen["after"] = cuda_debug()["current_device"]
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert seen["after"] == seen["before"], seen
+
+
+# ---- finding 2 on hardware: PyTorch's expandable segments are VMM memory ----
+
+@two_gpus
+@pytest.mark.skipif(EMULATED, reason="needs PyTorch on real GPUs (the emulator's "
+                    "_emu_nopeer_alloc covers it above)")
+def test_strided_copy_from_torch_expandable_segments(tmp_path):
+    pytest.importorskip("torch")
+    code = textwrap.dedent("""
+        import numpy as np, torch, dpmini
+        assert torch.cuda.device_count() >= 2
+        t = torch.arange(24.0, device="cuda:0").reshape(4, 6).t()  # strided, VMM-backed
+        b = dpmini.asarray(t, 1)
+        np.testing.assert_array_equal(b.numpy(), np.arange(24.0).reshape(4, 6).T)
+        print("ok")
+    """)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
