@@ -1099,7 +1099,7 @@ static PyObject *py_cuda_debug(PyObject *m, PyObject *unused)
 static PyObject *py_nccl_dtypes(PyObject *m, PyObject *unused)
 {
     static const char *names[] = {"int8", "uint8", "int16", "uint16", "int32", "uint32",
-                                  "int64", "uint64", "float32", "float64"};
+                                  "int64", "uint64", "float32", "float64", "float16"};
     PyObject *d = PyDict_New();
     for (int t = 0; d != NULL && t < DPC_T_NONE; t++) {
         if (PyDict_SetItemString(d, names[t], dp_nccl_supports(t) ? Py_True : Py_False) < 0) {

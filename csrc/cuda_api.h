@@ -96,8 +96,10 @@ typedef void *dpc_stream;
 /* Element types of the reduce kernel (dpc_launch_add). */
 enum {
     DPC_T_I8, DPC_T_U8, DPC_T_I16, DPC_T_U16, DPC_T_I32, DPC_T_U32, DPC_T_I64, DPC_T_U64,
-    DPC_T_F32, DPC_T_F64, DPC_T_NONE
+    DPC_T_F32, DPC_T_F64, DPC_T_F16, DPC_T_NONE
 };
+/* DPC_T_F16 adds in float and rounds once to half (to nearest even), as
+ * NumPy's float16 add does, so results match the host bit for bit. */
 
 /* Most dims a kernel descriptor carries (after dim collapsing). */
 #define DPC_KMAXDIMS 16

@@ -679,7 +679,7 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
             a_[i] = (T)(a_[i] + x_[i]);                                         \
     } while (0)
 
-static const int type_size[] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+static const int type_size[] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8, 2};
 
 dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t numel,
                           dpc_stream s)
@@ -707,6 +707,13 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
     case DPC_T_U64: EMU_ADD(uint64_t); break;
     case DPC_T_F32: EMU_ADD(float); break;
     case DPC_T_F64: EMU_ADD(double); break;
+    case DPC_T_F16: { /* in float, one rounding to half: NumPy's float16 add */
+        _Float16 *a_ = (_Float16 *)ha;
+        const _Float16 *x_ = (const _Float16 *)hx;
+        for (int64_t i = 0; i < numel; i++)
+            a_[i] = (_Float16)((float)a_[i] + (float)x_[i]);
+        break;
+    }
     }
     note_pending(s, dev, ha, ha + n);
     note_pending(s, dev, hx, hx + n);

@@ -42,7 +42,7 @@
 typedef struct dp_ncclComm *ncclComm_t;
 typedef int ncclResult_t;                      /* 0 = ncclSuccess */
 enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_UINT32 = 3, NCCL_INT64 = 4,
-       NCCL_UINT64 = 5, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_SUM = 0 };
+       NCCL_UINT64 = 5, NCCL_FLOAT16 = 6, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_SUM = 0 };
 
 static struct {
     ncclResult_t (*GetVersion)(int *);
@@ -370,6 +370,7 @@ static int nccl_type(int t)
     case DPC_T_U64: return NCCL_UINT64;
     case DPC_T_F32: return NCCL_FLOAT32;
     case DPC_T_F64: return NCCL_FLOAT64;
+    case DPC_T_F16: return NCCL_FLOAT16;
     default: return -1; /* int16/uint16: NCCL has no 16-bit integer type */
     }
 }
@@ -555,6 +556,7 @@ static int dpc_of_nccl(int nt, size_t *size)
     case NCCL_UINT64: *size = 8; return DPC_T_U64;
     case NCCL_FLOAT32: *size = 4; return DPC_T_F32;
     case NCCL_FLOAT64: *size = 8; return DPC_T_F64;
+    case NCCL_FLOAT16: *size = 2; return DPC_T_F16;
     default: return -1;
     }
 }

@@ -16,6 +16,7 @@
 // it differs and switches back when the function returns (any return path:
 // a C++ destructor). Only dpc_set_device changes the current device for good.
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
 #include <limits.h>
 #include <pthread.h>
 
@@ -411,6 +412,20 @@ extern "C" dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void 
     return dpc_ok();
 }
 
+// float16: add in float, round once to half (to nearest even), as NumPy.
+__global__ void dp_add_half_kernel(__half *acc, const __half *x, int64_t n)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        acc[i] = __float2half_rn(__half2float(acc[i]) + __half2float(x[i]));
+}
+
+static cudaError_t add_half(void *acc, const void *x, int64_t n, cudaStream_t s)
+{
+    dp_add_half_kernel<<<grid_for(n, 256), 256, 0, s>>>((__half *)acc, (const __half *)x, n);
+    return cudaGetLastError();
+}
+
 template <typename T>
 static cudaError_t add_as(void *acc, const void *x, int64_t n, cudaStream_t s)
 {
@@ -437,6 +452,7 @@ extern "C" dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x
     case DPC_T_U64: e = add_as<uint64_t>(acc, x, numel, st); break;
     case DPC_T_F32: e = add_as<float>(acc, x, numel, st); break;
     case DPC_T_F64: e = add_as<double>(acc, x, numel, st); break;
+    case DPC_T_F16: e = add_half(acc, x, numel, st); break;
     default: break;
     }
     CUDA_TRY(e, dev);

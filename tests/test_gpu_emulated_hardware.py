@@ -375,3 +375,21 @@ def test_strided_copy_from_torch_expandable_segments(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120, cwd=tmp_path)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ---- finding 10: float16 reduce_add on GPUs (kernel / NCCL), rounded as NumPy ----
+
+@pytest.mark.parametrize("devs", [[0, 0, 0], [0, 1]], ids=str)
+def test_float16_reduce_add_on_gpus_rounds_like_numpy(devs):
+    if max(devs) >= dpmini.device_count():
+        pytest.skip("needs 2 CUDA devices")
+    rng = np.random.default_rng(5)
+    xs = [(rng.standard_normal((64, 33)) * 10 ** rng.uniform(-3, 3, (64, 33))).astype("float16")
+          for _ in devs]
+    want = xs[0].copy()
+    for x in xs[1:]:
+        want += x  # NumPy: each add in float, rounded once to half
+    r = dpmini.comm.reduce_add([dpmini.asarray(x, d) for x, d in zip(xs, devs)],
+                               destination=devs[0])
+    assert r.dtype == np.float16
+    np.testing.assert_array_equal(r.numpy().view("uint16"), want.view("uint16"))
