@@ -14,8 +14,8 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "nccl_wait.h"
+#include "env.h"
 
-#include <stdlib.h>
 #include <time.h>
 
 static double now_s(void)
@@ -25,15 +25,12 @@ static double now_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* $DPMINI_NCCL_TIMEOUT: whole seconds, env.h's rule; unset or invalid: 1800. */
 static double timeout_s(void)
 {
-    const char *e = getenv("DPMINI_NCCL_TIMEOUT");
-    if (e == NULL || *e == '\0') {
-        return 1800.0;
-    }
-    char *end;
-    double v = strtod(e, &end);
-    return (end == e || v < 0) ? 1800.0 : v;
+    unsigned long long v;
+    return dp_env_uint("DPMINI_NCCL_TIMEOUT", 0, 1ull << 31, &v) == DP_ENV_OK ? (double)v
+                                                                               : 1800.0;
 }
 
 /* 1 when a signal handler raised (its exception is left set). */

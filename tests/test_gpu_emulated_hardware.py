@@ -219,7 +219,7 @@ _HUNG = textwrap.dedent("""
 ])
 def test_a_collective_that_never_finishes_is_aborted(mode, expect, tmp_path):
     import re
-    env = dict(os.environ, DPMINI_NCCL_TIMEOUT="0.5" if mode == "timeout" else "60",
+    env = dict(os.environ, DPMINI_NCCL_TIMEOUT="1" if mode == "timeout" else "60",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(dpmini.__file__))))
     r = subprocess.run([sys.executable, "-c", _HUNG, mode], env=env, capture_output=True,
                        text=True, timeout=60, cwd=tmp_path)
