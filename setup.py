@@ -8,7 +8,8 @@ Environment switches (read when building):
   DPMINI_CUDA=0          CPU-only build even when nvcc is present.
   DPMINI_CUDA_EMULATE=1  no nvcc: the CPU emulation of the CUDA layer
                          (csrc/backend/cuda_emulate.c), for testing GPU code paths.
-  DPMINI_CUDA_ARCHS      semicolon list of SM versions, default "80;90"
+  DPMINI_CUDA_ARCHS      semicolon list of SM versions, default "75;80;90" (SASS for
+                         each, PTX for the lowest and the highest)
                          (sm_80, sm_90, plus PTX of the last for newer GPUs).
   CUDA_HOME / CUDA_PATH  where the toolkit is (else nvcc on PATH, else
                          /usr/local/cuda).
@@ -46,11 +47,19 @@ def find_nvcc():
 
 
 def gencode_flags():
-    archs = [a.strip() for a in os.environ.get("DPMINI_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+    """SASS for every SM in the list, and PTX for the lowest and the highest:
+    a GPU runs SASS of its major version (sm_80 code on sm_86/sm_89), else the
+    driver JIT-compiles the highest PTX it can run, so the lowest arch's PTX
+    keeps older GPUs (Turing, sm_75, the oldest CUDA 13 supports) working and
+    the highest keeps newer ones working."""
+    archs = [a.strip() for a in os.environ.get("DPMINI_CUDA_ARCHS", "75;80;90").split(";")
+             if a.strip()]
     flags = []
     for a in archs:
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    ptx = sorted({archs[0], archs[-1]}, key=lambda a: int("".join(c for c in a if c.isdigit()) or 0))
+    for a in ptx:
+        flags += ["-gencode", f"arch=compute_{a},code=compute_{a}"]
     return flags
 
 

@@ -16,6 +16,7 @@
 // it differs and switches back when the function returns (any return path:
 // a C++ destructor). Only dpc_set_device changes the current device for good.
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
 #include <limits.h>
 #include <pthread.h>
 
@@ -34,64 +35,73 @@
 
 // ---------------------------------------------------------------- device guard
 
-// cuDevicePrimaryCtxGetState through the runtime's driver entry point (no
-// link against libcuda, so import still works without a driver). NULL when
-// unavailable: then the guard always switches back.
-typedef int (*dp_cuDeviceGet_t)(int *, int);
-typedef int (*dp_cuPrimaryCtxGetState_t)(int, unsigned int *, int *);
-static dp_cuDeviceGet_t g_cuDeviceGet;
-static dp_cuPrimaryCtxGetState_t g_cuPrimaryCtxGetState;
+// cuCtxGetCurrent / cuCtxSetCurrent through the runtime's driver entry
+// points (no link against libcuda, so import still works without a driver).
+// The guard saves the thread's CUDA context before switching and restores
+// exactly that context afterwards, NULL included: a thread that had no
+// context (a fresh thread: cudaGetDevice says 0 but nothing is bound) is left
+// with none, so later code of another library (torch.ones(device='cuda'),
+// CuPy) still lands on the device it would have used, and no context is
+// created on a GPU dpmini never used. NULL entry points (very old driver):
+// the guard switches back with cudaSetDevice.
+typedef int (*dp_cuCtxGetCurrent_t)(void **);
+typedef int (*dp_cuCtxSetCurrent_t)(void *);
+static dp_cuCtxGetCurrent_t g_cuCtxGetCurrent;
+static dp_cuCtxSetCurrent_t g_cuCtxSetCurrent;
 static pthread_once_t g_entry_once = PTHREAD_ONCE_INIT;
 
 static void load_entry_points(void)
 {
     void *a = NULL, *b = NULL;
     cudaDriverEntryPointQueryResult qa, qb;
-    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &a, 12000, cudaEnableDefault, &qa) ==
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &a, 12000, cudaEnableDefault, &qa) ==
             cudaSuccess && qa == cudaDriverEntryPointSuccess &&
-        cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &b, 12000,
-                                         cudaEnableDefault, &qb) == cudaSuccess &&
+        cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &b, 12000, cudaEnableDefault,
+                                         &qb) == cudaSuccess &&
         qb == cudaDriverEntryPointSuccess) {
-        g_cuDeviceGet = (dp_cuDeviceGet_t)a;
-        g_cuPrimaryCtxGetState = (dp_cuPrimaryCtxGetState_t)b;
+        g_cuCtxGetCurrent = (dp_cuCtxGetCurrent_t)a;
+        g_cuCtxSetCurrent = (dp_cuCtxSetCurrent_t)b;
     }
     (void)cudaGetLastError();
 }
 
-// 1 when switching to dev would not create a context (or we cannot tell).
-static int has_context(int dev)
+// Make dev current; remember what to restore (device and context).
+static cudaError_t guard_enter(int dev, dpc_device_guard *g)
 {
+    g->prev = -1;
+    g->switched = 0;
+    g->ctx = NULL;
+    if (dev < 0)
+        return cudaSuccess;
     pthread_once(&g_entry_once, load_entry_points);
-    if (g_cuDeviceGet == NULL || g_cuPrimaryCtxGetState == NULL)
-        return 1;
-    int cudev = 0, active = 0;
-    unsigned int flags = 0;
-    if (g_cuDeviceGet(&cudev, dev) != 0 || g_cuPrimaryCtxGetState(cudev, &flags, &active) != 0)
-        return 1;
-    return active != 0;
+    cudaError_t err = cudaGetDevice(&g->prev);
+    if (err != cudaSuccess || g->prev == dev)
+        return err;
+    if (g_cuCtxGetCurrent != NULL && g_cuCtxGetCurrent(&g->ctx) != 0)
+        g->ctx = NULL;
+    err = cudaSetDevice(dev);
+    g->switched = err == cudaSuccess;
+    return err;
+}
+
+static void guard_leave(dpc_device_guard *g)
+{
+    if (!g->switched)
+        return;
+    g->switched = 0;
+    if (g_cuCtxSetCurrent != NULL) {
+        if (g_cuCtxSetCurrent(g->ctx) == 0)
+            return;
+    }
+    if (cudaSetDevice(g->prev) != cudaSuccess)
+        (void)cudaGetLastError();
 }
 
 struct DevGuard {
-    int prev;
-    bool switched;
+    dpc_device_guard g;
     cudaError_t err;
-    explicit DevGuard(int dev) : prev(-1), switched(false), err(cudaSuccess)
-    {
-        if (dev < 0)
-            return;
-        err = cudaGetDevice(&prev);
-        if (err == cudaSuccess && prev != dev) {
-            err = cudaSetDevice(dev);
-            switched = err == cudaSuccess;
-        }
-    }
-    ~DevGuard()
-    {
-        if (switched && has_context(prev)) {
-            if (cudaSetDevice(prev) != cudaSuccess)
-                (void)cudaGetLastError();
-        }
-    }
+    explicit DevGuard(int dev) { err = guard_enter(dev, &g); }
+    ~DevGuard() { guard_leave(&g); }
 };
 
 #define ON_DEVICE(dev)                                                               \
@@ -120,18 +130,28 @@ __global__ void dp_add_kernel(T *acc, const T *x, int64_t n)
 // ---------------------------------------------------------------- devices
 
 static int g_count = -1;
+static int g_count_err; // the CUDA error of the count query, kept for reports
 
 extern "C" int dpc_device_count(void)
 {
     if (g_count < 0) {
         int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess) {
             (void)cudaGetLastError();
             n = 0;
+            g_count_err = (int)e;
         }
         g_count = n;
     }
     return g_count;
+}
+
+extern "C" int dpc_device_error(const char **msg)
+{
+    (void)dpc_device_count();
+    *msg = g_count_err ? cudaGetErrorString((cudaError_t)g_count_err) : "no error";
+    return g_count_err;
 }
 
 extern "C" const char *dpc_backend(void) { return "cuda"; }
@@ -156,6 +176,20 @@ extern "C" dpc_status dpc_set_device(int dev)
     CUDA_TRY(cudaSetDevice(dev), dev);
     return dpc_ok();
 }
+
+extern "C" dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
+{
+    cudaError_t e = guard_enter(dev, g);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        g->switched = 0;
+        return dpc_fail(DPC_LIB_CUDA, (int)e, 0, dev, "cudaSetDevice(dev)", __FILE__, __LINE__,
+                        cudaGetErrorString(e));
+    }
+    return dpc_ok();
+}
+
+extern "C" void dpc_guard_leave(dpc_device_guard *g) { guard_leave(g); }
 
 extern "C" int dpc_current_device(void)
 {
@@ -304,6 +338,20 @@ extern "C" dpc_status dpc_stream_sync(int dev, dpc_stream s)
     return dpc_ok();
 }
 
+extern "C" dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    *done = 0;
+    ON_DEVICE(dev);
+    cudaError_t e = cudaStreamQuery((cudaStream_t)s);
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // "not yet" is not an error
+        return dpc_ok();
+    }
+    CUDA_TRY(e, dev);
+    *done = 1;
+    return dpc_ok();
+}
+
 // ---------------------------------------------------------------- copies
 
 static cudaMemcpyKind kind_of(int kind)
@@ -364,6 +412,20 @@ extern "C" dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void 
     return dpc_ok();
 }
 
+// float16: add in float, round once to half (to nearest even), as NumPy.
+__global__ void dp_add_half_kernel(__half *acc, const __half *x, int64_t n)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        acc[i] = __float2half_rn(__half2float(acc[i]) + __half2float(x[i]));
+}
+
+static cudaError_t add_half(void *acc, const void *x, int64_t n, cudaStream_t s)
+{
+    dp_add_half_kernel<<<grid_for(n, 256), 256, 0, s>>>((__half *)acc, (const __half *)x, n);
+    return cudaGetLastError();
+}
+
 template <typename T>
 static cudaError_t add_as(void *acc, const void *x, int64_t n, cudaStream_t s)
 {
@@ -390,6 +452,7 @@ extern "C" dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x
     case DPC_T_U64: e = add_as<uint64_t>(acc, x, numel, st); break;
     case DPC_T_F32: e = add_as<float>(acc, x, numel, st); break;
     case DPC_T_F64: e = add_as<double>(acc, x, numel, st); break;
+    case DPC_T_F16: e = add_half(acc, x, numel, st); break;
     default: break;
     }
     CUDA_TRY(e, dev);

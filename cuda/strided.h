@@ -38,6 +38,26 @@ DP_HD void dp_kdesc_offsets(const dpc_kdesc *d, int64_t i, int64_t *src_off,
     *dst_off = dof;
 }
 
+/* The same with 32-bit division, for copies of at most 2^32 - 1 elements
+ * (then every extent and index fits): 64-bit division is a long software
+ * sequence on GPUs, 32-bit a short one, and it runs once per dimension per
+ * element. Offsets stay 64-bit (strides may be large). */
+DP_HD void dp_kdesc_offsets32(const dpc_kdesc *d, uint32_t i, int64_t *src_off,
+                              int64_t *dst_off)
+{
+    int64_t so = 0, dof = 0;
+    for (int k = d->ndim - 1; k >= 0; k--) {
+        uint32_t n = (uint32_t)d->shape[k];
+        uint32_t q = i / n;
+        uint32_t r = i - q * n;
+        so += (int64_t)r * d->src_strides[k];
+        dof += (int64_t)r * d->dst_strides[k];
+        i = q;
+    }
+    *src_off = so;
+    *dst_off = dof;
+}
+
 /* Copy one element of `size` bytes; the fast widths when both addresses are
  * aligned to them. */
 DP_HD void dp_copy_elem(char *dst, const char *src, int size)
@@ -65,7 +85,10 @@ DP_HD void dp_copy_elem(char *dst, const char *src, int size)
 DP_HD void dp_strided_copy_one(const dpc_kdesc *d, char *dst, const char *src, int64_t i)
 {
     int64_t so, dof;
-    dp_kdesc_offsets(d, i, &so, &dof);
+    if (d->numel <= (int64_t)UINT32_MAX) /* the same branch for every thread */
+        dp_kdesc_offsets32(d, (uint32_t)i, &so, &dof);
+    else
+        dp_kdesc_offsets(d, i, &so, &dof);
     dp_copy_elem(dst + dof, src + so, d->itemsize);
 }
 

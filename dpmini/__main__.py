@@ -323,6 +323,8 @@ def _cuda_versions():
 
     cuda = (f"runtime {cuda_text(info.get('runtime_version', 0))}, "
             f"driver {cuda_text(info.get('driver_version', 0))}")
+    if info.get("cuda_unusable"):
+        cuda += f"; CUDA UNUSABLE: {info['cuda_unusable']}"
     return info.get("backend", "unknown"), cuda, str(info.get("nccl", "not loaded"))
 
 
@@ -341,7 +343,7 @@ def cmd_info(out):
     except Exception as exc:
         n_cuda, cuda_note = 0, f" ({type(exc).__name__}: {exc})"
     else:
-        cuda_note = ""
+        cuda_note = " (CUDA unusable: see versions)" if "UNUSABLE" in cuda_text else ""
     env = os.environ.get("DPMINI_CPU_DEVICES")
     if env and rejected:
         source = (f"$DPMINI_CPU_DEVICES={env!r} rejected (not an int in 1..256), so the "

@@ -250,7 +250,7 @@ def test_nccl_dtype_mapping():
     m = dpmini._dpmini._nccl_dtypes()
     assert m == {"int8": True, "uint8": True, "int16": False, "uint16": False,
                  "int32": True, "uint32": True, "int64": True, "uint64": True,
-                 "float32": True, "float64": True}
+                 "float32": True, "float64": True, "float16": True}
 
 
 @pytest.fixture
@@ -264,7 +264,7 @@ def emulated_nccl():
 
 @two_gpus
 @pytest.mark.parametrize("nccl", ["absent", "present"])
-@pytest.mark.parametrize("dtype", ["int16", "uint16", "float32", "int64"])
+@pytest.mark.parametrize("dtype", ["int16", "uint16", "float32", "int64", "float16"])
 def test_reduce_add_on_distinct_gpus_with_and_without_nccl(nccl, dtype, request):
     if nccl == "present":
         request.getfixturevalue("emulated_nccl")

@@ -22,10 +22,10 @@
  *     when it differs, and switches back before returning, so dpmini never
  *     changes the caller's current device (PyTorch's device guard). Only
  *     dpc_set_device changes it for good (replica worker threads). The real
- *     backend does not switch back to a device whose primary context is not
- *     active (a fresh thread's default device 0): that would create a context
- *     (hundreds of MiB) on a GPU dpmini never used; such a thread is left on
- *     the device dpmini used, as PyTorch's guard does.
+ *     backend saves and restores the thread's CUDA context itself (NULL
+ *     included): a fresh thread that had no context is left with none, so no
+ *     context is created on a GPU dpmini never used and later code of another
+ *     library still lands on the device it would have used.
  *   - Streams are dpmini's own non-blocking streams, cached per (device,
  *     slot); they are never destroyed (like PyTorch's pool of streams). They
  *     are NOT ordered after the legacy default stream, so work another library
@@ -43,6 +43,10 @@ extern "C" {
 #endif
 
 enum { DPC_LIB_NONE = 0, DPC_LIB_CUDA = 1, DPC_LIB_NCCL = 2, DPC_LIB_DPMINI = 3 };
+/* DPC_LIB_DPMINI code of a wait that a signal handler interrupted: the
+ * handler's exception (KeyboardInterrupt) is already set, and dp_gpu_raise
+ * keeps it. */
+#define DPC_DPMINI_INTERRUPTED 90
 
 typedef struct {
     int code;          /* 0: success; else the library's own status code      */
@@ -92,8 +96,10 @@ typedef void *dpc_stream;
 /* Element types of the reduce kernel (dpc_launch_add). */
 enum {
     DPC_T_I8, DPC_T_U8, DPC_T_I16, DPC_T_U16, DPC_T_I32, DPC_T_U32, DPC_T_I64, DPC_T_U64,
-    DPC_T_F32, DPC_T_F64, DPC_T_NONE
+    DPC_T_F32, DPC_T_F64, DPC_T_F16, DPC_T_NONE
 };
+/* DPC_T_F16 adds in float and rounds once to half (to nearest even), as
+ * NumPy's float16 add does, so results match the host bit for bit. */
 
 /* Most dims a kernel descriptor carries (after dim collapsing). */
 #define DPC_KMAXDIMS 16
@@ -115,6 +121,11 @@ typedef struct {
 /* Number of devices; 0 when there is no driver, no GPU, or no CUDA build.
  * Never fails; cached after the first call. */
 int dpc_device_count(void);
+/* The CUDA error code the device count query failed with (0: none), and
+ * the runtime's message for it (never NULL). A driver older than the
+ * runtime gives cudaErrorInsufficientDriver (35) with a driver version > 0;
+ * a machine without any driver gives the same code with driver version 0. */
+int dpc_device_error(const char **msg);
 /* "cuda", "emulated" or "none". */
 const char *dpc_backend(void);
 /* Versions: runtime and driver as CUDA encodes them (12040 = 12.4); 0 when
@@ -124,6 +135,19 @@ dpc_status dpc_set_device(int dev);
 /* Enable peer access from dev to peer when the hardware allows; *on is 1
  * when dev can read and write peer's memory directly afterwards. */
 dpc_status dpc_enable_peer(int dev, int peer, int *on);
+/* A device guard that the caller holds across its own code (e.g. a call into
+ * another library that works on "the current device", such as PyTorch's
+ * Tensor.__dlpack__): enter makes dev current, leave restores exactly what
+ * the thread had before (the real backend restores the thread's CUDA context,
+ * none included, so a thread that had no context is left without one).
+ * leave is a no-op when enter failed or did not switch. */
+typedef struct {
+    int prev;       /* device current before enter (-1 unknown)           */
+    int switched;   /* 1 when enter changed the device                     */
+    void *ctx;      /* real backend: the thread's CUcontext before (NULL ok) */
+} dpc_device_guard;
+dpc_status dpc_guard_enter(int dev, dpc_device_guard *g);
+void dpc_guard_leave(dpc_device_guard *g);
 /* The calling thread's current device (cudaGetDevice; -1 on failure). For
  * tests of the device guard (_dpmini._cuda_debug). */
 int dpc_current_device(void);
@@ -180,6 +204,9 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out);
  * handle, or DPC_STREAM_LEGACY / DPC_STREAM_PER_THREAD (the values CUDA and
  * the CUDA Array Interface give them): the default streams of dev. */
 dpc_status dpc_stream_sync(int dev, dpc_stream s);
+/* Has all work queued on s (on dev) finished? *done 1 yes, 0 not yet
+ * (cudaStreamQuery's cudaErrorNotReady); a failed status for an error. */
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done);
 #define DPC_STREAM_LEGACY ((dpc_stream)(uintptr_t)1)
 #define DPC_STREAM_PER_THREAD ((dpc_stream)(uintptr_t)2)
 
@@ -207,6 +234,30 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
 #ifdef DPMINI_CUDA_EMULATE
 /* Emulator only: the next copy or kernel fails with CUDA code `code`. */
 void dpc_emu_inject_fault(int code);
+/* Emulator only: the next dpc_stream_get of this slot fails (its *out is then
+ * a poisoned handle: any later use of it is counted, see dpc_emu_stats). */
+void dpc_emu_fail_stream_get(int slot);
+/* Emulator only: device memory of a kind peer access does not cover (VMM /
+ * cudaMallocAsync pools / IPC): a kernel on another device that touches it
+ * fails with cudaErrorIllegalAddress (700), as on hardware. Free with
+ * dpc_free. */
+dpc_status dpc_emu_malloc_nopeer(int dev, size_t nbytes, void **out);
+/* Emulator only: 0 makes dpc_enable_peer report no peer access. */
+void dpc_emu_set_peer(int on);
+/* Emulator only: 1 when queued work not yet synchronised (stream sync of its
+ * stream, device sync, cudaFree) touches [p, p + n); dpmini's allocator asks
+ * before a block goes back to its cache (gpu.c). */
+int dpc_emu_busy(const void *p, size_t n);
+/* Emulator only: uses of poisoned stream handles; blocks returned to a cache
+ * while queued work still touched them. */
+void dpc_emu_stats(long *bad_handles, long *freed_busy);
+void dpc_emu_note_freed_busy(void);
+/* Emulator only: on (1), work on dev's streams never finishes (a hung
+ * collective): stream syncs block, queries say "not ready", until off. */
+void dpc_emu_set_stuck(int dev, int on);
+/* Emulator only: hook called at every stream or device sync (tests count
+ * syncs made with the GIL held). */
+void dpc_emu_set_sync_hook(void (*hook)(void));
 #endif
 
 #ifdef __cplusplus

@@ -24,8 +24,21 @@
  *   - dpc_emu_inject_fault(code): the next copy or kernel fails with that
  *     CUDA code (tests of sticky-error messages; the emulator itself stays
  *     usable afterwards, a real GPU would not).
- * What it does not keep: asynchrony (every call completes before it returns,
- * so missing stream synchronisation is NOT caught here), real bandwidth.
+ *   - Work in flight: every copy or kernel is recorded with the device
+ *     ranges it touches until its stream is synchronised (or the device, or
+ *     cudaFree); dpmini's allocator asks dpc_emu_busy before a block goes
+ *     back to its cache, so "temporary reused while a copy may still write
+ *     it" is counted (dpc_emu_stats). The data itself moves at once.
+ *   - Stream handles: a failed dpc_stream_get leaves a poisoned handle; using
+ *     it fails (cudaErrorInvalidResourceHandle) and is counted.
+ *   - Memory kinds: dpc_emu_malloc_nopeer gives blocks that peer access does
+ *     not cover (VMM, cudaMallocAsync pools, IPC): a kernel on another device
+ *     touching one fails with 700, as on hardware. $DPMINI_EMULATE_PEER=0 (or
+ *     dpc_emu_set_peer(0)) reports no peer access at all.
+ *   - dpc_guard_enter/leave: the current device is restored only by leave.
+ * What it does not keep: real asynchrony (every call completes before it
+ * returns, so a read racing a producer is caught only through the records
+ * above), real bandwidth.
  * Kernels run the index arithmetic of cuda/strided.h, element by element.
  */
 #if defined(DPMINI_CUDA_EMULATE)
@@ -38,6 +51,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EMU_TAG ((uintptr_t)1 << 55)
 #define EMU_DEV_SHIFT 48
@@ -52,15 +66,39 @@ typedef struct emu_alloc {
     char *host;       /* the real memory                                  */
     size_t size;      /* bytes                                            */
     int dev;          /* device index, -1 for pinned host memory          */
+    int nopeer;       /* 1: peer access does not cover it (VMM/pool/IPC)  */
 } emu_alloc;
+
+/* A queued operation's device range, until its stream is synchronised. */
+typedef struct emu_pend {
+    struct emu_pend *next;
+    dpc_stream s;
+    int dev;
+    const char *lo, *hi;
+} emu_pend;
 
 static pthread_mutex_t emu_mu = PTHREAD_MUTEX_INITIALIZER;
 static emu_alloc *emu_live;                 /* guarded by emu_mu          */
 static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
 static int emu_count = -1;
+static int emu_count_err;                   /* $DPMINI_EMULATE_DRIVER_ERROR */
 static size_t emu_limit;
 static __thread int emu_current;
 static int emu_fault;                       /* next failing code, 0: none */
+static int emu_peer = -1;                   /* peer access: 1 on, 0 off    */
+static int emu_fail_slot = -1;              /* next stream_get to fail     */
+static emu_pend *emu_pending;               /* guarded by emu_mu          */
+static long emu_npending;                   /* guarded by emu_mu          */
+static long emu_bad_handles, emu_freed_busy;
+static int emu_stuck[EMU_MAX_DEVICES];      /* 1: dev's work never finishes */
+static void wait_unstuck(int dev);
+static void (*emu_sync_hook)(void);
+
+void dpc_emu_set_sync_hook(void (*hook)(void)) { emu_sync_hook = hook; }
+
+#define EMU_POISON_STREAM ((dpc_stream)(uintptr_t)0xDEAD0000DEADull)
+#define E_INVALID_HANDLE 400
+#define E_ILLEGAL_ADDRESS 700
 
 #define EMU_FAIL(code, call, dev, msg)                                          \
     dpc_fail(DPC_LIB_CUDA, (code), (code) == E_OOM, (dev), (call), __FILE__, __LINE__, (msg))
@@ -72,6 +110,7 @@ static const char *emu_msg(int code)
     case E_OOM: return "out of memory";
     case E_INVALID_PITCH: return "invalid pitch argument";
     case E_INVALID_DEVICE: return "invalid device ordinal";
+    case E_INVALID_HANDLE: return "invalid resource handle";
     case 700: return "an illegal memory access was encountered";
     case 719: return "unspecified launch failure";
     default: return "unknown error";
@@ -86,16 +125,30 @@ int dpc_device_count(void)
         const char *m = getenv("DPMINI_EMULATE_MEM");
         emu_limit = m && *m ? (size_t)strtoull(m, NULL, 10) : ((size_t)4 << 30);
         emu_count = n < 0 ? 0 : (n > EMU_MAX_DEVICES ? EMU_MAX_DEVICES : (int)n);
+        /* a driver too old for the runtime: no device, the error kept */
+        const char *de = getenv("DPMINI_EMULATE_DRIVER_ERROR");
+        emu_count_err = de && *de ? (int)strtol(de, NULL, 10) : 0;
+        if (emu_count_err)
+            emu_count = 0;
     }
     return emu_count;
+}
+
+int dpc_device_error(const char **msg)
+{
+    (void)dpc_device_count();
+    *msg = emu_count_err == 35 ? "CUDA driver version is insufficient for CUDA runtime version"
+                               : (emu_count_err ? "unknown error" : "no error");
+    return emu_count_err;
 }
 
 const char *dpc_backend(void) { return "emulated"; }
 
 void dpc_versions(int *runtime, int *driver)
 {
-    *runtime = 0;
-    *driver = 0;
+    (void)dpc_device_count();
+    *runtime = emu_count_err ? 13000 : 0;  /* what a too-old driver would show */
+    *driver = emu_count_err ? 12020 : 0;
 }
 
 static int bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }
@@ -113,11 +166,109 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
     if (bad_dev(dev) || bad_dev(peer))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceEnablePeerAccess(peer)", dev,
                         emu_msg(E_INVALID_DEVICE));
-    *on = dev != peer;
+    if (emu_peer < 0) {
+        const char *e = getenv("DPMINI_EMULATE_PEER");
+        emu_peer = !(e && strcmp(e, "0") == 0);
+    }
+    *on = dev != peer && emu_peer;
     return dpc_ok();
 }
 
+void dpc_emu_set_peer(int on) { emu_peer = on != 0; }
+
+dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
+{
+    g->prev = emu_current;
+    g->switched = 0;
+    g->ctx = NULL;
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
+    g->switched = emu_current != dev;
+    emu_current = dev;
+    return dpc_ok();
+}
+
+void dpc_guard_leave(dpc_device_guard *g)
+{
+    if (g->switched)
+        emu_current = g->prev;
+    g->switched = 0;
+}
+
 int dpc_current_device(void) { return emu_current; }
+
+/* ---- work in flight (records only; the data moves at once) ---- */
+
+static void forget_pending(int by_dev, int dev, dpc_stream s)
+{
+    pthread_mutex_lock(&emu_mu);
+    for (emu_pend **l = &emu_pending; *l;) {
+        emu_pend *q = *l;
+        if (by_dev ? q->dev == dev : q->s == s) {
+            *l = q->next;
+            free(q);
+            emu_npending--;
+        } else {
+            l = &q->next;
+        }
+    }
+    pthread_mutex_unlock(&emu_mu);
+}
+
+/* Record that s (on dev) touches host range [lo, hi) of device memory. */
+static void note_pending(dpc_stream s, int dev, const char *lo, const char *hi)
+{
+    emu_pend *q = malloc(sizeof *q);
+    if (q == NULL)
+        return;
+    q->s = s;
+    q->dev = dev;
+    q->lo = lo;
+    q->hi = hi;
+    pthread_mutex_lock(&emu_mu);
+    if (emu_npending > 100000) { /* a leak of records, not of work: drop them */
+        while (emu_pending) {
+            emu_pend *n = emu_pending->next;
+            free(emu_pending);
+            emu_pending = n;
+        }
+        emu_npending = 0;
+    }
+    q->next = emu_pending;
+    emu_pending = q;
+    emu_npending++;
+    pthread_mutex_unlock(&emu_mu);
+}
+
+int dpc_emu_busy(const void *p, size_t n)
+{
+    const char *lo = (const char *)((uintptr_t)p & (((uintptr_t)1 << 48) - 1)), *hi = lo + n;
+    int busy = 0;
+    pthread_mutex_lock(&emu_mu);
+    for (emu_pend *q = emu_pending; q && !busy; q = q->next)
+        busy = q->lo < hi && lo < q->hi;
+    pthread_mutex_unlock(&emu_mu);
+    return busy;
+}
+
+void dpc_emu_stats(long *bad_handles, long *freed_busy)
+{
+    *bad_handles = __atomic_load_n(&emu_bad_handles, __ATOMIC_RELAXED);
+    *freed_busy = __atomic_load_n(&emu_freed_busy, __ATOMIC_RELAXED);
+}
+
+void dpc_emu_note_freed_busy(void) { __atomic_add_fetch(&emu_freed_busy, 1, __ATOMIC_RELAXED); }
+
+void dpc_emu_fail_stream_get(int slot) { __atomic_store_n(&emu_fail_slot, slot, __ATOMIC_SEQ_CST); }
+
+/* 1 when s is the poisoned handle of a failed dpc_stream_get (counted). */
+static int poisoned(dpc_stream s)
+{
+    if (s != EMU_POISON_STREAM)
+        return 0;
+    __atomic_add_fetch(&emu_bad_handles, 1, __ATOMIC_RELAXED);
+    return 1;
+}
 
 size_t dpc_max_pitch(int dev)
 {
@@ -127,9 +278,12 @@ size_t dpc_max_pitch(int dev)
 
 dpc_status dpc_device_sync(int dev)
 {
-    return bad_dev(dev) ? EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
-                                   emu_msg(E_INVALID_DEVICE))
-                        : dpc_ok();
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
+                        emu_msg(E_INVALID_DEVICE));
+    wait_unstuck(dev);
+    forget_pending(1, dev, NULL);
+    return dpc_ok();
 }
 
 void dpc_emu_inject_fault(int code) { __atomic_store_n(&emu_fault, code, __ATOMIC_SEQ_CST); }
@@ -156,14 +310,15 @@ int dpc_is_device_ptr(const void *p, int *dev)
 
 static char *to_host(const void *p) { return (char *)((uintptr_t)p & EMU_ADDR_MASK); }
 
-/* Is [host, host+n) inside a live allocation of device `dev` (-1: pinned)? */
+/* Is [host, host+n) inside a live allocation of device `dev` (-1: pinned)?
+ * 1: yes, 2: yes and peer access does not cover that block, 0: no. */
 static int live_range(const char *host, size_t n, int dev)
 {
     int ok = 0;
     pthread_mutex_lock(&emu_mu);
     for (emu_alloc *a = emu_live; a; a = a->next) {
         if (a->dev == dev && host >= a->host && host + n <= a->host + a->size) {
-            ok = 1;
+            ok = a->nopeer ? 2 : 1;
             break;
         }
     }
@@ -172,16 +327,37 @@ static int live_range(const char *host, size_t n, int dev)
 }
 
 /* Check a device range [p + lo, p + hi) and return its host address. */
-static char *dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
+static char *dev_range_ex(const void *p, int64_t lo, int64_t hi, int *dev_out, int *nopeer)
 {
-    int dev;
+    int dev, live = 1;
     if (!dpc_is_device_ptr(p, &dev))
         return NULL;
     char *h = to_host(p);
-    if (hi > lo && !live_range(h + lo, (size_t)(hi - lo), dev))
+    if (hi > lo && !(live = live_range(h + lo, (size_t)(hi - lo), dev)))
         return NULL;
     if (dev_out)
         *dev_out = dev;
+    if (nopeer)
+        *nopeer = live == 2;
+    return h;
+}
+
+static char *dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
+{
+    return dev_range_ex(p, lo, hi, dev_out, NULL);
+}
+
+/* A kernel on dev touching device range [p + lo, p + hi): its host address,
+ * or NULL with *illegal = 1 when the block is on another device and peer
+ * access does not cover it (cudaErrorIllegalAddress on hardware). */
+static char *kernel_range(int dev, const void *p, int64_t lo, int64_t hi, int *illegal)
+{
+    int pdev = -1, nopeer = 0;
+    char *h = dev_range_ex(p, lo, hi, &pdev, &nopeer);
+    if (h != NULL && pdev != dev && nopeer) {
+        *illegal = 1;
+        return NULL;
+    }
     return h;
 }
 
@@ -193,6 +369,7 @@ static dpc_status track(char *host, size_t n, int dev, const char *call)
     a->host = host;
     a->size = n;
     a->dev = dev;
+    a->nopeer = 0;
     pthread_mutex_lock(&emu_mu);
     a->next = emu_live;
     emu_live = a;
@@ -257,10 +434,23 @@ dpc_status dpc_free(int dev, void *p)
         return dpc_ok();
     if (!dpc_is_device_ptr(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
+    forget_pending(1, dev, NULL); /* cudaFree synchronises the device */
     /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):
      * a later read sees garbage */
     memset(to_host(p), 0xDB, size < ((size_t)64 << 20) ? size : ((size_t)64 << 20));
     free(to_host(p));
+    return dpc_ok();
+}
+
+dpc_status dpc_emu_malloc_nopeer(int dev, size_t nbytes, void **out)
+{
+    DPC_TRY(dpc_malloc(dev, nbytes, out));
+    pthread_mutex_lock(&emu_mu);
+    for (emu_alloc *a = emu_live; a; a = a->next) {
+        if (a->host == to_host(*out) && a->dev == dev)
+            a->nopeer = 1;
+    }
+    pthread_mutex_unlock(&emu_mu);
     return dpc_ok();
 }
 
@@ -297,23 +487,64 @@ int dpc_is_pinned(int dev, const void *p)
     return !dpc_is_device_ptr(p, NULL) && live_range(p, 1, -1);
 }
 
-/* ---- streams: handles only; everything is already complete ---- */
+/* ---- streams: handles, and the records of work queued on them ---- */
 
 dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 {
+    *out = EMU_POISON_STREAM; /* what a caller sees if it ignores a failure */
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamCreateWithFlags", dev,
                         emu_msg(E_INVALID_DEVICE));
+    int want = slot;
+    if (__atomic_compare_exchange_n(&emu_fail_slot, &want, -1, 0, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_SEQ_CST))
+        return EMU_FAIL(E_INVALID_VALUE, "cudaStreamCreateWithFlags", dev,
+                        emu_msg(E_INVALID_VALUE));
     *out = (dpc_stream)(uintptr_t)(0x1000 + dev * 256 + slot);
+    return dpc_ok();
+}
+
+void dpc_emu_set_stuck(int dev, int on)
+{
+    if (!bad_dev(dev))
+        __atomic_store_n(&emu_stuck[dev], on, __ATOMIC_SEQ_CST);
+}
+
+/* Block while dev is stuck, as cudaStreamSynchronize on a hung kernel does. */
+static void wait_unstuck(int dev)
+{
+    void (*hook)(void) = emu_sync_hook;
+    if (hook)
+        hook();
+    struct timespec t = {0, 1000000};
+    while (__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST))
+        nanosleep(&t, NULL);
+}
+
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    *done = 0;
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_DEVICE));
+    if (poisoned(s))
+        return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_HANDLE));
+    *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST);
+    if (*done)
+        forget_pending(0, dev, s);
     return dpc_ok();
 }
 
 dpc_status dpc_stream_sync(int dev, dpc_stream s)
 {
-    (void)s;
-    return bad_dev(dev) ? EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
-                                   emu_msg(E_INVALID_DEVICE))
-                        : dpc_ok();
+    if (bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
+                        emu_msg(E_INVALID_DEVICE));
+    if (poisoned(s))
+        return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamSynchronize(s)", dev,
+                        emu_msg(E_INVALID_HANDLE));
+    wait_unstuck(dev);
+    forget_pending(0, dev, s);
+    return dpc_ok();
 }
 
 /* ---- copies ---- */
@@ -332,8 +563,7 @@ static char *side(const void *p, size_t n, int on_device)
 dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
                             dpc_stream s)
 {
-    (void)s;
-    if (bad_dev(dev))
+    if (bad_dev(dev) || poisoned(s))
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
     if (nbytes == 0)
         return dpc_ok();
@@ -345,6 +575,10 @@ dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, 
     if (d == NULL || c == NULL)
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
     memmove(d, c, nbytes);
+    if (kind != DPC_D2H)
+        note_pending(s, dev, d, d + nbytes);
+    if (kind != DPC_H2D)
+        note_pending(s, dev, c, c + nbytes);
     return dpc_ok();
 }
 
@@ -352,8 +586,7 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
                               size_t spitch, size_t width, size_t height, int kind,
                               dpc_stream s)
 {
-    (void)s;
-    if (bad_dev(dev) || width > dpitch || width > spitch)
+    if (bad_dev(dev) || poisoned(s) || width > dpitch || width > spitch)
         return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
     if (width == 0 || height == 0)
         return dpc_ok();
@@ -368,14 +601,19 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
         return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
     for (size_t r = 0; r < height; r++)
         memcpy(d + r * dpitch, c + r * spitch, width);
+    if (kind != DPC_D2H)
+        note_pending(s, dev, d, d + dspan);
+    if (kind != DPC_H2D)
+        note_pending(s, dev, c, c + sspan);
     return dpc_ok();
 }
 
 dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int src_dev,
                                  size_t nbytes, dpc_stream s)
 {
-    (void)s;
     int dd = -1, sd = -1;
+    if (poisoned(s))
+        return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
     if (nbytes == 0)
         return dpc_ok();
     char *d = dev_range(dst, 0, (int64_t)nbytes, &dd);
@@ -383,6 +621,8 @@ dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int sr
     if (d == NULL || c == NULL || dd != dst_dev || sd != src_dev)
         return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
     memcpy(d, c, nbytes);
+    note_pending(s, dst_dev, d, d + nbytes);
+    note_pending(s, dst_dev, c, c + nbytes);
     return dpc_ok();
 }
 
@@ -406,9 +646,9 @@ static void span(const dpc_kdesc *d, const int64_t *strides, int64_t *lo, int64_
 dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const void *src,
                                    dpc_stream s)
 {
-    (void)s;
     int64_t slo, shi, dlo, dhi;
-    if (bad_dev(dev) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
+    int illegal = 0;
+    if (bad_dev(dev) || poisoned(s) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
     if (d->numel == 0)
         return dpc_ok();
@@ -417,12 +657,17 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
         return EMU_FAIL(f, "dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev, emu_msg(f));
     span(d, d->src_strides, &slo, &shi);
     span(d, d->dst_strides, &dlo, &dhi);
-    char *hd = dev_range(dst, dlo, dhi, NULL);
-    char *hs = dev_range(src, slo, shi, NULL);
+    char *hd = kernel_range(dev, dst, dlo, dhi, &illegal);
+    char *hs = kernel_range(dev, src, slo, shi, &illegal);
+    if (illegal)
+        return EMU_FAIL(E_ILLEGAL_ADDRESS, "dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev,
+                        emu_msg(E_ILLEGAL_ADDRESS));
     if (hd == NULL || hs == NULL)
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
     for (int64_t i = 0; i < d->numel; i++)
         dp_strided_copy_one(d, hd, hs, i);
+    note_pending(s, dev, hd + dlo, hd + dhi);
+    note_pending(s, dev, hs + slo, hs + shi);
     return dpc_ok();
 }
 
@@ -434,18 +679,21 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
             a_[i] = (T)(a_[i] + x_[i]);                                         \
     } while (0)
 
-static const int type_size[] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+static const int type_size[] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8, 2};
 
 dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t numel,
                           dpc_stream s)
 {
-    (void)s;
-    if (bad_dev(dev) || type < 0 || type >= DPC_T_NONE)
+    int illegal = 0;
+    if (bad_dev(dev) || poisoned(s) || type < 0 || type >= DPC_T_NONE)
         return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
     if (numel == 0)
         return dpc_ok();
     int64_t n = numel * type_size[type];
-    char *ha = dev_range(acc, 0, n, NULL), *hx = dev_range(x, 0, n, NULL);
+    char *ha = kernel_range(dev, acc, 0, n, &illegal), *hx = kernel_range(dev, x, 0, n, &illegal);
+    if (illegal)
+        return EMU_FAIL(E_ILLEGAL_ADDRESS, "dp_add_kernel<<<grid, block, 0, s>>>", dev,
+                        emu_msg(E_ILLEGAL_ADDRESS));
     if (ha == NULL || hx == NULL)
         return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
     switch (type) {
@@ -459,7 +707,16 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
     case DPC_T_U64: EMU_ADD(uint64_t); break;
     case DPC_T_F32: EMU_ADD(float); break;
     case DPC_T_F64: EMU_ADD(double); break;
+    case DPC_T_F16: { /* in float, one rounding to half: NumPy's float16 add */
+        _Float16 *a_ = (_Float16 *)ha;
+        const _Float16 *x_ = (const _Float16 *)hx;
+        for (int64_t i = 0; i < numel; i++)
+            a_[i] = (_Float16)((float)a_[i] + (float)x_[i]);
+        break;
     }
+    }
+    note_pending(s, dev, ha, ha + n);
+    note_pending(s, dev, hx, hx + n);
     return dpc_ok();
 }
 

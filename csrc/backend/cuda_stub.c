@@ -10,6 +10,7 @@
 
 int dpc_device_count(void) { return 0; }
 const char *dpc_backend(void) { return "none"; }
+int dpc_device_error(const char **msg) { *msg = "no error"; return 0; }
 void dpc_versions(int *runtime, int *driver) { *runtime = 0; *driver = 0; }
 dpc_status dpc_set_device(int dev) { (void)dev; return NO_CUDA("cudaSetDevice"); }
 dpc_status dpc_enable_peer(int dev, int peer, int *on)
@@ -17,6 +18,12 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
     (void)dev; (void)peer; *on = 0;
     return NO_CUDA("cudaDeviceEnablePeerAccess");
 }
+dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
+{
+    (void)dev; g->prev = -1; g->switched = 0; g->ctx = NULL;
+    return NO_CUDA("cudaSetDevice");
+}
+void dpc_guard_leave(dpc_device_guard *g) { (void)g; }
 int dpc_current_device(void) { return -1; }
 size_t dpc_max_pitch(int dev) { (void)dev; return 0; }
 dpc_status dpc_device_sync(int dev) { (void)dev; return NO_CUDA("cudaDeviceSynchronize"); }
@@ -38,6 +45,11 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 {
     (void)dev; (void)slot; *out = NULL;
     return NO_CUDA("cudaStreamCreate");
+}
+dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
+{
+    (void)dev; (void)s; *done = 1;
+    return NO_CUDA("cudaStreamQuery");
 }
 dpc_status dpc_stream_sync(int dev, dpc_stream s) { (void)dev; (void)s; return NO_CUDA("cudaStreamSynchronize"); }
 dpc_status dpc_memcpy_async(int dev, void *d, const void *s, size_t n, int k, dpc_stream st)

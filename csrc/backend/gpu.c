@@ -48,6 +48,9 @@ int dp_gpu_raise(dp_state *st, dpc_status s, const char *op)
      * calls cudaGetLastError on the failing thread: the last error is per
      * thread, so clearing it here, on the Python thread, would do nothing).
      * A sticky one cannot be cleared: say so. */
+    if (s.lib == DPC_LIB_DPMINI && s.code == DPC_DPMINI_INTERRUPTED && PyErr_Occurred()) {
+        return -1; /* a signal handler's exception (KeyboardInterrupt): keep it */
+    }
     int sticky = s.lib == DPC_LIB_CUDA && dpc_cuda_error_is_sticky(s.code);
     PyObject *msg = PyUnicode_FromFormat(
         "%s on %s: %s error %d (%s) from %s [%s:%d]%s", op, where, lib, s.code, s.msg,
@@ -93,6 +96,7 @@ static int gpu_block_alloc(void *ctx, size_t size, void **out, void *err)
     dpc_status s = dpc_malloc(*(int *)ctx, size, out);
     *(dpc_status *)err = s;
     if (s.code == 0) {
+        (void)dp_gpu_owned_add(*(int *)ctx, *out, size);
         return DP_ALLOC_OK;
     }
     return s.oom ? DP_ALLOC_OOM : 2;
@@ -101,6 +105,7 @@ static int gpu_block_alloc(void *ctx, size_t size, void **out, void *err)
 static void gpu_block_release(void *ctx, void *ptr, size_t size)
 {
     (void)size;
+    dp_gpu_owned_remove(*(int *)ctx, ptr);
     (void)dpc_free(*(int *)ctx, ptr);
 }
 
@@ -136,6 +141,11 @@ dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded)
 
 void dp_gpu_free(int dev, void *p, size_t rounded)
 {
+#ifdef DPMINI_CUDA_EMULATE
+    if (dpc_emu_busy(p, rounded)) { /* queued work may still touch it: a bug */
+        dpc_emu_note_freed_busy();
+    }
+#endif
     dp_cache_free(gcache(dev), p, rounded);
 }
 
@@ -378,13 +388,16 @@ static dpc_status stage_lock(int dev, gstage **out)
 static dpc_status staged_h2d(const dp_copy_desc *d, char *dst, int dev, const char *src)
 {
     gstage *g;
-    dpc_stream ss[2];
+    dpc_stream ss[2] = {NULL, NULL};
+    int got = 0; /* streams obtained: only those are synced on failure */
     dpc_status s;
     DPC_TRY(stage_lock(dev, &g));
     int64_t n = dp_copy_numel(d), per = (int64_t)(DP_STAGE_HALF / d->itemsize);
     int k = 0;
     DPC_TRY_GOTO(s, dpc_stream_get(dev, DP_STAGE_SLOT, &ss[0]), done);
+    got = 1;
     DPC_TRY_GOTO(s, dpc_stream_get(dev, DP_STAGE_SLOT + 1, &ss[1]), done);
+    got = 2;
     for (int64_t a = 0; a < n; a += per, k ^= 1) {
         int64_t b = a + per < n ? a + per : n;
         DPC_TRY_GOTO(s, dpc_stream_sync(dev, ss[k]), done); /* half k is free again */
@@ -396,9 +409,8 @@ static dpc_status staged_h2d(const dp_copy_desc *d, char *dst, int dev, const ch
     DPC_TRY_GOTO(s, dpc_stream_sync(dev, ss[0]), done);
     DPC_TRY_GOTO(s, dpc_stream_sync(dev, ss[1]), done);
 done:
-    if (s.code != 0) { /* never leave a half in flight when unlocking */
-        (void)dpc_stream_sync(dev, ss[0]);
-        (void)dpc_stream_sync(dev, ss[1]);
+    for (int i = 0; s.code != 0 && i < got; i++) { /* never leave a half in flight */
+        (void)dpc_stream_sync(dev, ss[i]);
     }
     pthread_mutex_unlock(&g->mu);
     return s;
@@ -408,14 +420,17 @@ done:
 static dpc_status staged_d2h(const dp_copy_desc *d, char *dst, int dev, const char *src)
 {
     gstage *g;
-    dpc_stream ss[2];
+    dpc_stream ss[2] = {NULL, NULL};
+    int got = 0; /* streams obtained: only those are synced on failure */
     dpc_status s;
     DPC_TRY(stage_lock(dev, &g));
     int64_t n = dp_copy_numel(d), per = (int64_t)(DP_STAGE_HALF / d->itemsize);
     int64_t prev_a = -1, prev_b = -1;
     int k = 0;
     DPC_TRY_GOTO(s, dpc_stream_get(dev, DP_STAGE_SLOT, &ss[0]), done);
+    got = 1;
     DPC_TRY_GOTO(s, dpc_stream_get(dev, DP_STAGE_SLOT + 1, &ss[1]), done);
+    got = 2;
     for (int64_t a = 0; a < n; a += per, k ^= 1) {
         int64_t b = a + per < n ? a + per : n;
         DPC_TRY_GOTO(s, dpc_memcpy_async(dev, g->half[k], src + a * (int64_t)d->itemsize,
@@ -433,9 +448,8 @@ static dpc_status staged_d2h(const dp_copy_desc *d, char *dst, int dev, const ch
         host_range(d, d->dst_strides, dst, g->half[k ^ 1], prev_a, prev_b, 0);
     }
 done:
-    if (s.code != 0) {
-        (void)dpc_stream_sync(dev, ss[0]);
-        (void)dpc_stream_sync(dev, ss[1]);
+    for (int i = 0; s.code != 0 && i < got; i++) {
+        (void)dpc_stream_sync(dev, ss[i]);
     }
     pthread_mutex_unlock(&g->mu);
     return s;
@@ -484,6 +498,9 @@ static dpc_status copy_h2d(const dp_copy_desc *d, char *dst, int dev, const char
     DPC_TRY_GOTO(st, dpc_launch_strided_copy(dev, &k, dst, t.ptr, s), done);
     DPC_TRY_GOTO(st, dpc_stream_sync(dev, s), done);
 done:
+    if (st.code != 0 && t.ptr != NULL) { /* nothing may still touch t when cached */
+        (void)dpc_stream_sync(dev, s);
+    }
     temp_free(&t);
     return st;
 }
@@ -518,6 +535,9 @@ static dpc_status copy_d2h(const dp_copy_desc *d, char *dst, const char *src, in
     DPC_TRY_GOTO(st, dpc_stream_sync(dev, s), done);
     DPC_TRY_GOTO(st, staged_d2h(d, dst, dev, t.ptr), done);
 done:
+    if (st.code != 0 && t.ptr != NULL) { /* nothing may still touch t when cached */
+        (void)dpc_stream_sync(dev, s);
+    }
     temp_free(&t);
     return st;
 }
@@ -538,7 +558,7 @@ static dpc_status copy_d2d(const dp_copy_desc *d, char *dst, int ddev, const cha
 {
     size_t bytes = (size_t)dp_copy_numel(d) * d->itemsize, w, h, dp, sp;
     int dc = contiguous(d, d->dst_strides), sc = contiguous(d, d->src_strides);
-    dpc_stream s, s2;
+    dpc_stream s, s2 = NULL;
     dpc_kdesc k;
     dpc_status st = dpc_ok();
     gtemp ts = {0}, td = {0};
@@ -558,7 +578,10 @@ static dpc_status copy_d2d(const dp_copy_desc *d, char *dst, int ddev, const cha
         peer_on(ddev, sdev);
         return dpc_memcpy_peer_async(dst, ddev, src, sdev, bytes, s);
     }
-    if (peer_on(ddev, sdev)) { /* the kernel reads the peer's memory directly */
+    /* The kernel reads the peer's memory directly only when it is one of
+     * dpmini's own cudaMalloc blocks: peer access does not cover borrowed
+     * VMM, stream-ordered-pool or IPC memory (gpu_owned.c). */
+    if (dp_gpu_owned(sdev, src) && peer_on(ddev, sdev)) {
         DPC_TRY(kdesc_from(d, d->src_strides, d->dst_strides, &k));
         return dpc_launch_strided_copy(ddev, &k, dst, src, s);
     }
@@ -569,7 +592,9 @@ static dpc_status copy_d2d(const dp_copy_desc *d, char *dst, int ddev, const cha
     if (!sc) {
         DPC_TRY_GOTO(st, kdesc_from(d, d->src_strides, dense, &k), done);
         DPC_TRY_GOTO(st, temp_alloc(&ts, sdev, bytes), done);
-        DPC_TRY_GOTO(st, dpc_stream_get(sdev, slot, &s2), done);
+        dpc_stream got;
+        DPC_TRY_GOTO(st, dpc_stream_get(sdev, slot, &got), done);
+        s2 = got; /* only an obtained handle is synced on failure */
         DPC_TRY_GOTO(st, dpc_launch_strided_copy(sdev, &k, ts.ptr, src, s2), done);
         DPC_TRY_GOTO(st, dpc_stream_sync(sdev, s2), done);
         from = ts.ptr;
@@ -586,6 +611,12 @@ static dpc_status copy_d2d(const dp_copy_desc *d, char *dst, int ddev, const cha
     }
     DPC_TRY_GOTO(st, dpc_stream_sync(ddev, s), done);
 done:
+    if (st.code != 0) { /* the peer copy or a kernel may still use the temporaries */
+        (void)dpc_stream_sync(ddev, s);
+        if (s2 != NULL) {
+            (void)dpc_stream_sync(sdev, s2);
+        }
+    }
     temp_free(&ts);
     temp_free(&td);
     return st;

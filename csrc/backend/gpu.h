@@ -44,6 +44,13 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded);
 extern long dp_gpu_stat_export_syncs;
 extern long dp_gpu_stat_legacy_syncs;
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved);
+/* dpmini's own cudaMalloc blocks (gpu_owned.c): only these are read by a
+ * kernel on a peer device; borrowed memory may be a kind peer access does
+ * not cover. add returns -1 when out of memory (the block is then simply
+ * never treated as peer-readable). */
+int dp_gpu_owned_add(int dev, void *p, size_t size);
+void dp_gpu_owned_remove(int dev, void *p);
+int dp_gpu_owned(int dev, const void *p);
 void dp_gpu_empty_cache(void);
 
 /* ---- copies ----
@@ -66,6 +73,11 @@ dpc_status dp_gpu_sync_finish(dp_gpu_sync *sync);
 
 /* acc[i] += x[i] on dev (both device pointers, numel elements of type). */
 dpc_status dp_gpu_add(int dev, int type, void *acc, const void *x, int64_t numel);
+
+/* 1 with a sentence in buf when CUDA is unusable although a driver is
+ * installed (e.g. older than the runtime); 0 when it works or the machine
+ * simply has no driver or GPU (gpu_driver.c). */
+int dp_cuda_unusable(char *buf, size_t size);
 
 /* ---- NCCL (nccl.c), loaded with dlopen on first use ---- */
 /* 1 when libnccl could be loaded (never under emulation). */
@@ -91,5 +103,11 @@ void dp_nccl_stats(long *calls, long *destroyed, long *aborted);
 int dp_nccl_emulate(int on, int fail_next);
 /* Tests, emulated builds: communicators alive (-1 elsewhere). */
 int dp_nccl_live_comms(void);
+/* Tests, emulated builds: collectives of different communicator sets that
+ * ran at once on a shared device (a hang on hardware); -1 elsewhere. */
+long dp_nccl_crossed(void);
+/* Tests, emulated builds: the next collective never finishes (1: and
+ * ncclCommGetAsyncError reports ncclRemoteError; 2: silently). */
+void dp_nccl_emulate_hang(int mode);
 
 #endif

@@ -12,9 +12,14 @@
  * Communicators (ncclCommInitAll over a device list) are cached per device
  * list (8 lists at most) for the life of the process, like PyTorch's; a list
  * that finds the cache full gets communicators that are destroyed after the
- * call. Each cache entry has a lock held from ncclGroupStart through the final
- * stream syncs, so two threads never interleave their calls on the same
- * communicators (NCCL needs every rank's calls in the same order). After any
+ * call. One process-wide lock (nccl_run_mu) is held from taking the
+ * communicators through the final stream syncs: collectives of two threads
+ * on overlapping device lists ([0, 1] and [1, 0]) share stream slot 0 of
+ * each device, and if they were queued there in different orders each
+ * device would wait in one collective for ranks that wait in the other (a
+ * hang). So collectives run one at a time, in one order on every device
+ * (a collective is bandwidth-bound on the same links anyway). Each cache
+ * entry also has its own lock (eviction, destroy). After any
  * failure the entry's communicators are aborted (ncclCommAbort) and evicted:
  * a failed collective can leave them unusable.
  *
@@ -26,8 +31,10 @@
  */
 #include "dpmini.h"
 #include "gpu.h"
+#include "nccl_wait.h"
 
 #include <dlfcn.h>
+#include <time.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <string.h>
@@ -35,7 +42,7 @@
 typedef struct dp_ncclComm *ncclComm_t;
 typedef int ncclResult_t;                      /* 0 = ncclSuccess */
 enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_UINT32 = 3, NCCL_INT64 = 4,
-       NCCL_UINT64 = 5, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_SUM = 0 };
+       NCCL_UINT64 = 5, NCCL_FLOAT16 = 6, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_SUM = 0 };
 
 static struct {
     ncclResult_t (*GetVersion)(int *);
@@ -47,9 +54,11 @@ static struct {
     ncclResult_t (*GroupStart)(void);
     ncclResult_t (*GroupEnd)(void);
     const char *(*GetErrorString)(ncclResult_t);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
 } nccl;
 
 static pthread_mutex_t nccl_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t nccl_run_mu = PTHREAD_MUTEX_INITIALIZER; /* one collective at a time */
 static int nccl_state;            /* 0 not tried, 1 loaded, -1 absent  */
 static char nccl_desc[256] = "not loaded";
 
@@ -96,6 +105,7 @@ static int try_open(const char *path)
     SYM(GroupStart, "ncclGroupStart");
     SYM(GroupEnd, "ncclGroupEnd");
     SYM(GetErrorString, "ncclGetErrorString");
+    SYM(CommGetAsyncError, "ncclCommGetAsyncError");
 #undef SYM
     int v = 0;
     nccl.GetVersion(&v);
@@ -280,14 +290,11 @@ static dpc_status comms_release(comm_lease *L, dpc_status st)
     return st;
 }
 
-static dpc_status sync_all(int n, const int *devs)
+static int async_err(void *ctx, int i)
 {
-    for (int i = 0; i < n; i++) {
-        dpc_stream s;
-        DPC_TRY(dpc_stream_get(devs[i], 0, &s));
-        DPC_TRY(dpc_stream_sync(devs[i], s));
-    }
-    return dpc_ok();
+    ncclResult_t e = 0;
+    ncclResult_t r = nccl.CommGetAsyncError(((ncclComm_t *)ctx)[i], &e);
+    return r != 0 ? r : e;
 }
 
 /* One grouped collective: op(i) queues rank i's call. */
@@ -298,10 +305,17 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
 {
     comm_lease L;
     dpc_status st;
-    DPC_TRY(comms_acquire(n, devs, &L));
+    pthread_mutex_lock(&nccl_run_mu);
+    st = comms_acquire(n, devs, &L);
+    if (st.code != 0) {
+        pthread_mutex_unlock(&nccl_run_mu);
+        return st;
+    }
     ncclResult_t r = nccl.GroupStart();
     if (r != 0) {
-        return comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
+        st = comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
+        pthread_mutex_unlock(&nccl_run_mu);
+        return st;
     }
     st = dpc_ok();
     for (int i = 0; i < n && st.code == 0; i++) {
@@ -319,10 +333,12 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         st = NCCL_FAIL(r, devs[root], "ncclGroupEnd()");
     }
     if (st.code == 0) {
-        st = sync_all(n, devs);
+        st = dp_nccl_wait(n, devs, async_err, L.comms); /* polls: errors, Ctrl-C, timeout */
     }
     __atomic_add_fetch(&nccl_calls, 1, __ATOMIC_RELAXED);
-    return comms_release(&L, st);
+    st = comms_release(&L, st);
+    pthread_mutex_unlock(&nccl_run_mu);
+    return st;
 }
 
 typedef struct {
@@ -354,6 +370,7 @@ static int nccl_type(int t)
     case DPC_T_U64: return NCCL_UINT64;
     case DPC_T_F32: return NCCL_FLOAT32;
     case DPC_T_F64: return NCCL_FLOAT64;
+    case DPC_T_F16: return NCCL_FLOAT16;
     default: return -1; /* int16/uint16: NCCL has no 16-bit integer type */
     }
 }
@@ -407,6 +424,7 @@ void dp_nccl_stats(long *calls, long *destroyed, long *aborted)
 enum { EMU_BCAST = 1, EMU_REDUCE = 2 };
 typedef struct dp_ncclComm {
     int rank, nranks, dev;
+    int async_err;                /* ncclCommGetAsyncError's answer          */
     struct dp_ncclComm **set;     /* comms[0 .. nranks-1]                    */
     int *alive;                   /* shared: ranks not yet destroyed         */
 } emu_comm;
@@ -421,6 +439,15 @@ typedef struct {
 static __thread emu_call emu_calls[DP_MAX_DEVICES];
 static __thread int emu_ncalls, emu_depth;
 static int emu_nccl_fail_next;    /* tests: next GroupEnd fails with this  */
+/* Collectives of different communicator sets running at once on a shared
+ * device: on hardware their kernels can be queued on the device's streams
+ * in different orders on different devices and wait for each other forever.
+ * The stand-in marks each device of a running collective (and holds it a
+ * little, so concurrent threads meet) and counts such crossings. */
+static pthread_mutex_t emu_busy_mu = PTHREAD_MUTEX_INITIALIZER;
+static emu_comm **emu_busy_set[DP_MAX_DEVICES]; /* guarded by emu_busy_mu */
+static int emu_busy_n[DP_MAX_DEVICES];          /* guarded by emu_busy_mu */
+static long emu_nccl_crossed;
 static int emu_nccl_live;         /* communicators alive (tests)           */
 
 static ncclResult_t emu_version(int *v)
@@ -452,11 +479,21 @@ static ncclResult_t emu_init_all(ncclComm_t *comms, int n, const int *devs)
     return 0;
 }
 
+static int emu_nccl_hang_next;    /* tests: next collective hangs (1: with
+                                   * an async error, 2: silently)           */
+
+static ncclResult_t emu_async_error(ncclComm_t c, ncclResult_t *e)
+{
+    *e = c == NULL ? 0 : __atomic_load_n(&c->async_err, __ATOMIC_SEQ_CST);
+    return c == NULL ? 4 : 0;
+}
+
 static ncclResult_t emu_destroy(ncclComm_t c)
 {
     if (c == NULL) {
         return 4; /* ncclInvalidArgument */
     }
+    dpc_emu_set_stuck(c->dev, 0); /* an abort ends a hung collective's kernels */
     if (--*c->alive == 0) {
         free(c->set);
         free(c->alive);
@@ -519,6 +556,7 @@ static int dpc_of_nccl(int nt, size_t *size)
     case NCCL_UINT64: *size = 8; return DPC_T_U64;
     case NCCL_FLOAT32: *size = 4; return DPC_T_F32;
     case NCCL_FLOAT64: *size = 8; return DPC_T_F64;
+    case NCCL_FLOAT16: *size = 2; return DPC_T_F16;
     default: return -1;
     }
 }
@@ -600,7 +638,30 @@ static ncclResult_t emu_group_end(void)
         return 0;
     }
     int fail = __atomic_exchange_n(&emu_nccl_fail_next, 0, __ATOMIC_SEQ_CST);
+    int n = emu_ncalls;
+    pthread_mutex_lock(&emu_busy_mu);
+    for (int i = 0; i < n; i++) {
+        int d = emu_calls[i].comm->dev;
+        if (emu_busy_n[d] > 0 && emu_busy_set[d] != emu_calls[i].comm->set) {
+            emu_nccl_crossed++;
+        }
+        emu_busy_n[d]++;
+        emu_busy_set[d] = emu_calls[i].comm->set;
+    }
+    pthread_mutex_unlock(&emu_busy_mu);
+    struct timespec hold = {0, 200000}; /* 0.2 ms: a collective takes time */
+    nanosleep(&hold, NULL);
     ncclResult_t r = fail ? fail : emu_run();
+    int hang = __atomic_exchange_n(&emu_nccl_hang_next, 0, __ATOMIC_SEQ_CST);
+    for (int i = 0; r == 0 && hang && i < n; i++) { /* a peer died: never finishes */
+        __atomic_store_n(&emu_calls[i].comm->async_err, hang == 1 ? 6 : 0, __ATOMIC_SEQ_CST);
+        dpc_emu_set_stuck(emu_calls[i].comm->dev, 1);
+    }
+    pthread_mutex_lock(&emu_busy_mu);
+    for (int i = 0; i < n; i++) {
+        emu_busy_n[emu_calls[i].comm->dev]--;
+    }
+    pthread_mutex_unlock(&emu_busy_mu);
     emu_ncalls = 0;
     return r;
 }
@@ -612,6 +673,7 @@ static const char *emu_error_string(ncclResult_t r)
     case 3: return "internal error (emulated NCCL)";
     case 4: return "invalid argument (emulated NCCL)";
     case 5: return "invalid usage (emulated NCCL)";
+    case 6: return "remote process exited or there was a network error (emulated NCCL)";
     default: return "unknown result (emulated NCCL)";
     }
 }
@@ -627,6 +689,7 @@ static int emu_nccl_install(void)
     nccl.GroupStart = emu_group_start;
     nccl.GroupEnd = emu_group_end;
     nccl.GetErrorString = emu_error_string;
+    nccl.CommGetAsyncError = emu_async_error;
     snprintf(nccl_desc, sizeof nccl_desc, "2.21.5 (emulated)");
     return 1;
 }
@@ -654,7 +717,30 @@ int dp_nccl_live_comms(void)
 {
     return __atomic_load_n(&emu_nccl_live, __ATOMIC_RELAXED);
 }
+
+void dp_nccl_emulate_hang(int mode)
+{
+    __atomic_store_n(&emu_nccl_hang_next, mode, __ATOMIC_SEQ_CST);
+}
+
+long dp_nccl_crossed(void)
+{
+    pthread_mutex_lock(&emu_busy_mu);
+    long c = emu_nccl_crossed;
+    pthread_mutex_unlock(&emu_busy_mu);
+    return c;
+}
 #else
+void dp_nccl_emulate_hang(int mode)
+{
+    (void)mode;
+}
+
+long dp_nccl_crossed(void)
+{
+    return -1;
+}
+
 int dp_nccl_emulate(int on, int fail_next)
 {
     (void)on;

@@ -8,6 +8,7 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "dataparallel_type.h"
+#include "gpu.h"
 
 #include <string.h>
 
@@ -50,10 +51,16 @@ PyObject *dp_device_list_new(dp_state *st, const dp_device *devs, Py_ssize_t n)
     return list;
 }
 
-/* Call module(*inputs[0], **kwargs[0]) (the one-device path, spec 2.5). */
-static PyObject *call_first(PyObject *module, PyObject *inputs, PyObject *kwargs)
+/* Call module(*inputs[0], **kwargs[0]) (the one-device path, spec 2.5).
+ * On a GPU the device is made current for the call and restored after
+ * (PyTorch leaves the current device as it is; dpmini runs every replica
+ * with its GPU current, so CuPy allocations in DataParallel(device_ids=[1])
+ * land on cuda:1 with one device as with several; README differences). */
+static PyObject *call_first(dp_state *st, PyObject *module, PyObject *inputs, PyObject *kwargs,
+                            dp_device dev)
 {
     PyObject *args = NULL, *kw = NULL, *res = NULL;
+    dpc_device_guard guard = {-1, 0, NULL};
     if (PyTuple_GET_SIZE(inputs) > 0) {
         args = input_as_args(PyTuple_GET_ITEM(inputs, 0));
     } else {
@@ -66,7 +73,15 @@ static PyObject *call_first(PyObject *module, PyObject *inputs, PyObject *kwargs
         kwargs_as_dict(PyTuple_GET_ITEM(kwargs, 0), "kwargs", 0, &kw) < 0) {
         goto fail;
     }
+    if (dev.kind == DP_CUDA) {
+        dpc_status s = dpc_guard_enter(dev.index, &guard);
+        if (s.code != 0) {
+            dp_gpu_raise(st, s, "DataParallel: make the replica's GPU current");
+            goto fail;
+        }
+    }
     res = PyObject_Call(module, args, kw);
+    dpc_guard_leave(&guard);
 fail:
     Py_XDECREF(args);
     Py_XDECREF(kw);
@@ -162,7 +177,7 @@ PyObject *dp_forward_core(dp_state *st, PyObject *module, PyObject *args, PyObje
         goto fail;
     }
     if (ndev == 1) {
-        res = call_first(module, inputs, kws);
+        res = call_first(st, module, inputs, kws, devs[0]);
         goto fail;
     }
     Py_ssize_t k = PyTuple_GET_SIZE(inputs);
@@ -339,7 +354,7 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
         goto fail;
     }
     if (snap->ndev == 1) {
-        res = call_first(snap->module, inputs, kws);
+        res = call_first(st, snap->module, inputs, kws, snap->devs[0]);
         goto fail;
     }
     used = PyList_GetSlice(ids, 0, PyTuple_GET_SIZE(inputs));

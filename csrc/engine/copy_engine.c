@@ -225,9 +225,21 @@ static int exec_before(const void *a, const void *b)
     return x->exec.index - y->exec.index;
 }
 
+/* 1 when a group has a CUDA job: it waits on streams (slot 0 is shared with
+ * large copies and NCCL), so it never runs with the GIL held. */
+static int group_has_cuda(const job_group *g)
+{
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        if (g->jobs[i].exec.kind == DP_CUDA) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Run every queued job: each device's jobs on its worker, all devices at
  * once, the GIL released. Small totals, host-only jobs, and calls made from
- * inside a worker (a replica) run inline. */
+ * inside a worker (a replica) run inline (the GIL released for CUDA jobs). */
 int jobs_run(job_list *l)
 {
     if (l->n == 0) {
@@ -242,7 +254,7 @@ int jobs_run(job_list *l)
                 continue;
             }
             job_group g = {&l->jobs[start], i - start, {0}, 0};
-            if (l->bytes < DP_INLINE_BYTES) {
+            if (l->bytes < DP_INLINE_BYTES && !group_has_cuda(&g)) {
                 run_group(&g);
             } else {
                 Py_BEGIN_ALLOW_THREADS

@@ -12,7 +12,7 @@
 /* ------------------------------------------------------------------ */
 
 /* The reduce kernel's element type for a dtype (complex as pairs of floats:
- * *scale 2); DPC_T_NONE when the kernel cannot add it (float16, bool, ...). */
+ * *scale 2); DPC_T_NONE when the kernel cannot add it (bool, ...). */
 static int add_type(PyArray_Descr *d, int *scale)
 {
     *scale = 1;
@@ -30,6 +30,7 @@ static int add_type(PyArray_Descr *d, int *scale)
     case NPY_UINT64: case NPY_ULONGLONG: return PyDataType_ELSIZE(d) == 8 ? DPC_T_U64 : DPC_T_NONE;
     case NPY_FLOAT32: return DPC_T_F32;
     case NPY_FLOAT64: return DPC_T_F64;
+    case NPY_HALF: return DPC_T_F16;
     case NPY_COMPLEX64: *scale = 2; return DPC_T_F32;
     case NPY_COMPLEX128: *scale = 2; return DPC_T_F64;
     default: return DPC_T_NONE;

@@ -420,12 +420,24 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
     if (empty == NULL) {
         goto done;
     }
+    /* The producer's device current while it runs: PyTorch's __dlpack__
+     * orders its work through an event recorded on the current stream of
+     * the CURRENT device, so with another device current it would wait for
+     * the wrong GPU's work (and the import would read while kernels run). */
+    dpc_device_guard guard;
+    status = dpc_guard_enter(dev_hint, &guard);
+    if (status.code != 0) {
+        Py_DECREF(empty);
+        dp_gpu_raise(st, status, "import __dlpack__: make the producer's device current");
+        goto done;
+    }
     cap = PyObject_Call(meth, empty, kw);
     if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear(); /* a pre-1.0 producer: no max_version keyword */
         PyDict_DelItemString(kw, "max_version");
         cap = PyObject_Call(meth, empty, kw);
     }
+    dpc_guard_leave(&guard);
     Py_DECREF(empty);
     if (cap == NULL) {
         reraise_named(argname, obj, "__dlpack__()");
@@ -1062,10 +1074,12 @@ static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
     int rt = 0, drv = 0;
     dpc_versions(&rt, &drv);
     const char *nccl = dp_nccl_describe();
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i}", "backend", dpc_backend(),
+    char why[512] = "";
+    (void)dp_cuda_unusable(why, sizeof why);
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i,s:s}", "backend", dpc_backend(),
                          "runtime_version", rt, "driver_version", drv, "device_count",
                          dpc_device_count(), "nccl", nccl, "2d_min_run_default",
-                         DP_2D_MIN_RUN_DEFAULT);
+                         DP_2D_MIN_RUN_DEFAULT, "cuda_unusable", why);
 }
 
 /* Private hooks for the tests (tests/test_gpu_*.py); not API. */
@@ -1085,7 +1099,7 @@ static PyObject *py_cuda_debug(PyObject *m, PyObject *unused)
 static PyObject *py_nccl_dtypes(PyObject *m, PyObject *unused)
 {
     static const char *names[] = {"int8", "uint8", "int16", "uint16", "int32", "uint32",
-                                  "int64", "uint64", "float32", "float64"};
+                                  "int64", "uint64", "float32", "float64", "float16"};
     PyObject *d = PyDict_New();
     for (int t = 0; d != NULL && t < DPC_T_NONE; t++) {
         if (PyDict_SetItemString(d, names[t], dp_nccl_supports(t) ? Py_True : Py_False) < 0) {
@@ -1138,6 +1152,7 @@ PyMethodDef dp_array_methods[] = {
     {"cuda_build_info", py_cuda_build_info, METH_NOARGS,
      "cuda_build_info()\n--\n\nReturns a dict: backend ('cuda', 'emulated' or 'none'), CUDA runtime and "
      "driver versions (1000*major + 10*minor; 0 unknown), device_count, nccl (version and "
-     "path once loaded, else why not), the 2D-copy run threshold."},
+     "path once loaded, else why not), the 2D-copy run threshold, cuda_unusable (why CUDA cannot be "
+     "used although a driver is installed, e.g. a driver older than the runtime; '' otherwise)."},
     {NULL},
 };

@@ -452,6 +452,12 @@ int dp_default_devices(dp_state *st, dp_device **out, Py_ssize_t *n)
 {
     int ncuda = dp_cuda_device_count();
     int count = ncuda;
+    char why[512];
+    if (ncuda <= 0 && dp_cuda_unusable(why, sizeof why) &&
+        PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "CUDA is unusable, so the default devices "
+                         "are virtual CPU devices: %s", why) < 0) {
+        return -1;
+    }
     if (ncuda <= 0 && cpu_device_count_checked(&count) < 0) {
         return -1;
     }
@@ -491,7 +497,11 @@ static int check_cuda_index(long index, const char *argname)
 {
     int count = dp_cuda_device_count();
     if (index >= count) {
-        if (count == 0) {
+        char why[512];
+        if (count == 0 && dp_cuda_unusable(why, sizeof why)) {
+            PyErr_Format(PyExc_ValueError, "%s: CUDA device %ld requested, but CUDA is "
+                         "unusable: %s", argname, index, why);
+        } else if (count == 0) {
             PyErr_Format(PyExc_ValueError,
                          "%s: CUDA device %ld requested, but dpmini sees no CUDA device "
                          "(built without CUDA, or no GPU or driver); use virtual CPU "

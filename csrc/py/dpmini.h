@@ -489,6 +489,7 @@ extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
 extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyMethodDef dp_array_methods[];        /* array.c    */
+extern PyMethodDef dp_gpu_debug_methods[];    /* gpu_debug.c */
 extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */
