@@ -225,6 +225,19 @@ static int exec_before(const void *a, const void *b)
     return x->exec.index - y->exec.index;
 }
 
+/* Order jobs by executing device. A job is a large struct (its copy
+ * descriptor holds DP_MAXDIMS dims), so the usual already-ordered list (one
+ * leaf's jobs, queued device by device) is left alone instead of sorted. */
+static void sort_jobs(job_list *l)
+{
+    for (Py_ssize_t i = 1; i < l->n; i++) {
+        if (exec_before(&l->jobs[i - 1], &l->jobs[i]) > 0) {
+            qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+            return;
+        }
+    }
+}
+
 /* Run every queued job: each device's jobs on its worker, all devices at
  * once, the GIL released. Small totals, host-only jobs, and calls made from
  * inside a worker (a replica) run inline. */
@@ -235,7 +248,7 @@ int jobs_run(job_list *l)
     }
     if (l->bytes < DP_INLINE_BYTES || dp_pool_in_worker()) {
         /* one group per executing device, run here one after another */
-        qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+        sort_jobs(l);
         Py_ssize_t start = 0;
         for (Py_ssize_t i = 1; i <= l->n; i++) {
             if (i < l->n && dp_device_eq(l->jobs[i].exec, l->jobs[start].exec)) {
@@ -256,7 +269,7 @@ int jobs_run(job_list *l)
         }
         return 0;
     }
-    qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+    sort_jobs(l);
     job_group *groups = PyMem_Malloc((size_t)l->n * sizeof(job_group));
     if (groups == NULL) {
         PyErr_NoMemory();
