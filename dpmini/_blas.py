@@ -17,7 +17,7 @@ the parallel section that call BLAS meanwhile see the limit too.
 import os
 import sys
 
-_state = {"controller": None, "modules": -1, "missing": False}
+_state = {"controller": None, "modules": -1, "missing": False, "cores": 1}
 
 
 def _cores():
@@ -28,8 +28,9 @@ def _cores():
 
 
 def _controller():
-    """threadpoolctl's controller, rebuilt when new modules were imported (a
-    new extension may have loaded another BLAS or OpenMP), or None."""
+    """threadpoolctl's controller, rebuilt (with the usable core count) when new
+    modules were imported (a new extension may have loaded another BLAS or
+    OpenMP), or None."""
     if _state["missing"]:
         return None
     nmods = len(sys.modules)
@@ -41,6 +42,7 @@ def _controller():
             return None
         _state["controller"] = threadpoolctl.ThreadpoolController()
         _state["modules"] = len(sys.modules)
+        _state["cores"] = _cores()   # a system call: taken when the pools are looked up
     return _state["controller"]
 
 
@@ -57,7 +59,7 @@ def limit(replicas):
     ctrl = _controller()
     if ctrl is None:
         return None
-    per = max(1, _cores() // int(replicas))
+    per = max(1, _state["cores"] // int(replicas))
     changed = []
     for lib in ctrl.lib_controllers:
         n = lib.num_threads
