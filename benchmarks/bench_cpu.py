@@ -22,9 +22,10 @@ are noisy, the ratios less so.
      copyto  the same with NumPy's np.copyto (the figure older READMEs used);
      numpy   np.array_split + np.ascontiguousarray + np.concatenate.
    Target: dpmini <= 1.25x the limit.
-2. Per-leaf cost: DataParallel(identity) on a dict of 100 (8, 4) float32
-   arrays, 2 devices, minus the same call with 1 leaf, divided by 99.
-   Target <= 2 us per leaf per call.
+2. Per-call overhead: DataParallel(identity) on a dict of one (8, 4) float32
+   array, 2 devices, minus a direct call: target < 30 us. Per-leaf cost: the
+   same with 100 leaves, minus the 1-leaf call, divided by 99: target <= 2 us
+   per leaf per call.
 3. Per-device cost: DataParallel(identity) on an (64, 4) float32 input over
    64 virtual devices, divided by 64. Target <= 4 us per device per call.
 4. Replicate of a module holding 1,000 float32 parameters of 32 KiB on 2
@@ -57,6 +58,7 @@ import dpmini  # noqa: E402
 
 LIMIT_RATIO_TARGET = 1.25    # dpmini time / memcpy-limit time
 LEAF_TARGET_US = 2.0         # per leaf per call, 2 devices
+OVERHEAD_TARGET_US = 30.0    # DataParallel call minus direct call, one (8, 4) leaf
 DEVICE_TARGET_US = 4.0       # per device per call, 64 devices, tiny input
 REPLICATE_TARGET_GBPS = 15.0
 MLP_TARGET = 1.0             # DataParallel speed / NumPy speed
@@ -211,8 +213,16 @@ def bench_leaves(calls, rounds):
     out = dp(many)
     if not all(np.array_equal(out[k], many[k]) for k in many):
         raise AssertionError("DataParallel(identity) changed a leaf")
-    t = median_per_call({"100": lambda: dp(many), "1": lambda: dp(one)}, calls, rounds)
+    module = Identity()
+    t = median_per_call({"100": lambda: dp(many), "1": lambda: dp(one),
+                         "direct": lambda: module(one)}, calls, rounds)
     per_leaf = (t["100"] - t["1"]) / 99 * 1e6
+    overhead = (t["1"] - t["direct"]) * 1e6
+    v = verdict(f"DataParallel per-call overhead {overhead:.1f} us, one (8, 4) leaf "
+                f"(target < {OVERHEAD_TARGET_US:.0f} us)", overhead < OVERHEAD_TARGET_US)
+    print(f"2. DataParallel(identity) per-call overhead on one (8, 4) float32 leaf, 2 devices: "
+          f"{overhead:.1f} us (direct call {t['direct'] * 1e6:.2f} us) "
+          f"(target < {OVERHEAD_TARGET_US:.0f}): {v}")
     v = verdict(f"per-leaf cost {per_leaf:.2f} us (target <= {LEAF_TARGET_US} us)",
                 per_leaf <= LEAF_TARGET_US)
     print(f"2. DataParallel(identity), dict of (8, 4) float32 leaves on 2 devices: "

@@ -177,10 +177,20 @@ static void run_group(void *arg)
     job_group *g = arg;
     dp_gpu_sync sync = {g->n ? gpu_index(g->jobs[0].exec) : -1, 0};
     g->status = dpc_ok();
+    /* Many small host jobs that together write more than a large job (a
+     * replicate of many parameters, a scatter of many leaves) stream too:
+     * what decides is how much this thread writes, not each job's size. */
+    uint64_t host_bytes = 0;
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        if (g->jobs[i].exec.kind != DP_CUDA) {
+            host_bytes += (uint64_t)dp_copy_numel(&g->jobs[i].desc) * g->jobs[i].desc.itemsize;
+        }
+    }
+    int mode = host_bytes >= DP_STREAM_MIN_JOB ? DP_COPY_STREAM : DP_COPY_AUTO;
     for (Py_ssize_t i = 0; i < g->n; i++) {
         copy_job *j = &g->jobs[i];
         if (j->exec.kind != DP_CUDA) {
-            dp_copy_run(&j->desc, j->dst, j->src);
+            dp_copy_run_mode(&j->desc, j->dst, j->src, mode);
             continue;
         }
         dpc_status s = dp_gpu_copy(&j->desc, j->dst, gpu_index(j->dst_dev), j->src,
