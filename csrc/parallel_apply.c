@@ -452,7 +452,7 @@ static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
 
 /* Run the m prepared jobs and return their results as a list, in replica
  * order; on failure re-raise the first failing replica's error (spec 6.5). */
-/* BLAS/OpenMP thread limits while replicas run on virtual CPU devices
+/* BLAS thread limits while replicas run on virtual CPU devices
  * (dpmini/_blas.py, threadpoolctl): with two or more such replicas, each
  * BLAS pool is cut to cores // replicas threads for the call, so the
  * replicas do not oversubscribe the cores. Not inside a replica (the outer
@@ -837,9 +837,10 @@ PyDoc_STRVAR(parallel_apply_doc,
 "threads of that device (like PyTorch's one thread per replica; the GIL is\n"
 "shared as usual). Ctrl-C while waiting raises KeyboardInterrupt in\n"
 "the running replicas, waits for them, and re-raises it.\n"
-"With two or more replicas on virtual CPU devices, the BLAS/OpenMP thread\n"
-"pools (found with threadpoolctl) run with cores // replicas threads (at\n"
-"least 1) until every replica has finished, then get their counts back, so\n"
+"With two or more replicas on virtual CPU devices, the BLAS thread pools\n"
+"(OpenBLAS, MKL, BLIS; found with threadpoolctl) run with cores // replicas\n"
+"threads (at least 1) until every replica has finished, then get their\n"
+"counts back, so\n"
 "replicas x BLAS threads <= cores; DPMINI_BLAS_LIMIT=0 turns this off\n"
 "(dpmini/_blas.py; PyTorch does not do this).\n"
 "Errors: ValueError 'parallel_apply: the number of modules (M) is not equal\n"

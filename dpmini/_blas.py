@@ -1,4 +1,4 @@
-"""BLAS/OpenMP thread limits for replicas on virtual CPU devices.
+"""BLAS thread limits for replicas on virtual CPU devices.
 
 parallel_apply (csrc/parallel_apply.c) calls :func:`limit` before it starts
 two or more replicas on virtual CPU devices and :func:`restore` once they have
@@ -10,7 +10,10 @@ such pool is cut to ``cores // replicas`` threads (at least 1), so replicas x
 BLAS threads <= cores, and set back afterwards.
 
 The pools are found and set with threadpoolctl (imported on first use; without
-it nothing is limited). ``DPMINI_BLAS_LIMIT=0`` in the environment (read at
+it nothing is limited). Only BLAS pools (threadpoolctl's user_api "blas":
+OpenBLAS, MKL, BLIS), whose thread count is process-wide: an OpenMP runtime's
+count (omp_set_num_threads) belongs to the thread that sets it, so setting it
+here would not reach the replicas' worker threads. ``DPMINI_BLAS_LIMIT=0`` in the environment (read at
 every call) turns the limit off. The setting is process-wide: threads outside
 the parallel section that call BLAS meanwhile see the limit too.
 """
@@ -47,7 +50,7 @@ def _controller():
 
 
 def limit(replicas):
-    """Cut every BLAS/OpenMP pool to max(1, cores // replicas) threads.
+    """Cut every BLAS pool to max(1, cores // replicas) threads.
 
     replicas: the number of replicas about to run on virtual CPU devices (>= 2).
     Returns a list of (pool, previous thread count) to hand to :func:`restore`,
@@ -62,6 +65,8 @@ def limit(replicas):
     per = max(1, _state["cores"] // int(replicas))
     changed = []
     for lib in ctrl.lib_controllers:
+        if lib.user_api != "blas":
+            continue
         n = lib.num_threads
         if n > per:
             lib.set_num_threads(per)
