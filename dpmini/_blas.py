@@ -18,9 +18,8 @@ every call) turns the limit off. The setting is process-wide: threads outside
 the parallel section that call BLAS meanwhile see the limit too.
 """
 import os
-import sys
 
-_state = {"controller": None, "modules": -1, "missing": False, "cores": 1}
+_state = {"controller": None, "missing": False, "cores": 1}
 
 
 def _cores():
@@ -31,21 +30,19 @@ def _cores():
 
 
 def _controller():
-    """threadpoolctl's controller, rebuilt (with the usable core count) when new
-    modules were imported (a new extension may have loaded another BLAS or
-    OpenMP), or None."""
+    """threadpoolctl's controller, built (with the usable core count) on the first
+    call, or None without threadpoolctl. Built once: rebuilding it allocates, and
+    a BLAS library loaded by an import after that first call is not limited."""
     if _state["missing"]:
         return None
-    nmods = len(sys.modules)
-    if _state["controller"] is None or _state["modules"] != nmods:
+    if _state["controller"] is None:
         try:
             import threadpoolctl
         except ImportError:
             _state["missing"] = True
             return None
         _state["controller"] = threadpoolctl.ThreadpoolController()
-        _state["modules"] = len(sys.modules)
-        _state["cores"] = _cores()   # a system call: taken when the pools are looked up
+        _state["cores"] = _cores()   # a system call: taken once, with the pools
     return _state["controller"]
 
 
