@@ -1,158 +1,203 @@
-"""dpmini on the CPU: scatter+gather bandwidth and DataParallel's per-call overhead.
+"""dpmini on the CPU: copy bandwidth against the memory limit, per-leaf and
+per-device cost, replicate bandwidth, CPU replicas against plain NumPy, and an
+optional scaling table.
 
-Run: python benchmarks/bench_cpu.py [--size-mib 256] [--repeats 5] [--calls 20000]
+Run: python benchmarks/bench_cpu.py [--rounds 7] [--calls 2000] [--scaling]
 (`make bench`). A script that prints figures, not a test; it always exits 0.
+Every figure is printed with its target and "met" or "MISSED".
 
-1. Scatter + gather of one float32 array (default 256 MiB, 4096 x 16384) over
-   two virtual devices, along dim 0 and dim 1, best of --repeats rounds (each
-   round runs every route once, after a warm-up round), for
-     dpmini   comm.scatter(x, devs, dim) then comm.gather(parts, dim, 'cpu');
-     numpy    np.array_split + np.ascontiguousarray per piece + np.concatenate
-              (along dim 0 the pieces are already contiguous, so NumPy makes
-              one copy where dpmini makes two: the "copies" column says so);
-     limit    two threads running np.copyto (which releases the GIL) over the
-              two halves of preallocated, pre-touched arrays, src -> tmp -> dst:
-              the same two passes over the same bytes, the memory system's limit.
-   Bandwidth counts every byte copied once (2 passes x array size / time).
-   Target: dpmini within 1.25x of the limit, both dims.
-2. DataParallel on a small (8, 4) float32 input with two virtual devices and an
-   identity module, mean over --calls calls, next to a direct call of the same
-   module. Target: overhead (the difference) under 30 microseconds per call.
+Timing on a shared machine: the routes of one figure run interleaved (each
+round runs every route once, in turn, after a warm-up round) and each figure
+is the MEDIAN over the rounds, so a slow spell hits all routes alike. The
+load average (`uptime`) is printed before and after; figures taken under load
+are noisy, the ratios less so.
+
+1. Scatter + gather of a 256 MiB float32 array over virtual devices, for
+   (4096, 16384) on dims 0, 1 and -1 with 2 devices, dim 1 with 4 devices,
+   and a time-major (T, B, F) = (512, 256, 512) array on dim 1, against
+     limit   the honest limit: two threads, each running libc memcpy (through
+             ctypes, which releases the GIL) over its contiguous half,
+             src -> tmp -> dst, on preallocated, pre-touched buffers: the same
+             bytes in and out, the same two passes, no strides;
+     copyto  the same with NumPy's np.copyto (the figure older READMEs used);
+     numpy   np.array_split + np.ascontiguousarray + np.concatenate.
+   Target: dpmini <= 1.25x the limit.
+2. Per-call overhead: DataParallel(identity) on a dict of one (8, 4) float32
+   array, 2 devices, minus a direct call: target < 30 us. Per-leaf cost: the
+   same with 100 leaves, minus the 1-leaf call, divided by 99: target <= 2 us
+   per leaf per call.
+3. Per-device cost: DataParallel(identity) on an (64, 4) float32 input over
+   64 virtual devices, divided by 64. Target <= 4 us per device per call.
+4. Replicate of a module holding 1,000 float32 parameters of 32 KiB on 2
+   devices, bytes copied (2 x 32 MiB) per second. Target >= 15 GB/s.
+5. CPU replicas and BLAS: one training step of an MLP (4096 x 784 -> 512 ->
+   10, float32) and an elementwise-heavy step, DataParallel on 2 virtual
+   devices against the same step in plain NumPy on one device, with NumPy's
+   default threading. Targets >= 1.0x (MLP) and >= 1.7x (elementwise).
+6. --scaling: scatter+gather time and ratio to the limit vs array size
+   (1 KiB .. 1 GiB, --max-scaling-mib), vs devices (2 .. 64) and vs leaves
+   (1 .. 10,000), printed as Markdown tables for the README.
 """
 import argparse
+import ctypes
+import ctypes.util
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
+# 64 virtual devices for the per-device figure; read at import of dpmini.
+os.environ.setdefault("DPMINI_CPU_DEVICES", "64")
 
-import dpmini
+import numpy as np  # noqa: E402
 
-DEVICES = ["cpu:0", "cpu:1"]
-COLS = 16384                 # columns of the benchmark array (16384 float32 = 64 KiB a row)
+import dpmini  # noqa: E402
+
 LIMIT_RATIO_TARGET = 1.25    # dpmini time / memcpy-limit time
-OVERHEAD_TARGET_US = 30.0    # DataParallel call minus direct call, microseconds
+LEAF_TARGET_US = 2.0         # per leaf per call, 2 devices
+OVERHEAD_TARGET_US = 30.0    # DataParallel call minus direct call, one (8, 4) leaf
+DEVICE_TARGET_US = 4.0       # per device per call, 64 devices, tiny input
+REPLICATE_TARGET_GBPS = 15.0
+MLP_TARGET = 1.0             # DataParallel speed / NumPy speed
+ELEMENTWISE_TARGET = 1.7
+
+VERDICTS = []                # (text, met) for the summary
+
+
+def verdict(text, met):
+    """Record one target line and return its verdict word."""
+    VERDICTS.append((text, met))
+    return "met" if met else "MISSED"
+
+
+def devices(n):
+    return [f"cpu:{i}" for i in range(n)]
 
 
 # ---------------------------------------------------------------- timing helpers
 
-def best_times(routes, repeats):
-    """Fastest seconds of each route over `repeats` rounds, after one warm-up round.
-
-    routes: {name: fn}. Each round calls every route once, in turn, so a slow
-    spell of a shared machine hits all routes alike and the ratios hold.
-    """
+def median_times(routes, rounds):
+    """Median seconds of each route over `rounds` interleaved rounds, after one warm-up round."""
     for fn in routes.values():
         fn()
-    best = dict.fromkeys(routes, float("inf"))
-    for _ in range(repeats):
+    times = {name: [] for name in routes}
+    for _ in range(rounds):
         for name, fn in routes.items():
             start = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def mean_time(fn, calls):
-    """Mean seconds per call of fn() over `calls` calls, after calls // 20 warm-up calls."""
-    for _ in range(max(calls // 20, 1)):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
+def median_per_call(routes, calls, rounds):
+    """Median over `rounds` of the mean seconds per call of each route (calls calls a round)."""
+    def batch(fn):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+    t = median_times({name: batch(fn) for name, fn in routes.items()}, rounds)
+    return {name: v / calls for name, v in t.items()}
 
 
-# ---------------------------------------------------------------- the three copy routes
+def uptime():
+    """The load line of `uptime` (or /proc/loadavg)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        with open("/proc/loadavg") as f:
+            return "loadavg " + f.read().strip()
 
-def dpmini_roundtrip(x, dim):
-    """dpmini: scatter x over DEVICES along dim, gather the parts back to the host."""
-    parts = dpmini.comm.scatter(x, DEVICES, dim=dim)
+
+# ---------------------------------------------------------------- the limit
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_MEMCPY = _LIBC.memcpy
+_MEMCPY.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_MEMCPY.restype = ctypes.c_void_p
+
+
+class TwoThreadLimit:
+    """Two threads, each copying its contiguous half src -> tmp -> dst.
+
+    raw=True uses libc memcpy through ctypes (the GIL is released for the
+    call), raw=False np.copyto. The buffers are allocated and touched once
+    up front, so no page fault is timed.
+    """
+
+    def __init__(self, nbytes, pool, raw=True):
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.tmp = np.zeros(nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, dtype=np.uint8)
+        half = nbytes // 2
+        self.halves = [(0, half), (half, nbytes)]
+        self.pool = pool
+        self.raw = raw
+
+    def _copy_half(self, lo, hi):
+        if self.raw:
+            n = hi - lo
+            s, t, d = (a.ctypes.data + lo for a in (self.src, self.tmp, self.dst))
+            _MEMCPY(t, s, n)
+            _MEMCPY(d, t, n)
+        else:
+            np.copyto(self.tmp[lo:hi], self.src[lo:hi])
+            np.copyto(self.dst[lo:hi], self.tmp[lo:hi])
+
+    def __call__(self):
+        for f in [self.pool.submit(self._copy_half, lo, hi) for lo, hi in self.halves]:
+            f.result()
+
+
+# ---------------------------------------------------------------- 1. bandwidth
+
+def dpmini_roundtrip(x, dim, devs):
+    parts = dpmini.comm.scatter(x, devs, dim=dim)
     return dpmini.comm.gather(parts, dim=dim, destination="cpu")
 
 
-def numpy_roundtrip(x, dim):
-    """NumPy: split, make each piece contiguous (a copy where it is not), concatenate."""
-    pieces = [np.ascontiguousarray(p) for p in np.array_split(x, len(DEVICES), axis=dim)]
+def numpy_roundtrip(x, dim, ndev):
+    pieces = [np.ascontiguousarray(p) for p in np.array_split(x, ndev, axis=dim)]
     return np.concatenate(pieces, axis=dim)
 
 
-def numpy_copies(x, dim):
-    """How many full copies numpy_roundtrip makes (1 or 2): ascontiguousarray copies only
-    pieces that are not already contiguous."""
-    pieces = np.array_split(x, len(DEVICES), axis=dim)
-    copied = any(not np.shares_memory(np.ascontiguousarray(p), x) for p in pieces)
-    return 2 if copied else 1
-
-
-class TwoThreadCopy:
-    """The physical limit: two threads, each copying its half src -> tmp -> dst.
-
-    All three arrays are allocated and touched once up front, so no page fault
-    is timed. np.copyto releases the GIL, so the two halves run in parallel.
-    """
-
-    def __init__(self, x):
-        self.src = x.reshape(-1)
-        self.tmp = np.empty_like(self.src)
-        self.dst = np.empty_like(self.src)
-        self.tmp.fill(0)
-        self.dst.fill(0)
-        half = self.src.size // 2
-        self.halves = [slice(0, half), slice(half, self.src.size)]
-        self.pool = ThreadPoolExecutor(max_workers=2)
-
-    def _copy_half(self, part):
-        np.copyto(self.tmp[part], self.src[part])
-        np.copyto(self.dst[part], self.tmp[part])
-
-    def __call__(self):
-        for future in [self.pool.submit(self._copy_half, part) for part in self.halves]:
-            future.result()
-
-    def close(self):
-        self.pool.shutdown()
-
-
-# ---------------------------------------------------------------- reports
-
-def gbps(nbytes, seconds):
-    """Decimal gigabytes per second."""
-    return nbytes / seconds / 1e9
-
-
-def check_roundtrip(x, dim):
-    """Raise AssertionError unless both routes give back x exactly."""
-    for name, route in (("dpmini", dpmini_roundtrip), ("numpy", numpy_roundtrip)):
-        y = route(x, dim)
-        if y.shape != x.shape or y.dtype != x.dtype or not np.array_equal(y, x):
-            raise AssertionError(f"{name} scatter+gather along dim {dim} changed the array")
-
-
-def bench_bandwidth(x, repeats):
-    """Time the three routes for dim 0 and dim 1; print one table. Returns the dpmini/limit ratios."""
-    print(f"scatter+gather of {x.shape} {x.dtype} ({x.nbytes / 2**20:.0f} MiB) on {DEVICES}, "
-          f"best of {repeats} rounds; GB/s counts each byte copied once")
-    print(f"  {'dim':<4}{'route':<8}{'copies':>7}{'ms':>10}{'GB/s':>8}{'x limit':>9}")
-    limit = TwoThreadCopy(x)
+def bench_bandwidth(rounds, pool):
+    """Table of scatter+gather cases against the limits. Returns {case: ratio}."""
+    mib = 256
+    wide = np.random.default_rng(0).standard_normal((4096, 16384), dtype=np.float32)
+    tbf = np.random.default_rng(1).standard_normal((512, 256, 512), dtype=np.float32)
+    cases = [(wide, 0, 2), (wide, 1, 2), (wide, -1, 2), (wide, 1, 4), (tbf, 1, 2)]
+    limit = TwoThreadLimit(mib * 2**20, pool, raw=True)
+    copyto = TwoThreadLimit(mib * 2**20, pool, raw=False)
+    print(f"1. scatter+gather of {mib} MiB float32, median of {rounds} interleaved rounds; "
+          "GB/s counts each byte copied once (2 passes)")
+    print(f"  {'shape':<16}{'dim':>4}{'devs':>5}{'dpmini ms':>11}{'limit ms':>10}"
+          f"{'copyto ms':>11}{'numpy ms':>10}{'dpmini GB/s':>13}{'x limit':>9}  target")
     ratios = {}
-    try:
-        for dim in (0, 1):
-            check_roundtrip(x, dim)
-            best = best_times({"dpmini": lambda: dpmini_roundtrip(x, dim),
-                               "numpy": lambda: numpy_roundtrip(x, dim),
-                               "limit": limit}, repeats)
-            copies = {"dpmini": 2, "numpy": numpy_copies(x, dim), "limit": 2}
-            for name, t in best.items():
-                print(f"  {dim:<4}{name:<8}{copies[name]:>7}{t * 1e3:>10.1f}"
-                      f"{gbps(copies[name] * x.nbytes, t):>8.2f}{t / best['limit']:>9.2f}")
-            ratios[dim] = best["dpmini"] / best["limit"]
-    finally:
-        limit.close()
+    for x, dim, ndev in cases:
+        devs = devices(ndev)
+        y = dpmini_roundtrip(x, dim, devs)
+        if not np.array_equal(y, x):
+            raise AssertionError(f"dpmini scatter+gather of {x.shape} on dim {dim} changed it")
+        del y
+        t = median_times({"dpmini": lambda: dpmini_roundtrip(x, dim, devs),
+                          "limit": limit, "copyto": copyto,
+                          "numpy": lambda: numpy_roundtrip(x, dim, ndev)}, rounds)
+        r = t["dpmini"] / t["limit"]
+        key = f"{x.shape} dim {dim} on {ndev} devices"
+        ratios[key] = r
+        v = verdict(f"scatter+gather {key}: {r:.2f}x the memcpy limit "
+                    f"(target <= {LIMIT_RATIO_TARGET}x)", r <= LIMIT_RATIO_TARGET)
+        print(f"  {str(x.shape):<16}{dim:>4}{ndev:>5}{t['dpmini'] * 1e3:>11.1f}"
+              f"{t['limit'] * 1e3:>10.1f}{t['copyto'] * 1e3:>11.1f}{t['numpy'] * 1e3:>10.1f}"
+              f"{2 * x.nbytes / t['dpmini'] / 1e9:>13.2f}{r:>9.2f}  <= {LIMIT_RATIO_TARGET} {v}")
     return ratios
 
+
+# ---------------------------------------------------------------- 2-4. overheads
 
 class Identity:
     """The smallest module: returns its input."""
@@ -161,72 +206,236 @@ class Identity:
         return x
 
 
-def bench_overhead(calls):
-    """Mean time of a DataParallel call and of a direct call; print both. Returns the overhead (us)."""
+def bench_leaves(calls, rounds):
+    dp = dpmini.DataParallel(Identity(), device_ids=devices(2))
+    many = {f"k{i}": np.full((8, 4), i, dtype=np.float32) for i in range(100)}
+    one = {"k0": many["k0"]}
+    out = dp(many)
+    if not all(np.array_equal(out[k], many[k]) for k in many):
+        raise AssertionError("DataParallel(identity) changed a leaf")
     module = Identity()
-    parallel = dpmini.DataParallel(module, device_ids=DEVICES)
-    x = np.arange(32, dtype=np.float32).reshape(8, 4)
-    if not np.array_equal(parallel(x), x):
-        raise AssertionError("DataParallel(identity) did not return its input")
-    t_dp = mean_time(lambda: parallel(x), calls) * 1e6
-    t_direct = mean_time(lambda: module(x), calls) * 1e6
-    overhead = t_dp - t_direct
-    print(f"DataParallel per-call overhead, identity module, {x.shape} {x.dtype} on {DEVICES}, "
-          f"mean of {calls} calls")
-    print(f"  DataParallel {t_dp:9.2f} us/call")
-    print(f"  direct call  {t_direct:9.2f} us/call")
-    print(f"  overhead     {overhead:9.2f} us/call")
-    return overhead
+    t = median_per_call({"100": lambda: dp(many), "1": lambda: dp(one),
+                         "direct": lambda: module(one)}, calls, rounds)
+    per_leaf = (t["100"] - t["1"]) / 99 * 1e6
+    overhead = (t["1"] - t["direct"]) * 1e6
+    v = verdict(f"DataParallel per-call overhead {overhead:.1f} us, one (8, 4) leaf "
+                f"(target < {OVERHEAD_TARGET_US:.0f} us)", overhead < OVERHEAD_TARGET_US)
+    print(f"2. DataParallel(identity) per-call overhead on one (8, 4) float32 leaf, 2 devices: "
+          f"{overhead:.1f} us (direct call {t['direct'] * 1e6:.2f} us) "
+          f"(target < {OVERHEAD_TARGET_US:.0f}): {v}")
+    v = verdict(f"per-leaf cost {per_leaf:.2f} us (target <= {LEAF_TARGET_US} us)",
+                per_leaf <= LEAF_TARGET_US)
+    print(f"2. DataParallel(identity), dict of (8, 4) float32 leaves on 2 devices: "
+          f"1 leaf {t['1'] * 1e6:.1f} us, 100 leaves {t['100'] * 1e6:.1f} us per call; "
+          f"per leaf {per_leaf:.2f} us (target <= {LEAF_TARGET_US}): {v}")
+    return per_leaf
 
+
+def bench_devices(calls, rounds):
+    n = dpmini.cpu_device_count()
+    if n < 64:
+        print(f"3. per-device cost: skipped, only {n} virtual devices (set DPMINI_CPU_DEVICES=64)")
+        return None
+    x = np.ones((64, 4), dtype=np.float32)
+    dp64 = dpmini.DataParallel(Identity(), device_ids=devices(64))
+    dp2 = dpmini.DataParallel(Identity(), device_ids=devices(2))
+    if not np.array_equal(dp64(x), x):
+        raise AssertionError("DataParallel(identity) on 64 devices changed its input")
+    t = median_per_call({"64": lambda: dp64(x), "2": lambda: dp2(x)}, max(calls // 10, 1), rounds)
+    per_dev = t["64"] / 64 * 1e6
+    marginal = (t["64"] - t["2"]) / 62 * 1e6
+    v = verdict(f"per-device cost {per_dev:.2f} us (target <= {DEVICE_TARGET_US} us)",
+                per_dev <= DEVICE_TARGET_US)
+    print(f"3. DataParallel(identity), (64, 4) float32: 2 devices {t['2'] * 1e6:.1f} us, "
+          f"64 devices {t['64'] * 1e6:.1f} us per call; per device {per_dev:.2f} us "
+          f"(marginal {marginal:.2f}) (target <= {DEVICE_TARGET_US}): {v}")
+    return per_dev
+
+
+class Params:
+    """A module holding n float32 parameters of `nbytes` each."""
+
+    def __init__(self, n, nbytes):
+        self.params = [np.full(nbytes // 4, i, dtype=np.float32) for i in range(n)]
+
+    def __call__(self, x):
+        return x
+
+
+def bench_replicate(rounds):
+    m = Params(1000, 32 * 1024)
+    devs = devices(2)
+    reps = dpmini.replicate(m, devs)
+    if not all(np.array_equal(a, b) for r in reps for a, b in zip(r.params, m.params)):
+        raise AssertionError("replicate changed a parameter")
+    del reps
+    t = median_times({"replicate": lambda: dpmini.replicate(m, devs)}, rounds)["replicate"]
+    gbps = 2 * 1000 * 32 * 1024 / t / 1e9
+    v = verdict(f"replicate {gbps:.1f} GB/s (target >= {REPLICATE_TARGET_GBPS})",
+                gbps >= REPLICATE_TARGET_GBPS)
+    print(f"4. replicate of 1,000 float32 parameters of 32 KiB on 2 devices: {t * 1e3:.2f} ms, "
+          f"{gbps:.1f} GB/s (target >= {REPLICATE_TARGET_GBPS}): {v}")
+    return gbps
+
+
+# ---------------------------------------------------------------- 5. BLAS
+
+class MLPStep:
+    """Forward and backward of relu(x @ w1) @ w2 with a squared loss: the gradients."""
+
+    def __init__(self):
+        rng = np.random.default_rng(2)
+        self.w1 = rng.standard_normal((784, 512), dtype=np.float32) * 0.05
+        self.w2 = rng.standard_normal((512, 10), dtype=np.float32) * 0.05
+
+    def __call__(self, x):
+        h = x @ self.w1
+        a = np.maximum(h, 0)
+        y = a @ self.w2
+        gy = 2 * y / y.shape[0]
+        gw2 = a.T @ gy
+        ga = (gy @ self.w2.T) * (h > 0)
+        gw1 = x.T @ ga
+        return gw1, gw2
+
+
+class ElementwiseStep:
+    """Elementwise-heavy work (NumPy runs it on one thread): exp, tanh, products."""
+
+    def __call__(self, x):
+        return np.tanh(x) * np.exp(-x * x) + np.sin(x)
+
+
+def bench_blas(rounds):
+    rng = np.random.default_rng(3)
+    results = {}
+    for name, module, x, target in (
+            ("MLP step 4096x784 -> 512 -> 10", MLPStep(),
+             rng.standard_normal((4096, 784), dtype=np.float32), MLP_TARGET),
+            ("elementwise step (4096, 2048)", ElementwiseStep(),
+             rng.standard_normal((4096, 2048), dtype=np.float32), ELEMENTWISE_TARGET)):
+        dp = dpmini.DataParallel(module, device_ids=devices(2))
+        def run_dp(dp=dp, x=x):
+            return dp(x)   # the per-device gradients come back stacked (gather)
+        t = median_times({"numpy": lambda m=module, x=x: m(x), "dpmini": run_dp}, rounds)
+        speed = t["numpy"] / t["dpmini"]
+        results[name] = speed
+        v = verdict(f"{name}: DataParallel on 2 devices {speed:.2f}x plain NumPy "
+                    f"(target >= {target}x)", speed >= target)
+        print(f"5. {name}: NumPy {t['numpy'] * 1e3:.1f} ms, DataParallel on 2 devices "
+              f"{t['dpmini'] * 1e3:.1f} ms: {speed:.2f}x (target >= {target}): {v}")
+    return results
+
+
+# ---------------------------------------------------------------- 6. scaling
+
+def bench_scaling(rounds, max_mib, pool):
+    print("6. scaling: scatter+gather (dim 0 on 2 devices unless said), median of "
+          f"{rounds} rounds")
+    print("\n| array size | dpmini | limit | x limit |\n|---|---|---|---|")
+    size = 1024
+    while size <= max_mib * 2**20:
+        x = np.ones((size // 4 // 256, 256) if size >= 4096 else (size // 4,), np.float32)
+        lim = TwoThreadLimit(size, pool)
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(2)), "l": lim}, rounds)
+        print(f"| {fmt_bytes(size)} | {fmt_t(t['d'])} | {fmt_t(t['l'])} | "
+              f"{t['d'] / t['l']:.2f}x |")
+        del x, lim
+        size *= 8 if size < 2**20 else 4
+    print("\n| devices | 64 MiB, dim 0 | x limit | (n, 4) tiny input, identity DataParallel |"
+          "\n|---|---|---|---|")
+    x = np.ones((4096, 4096), np.float32)
+    lim = TwoThreadLimit(x.nbytes, pool)
+    for n in (2, 4, 8, 16, 32, 64):
+        if n > dpmini.cpu_device_count():
+            break
+        tiny = np.ones((n, 4), np.float32)
+        dp = dpmini.DataParallel(Identity(), device_ids=devices(n))
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(n)), "l": lim,
+                          "c": lambda: [dp(tiny) for _ in range(100)]}, rounds)
+        print(f"| {n} | {fmt_t(t['d'])} | {t['d'] / t['l']:.2f}x | {fmt_t(t['c'] / 100)} |")
+    del x, lim
+    print("\n| leaves (8, 4) float32 in a dict | identity DataParallel, 2 devices | per leaf |"
+          "\n|---|---|---|")
+    dp = dpmini.DataParallel(Identity(), device_ids=devices(2))
+    for n in (1, 10, 100, 1000, 10000):
+        tree = {f"k{i}": np.ones((8, 4), np.float32) for i in range(n)}
+        reps = max(1, 1000 // n)
+        t = median_times({"d": lambda: [dp(tree) for _ in range(reps)]}, rounds)["d"] / reps
+        print(f"| {n} | {fmt_t(t)} | {fmt_t(t / n)} |")
+    print()
+
+
+def fmt_bytes(n):
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+        if n >= scale:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def fmt_t(s):
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+# ---------------------------------------------------------------- main
 
 def print_environment():
-    """Python, NumPy, dpmini and core counts, and OpenBLAS settings that slow NumPy here."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"python {platform.python_version()}, numpy {np.__version__}, "
-          f"{platform.machine()}, {cores} usable cores ({os.cpu_count()} online), "
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    print(f"python {platform.python_version()}, numpy {np.__version__}, {cpu}, "
+          f"{cores} usable cores ({os.cpu_count()} online), "
           f"dpmini.cpu_device_count() = {dpmini.cpu_device_count()}")
-    for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
-        if os.environ.get(name):
-            print(f"{name}={os.environ[name]} (set in this environment)")
-
-
-def print_targets(ratios, overhead):
-    """One line per target with its verdict."""
-    print("targets")
-    for dim, ratio in ratios.items():
-        verdict = "met" if ratio <= LIMIT_RATIO_TARGET else "MISSED"
-        print(f"  dim {dim}: dpmini {ratio:.2f}x the memcpy limit "
-              f"(target <= {LIMIT_RATIO_TARGET}x): {verdict}")
-    verdict = "met" if overhead < OVERHEAD_TARGET_US else "MISSED"
-    print(f"  DataParallel overhead {overhead:.1f} us/call "
-          f"(target < {OVERHEAD_TARGET_US:.0f} us): {verdict}")
+    print(f"load: {uptime()}")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=256,
-                        help="array size in MiB, a multiple of 1 (default 256: 4096 x 16384 float32)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per route (default 5)")
-    parser.add_argument("--calls", type=int, default=20000,
-                        help="calls averaged for the overhead figure (default 20000)")
-    args = parser.parse_args(argv)
-    if args.size_mib < 1 or args.repeats < 1 or args.calls < 1:
-        parser.error("--size-mib, --repeats and --calls must be at least 1")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure (default 7)")
+    p.add_argument("--calls", type=int, default=2000,
+                   help="calls per round for the per-call figures (default 2000)")
+    p.add_argument("--only", default="12345",
+                   help="which numbered figures to run, e.g. 13 (default 12345)")
+    p.add_argument("--scaling", action="store_true", help="also print the scaling tables (6)")
+    p.add_argument("--max-scaling-mib", type=int, default=1024,
+                   help="largest array of the size table, MiB (default 1024)")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.calls < 1 or args.max_scaling_mib < 1:
+        p.error("--rounds, --calls and --max-scaling-mib must be at least 1")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     print_environment()
-    rows = args.size_mib * 2**20 // (4 * COLS)
-    x = np.random.default_rng(0).standard_normal((rows, COLS), dtype=np.float32)
-    print()
-    ratios = bench_bandwidth(x, args.repeats)
-    del x
-    print()
-    overhead = bench_overhead(args.calls)
-    print()
-    print_targets(ratios, overhead)
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        if "1" in args.only:
+            bench_bandwidth(args.rounds, pool)
+        if "2" in args.only:
+            bench_leaves(args.calls, args.rounds)
+        if "3" in args.only:
+            bench_devices(args.calls, args.rounds)
+        if "4" in args.only:
+            bench_replicate(args.rounds)
+        if "5" in args.only:
+            bench_blas(args.rounds)
+        if args.scaling:
+            bench_scaling(args.rounds, args.max_scaling_mib, pool)
+    finally:
+        pool.shutdown()
+    print(f"load: {uptime()}")
+    print("targets")
+    for text, met in VERDICTS:
+        print(f"  {text}: {'met' if met else 'MISSED'}")
     return 0
 
 

@@ -422,6 +422,10 @@ static void fuzz_copy(reader *r)
     memcpy(got, init, dbytes);
     dp_copy_run(&s, got + GUARD + dl.origin, src + sl.origin);
     CHECK(memcmp(got, expect, dbytes) == 0);
+    /* 2b. simplified, streaming stores wherever the runs allow them */
+    memcpy(got, init, dbytes);
+    dp_copy_run_mode(&s, got + GUARD + dl.origin, src + sl.origin, DP_COPY_STREAM);
+    CHECK(memcmp(got, expect, dbytes) == 0);
 
     /* 3. in parts, of the simplified and of the raw copy */
     int parts = 1 + u8(r) % 6;

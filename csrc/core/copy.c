@@ -18,6 +18,13 @@
 
 #include <string.h>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define DP_HAVE_STREAM 1
+#else
+#define DP_HAVE_STREAM 0
+#endif
+
 /* ------------------------------------------------------------------ */
 /* Helpers                                                            */
 /* ------------------------------------------------------------------ */
@@ -65,6 +72,93 @@ static void copy_run1d(char *dst, const char *src, int64_t n, int64_t ds,
     default: DP_STRIDED_LOOP(itemsize);
     }
 #undef DP_STRIDED_LOOP
+}
+
+/* ------------------------------------------------------------------ */
+/* Streaming (non-temporal) stores                                    */
+/* ------------------------------------------------------------------ */
+
+/* A large copy writes far more than the caches hold, so ordinary stores
+ * first read every destination line into the cache (read-for-ownership)
+ * and later evict it: three memory passes for two. Streaming stores write
+ * around the cache. glibc's memcpy streams only single calls above about
+ * the shared cache size, so a copy made of many shorter runs (a scatter
+ * along dim 1: one run per row) never gets them; here the whole job's size
+ * decides. x86-64 only (SSE2 is part of the base ISA; AVX when the CPU has
+ * it, detected at run time); elsewhere the ordinary path. */
+#if DP_HAVE_STREAM
+/* Copy n bytes with 16-byte streaming stores: plain memcpy up to the first
+ * 16-byte aligned destination byte, then 64 bytes a step, then the tail. */
+static void stream_copy_sse2(char *dst, const char *src, size_t n)
+{
+    size_t head = (size_t)(-(uintptr_t)dst & 15u);
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(const void *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(src + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(src + 48));
+        _mm_stream_si128((__m128i *)(void *)dst, a);
+        _mm_stream_si128((__m128i *)(void *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(void *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(void *)(dst + 48), e);
+    }
+    memcpy(dst, src, n);
+}
+
+/* The same with 32-byte AVX streaming stores (aligned to 32). */
+__attribute__((target("avx")))
+static void stream_copy_avx(char *dst, const char *src, size_t n)
+{
+    size_t head = (size_t)(-(uintptr_t)dst & 31u);
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (; n >= 128; n -= 128, dst += 128, src += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)src);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(src + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(src + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(src + 96));
+        _mm256_stream_si256((__m256i *)(void *)dst, a);
+        _mm256_stream_si256((__m256i *)(void *)(dst + 32), b);
+        _mm256_stream_si256((__m256i *)(void *)(dst + 64), c);
+        _mm256_stream_si256((__m256i *)(void *)(dst + 96), e);
+    }
+    memcpy(dst, src, n);
+}
+#endif
+
+/* The streaming copy for this CPU, or NULL where there is none. */
+typedef void (*stream_fn)(char *, const char *, size_t);
+
+static stream_fn stream_kernel(void)
+{
+#if DP_HAVE_STREAM
+    /* __builtin_cpu_supports reads a table libgcc fills at load time */
+    if (__builtin_cpu_supports("avx"))
+        return stream_copy_avx;
+    return stream_copy_sse2;
+#else
+    return NULL;
+#endif
+}
+
+/* Make the streaming stores visible to other threads before the job is
+ * reported done (they are weakly ordered; the pool's lock alone does not
+ * order them on every CPU). */
+static void stream_fence(void)
+{
+#if DP_HAVE_STREAM
+    _mm_sfence();
+#endif
 }
 
 /* ------------------------------------------------------------------ */
@@ -175,6 +269,11 @@ void dp_copy_simplify(dp_copy_desc *d)
 
 void dp_copy_run(const dp_copy_desc *d, char *dst, const char *src)
 {
+    dp_copy_run_mode(d, dst, src, DP_COPY_AUTO);
+}
+
+void dp_copy_run_mode(const dp_copy_desc *d, char *dst, const char *src, int mode)
+{
     int64_t idx[DP_MAXDIMS];
     int nd = d->ndim;
 
@@ -203,12 +302,26 @@ void dp_copy_run(const dp_copy_desc *d, char *dst, const char *src)
         ids = d->dst_strides[inner];
     }
 
+    /* Streaming stores when the innermost runs are contiguous and long
+     * enough to fill whole cache lines, and the job is large (AUTO) or the
+     * caller asks (ALWAYS, for tests). */
+    stream_fn stream = NULL;
+    size_t run_bytes = (size_t)n * item;
+    if (mode != DP_COPY_ORDINARY && iss == (int64_t)item && ids == (int64_t)item &&
+        run_bytes >= DP_STREAM_MIN_RUN &&
+        (mode == DP_COPY_STREAM ||
+         (uint64_t)dp_copy_numel(d) * d->itemsize >= DP_STREAM_MIN_JOB))
+        stream = stream_kernel();
+
     int64_t soff = 0, doff = 0;
     for (int i = 0; i < inner; i++)
         idx[i] = 0;
 
     for (;;) {
-        copy_run1d(dst + doff, src + soff, n, ids, iss, item);
+        if (stream != NULL)
+            stream(dst + doff, src + soff, run_bytes);
+        else
+            copy_run1d(dst + doff, src + soff, n, ids, iss, item);
 
         /* Odometer over dims [0, inner): bump the innermost outer dim; when
          * it wraps, rewind its offset and carry into the next one out. */
@@ -223,8 +336,10 @@ void dp_copy_run(const dp_copy_desc *d, char *dst, const char *src)
             idx[k] = 0;
         }
         if (k < 0)
-            return;
+            break;
     }
+    if (stream != NULL)
+        stream_fence();
 }
 
 int dp_copy_part(const dp_copy_desc *d, int parts, int part, dp_copy_desc *out,

@@ -43,6 +43,20 @@ void dp_copy_simplify(dp_copy_desc *d);
  * overlap. Never touches a byte outside the addressed elements. */
 void dp_copy_run(const dp_copy_desc *d, char *dst, const char *src);
 
+/* dp_copy_run with a choice of stores. DP_COPY_AUTO (what dp_copy_run does):
+ * streaming (non-temporal, cache-bypassing) stores when the job copies at
+ * least DP_STREAM_MIN_JOB bytes in contiguous runs of at least
+ * DP_STREAM_MIN_RUN bytes, on x86-64 (AVX when the CPU has it, else SSE2);
+ * ordinary stores otherwise. DP_COPY_ORDINARY never streams; DP_COPY_STREAM
+ * streams whenever the runs allow it, whatever the job size (for tests and
+ * the fuzzer: the result is the same bytes either way). */
+#define DP_COPY_AUTO 0
+#define DP_COPY_ORDINARY 1
+#define DP_COPY_STREAM 2
+#define DP_STREAM_MIN_JOB ((uint64_t)4 << 20)   /* 4 MiB: beyond a core's cache share */
+#define DP_STREAM_MIN_RUN ((size_t)256)          /* four 64-byte lines */
+void dp_copy_run_mode(const dp_copy_desc *d, char *dst, const char *src, int mode);
+
 /* Cut a (simplified) copy into `parts` pieces of about equal bytes along its
  * outermost dim with more than one element, for running on several threads.
  * Writes piece `part` (0-based) to *out and the byte offsets to add to the

@@ -460,6 +460,57 @@ static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
 
 /* Run the m prepared jobs and return their results as a list, in replica
  * order; on failure re-raise the first failing replica's error (spec 6.5). */
+/* BLAS thread limits while replicas run on virtual CPU devices
+ * (dpmini/_blas.py, threadpoolctl): with two or more such replicas, each
+ * BLAS pool is cut to cores // replicas threads for the call, so the
+ * replicas do not oversubscribe the cores. Not inside a replica (the outer
+ * call has set them). Returns a new reference to the token for blas_restore
+ * (None when nothing changed), or NULL with an exception. */
+static PyObject *blas_limit(const apply_job *jobs, Py_ssize_t m, int nested)
+{
+    Py_ssize_t ncpu = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        ncpu += jobs[i].dev.kind == DP_VCPU;
+    }
+    if (nested || ncpu < 2) {
+        return Py_NewRef(Py_None);
+    }
+    /* sys.modules first: the import machinery costs microseconds a call */
+    PyObject *name = PyUnicode_FromString("dpmini._blas");
+    if (name == NULL) {
+        return NULL;
+    }
+    PyObject *mod = PyImport_GetModule(name);
+    if (mod == NULL && !PyErr_Occurred()) {
+        mod = PyImport_Import(name);
+    }
+    Py_DECREF(name);
+    if (mod == NULL) {
+        return NULL;
+    }
+    PyObject *token = PyObject_CallMethod(mod, "limit", "n", ncpu);
+    Py_DECREF(mod);
+    return token;
+}
+
+/* Undo blas_limit (steals token). dpmini._blas.restore does not raise; if
+ * it still fails, the error is reported as unraisable, not lost silently. */
+static void blas_restore(PyObject *token)
+{
+    if (token == Py_None) {
+        Py_DECREF(token);
+        return;
+    }
+    PyObject *mod = PyImport_ImportModule("dpmini._blas");
+    PyObject *r = mod ? PyObject_CallMethod(mod, "restore", "O", token) : NULL;
+    if (r == NULL) {
+        PyErr_WriteUnraisable(token);
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(mod);
+    Py_DECREF(token);
+}
+
 static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
 {
     dp_batch batch;
@@ -496,6 +547,13 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
     }
     if (have_batch && check_threads_per_device(jobs, m) < 0) {
         dp_batch_destroy(&batch);
+        return NULL;
+    }
+    PyObject *blas = blas_limit(jobs, m, nested);
+    if (blas == NULL) {
+        if (have_batch) {
+            dp_batch_destroy(&batch);
+        }
         return NULL;
     }
     /* Queue the worker jobs first, then run the inline ones meanwhile. */
@@ -571,6 +629,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             }
         }
     }
+    blas_restore(blas);   /* every replica has finished */
     if (have_batch) {
         dp_batch_destroy(&batch);
     }
@@ -790,6 +849,12 @@ PyDoc_STRVAR(parallel_apply_doc,
 "threads of that device (like PyTorch's one thread per replica; the GIL is\n"
 "shared as usual). Ctrl-C while waiting raises KeyboardInterrupt in\n"
 "the running replicas, waits for them, and re-raises it.\n"
+"With two or more replicas on virtual CPU devices, the BLAS thread pools\n"
+"(OpenBLAS, MKL, BLIS; found with threadpoolctl) run with cores // replicas\n"
+"threads (at least 1) until every replica has finished, then get their\n"
+"counts back, so\n"
+"replicas x BLAS threads <= cores; DPMINI_BLAS_LIMIT=0 turns this off\n"
+"(dpmini/_blas.py; PyTorch does not do this).\n"
 "Errors: ValueError 'parallel_apply: the number of modules (M) is not equal\n"
 "to the number of inputs (N)' (likewise kwargs_tup and devices); the first\n"
 "failing replica (lowest index) is re-raised with its type and the message\n"

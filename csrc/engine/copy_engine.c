@@ -177,10 +177,20 @@ static void run_group(void *arg)
     job_group *g = arg;
     dp_gpu_sync sync = {g->n ? gpu_index(g->jobs[0].exec) : -1, 0};
     g->status = dpc_ok();
+    /* Many small host jobs that together write more than a large job (a
+     * replicate of many parameters, a scatter of many leaves) stream too:
+     * what decides is how much this thread writes, not each job's size. */
+    uint64_t host_bytes = 0;
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        if (g->jobs[i].exec.kind != DP_CUDA) {
+            host_bytes += (uint64_t)dp_copy_numel(&g->jobs[i].desc) * g->jobs[i].desc.itemsize;
+        }
+    }
+    int mode = host_bytes >= DP_STREAM_MIN_JOB ? DP_COPY_STREAM : DP_COPY_AUTO;
     for (Py_ssize_t i = 0; i < g->n; i++) {
         copy_job *j = &g->jobs[i];
         if (j->exec.kind != DP_CUDA) {
-            dp_copy_run(&j->desc, j->dst, j->src);
+            dp_copy_run_mode(&j->desc, j->dst, j->src, mode);
             continue;
         }
         dpc_status s = dp_gpu_copy(&j->desc, j->dst, gpu_index(j->dst_dev), j->src,
@@ -237,6 +247,19 @@ static int group_has_cuda(const job_group *g)
     return 0;
 }
 
+/* Order jobs by executing device. A job is a large struct (its copy
+ * descriptor holds DP_MAXDIMS dims), so the usual already-ordered list (one
+ * leaf's jobs, queued device by device) is left alone instead of sorted. */
+static void sort_jobs(job_list *l)
+{
+    for (Py_ssize_t i = 1; i < l->n; i++) {
+        if (exec_before(&l->jobs[i - 1], &l->jobs[i]) > 0) {
+            qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+            return;
+        }
+    }
+}
+
 /* Run every queued job: each device's jobs on its worker, all devices at
  * once, the GIL released. Small totals, host-only jobs, and calls made from
  * inside a worker (a replica) run inline (the GIL released for CUDA jobs). */
@@ -247,7 +270,7 @@ int jobs_run(job_list *l)
     }
     if (l->bytes < DP_INLINE_BYTES || dp_pool_in_worker()) {
         /* one group per executing device, run here one after another */
-        qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+        sort_jobs(l);
         Py_ssize_t start = 0;
         for (Py_ssize_t i = 1; i <= l->n; i++) {
             if (i < l->n && dp_device_eq(l->jobs[i].exec, l->jobs[start].exec)) {
@@ -268,7 +291,7 @@ int jobs_run(job_list *l)
         }
         return 0;
     }
-    qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
+    sort_jobs(l);
     job_group *groups = PyMem_Malloc((size_t)l->n * sizeof(job_group));
     if (groups == NULL) {
         PyErr_NoMemory();

@@ -78,8 +78,82 @@ static PyObject *seg_text(const path_seg *seg)
 
 /* The path as a new str, built without recursion (paths can be
  * DP_MAX_NESTING steps long). */
+/* Append the text of one step to buf[*len..cap) when it is plain ASCII that
+ * needs no repr machinery: the root, an index, a str key or attribute name
+ * of printable ASCII without quotes or backslashes (its repr is then the
+ * text in single quotes). Returns 0, or -1 when the step is anything else
+ * or does not fit (the caller then takes the general route). */
+static int seg_text_ascii(const path_seg *seg, char *buf, size_t *len, size_t cap)
+{
+    size_t at = *len;
+    if (seg->kind == SEG_ROOT) {
+        size_t k = strlen(seg->root);
+        if (k >= cap - at)
+            return -1;
+        memcpy(buf + at, seg->root, k);
+        *len = at + k;
+        return 0;
+    }
+    if (seg->kind == SEG_INDEX) {
+        int k = PyOS_snprintf(buf + at, cap - at, "[%zd]", seg->index);
+        if (k < 0 || (size_t)k >= cap - at)
+            return -1;
+        *len = at + (size_t)k;
+        return 0;
+    }
+    if (!PyUnicode_CheckExact(seg->name) || !PyUnicode_IS_ASCII(seg->name))
+        return -1;
+    Py_ssize_t k = PyUnicode_GET_LENGTH(seg->name);
+    const char *t = (const char *)PyUnicode_DATA(seg->name);
+    size_t need = (size_t)k + (seg->kind == SEG_KEY ? 4 : 1);
+    if (need >= cap - at)
+        return -1;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (t[i] < 0x20 || t[i] > 0x7e || t[i] == '\'' || t[i] == '\\')
+            return -1;
+    if (seg->kind == SEG_KEY) {
+        buf[at++] = '[';
+        buf[at++] = '\'';
+        memcpy(buf + at, t, (size_t)k);
+        at += (size_t)k;
+        buf[at++] = '\'';
+        buf[at++] = ']';
+    } else {
+        buf[at++] = '.';
+        memcpy(buf + at, t, (size_t)k);
+        at += (size_t)k;
+    }
+    *len = at;
+    return 0;
+}
+
+/* The path in one pass into a stack buffer, for the usual paths (a few
+ * ASCII steps; scatter and gather name every leaf this way); NULL with no
+ * exception when the path needs the general route. */
+static PyObject *path_str_ascii(const path_seg *seg)
+{
+    const path_seg *chain[16];
+    char buf[512];
+    size_t len = 0;
+    int n = 0;
+    for (const path_seg *s = seg; s != NULL; s = s->up) {
+        if (n == (int)(sizeof chain / sizeof chain[0]))
+            return NULL;
+        chain[n++] = s;
+    }
+    for (int i = n - 1; i >= 0; i--)
+        if (seg_text_ascii(chain[i], buf, &len, sizeof buf) < 0)
+            return NULL;
+    return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)len);
+}
+
 PyObject *path_str(const path_seg *seg)
 {
+    if (seg->depth < PATH_LONG) {
+        PyObject *fast = path_str_ascii(seg);
+        if (fast != NULL || PyErr_Occurred())
+            return fast;
+    }
     Py_ssize_t n = (Py_ssize_t)seg->depth + 1, shown = n > PATH_LONG ? PATH_HEAD : n;
     const path_seg **chain = PyMem_Malloc((size_t)n * sizeof *chain);
     PyObject *parts = NULL, *res = NULL;

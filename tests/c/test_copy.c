@@ -185,12 +185,16 @@ static void one_trial(int trial)
     check_simplified(&desc, &simple);
 
     /* variant -1: unsimplified whole; 0: simplified whole; 1..5: parts;
-     * 6: the unsimplified copy in 3 parts. */
-    for (int v = -1; v <= 6; v++) {
+     * 6: the unsimplified copy in 3 parts; 7: simplified whole with
+     * streaming stores wherever the runs allow them. */
+    for (int v = -1; v <= 7; v++) {
         const dp_copy_desc *d = v < 0 || v == 6 ? &desc : &simple;
-        int parts = v < 0 ? 0 : v == 6 ? 3 : v;
+        int parts = v < 0 || v == 7 ? 0 : v == 6 ? 3 : v;
         memcpy(out, init, dsize + 2 * GUARD);
-        run_parts(d, parts, out + GUARD + dbase, src + sbase);
+        if (v == 7)
+            dp_copy_run_mode(d, out + GUARD + dbase, src + sbase, DP_COPY_STREAM);
+        else
+            run_parts(d, parts, out + GUARD + dbase, src + sbase);
         if (memcmp(out, ref, dsize + 2 * GUARD) != 0) {
             size_t at = 0;
             while (out[at] == ref[at])
@@ -368,6 +372,79 @@ static void test_dense_cases(void)
     }
 }
 
+/* Streaming stores: every run length around the 16/32-byte alignment steps
+ * and the 64/128-byte loop steps, at every misalignment of source and
+ * destination, as one run and as rows of a 2-d copy with padded strides;
+ * the whole destination (guards and row gaps included) must equal memcpy's
+ * result. Then a job large enough that DP_COPY_AUTO streams by itself, and
+ * DP_COPY_ORDINARY on the same. */
+static void test_stream_cases(void)
+{
+    static char src[4096], init[4096 + 2 * GUARD], ref[4096 + 2 * GUARD],
+        out[4096 + 2 * GUARD];
+    static const int64_t lens[] = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128,
+                                   129, 255, 256, 257, 300, 511, 512, 1000, 1023};
+    fill_random(src, sizeof src);
+    fill_random(init, sizeof init);
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        for (int sa = 0; sa < 33; sa += 3) {
+            for (int da = 0; da < 33; da += 2) {
+                int64_t n = lens[li];
+                for (int rows = 1; rows <= 3; rows += 2) {
+                    int64_t shape[2] = {rows, n}, ss[2] = {n + 7, 1}, ds[2] = {n + 5, 1};
+                    dp_copy_desc d;
+                    CHECK(dp_copy_init(&d, 2, 1, shape, ss, ds) == 0);
+                    memcpy(ref, init, sizeof ref);
+                    for (int r = 0; r < rows; r++)
+                        memcpy(ref + GUARD + da + r * (n + 5), src + sa + r * (n + 7),
+                               (size_t)n);
+                    for (int mode = 0; mode < 3; mode++) {
+                        memcpy(out, init, sizeof out);
+                        dp_copy_run_mode(&d, out + GUARD + da, src + sa, mode);
+                        if (memcmp(out, ref, sizeof out) != 0) {
+                            failures++;
+                            printf("stream case len %lld src+%d dst+%d rows %d mode %d: "
+                                   "wrong bytes\n", (long long)n, sa, da, rows, mode);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /* 4 MiB + a bit in 300 rows of 14 KiB runs with gaps: AUTO streams. */
+    int64_t rows = 300, run = 14 * 1024 + 3, gap = 37;
+    size_t bytes = (size_t)(rows * (run + gap));
+    char *a = malloc(bytes), *b = malloc(bytes + 2 * GUARD), *c = malloc(bytes + 2 * GUARD);
+    CHECK(a != NULL && b != NULL && c != NULL);
+    if (a == NULL || b == NULL || c == NULL) {
+        free(a);
+        free(b);
+        free(c);
+        return;
+    }
+    CHECK((uint64_t)(rows * run) * 1 >= DP_STREAM_MIN_JOB);
+    fill_random(a, bytes);
+    for (int mode = 0; mode < 3; mode++) {
+        int64_t shape[2] = {rows, run}, st[2] = {run + gap, 1};
+        dp_copy_desc d;
+        CHECK(dp_copy_init(&d, 2, 1, shape, st, st) == 0);
+        memset(b, 0x5a, bytes + 2 * GUARD);
+        memset(c, 0x5a, bytes + 2 * GUARD);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(c + GUARD + 1 + r * (run + gap), a + r * (run + gap), (size_t)run);
+        /* the destination is offset by one byte from the source's alignment */
+        dp_copy_run_mode(&d, b + GUARD + 1, a, mode);
+        if (memcmp(b, c, bytes + 2 * GUARD - 1) != 0) {
+            failures++;
+            printf("large stream case mode %d: wrong bytes\n", mode);
+        }
+    }
+    free(a);
+    free(b);
+    free(c);
+}
+
 int main(void)
 {
     test_simplify_cases();
@@ -375,6 +452,7 @@ int main(void)
     test_dense_cases();
     for (int t = 0; t < 4000; t++)
         one_trial(t);
+    test_stream_cases();
     if (failures) {
         printf("test_copy: %d check(s) failed\n", failures);
         return 1;
