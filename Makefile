@@ -96,6 +96,10 @@ ASAN_ENV = LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
 	DPMINI_TEST_CFLAGS="$(SAN_FLAGS)" DPMINI_SANITIZER=asan
 
 # The whole pytest suite against an ASan+UBSan build of the extension.
+# ASAN_TESTS picks test files or folders, relative to the checkout
+# (make test-asan ASAN_TESTS="tests/test_structures.py tests/c"); PYTEST_ARGS
+# adds pytest options (-x, -k NAME, -m gpu).
+ASAN_TESTS ?= tests
 test-asan: $(VENV)/.installed
 	tools/deps.sh asan
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/dpmini
@@ -103,7 +107,7 @@ test-asan: $(VENV)/.installed
 	CC=gcc DPMINI_WERROR=1 DPMINI_CFLAGS="$(SAN_FLAGS) -O1 -g" DPMINI_LDFLAGS="$(SAN_FLAGS)" \
 		$(PY) setup.py -q build_ext --force --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
-		$(PYTEST_ARGS) $(CURDIR)/tests
+		$(PYTEST_ARGS) $(addprefix $(CURDIR)/,$(ASAN_TESTS))
 
 # libFuzzer over plan.c and copy.c (fuzz/fuzz_core.c). New inputs go to
 # build/fuzz/corpus; fuzz/corpus (committed seeds and past crashes) is read.
