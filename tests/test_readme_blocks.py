@@ -44,8 +44,8 @@ def missing(req):
         return None if dpmini.device_count() > 0 else "no CUDA device"
     if req == "mpi":
         return None if importlib.util.find_spec("mpi4py") else "mpi4py is not installed"
-    if "libasan" in os.environ.get("LD_PRELOAD", "") and req == "matplotlib":
-        return "matplotlib cannot be imported under LD_PRELOAD ASan"
+    if "libasan" in os.environ.get("LD_PRELOAD", "") and req in ("matplotlib", "jax"):
+        return f"{req} cannot be imported under LD_PRELOAD ASan"
     return None if importlib.util.find_spec(req) else f"{req} is not installed"
 
 
