@@ -50,31 +50,46 @@ needs_mpi = pytest.mark.skipif(not _have_dist(), reason="needs mpirun and dpmini
                                "(make test-distributed installs and builds them)")
 
 
-def mpirun(case, np=4, limit=120, **env):
-    """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds)."""
+# Open MPI 4.1.4's mpirun (Debian 12, measured on this machine) sometimes
+# hangs, or segfaults in PMIx_server_finalize, after a rank has called
+# MPI_Abort while another rank had already finished (about 1 run in 3 on a
+# loaded 2-core machine; every rank is gone by then, only the launcher is
+# stuck). The cases that abort the job retry such a launcher failure: the
+# ranks' own behaviour (the errors, the abort, the exit code) is asserted on
+# a run where the launcher itself worked.
+def _launcher_failed(rc, out):
+    return rc in (124, 137) or (rc == 139 and "PMIx_server_finalize" in out)
+
+
+def mpirun(case, np=4, limit=120, retries=0, **env):
+    """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds).
+    retries: runs to try again when mpirun itself fails (see above)."""
     cmd = ["timeout", "-k", "10", str(limit), MPIRUN, "-np", str(np), sys.executable,
            str(WORKER), case]
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.monotonic()
-        # Own process group: if even `timeout -k` cannot end mpirun, every rank
-        # is killed with it here, so no orphan keeps the pipes (or the CPU).
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(DIST_TEST_OUT=tmp, **env), cwd=ROOT,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=limit + 30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"mpirun {case} did not end within {limit + 30} s:\n{stdout}{stderr}")
-        took = time.monotonic() - start
-        lines = {}
-        for path in Path(tmp).glob("rank*.txt"):
-            for line in path.read_text().splitlines():
-                m = re.match(r"^(\d+) (.*)$", line)
-                if m:
-                    lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    out = stdout + stderr
+    for attempt in range(retries + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.monotonic()
+            # Own process group: if even `timeout -k` cannot end mpirun, every
+            # rank is killed with it here, so no orphan keeps the pipes (or the CPU).
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=_env(DIST_TEST_OUT=tmp, **env), cwd=ROOT,
+                                    start_new_session=True)
+            try:
+                stdout, stderr = proc.communicate(timeout=limit + 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                pytest.fail(f"mpirun {case} did not end within {limit + 30} s:\n{stdout}{stderr}")
+            took = time.monotonic() - start
+            lines = {}
+            for path in Path(tmp).glob("rank*.txt"):
+                for line in path.read_text().splitlines():
+                    m = re.match(r"^(\d+) (.*)$", line)
+                    if m:
+                        lines.setdefault(int(m.group(1)), []).append(m.group(2))
+        out = stdout + stderr
+        if not (_launcher_failed(proc.returncode, out) and attempt < retries):
+            break
     assert proc.returncode not in (124, 137), f"mpirun hit the outer timeout:\n{out}"
     return proc.returncode, lines, out, took
 
@@ -164,7 +179,7 @@ def test_communicator_stays_usable_after_each_disagreement(mismatch_run):
 
 @needs_mpi
 def test_rank_that_skips_a_call_gives_timeout_error_naming_it():
-    rc, lines, out, took = mpirun("skip", DIST_TEST_TIMEOUT="3")
+    rc, lines, out, took = mpirun("skip", limit=45, retries=2, DIST_TEST_TIMEOUT="3")
     assert rc != 0, out                                # uncaught TimeoutError -> MPI_Abort
     assert lines[3] == ["finished loop"], out
     named = re.findall(r"TimeoutError: dpmini.distributed.all_reduce \(call 3 on rank (\d)\): "
@@ -175,7 +190,7 @@ def test_rank_that_skips_a_call_gives_timeout_error_naming_it():
 
 @needs_mpi
 def test_caught_timeout_still_ends_the_job_instead_of_hanging_in_finalize():
-    rc, lines, out, took = mpirun("caught_timeout", limit=90)
+    rc, lines, out, took = mpirun("caught_timeout", limit=60, retries=2)
     assert rc != 0, out
     # The first rank to abort ends the others, so some may not have written yet.
     caught = errors(lines, "caught_timeout")
@@ -208,7 +223,7 @@ def test_ddp_mismatch_reduce_gradients_errors_explain():
 
 @needs_mpi
 def test_exception_on_one_rank_ends_the_job_in_seconds():
-    rc, lines, out, took = mpirun("raise")
+    rc, lines, out, took = mpirun("raise", limit=60, retries=2)
     assert rc != 0, out
     assert "RuntimeError: boom on rank 1" in out
     assert "rank 1 of 4 ended with RuntimeError; aborting the job" in out
