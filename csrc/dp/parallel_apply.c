@@ -70,6 +70,8 @@ typedef struct {
     PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
     int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
                               the worker's call (interop.c)                   */
+    PyObject *torch_autocast; /* owned: the caller's CPU autocast, entered
+                              around the worker's call, or NULL               */
 } apply_job;
 
 /* Per worker thread, in the pool's worker-local ints (pool.h; no
@@ -364,7 +366,11 @@ static void apply_job_main(void *arg)
             /* torch's grad mode is per thread: carry the caller's over, as
              * torch.nn.parallel.parallel_apply does. */
             int prev = job->torch_no_grad ? dp_torch_set_grad(0) : -1;
+            int cast = job->torch_autocast != NULL && dp_torch_autocast_enter(job->torch_autocast);
             job->result = PyObject_Call(job->module, job->args, job->kwargs);
+            if (cast) {
+                dp_torch_autocast_exit(job->torch_autocast);
+            }
             if (job->result == NULL) {
                 job->exc = take_exception();
             }
@@ -564,6 +570,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
         }
         job->ctx = PyContext_CopyCurrent();
         job->torch_no_grad = dp_torch_grad_enabled() == 0;
+        job->torch_autocast = dp_torch_autocast_carry();
         if (job->ctx == NULL) {
             job->on_worker = 0;
             job->cancelled = 1;
@@ -812,6 +819,7 @@ fail:
         Py_XDECREF(jobs[i].args);
         Py_XDECREF(jobs[i].kwargs);
         Py_XDECREF(jobs[i].ctx);
+        Py_XDECREF(jobs[i].torch_autocast);
         Py_XDECREF(jobs[i].result);
         Py_XDECREF(jobs[i].exc);
     }

@@ -271,6 +271,13 @@ int dp_torch_grad_enabled(void);
  * or -1 when torch is not imported or the call failed (never an exception). */
 int dp_torch_set_grad(int on);
 
+/* The caller's CPU autocast state as a torch.autocast("cpu", dtype=...)
+ * object (new reference) when it is enabled, else NULL with no exception.
+ * enter returns 1 when entered; exit keeps a pending exception. */
+PyObject *dp_torch_autocast_carry(void);
+int dp_torch_autocast_enter(PyObject *cm);
+void dp_torch_autocast_exit(PyObject *cm);
+
 /* Is obj a torch.nn.Module instance (only looked up when torch.nn is
  * imported)? 1/0/-1. */
 int dp_is_torch_module(PyObject *obj);

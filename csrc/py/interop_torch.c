@@ -47,18 +47,47 @@ PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_dev
         ncuda += devs[d].kind == DP_CUDA;
     }
     if (ncpu == ndev) {
-        /* Virtual CPU devices are one host memory: every replica calls the
-         * module itself (no copy of its parameters; torch's forward under
-         * torch.no_grad() reads them only). */
+        /* Virtual CPU devices are one host memory. Replica 0 is the module
+         * itself (as PyTorch's replica on device_ids[0] shares the original's
+         * parameters and buffers, spec 5.6); replicas 1..k-1 are each a
+         * copy.deepcopy made now, under torch.no_grad(), so that forwards
+         * writing to their module (BatchNorm running stats, functional_call,
+         * counters) touch only their own copy, whose updates are then lost. */
         PyObject *res = PyList_New(ndev);
-        for (Py_ssize_t d = 0; res != NULL && d < ndev; d++)
-            PyList_SET_ITEM(res, d, Py_NewRef(module));
+        if (res == NULL)
+            return NULL;
+        PyList_SET_ITEM(res, 0, Py_NewRef(module));
+        if (ndev == 1)
+            return res;
+        PyObject *copy = PyImport_ImportModule("copy");
+        PyObject *deep = copy != NULL ? PyObject_GetAttrString(copy, "deepcopy") : NULL;
+        Py_XDECREF(copy);
+        int prev = deep != NULL ? dp_torch_set_grad(0) : -1;
+        for (Py_ssize_t d = 1; deep != NULL && d < ndev; d++) {
+            PyObject *c = PyObject_CallOneArg(deep, module);
+            if (c == NULL) {
+                Py_CLEAR(deep);
+                break;
+            }
+            PyList_SET_ITEM(res, d, c);
+        }
+        if (prev >= 0) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            dp_torch_set_grad(prev);
+            PyErr_Restore(t, v, tb);
+        }
+        if (deep == NULL) {
+            Py_DECREF(res);
+            return NULL;
+        }
+        Py_DECREF(deep);
         return res;
     }
     if (ncuda != ndev) {
         PyErr_SetString(PyExc_TypeError,
                         "replicate: a torch.nn.Module is replicated over virtual CPU devices "
-                        "(shared) or over CUDA devices (torch.nn.parallel.replicate), not a "
+                        "(copies) or over CUDA devices (torch.nn.parallel.replicate), not a "
                         "mix of both");
         return NULL;
     }
@@ -121,6 +150,59 @@ int dp_torch_set_grad(int on)
     Py_XDECREF(r);
     PyErr_Clear();
     return r == NULL ? -1 : prev;
+}
+
+/* CPU autocast, carried like grad mode: torch.autocast("cpu", dtype=...) of
+ * the caller's state when CPU autocast is enabled there, else NULL (no
+ * error). torch.nn.parallel.parallel_apply enters autocast per replica. */
+PyObject *dp_torch_autocast_carry(void)
+{
+    PyObject *torch = module_if_imported("torch");
+    if (torch == NULL)
+        return NULL;
+    /* torch >= 2.4 takes the device type; older ones name the CPU state */
+    int old = 0;
+    PyObject *res = NULL, *on = PyObject_CallMethod(torch, "is_autocast_enabled", "s", "cpu");
+    if (on == NULL) {
+        PyErr_Clear();
+        old = 1;
+        on = PyObject_CallMethod(torch, "is_autocast_cpu_enabled", NULL);
+    }
+    if (on != NULL && PyObject_IsTrue(on) == 1) {
+        PyObject *dtype = old ? PyObject_CallMethod(torch, "get_autocast_cpu_dtype", NULL)
+                              : PyObject_CallMethod(torch, "get_autocast_dtype", "s", "cpu");
+        PyObject *ctor = dtype != NULL ? PyObject_GetAttrString(torch, "autocast") : NULL;
+        PyObject *args = ctor != NULL ? Py_BuildValue("(s)", "cpu") : NULL;
+        PyObject *kw = args != NULL ? Py_BuildValue("{s:O}", "dtype", dtype) : NULL;
+        if (kw != NULL)
+            res = PyObject_Call(ctor, args, kw);
+        Py_XDECREF(kw);
+        Py_XDECREF(args);
+        Py_XDECREF(ctor);
+        Py_XDECREF(dtype);
+    }
+    Py_XDECREF(on);
+    Py_DECREF(torch);
+    PyErr_Clear();
+    return res;
+}
+
+int dp_torch_autocast_enter(PyObject *cm)
+{
+    PyObject *r = PyObject_CallMethod(cm, "__enter__", NULL);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    return r != NULL;
+}
+
+void dp_torch_autocast_exit(PyObject *cm)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallMethod(cm, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
 }
 
 /* ------------------------------------------------------------------ */

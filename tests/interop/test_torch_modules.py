@@ -1,0 +1,97 @@
+"""torch.nn.Module replicas on the virtual CPU devices: replica 0 is the
+module itself, replicas 1..k-1 per-call deep copies, so forwards that write to
+their module do not race (spec 5.6: only replica 0's buffer updates persist).
+CPU autocast in the caller holds in the replica threads."""
+import dpmini
+
+DEVS = ["cpu:0", "cpu:1"]
+
+
+def test_replica_zero_is_the_module_the_others_are_copies(torch):
+    model = torch.nn.Linear(3, 2)
+    reps = dpmini.replicate(model, DEVS)
+    assert reps[0] is model and reps[1] is not model
+    assert type(reps[1]) is torch.nn.Linear
+    assert reps[1].weight.data_ptr() != model.weight.data_ptr()
+    assert torch.equal(reps[1].weight, model.weight)
+    assert dpmini.replicate(model, ["cpu:0"]) == [model]     # one device: no copy
+    # made per call, as PyTorch's replicate is
+    assert dpmini.replicate(model, DEVS)[1] is not reps[1]
+
+
+def test_functional_call_grads_per_replica_equal_the_single_call(torch):
+    from torch.func import functional_call, grad
+    torch.manual_seed(0)
+
+    class PerShardGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 1))
+
+        def forward(self, x, y):
+            params = {k: v.detach() for k, v in self.net.named_parameters()}
+            return grad(lambda p: ((functional_call(self.net, p, (x,)) - y) ** 2).sum())(params)
+
+    m = PerShardGrad()
+    X, Y = torch.randn(512, 64), torch.randn(512, 1)
+    with torch.no_grad():
+        alone = [m(X[:256], Y[:256]), m(X[256:], Y[256:])]
+        for _ in range(20):
+            outs = dpmini.parallel_apply(dpmini.replicate(m, DEVS),
+                                         [(X[:256], Y[:256]), (X[256:], Y[256:])],
+                                         devices=DEVS)
+            for o, a in zip(outs, alone):
+                assert o.keys() == a.keys()
+                assert all(torch.equal(o[k], a[k]) for k in a)
+
+
+def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):
+    torch.manual_seed(0)
+    x = torch.randn(64, 16) + 3
+    ref = torch.nn.BatchNorm1d(16)
+    with torch.no_grad():
+        ref(x[:32])                       # replica 0's shard alone
+    for _ in range(10):
+        bn = torch.nn.BatchNorm1d(16)
+        with torch.no_grad():
+            dpmini.DataParallel(bn, DEVS)(x)
+        assert torch.equal(bn.running_mean, ref.running_mean)
+        assert torch.equal(bn.running_var, ref.running_var)
+        assert int(bn.num_batches_tracked) == 1
+
+
+def test_counter_changes_the_original_once(torch):
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * 2
+
+    c = Counter()
+    with torch.no_grad():
+        for _ in range(5):
+            out = dpmini.DataParallel(c, DEVS)(torch.ones(4, 2))
+            assert torch.equal(out, torch.full((4, 2), 2.0))
+    # replica 0 is the module itself: its rebinding persists; replica 1's copy
+    # is dropped (PyTorch's replica 0 is a new object, so there it stays 0)
+    assert c.calls == 5
+
+
+def test_cpu_autocast_holds_in_the_replica_threads(torch):
+    m = torch.nn.Linear(4, 4)
+    x = torch.randn(4, 4)
+    # float16: dpmini's arrays have no bfloat16 (NumPy's DLPack refuses it)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        want = m(x)
+        got = dpmini.DataParallel(m, DEVS)(x)
+        on = dpmini.DataParallel(lambda t: torch.full((2,), float(torch.is_autocast_enabled("cpu"))),
+                                 DEVS)(x)
+    assert want.dtype == torch.float16 and got.dtype == torch.float16
+    assert torch.equal(got, want)
+    assert on.tolist() == [1.0] * 4
+    with torch.no_grad():
+        assert dpmini.DataParallel(m, DEVS)(x).dtype == torch.float32
