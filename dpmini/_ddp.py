@@ -5,6 +5,9 @@ its local devices by dpmini.DataParallel (torch.chunk's rule, in threads), and
 gradients are combined across ranks by reduce_gradients, weighted by the rows
 each rank had so that uneven batches give exactly the single-process step.
 """
+import pickle
+import sys
+
 import numpy as np
 
 import dpmini
@@ -12,44 +15,128 @@ import dpmini
 __all__ = ["DistributedDataParallel", "reduce_gradients"]
 
 
+def _to_numpy(v):
+    """(host ndarray, back): back(arr) turns a NumPy result into v's library
+    (torch.Tensor on v's device and dtype, jax.Array, cupy.ndarray); back is
+    None for NumPy input (and for anything not recognised, passed unchanged)."""
+    if v is None or isinstance(v, (np.ndarray, np.generic)):
+        return v, None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        dev, dt = v.device, v.dtype
+        t = v.detach().cpu().resolve_conj().resolve_neg()
+        host = t.float().numpy() if dt == torch.bfloat16 else t.numpy()
+
+        def back(a, dev=dev, dt=dt):
+            a = np.array(a, copy=True, order="C")
+            return torch.from_numpy(a).to(device=dev, dtype=dt)
+        return host, back
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(v, jax.Array):
+        devs = list(v.devices()) if hasattr(v, "devices") else []
+
+        def back(a, devs=devs):
+            import jax.numpy as jnp
+            out = jnp.asarray(a)
+            return jax.device_put(out, devs[0]) if len(devs) == 1 else out
+        return np.asarray(v), back
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(v, cupy.ndarray):
+        return v.get(), lambda a: cupy.asarray(a)
+    return v, None
+
+
+def _is_array(v):
+    if isinstance(v, np.ndarray):
+        return True
+    return _to_numpy(v)[1] is not None
+
+
 def _module_arrays(module):
-    """The module's arrays by name: module.parameters() when it returns a
-    mapping, else its ndarray attributes (vars(module))."""
-    params = getattr(module, "parameters", None)
-    if callable(params):
-        got = params()
-        if isinstance(got, dict):
-            return {str(k): v for k, v in got.items() if isinstance(v, np.ndarray)}
+    """The module's arrays by name, as {name: (array, setter)}: a torch.nn.Module's
+    state_dict() tensors (parameters and buffers, copied into in place) plus its
+    array attributes; else a dict from module.parameters(), else the array
+    attributes (vars(module)): NumPy and torch arrays are written in place,
+    immutable ones (JAX) replaced via setattr / item assignment."""
+    out = {}
+
+    def inplace(v):
+        if isinstance(v, np.ndarray):
+            return lambda a: np.copyto(v, a)
+        torch = sys.modules["torch"]
+
+        def put(a):
+            with torch.no_grad():
+                v.copy_(torch.from_numpy(np.array(a, copy=True)).to(v.dtype))
+        return put
+
+    def add(name, v, holder, key, is_attr):
+        torch = sys.modules.get("torch")
+        if isinstance(v, np.ndarray) or (torch is not None and isinstance(v, torch.Tensor)):
+            out[name] = (v, inplace(v))
+        elif _is_array(v):
+            back = _to_numpy(v)[1]
+            if is_attr:
+                out[name] = (v, lambda a: setattr(holder, key, back(a)))
+            else:
+                out[name] = (v, lambda a: holder.__setitem__(key, back(a)))
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(module, torch.nn.Module):
+        for k, v in module.state_dict(keep_vars=True).items():
+            add(str(k), v, None, None, False)
+    else:
+        params = getattr(module, "parameters", None)
+        if callable(params):
+            got = params()
+            if isinstance(got, dict):
+                for k, v in got.items():
+                    add(str(k), v, got, k, False)
+                return out
     try:
         attrs = vars(module)
     except TypeError:
-        return {}
-    return {k: v for k, v in attrs.items() if isinstance(v, np.ndarray)}
+        return out
+    for k, v in list(attrs.items()):
+        if k not in out:
+            add(k, v, module, k, True)
+    return out
 
 
-def _first_rows(obj, dim):
-    """shape[dim] of the first array with a dim in args/kwargs, or None."""
-    stack = [obj]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif hasattr(x, "shape") and len(x.shape) > 0 and -len(x.shape) <= dim < len(x.shape):
-            return int(x.shape[dim])
-    return None
+def _split_rows(args, kwargs, device_ids, dim, in_dims=None, chunk_sizes=None, weights=None):
+    """This call's rows: the rows DataParallel splits of the first array leaf that
+    is split (in_dims None leaves are broadcast and skipped), from dpmini.explain,
+    so that in_dims and chunk_sizes are honoured; None when nothing is split."""
+    try:
+        plan = dpmini.explain(tuple(args), device_ids, dim, kwargs=kwargs, in_dims=in_dims,
+                              chunk_sizes=chunk_sizes, weights=weights)
+    except Exception:
+        plan = None
+    if plan is not None and not plan.error:
+        for leaf in plan.leaves:
+            if not leaf.get("broadcast") and leaf.get("sizes") is not None:
+                return int(sum(leaf["sizes"]))
+        return None
+    if in_dims is None:
+        return _first_rows((args, kwargs), dim)
+    return None   # the call itself raises DataParallel's error
 
 
 def _describe(arrays):
-    return {k: (tuple(v.shape), v.dtype.str) for k, v in sorted(arrays.items())}
+    out = {}
+    for k, (v, _) in sorted(arrays.items()):
+        dt = v.dtype
+        out[k] = (tuple(int(n) for n in v.shape), type(v).__module__.split(".")[0],
+                  dt.str if isinstance(dt, np.dtype) else str(dt))
+    return out
 
 
 def broadcast_arrays(arrays, root=0):
-    """Copy root's arrays into every rank's (in place, by name; collective).
+    """Copy root's arrays into every rank's (by name; collective). arrays:
+    {name: (array, setter)} as _module_arrays gives; each travels as NumPy.
 
-    Every rank's names, shapes and dtypes are first checked against root's: a
-    difference raises the same ValueError on every rank, naming the ranks.
+    Every rank's names, shapes, dtypes (and libraries) are first checked against
+    root's: a difference raises the same ValueError on every rank, naming the ranks.
     """
     from . import distributed as dist
 
@@ -62,24 +149,29 @@ def broadcast_arrays(arrays, root=0):
                          f"differ from rank {root}'s (names, shapes or dtypes); rank {root} "
                          f"has {roots}")
     for name in sorted(arrays):
-        got = dist.broadcast(arrays[name], root=root)
-        np.copyto(arrays[name], got)
+        v, put = arrays[name]
+        host = np.ascontiguousarray(_to_numpy(v)[0])
+        got = dist.broadcast(host, root=root)
+        put(got)
 
 
 class DistributedDataParallel:
     """DataParallel on this rank's devices, data parallel across MPI ranks.
 
-    module: any callable (as for dpmini.DataParallel). Its arrays (a dict from
-        module.parameters(), else its ndarray attributes) are broadcast from
-        rank 0 at construction, in place, so every rank starts equal.
+    module: any callable (as for dpmini.DataParallel). Its arrays (a
+        torch.nn.Module's parameters and buffers via state_dict(), a dict from
+        module.parameters(), else its NumPy/torch/JAX/CuPy array attributes) are
+        broadcast from rank 0 at construction so every rank starts equal: NumPy
+        and torch in place, immutable JAX arrays by replacing the attribute.
     device_ids, dim, and any other keyword (output_device, in_dims, out_dims,
         chunk_sizes, weights, strict): passed to dpmini.DataParallel for the
         local devices.
     broadcast_module: False skips the broadcast at construction.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
-    local devices, gathered locally) and remembers the batch's rows along dim
-    (``last_rows``) for reduce_gradients. Construction is collective
+    local devices, gathered locally) and remembers the batch's rows
+    (``last_rows``: the rows split of the first array that in_dims does not
+    broadcast, as chunk_sizes splits them) for reduce_gradients. Construction is collective
     (requires dpmini.distributed.init()); calls are local.
     """
 
@@ -91,6 +183,7 @@ class DistributedDataParallel:
         self.dim = dim
         self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
         self.last_rows = None
+        self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
 
@@ -100,7 +193,7 @@ class DistributedDataParallel:
         return self.local.device_ids
 
     def __call__(self, *args, **kwargs):
-        self.last_rows = _first_rows((args, kwargs), self.dim)
+        self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
         return self.local(*args, **kwargs)
 
     def reduce_gradients(self, grads, weights="rows", rows=None):
@@ -130,22 +223,29 @@ def reduce_gradients(grads, weights="rows", rows=None):
       "mean": the plain mean over ranks (Horovod's allreduce average).
       a number: this rank's weight (weighted mean with the others' weights).
     rows: this rank's rows (int >= 0), needed for weights="rows".
+    Dict entries are paired across ranks by key (every rank must have the same
+    keys: else the same ValueError on every rank, naming the differing keys).
     Returns the same container type with new float/complex arrays of the
-    same shapes. Raises TypeError (container or dtypes), ValueError (rows
+    same shapes, each in its input's library (torch, JAX, CuPy, else NumPy). Raises TypeError (container or dtypes), ValueError (rows
     missing or negative, weights unknown), plus the collectives' errors.
     """
     from . import distributed as dist
 
     if isinstance(grads, dict):
-        keys, values = list(grads.keys()), list(grads.values())
+        # Paired by key, not insertion order: a canonical order, the same key set checked.
+        keys = sorted(grads, key=repr)
+        _check_keys(dist, [repr(k) for k in keys])
+        values = [grads[k] for k in keys]
     elif isinstance(grads, (list, tuple)):
         keys, values = None, list(grads)
     else:
         raise TypeError(f"grads: expected a dict or a list/tuple of arrays, got "
                         f"{type(grads).__name__}")
-    arrays = []
+    arrays, backs = [], []
     for i, v in enumerate(values):
-        a = np.asarray(v)
+        a, back = _to_numpy(v)
+        backs.append(back)
+        a = np.asarray(a)
         if a.dtype.kind not in "fc":
             where = f"grads[{keys[i]!r}]" if keys is not None else f"grads[{i}]"
             raise TypeError(f"{where}: expected a floating or complex array, got dtype {a.dtype}")
@@ -195,6 +295,24 @@ def reduce_gradients(grads, weights="rows", rows=None):
             k = arrays[i].size
             out[i] = (total[start:start + k] / denom).reshape(arrays[i].shape)
             start += k
+    out = [o if b is None else b(o) for o, b in zip(out, backs)]
     if keys is not None:
-        return dict(zip(keys, out))
+        got = dict(zip(keys, out))
+        return {k: got[k] for k in grads}
     return type(grads)(out) if isinstance(grads, tuple) else out
+
+
+def _check_keys(dist, reprs):
+    """Every rank's gradient dict keys (reprs, sorted) must be the same (collective)."""
+    blob = np.frombuffer(pickle.dumps(reprs), dtype=np.uint8)
+    lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
+    allb = dist.all_gather(blob)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    per = [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+    if all(p == per[0] for p in per):
+        return
+    union = sorted(set().union(*per))
+    diff = {k: [r for r in range(len(per)) if k not in per[r]] for k in union}
+    diff = {k: v for k, v in diff.items() if v}
+    raise ValueError("reduce_gradients: the ranks' gradient dicts have different keys: "
+                     + "; ".join(f"{k} missing on rank(s) {v}" for k, v in diff.items()))

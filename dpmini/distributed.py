@@ -62,7 +62,7 @@ except ImportError as exc:
         raise   # the ABI guard: say exactly that
     raise ImportError(f"{_HOW} ({exc})") from exc
 
-from ._ddp import DistributedDataParallel, reduce_gradients  # noqa: E402
+from ._ddp import DistributedDataParallel, _to_numpy, reduce_gradients  # noqa: E402
 from ._dist_explain import DistPlan, explain  # noqa: E402
 
 __all__ = [
@@ -224,7 +224,9 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
     Raises (on every rank): ValueError/IndexError/TypeError for bad arguments on
     any rank, ValueError when the ranks disagree, TimeoutError.
     """
-    return _comm().scatter(x, root, dim, chunk_sizes, weights)
+    c = _comm()
+    x, back = _to_numpy(x) if c.rank == root else (x, None)
+    return _back(back, c.scatter(x, root, dim, chunk_sizes, weights))
 
 
 def gather(x, root=0, dim=0):
@@ -234,12 +236,14 @@ def gather(x, root=0, dim=0):
     shape except along dim. Returns the joined array (ranks in order) on root,
     None elsewhere. gather(scatter(x)) returns x exactly. Errors as scatter.
     """
-    return _comm().gather(x, root, dim)
+    x, back = _to_numpy(x)
+    return _back(back, _comm().gather(x, root, dim))
 
 
 def all_gather(x, dim=0):
     """gather on every rank: every rank returns the joined array."""
-    return _comm().all_gather(x, dim)
+    x, back = _to_numpy(x)
+    return _back(back, _comm().all_gather(x, dim))
 
 
 def broadcast(x, root=0):
@@ -271,12 +275,19 @@ def all_reduce(x, op="sum"):
     longdouble, complex64, complex128 (float16 has no MPI type). Returns a new
     array (non-native byte order comes back native).
     """
-    return _comm().all_reduce(x, op)
+    x, back = _to_numpy(x)
+    return _back(back, _comm().all_reduce(x, op))
 
 
 def reduce(x, root=0, op="sum"):
     """all_reduce whose result lands on `root` only (None elsewhere)."""
-    return _comm().reduce(x, root, op)
+    x, back = _to_numpy(x)
+    return _back(back, _comm().reduce(x, root, op))
+
+
+def _back(back, result):
+    """The result in the input's library (back from _to_numpy), None stays None."""
+    return result if back is None or result is None else back(result)
 
 
 def split_sizes(n, size=None, chunk_sizes=None, weights=None):

@@ -290,3 +290,25 @@ def test_import_distributed_without_mpi_says_how_to_install():
     assert "IMPORTERROR dpmini.distributed needs MPI" in proc.stdout
     assert 'pip install "dpmini[mpi]"' in proc.stdout
     assert "openmpi-bin libopenmpi-dev" in proc.stdout
+
+
+@needs_mpi
+def test_ddp_in_dims_broadcast_table_first_counts_the_batch_rows():
+    rc, lines, out, _ = mpirun("ddp_indims")
+    assert rc == 0 and all(lines[r] == ["OK ddp_indims"] for r in range(4)), out
+
+
+@needs_mpi
+def test_reduce_gradients_pairs_dict_entries_by_key():
+    rc, lines, out, _ = mpirun("dict_keys")
+    assert rc == 0 and all("OK dict_keys" in lines[r] for r in range(4)), out
+    got = errors(lines, "dict_keys")
+    assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1, got
+    assert "'c' missing on rank(s) [0, 1, 2]" in got[0], got
+
+
+@needs_mpi
+def test_torch_module_broadcast_and_collectives_return_torch():
+    pytest.importorskip("torch")
+    rc, lines, out, _ = mpirun("torch", limit=240)
+    assert rc == 0 and all(lines[r][-1].startswith("OK torch") for r in range(4)), out

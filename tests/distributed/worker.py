@@ -284,6 +284,98 @@ def case_misc():
     say("OK misc")
 
 
+def case_ddp_indims():
+    """in_dims=(None, 0, 0): last_rows counts the split batch, not the broadcast table."""
+    class M:
+        def __init__(self):
+            self.W = np.ones((3, 1))
+
+        def __call__(self, table, x, y):
+            return {"gsum": x.T @ (x @ self.W - y)}
+
+    rng = np.random.default_rng(0)
+    X, Y = rng.normal(size=(11, 3)), rng.normal(size=(11, 1))
+    ddp = dist.DistributedDataParallel(M(), device_ids=["cpu:0", "cpu:1"], in_dims=(None, 0, 0),
+                                       out_dims={"gsum": "sum"})
+    x, y = dist.scatter(X if RANK == 0 else None), dist.scatter(Y if RANK == 0 else None)
+    out = ddp(np.zeros((50, 4)), x, y)
+    assert ddp.last_rows == len(x), (ddp.last_rows, len(x))
+    g = ddp.reduce_gradients({"W": out["gsum"] / max(len(x), 1)})["W"]
+    ref = X.T @ (X @ np.ones((3, 1)) - Y) / 11
+    assert np.max(np.abs(g - ref)) <= 1e-12
+    ddp2 = dist.DistributedDataParallel(M(), device_ids=["cpu:0", "cpu:1"], in_dims=(None, 0, 0),
+                                        chunk_sizes=[len(x), 0], out_dims={"gsum": "sum"})
+    ddp2(np.zeros((50, 4)), x, y)
+    assert ddp2.last_rows == len(x), (ddp2.last_rows, len(x))
+    say("OK ddp_indims")
+
+
+def case_dict_keys():
+    """reduce_gradients pairs dict entries by key; different key sets raise everywhere."""
+    a, b = np.full(2, 1.0), np.full(2, 2.0)
+    d = {"a": a, "b": b} if RANK % 2 == 0 else {"b": b, "a": a}
+    got = dist.reduce_gradients(d, weights="mean")
+    assert list(got) == list(d)
+    assert np.array_equal(got["a"], a) and np.array_equal(got["b"], b), got
+    bad = dict(d)
+    if RANK == dist.size() - 1:
+        bad["c"] = np.ones(2)
+    try:
+        dist.reduce_gradients(bad, weights="mean")
+        say("NOERR dict_keys")
+    except ValueError as exc:
+        err("dict_keys", exc)
+    assert dist.all_reduce(np.ones(1))[0] == dist.size()   # still usable
+    say("OK dict_keys")
+
+
+def case_torch():
+    """torch modules are broadcast at construction; collectives return torch tensors."""
+    import torch
+
+    torch.manual_seed(RANK)
+    lin = torch.nn.Linear(3, 2)
+    lin.register_buffer("count", torch.full((1,), float(RANK)))
+    dist.DistributedDataParallel(lin, device_ids=["cpu:0"])
+    w = dist.all_gather(lin.weight.detach()[None])
+    assert isinstance(w, torch.Tensor) and all(torch.equal(w[0], w[i]) for i in range(len(w)))
+    assert lin.count.item() == 0.0 and lin.weight.requires_grad
+
+    t = torch.full((2,), float(RANK), requires_grad=True)
+    g = dist.reduce_gradients({"w": t, "n": np.ones(1)}, weights="mean")
+    assert isinstance(g["w"], torch.Tensor) and isinstance(g["n"], np.ndarray)
+    P = dist.size()
+    assert torch.allclose(g["w"], torch.full((2,), (P - 1) / 2, dtype=torch.float32))
+    s = dist.all_reduce(torch.ones(3, dtype=torch.int64))
+    assert isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.tolist() == [P] * 3
+    r = dist.reduce(torch.ones(2))
+    assert (r is None) == (RANK != 0) and (r is None or isinstance(r, torch.Tensor))
+    piece = dist.scatter(torch.arange(8.0) if RANK == 0 else None)
+    assert isinstance(piece, torch.Tensor) == (RANK == 0)
+    back = dist.gather(torch.as_tensor(piece))
+    assert (back is None) == (RANK != 0)
+    assert back is None or (isinstance(back, torch.Tensor) and back.tolist() == list(range(8)))
+    b = dist.broadcast(torch.arange(3) if RANK == 0 else None)
+    assert isinstance(b, torch.Tensor) and b.tolist() == [0, 1, 2]
+    try:
+        import jax.numpy as jnp
+    except ImportError:
+        say("OK torch (no jax)")
+        return
+
+    class J:
+        def __init__(self):
+            self.W = jnp.full((2, 2), float(RANK))
+
+        def __call__(self, x):
+            return x
+
+    m = J()
+    dist.DistributedDataParallel(m, device_ids=["cpu:0"])
+    assert type(m.W).__module__.split(".")[0] in ("jax", "jaxlib") and float(m.W[0, 0]) == 0.0
+    say("OK torch")
+
+
 def case_uninitialized():
     try:
         dist.scatter(np.zeros(3))
