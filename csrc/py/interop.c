@@ -235,6 +235,34 @@ static int refuse_requires_grad(dp_state *st, PyObject *obj, const char *argname
     return 1;
 }
 
+/* A torch tensor with the negative bit set (a lazy view such as
+ * x.conj().imag): torch's DLPack export hands over the unnegated memory
+ * without saying so (NumPy's from_dlpack reads the wrong sign too), so it is
+ * refused: 1 with TypeError naming argname, 0 when obj is not such a tensor,
+ * -1 when asking raised. (Tensors with the conjugate bit torch refuses to
+ * export itself.) */
+static int refuse_negative_bit(PyObject *obj, const char *argname)
+{
+    PyObject *m = PyObject_GetAttrString(obj, "is_neg");
+    if (m == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *r = PyCallable_Check(m) ? PyObject_CallNoArgs(m) : Py_NewRef(Py_False);
+    Py_DECREF(m);
+    if (r == NULL)
+        return -1;
+    int yes = r == Py_True;
+    Py_DECREF(r);
+    if (!yes)
+        return 0;
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a tensor with the negative bit set (a lazy view such as x.conj().imag): "
+                 "its DLPack export would hand over the values with the wrong sign; pass "
+                 "x.resolve_neg()", argname);
+    return 1;
+}
+
 /* The pending error as "argname: cannot read <type> as an array (<what>: <error>)". */
 static void raise_unreadable(PyObject *obj, const char *argname, const char *what)
 {
@@ -278,7 +306,7 @@ static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argn
 
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
-    if (refuse_requires_grad(st, obj, argname))
+    if (refuse_requires_grad(st, obj, argname) || refuse_negative_bit(obj, argname))
         return NULL;
     PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
     if (m == NULL) {

@@ -248,3 +248,14 @@ def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
     del out
     assert (sys.getrefcount(x), sys.getrefcount(holder.w)) == refs
     assert [dpmini.memory_allocated(d) for d in DEVS] == mem
+
+
+def test_tensor_with_the_negative_bit_is_refused_not_read_with_the_wrong_sign(torch):
+    c = torch.tensor([[1 + 2j], [3 + 4j]]).conj().imag        # values -2, -4; DLPack gives 2, 4
+    assert c.is_neg()
+    with pytest.raises(TypeError, match=r"args\[0\]: a tensor with the negative bit set.*resolve_neg"):
+        dpmini.DataParallel(lambda a: a, DEVS)(c)
+    with pytest.raises(TypeError, match="negative bit"):
+        dpmini.comm.scatter(c, DEVS)
+    got = dpmini.DataParallel(lambda a: a, DEVS)(c.resolve_neg())
+    assert torch.equal(got, torch.tensor([[-2.0], [-4.0]], dtype=torch.float64))
