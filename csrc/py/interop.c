@@ -212,8 +212,14 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
     return res;
 }
 
-/* A tensor that requires grad (torch): 1 with TypeError naming argname, 0. */
-static int refuse_requires_grad(dp_state *st, PyObject *obj, const char *argname)
+/* A tensor that requires grad (torch). With grad mode off in this thread
+ * (torch.no_grad(), inference_mode) nothing that dpmini copies would need a
+ * graph, so it is read detached (x.detach(): a view, no copy): 2. With grad
+ * mode on: 1 with TypeError naming argname (dpmini has no autograd). 0: not
+ * such a tensor; -1: an error from asking. */
+static PyObject *import_attr_quiet(const char *module, const char *attr);
+
+static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
 {
     PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
     if (rg == NULL) {
@@ -224,13 +230,22 @@ static int refuse_requires_grad(dp_state *st, PyObject *obj, const char *argname
     Py_DECREF(rg);
     if (!yes)
         return 0;
+    PyObject *enabled = import_attr_quiet("torch", "is_grad_enabled");
+    PyObject *on = enabled != NULL ? PyObject_CallNoArgs(enabled) : NULL;
+    Py_XDECREF(enabled);
+    if (on == NULL && PyErr_Occurred())
+        return -1;
+    int grad_on = on == NULL || on == Py_True;   /* no torch.is_grad_enabled: refuse */
+    Py_XDECREF(on);
+    if (!grad_on)
+        return 2;
     PyObject *name = dp_array_type_name(st, obj);
     if (name == NULL)
         return 1;
     PyErr_Format(PyExc_TypeError,
                  "%s: a %U that requires grad: dpmini has no autograd (its copies would cut "
-                 "the graph); pass x.detach(), or call under torch.no_grad() so that "
-                 "results need no grad", argname, name);
+                 "the graph); pass x.detach(), or call under torch.no_grad() (where it is "
+                 "read detached)", argname, name);
     Py_DECREF(name);
     return 1;
 }
@@ -304,10 +319,25 @@ static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argn
     return (PyArrayObject *)r;
 }
 
+static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);
+
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
-    if (refuse_requires_grad(st, obj, argname) || refuse_negative_bit(obj, argname))
+    int rg = requires_grad(st, obj, argname);
+    if (rg == 1 || rg < 0 || refuse_negative_bit(obj, argname))
         return NULL;
+    if (rg == 0)
+        return import_foreign(st, obj, argname);
+    PyObject *detached = PyObject_CallMethod(obj, "detach", NULL);
+    if (detached == NULL)
+        return NULL;
+    PyArrayObject *a = import_foreign(st, detached, argname);
+    Py_DECREF(detached);   /* the array keeps what it needs through DLPack */
+    return a;
+}
+
+static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname)
+{
     PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
     if (m == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))

@@ -199,6 +199,21 @@ def test_requires_grad_is_refused_naming_the_argument(torch):
         dpmini.DataParallel(model, DEVS)(torch.ones(4, 2))
 
 
+def test_requires_grad_is_read_detached_under_no_grad(torch):
+    x = torch.arange(8.0).reshape(4, 2).requires_grad_()
+    with torch.no_grad():
+        got = dpmini.DataParallel(lambda t: t * 2, DEVS)(x)
+        assert torch.equal(got, x.detach() * 2) and not got.requires_grad
+
+        class P:
+            def __init__(self):
+                self.w = torch.nn.Parameter(torch.ones(2))
+        reps = dpmini.replicate(P(), DEVS)
+        assert all(torch.equal(r.w, torch.ones(2)) and not r.w.requires_grad for r in reps[1:])
+    with pytest.raises(TypeError, match="requires grad"):     # grad mode back on: refused
+        dpmini.DataParallel(lambda t: t, DEVS)(x)
+
+
 def test_explain_shows_torch_leaves(torch):
     plan = dpmini.explain((torch.ones(4, 2),), DEVS)
     assert plan.leaves[0]["library"] == "torch.Tensor cpu"
