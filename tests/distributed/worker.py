@@ -357,6 +357,9 @@ def case_torch():
     assert back is None or (isinstance(back, torch.Tensor) and back.tolist() == list(range(8)))
     b = dist.broadcast(torch.arange(3) if RANK == 0 else None)
     assert isinstance(b, torch.Tensor) and b.tolist() == [0, 1, 2]
+    if os.environ.get("DPMINI_SANITIZER"):     # jaxlib aborts under LD_PRELOADed ASan
+        say("OK torch (no jax)")
+        return
     try:
         import jax.numpy as jnp
     except ImportError:
