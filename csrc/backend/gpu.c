@@ -474,7 +474,7 @@ static dpc_status copy_h2d(const dp_copy_desc *d, char *dst, int dev, const char
     size_t bytes = (size_t)dp_copy_numel(d) * d->itemsize, w, h, dp, sp;
     int dc = contiguous(d, d->dst_strides), sc = contiguous(d, d->src_strides);
     dpc_stream s;
-    dpc_status st;
+    dpc_status st = dpc_ok();
     DPC_TRY(use_stream(sy, dev, slot, &s));
     if (dpc_is_pinned(dev, src)) {
         if (dc && sc) {
