@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <string.h>
+
 /* Dicts: same number of keys, every key of replica 0 in every dict; key order
  * and type from replica 0 (spec 4.1, R14). */
 PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,

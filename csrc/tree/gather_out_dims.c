@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <string.h>
+
 /* One replica's value at an out_dims None array position as a host ndarray
  * for comparing (new reference): an ndarray as is (virtual-device memory is
  * host memory), a NumPy scalar as a 0-dim array, and a GPU array (dpmini,

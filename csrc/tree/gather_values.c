@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <string.h>
+
 /* A Python number (int, float, complex, bool; not a NumPy scalar). */
 int is_py_number(PyObject *o)
 {
