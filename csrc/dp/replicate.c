@@ -2,7 +2,7 @@
  * DataParallel.forward / .replicate and the module-level dpmini.replicate.
  *
  * replicate: the arrays reachable from the module (instance __dict__s and
- * __slots__ members, lists, tuples, namedtuples, dicts) are broadcast in one coalesced call (copy_engine.c); each
+ * __slots__ members, lists, tuples, namedtuples, dicts) are broadcast in one coalesced call (copy_broadcast.c); each
  * replica is a shallow copy of every object on a path to an array, with the
  * arrays swapped for that device's copies. Everything else is shared.
  *
