@@ -128,7 +128,7 @@ static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         goto done;
     }
-    if (build(&c, inputs, &root, res) < 0 || check_all_taken(&c) < 0)
+    if (scatter_build(&c, inputs, &root, res) < 0 || scatter_check_all_taken(&c) < 0)
         goto done;
     /* spec 3.3: a bare array gives a tuple of chunks, a structure a list. */
     out = kind == S_ARRAY ? PyTuple_New(c.k) : PyList_New(c.k);

@@ -228,7 +228,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
     for (Py_ssize_t i = 0; i < n; i++) {
         path_seg cseg;
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
-        if (build(c, child, &cseg, tmp) < 0)
+        if (scatter_build(c, child, &cseg, tmp) < 0)
             goto done;
         PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
         if (place_child(kind, exact_dict, res, tmp, k, i, key) < 0)
@@ -264,7 +264,7 @@ done:
 
 /* Pass (d): res[j] = obj as replica j sees it (k new references; all NULL on
  * failure). */
-int build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res)
+int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res)
 {
     int kind = scatter_kind(c->st, obj);
     if (kind < 0)
@@ -280,7 +280,7 @@ int build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res)
 }
 
 /* The leaves must all have been handed out by pass (d). */
-int check_all_taken(scatter_ctx *c)
+int scatter_check_all_taken(scatter_ctx *c)
 {
     if (c->cursor != c->nleaves) {
         PyErr_SetString(PyExc_RuntimeError,
@@ -392,7 +392,7 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
         tmp[j] = NULL;
     }
     if (has_kw) {
-        if (build(&c, kwargs, &kw_root, tmp) < 0)
+        if (scatter_build(&c, kwargs, &kw_root, tmp) < 0)
             goto fail;
     }
     else {
@@ -405,7 +405,7 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
         PyTuple_SET_ITEM(kws, j, tmp[j]);
         tmp[j] = NULL;
     }
-    if (check_all_taken(&c) < 0)
+    if (scatter_check_all_taken(&c) < 0)
         goto fail;
 
     *inputs_out = ins;

@@ -226,9 +226,9 @@ int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec);
 int scatter_copy(scatter_ctx *c);
 /* Pass (d): res[j] = obj as replica j sees it (c->k new references; all
  * NULL on failure). */
-int build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res);
+int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res);
 /* After pass (d): every leaf was handed out, else RuntimeError. */
-int check_all_taken(scatter_ctx *c);
+int scatter_check_all_taken(scatter_ctx *c);
 
 #pragma GCC visibility pop
 
