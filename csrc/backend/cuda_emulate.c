@@ -148,11 +148,11 @@ void dpc_versions(int *runtime, int *driver)
     *driver = emu_count_err ? 12020 : 0;
 }
 
-int emu_bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }
+int bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }
 
 dpc_status dpc_set_device(int dev)
 {
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
     emu_current = dev;
     return dpc_ok();
@@ -160,7 +160,7 @@ dpc_status dpc_set_device(int dev)
 
 dpc_status dpc_enable_peer(int dev, int peer, int *on)
 {
-    if (emu_bad_dev(dev) || emu_bad_dev(peer))
+    if (bad_dev(dev) || bad_dev(peer))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceEnablePeerAccess(peer)", dev,
                         emu_msg(E_INVALID_DEVICE));
     if (emu_peer < 0) {
@@ -178,7 +178,7 @@ dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
     g->prev = emu_current;
     g->switched = 0;
     g->ctx = NULL;
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
     g->switched = emu_current != dev;
     emu_current = dev;
@@ -213,7 +213,7 @@ static void forget_pending(int by_dev, int dev, dpc_stream s)
 }
 
 /* Record that s (on dev) touches host range [lo, hi) of device memory. */
-void emu_note_pending(dpc_stream s, int dev, const char *lo, const char *hi)
+void note_pending(dpc_stream s, int dev, const char *lo, const char *hi)
 {
     emu_pend *q = malloc(sizeof *q);
     if (q == NULL)
@@ -259,7 +259,7 @@ void dpc_emu_note_freed_busy(void) { __atomic_add_fetch(&emu_freed_busy, 1, __AT
 void dpc_emu_fail_stream_get(int slot) { __atomic_store_n(&emu_fail_slot, slot, __ATOMIC_SEQ_CST); }
 
 /* 1 when s is the poisoned handle of a failed dpc_stream_get (counted). */
-int emu_poisoned(dpc_stream s)
+int poisoned(dpc_stream s)
 {
     if (s != EMU_POISON_STREAM)
         return 0;
@@ -275,7 +275,7 @@ size_t dpc_max_pitch(int dev)
 
 dpc_status dpc_device_sync(int dev)
 {
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
                         emu_msg(E_INVALID_DEVICE));
     wait_unstuck(dev);
@@ -286,7 +286,7 @@ dpc_status dpc_device_sync(int dev)
 void dpc_emu_inject_fault(int code) { __atomic_store_n(&emu_fault, code, __ATOMIC_SEQ_CST); }
 
 /* The injected fault, once (0: none). */
-int emu_take_fault(void) { return __atomic_exchange_n(&emu_fault, 0, __ATOMIC_SEQ_CST); }
+int take_fault(void) { return __atomic_exchange_n(&emu_fault, 0, __ATOMIC_SEQ_CST); }
 
 /* ---- pointers ---- */
 
@@ -339,7 +339,7 @@ static char *dev_range_ex(const void *p, int64_t lo, int64_t hi, int *dev_out, i
     return h;
 }
 
-char *emu_dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
+char *dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
 {
     return dev_range_ex(p, lo, hi, dev_out, NULL);
 }
@@ -347,7 +347,7 @@ char *emu_dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out)
 /* A kernel on dev touching device range [p + lo, p + hi): its host address,
  * or NULL with *illegal = 1 when the block is on another device and peer
  * access does not cover it (cudaErrorIllegalAddress on hardware). */
-char *emu_kernel_range(int dev, const void *p, int64_t lo, int64_t hi, int *illegal)
+char *kernel_range(int dev, const void *p, int64_t lo, int64_t hi, int *illegal)
 {
     int pdev = -1, nopeer = 0;
     char *h = dev_range_ex(p, lo, hi, &pdev, &nopeer);
@@ -398,7 +398,7 @@ static int untrack(char *host, int dev, size_t *size)
 
 dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
 {
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_INVALID_DEVICE));
     pthread_mutex_lock(&emu_mu);
     int over = emu_used[dev] + nbytes > emu_limit;
@@ -489,7 +489,7 @@ int dpc_is_pinned(int dev, const void *p)
 dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 {
     *out = EMU_POISON_STREAM; /* what a caller sees if it ignores a failure */
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamCreateWithFlags", dev,
                         emu_msg(E_INVALID_DEVICE));
     int want = slot;
@@ -503,7 +503,7 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
 
 void dpc_emu_set_stuck(int dev, int on)
 {
-    if (!emu_bad_dev(dev))
+    if (!bad_dev(dev))
         __atomic_store_n(&emu_stuck[dev], on, __ATOMIC_SEQ_CST);
 }
 
@@ -521,9 +521,9 @@ static void wait_unstuck(int dev)
 dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
 {
     *done = 0;
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_DEVICE));
-    if (emu_poisoned(s))
+    if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_HANDLE));
     *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST);
     if (*done)
@@ -533,10 +533,10 @@ dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
 
 dpc_status dpc_stream_sync(int dev, dpc_stream s)
 {
-    if (emu_bad_dev(dev))
+    if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
                         emu_msg(E_INVALID_DEVICE));
-    if (emu_poisoned(s))
+    if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamSynchronize(s)", dev,
                         emu_msg(E_INVALID_HANDLE));
     wait_unstuck(dev);

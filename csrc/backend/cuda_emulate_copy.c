@@ -26,18 +26,18 @@
 static char *side(const void *p, size_t n, int on_device)
 {
     if (on_device)
-        return emu_dev_range(p, 0, (int64_t)n, NULL);
+        return dev_range(p, 0, (int64_t)n, NULL);
     return dpc_is_device_ptr(p, NULL) ? NULL : (char *)p;
 }
 
 dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
                             dpc_stream s)
 {
-    if (emu_bad_dev(dev) || emu_poisoned(s))
+    if (bad_dev(dev) || poisoned(s))
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
     if (nbytes == 0)
         return dpc_ok();
-    int f = emu_take_fault();
+    int f = take_fault();
     if (f)
         return EMU_FAIL(f, "cudaMemcpyAsync(dst, src, n, kind, s)", dev, emu_msg(f));
     char *d = side(dst, nbytes, kind != DPC_D2H);
@@ -46,9 +46,9 @@ dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, 
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
     memmove(d, c, nbytes);
     if (kind != DPC_D2H)
-        emu_note_pending(s, dev, d, d + nbytes);
+        note_pending(s, dev, d, d + nbytes);
     if (kind != DPC_H2D)
-        emu_note_pending(s, dev, c, c + nbytes);
+        note_pending(s, dev, c, c + nbytes);
     return dpc_ok();
 }
 
@@ -56,7 +56,7 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
                               size_t spitch, size_t width, size_t height, int kind,
                               dpc_stream s)
 {
-    if (emu_bad_dev(dev) || emu_poisoned(s) || width > dpitch || width > spitch)
+    if (bad_dev(dev) || poisoned(s) || width > dpitch || width > spitch)
         return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
     if (width == 0 || height == 0)
         return dpc_ok();
@@ -72,9 +72,9 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
     for (size_t r = 0; r < height; r++)
         memcpy(d + r * dpitch, c + r * spitch, width);
     if (kind != DPC_D2H)
-        emu_note_pending(s, dev, d, d + dspan);
+        note_pending(s, dev, d, d + dspan);
     if (kind != DPC_H2D)
-        emu_note_pending(s, dev, c, c + sspan);
+        note_pending(s, dev, c, c + sspan);
     return dpc_ok();
 }
 
@@ -82,17 +82,17 @@ dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int sr
                                  size_t nbytes, dpc_stream s)
 {
     int dd = -1, sd = -1;
-    if (emu_poisoned(s))
+    if (poisoned(s))
         return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
     if (nbytes == 0)
         return dpc_ok();
-    char *d = emu_dev_range(dst, 0, (int64_t)nbytes, &dd);
-    char *c = emu_dev_range(src, 0, (int64_t)nbytes, &sd);
+    char *d = dev_range(dst, 0, (int64_t)nbytes, &dd);
+    char *c = dev_range(src, 0, (int64_t)nbytes, &sd);
     if (d == NULL || c == NULL || dd != dst_dev || sd != src_dev)
         return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
     memcpy(d, c, nbytes);
-    emu_note_pending(s, dst_dev, d, d + nbytes);
-    emu_note_pending(s, dst_dev, c, c + nbytes);
+    note_pending(s, dst_dev, d, d + nbytes);
+    note_pending(s, dst_dev, c, c + nbytes);
     return dpc_ok();
 }
 
@@ -118,17 +118,17 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
 {
     int64_t slo, shi, dlo, dhi;
     int illegal = 0;
-    if (emu_bad_dev(dev) || emu_poisoned(s) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
+    if (bad_dev(dev) || poisoned(s) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
     if (d->numel == 0)
         return dpc_ok();
-    int f = emu_take_fault();
+    int f = take_fault();
     if (f)
         return EMU_FAIL(f, "dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev, emu_msg(f));
     span(d, d->src_strides, &slo, &shi);
     span(d, d->dst_strides, &dlo, &dhi);
-    char *hd = emu_kernel_range(dev, dst, dlo, dhi, &illegal);
-    char *hs = emu_kernel_range(dev, src, slo, shi, &illegal);
+    char *hd = kernel_range(dev, dst, dlo, dhi, &illegal);
+    char *hs = kernel_range(dev, src, slo, shi, &illegal);
     if (illegal)
         return EMU_FAIL(E_ILLEGAL_ADDRESS, "dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev,
                         emu_msg(E_ILLEGAL_ADDRESS));
@@ -136,8 +136,8 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
     for (int64_t i = 0; i < d->numel; i++)
         dp_strided_copy_one(d, hd, hs, i);
-    emu_note_pending(s, dev, hd + dlo, hd + dhi);
-    emu_note_pending(s, dev, hs + slo, hs + shi);
+    note_pending(s, dev, hd + dlo, hd + dhi);
+    note_pending(s, dev, hs + slo, hs + shi);
     return dpc_ok();
 }
 
@@ -155,12 +155,12 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
                           dpc_stream s)
 {
     int illegal = 0;
-    if (emu_bad_dev(dev) || emu_poisoned(s) || type < 0 || type >= DPC_T_NONE)
+    if (bad_dev(dev) || poisoned(s) || type < 0 || type >= DPC_T_NONE)
         return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
     if (numel == 0)
         return dpc_ok();
     int64_t n = numel * type_size[type];
-    char *ha = emu_kernel_range(dev, acc, 0, n, &illegal), *hx = emu_kernel_range(dev, x, 0, n, &illegal);
+    char *ha = kernel_range(dev, acc, 0, n, &illegal), *hx = kernel_range(dev, x, 0, n, &illegal);
     if (illegal)
         return EMU_FAIL(E_ILLEGAL_ADDRESS, "dp_add_kernel<<<grid, block, 0, s>>>", dev,
                         emu_msg(E_ILLEGAL_ADDRESS));
@@ -185,8 +185,8 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
         break;
     }
     }
-    emu_note_pending(s, dev, ha, ha + n);
-    emu_note_pending(s, dev, hx, hx + n);
+    note_pending(s, dev, ha, ha + n);
+    note_pending(s, dev, hx, hx + n);
     return dpc_ok();
 }
 

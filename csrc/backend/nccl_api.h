@@ -7,6 +7,8 @@
 
 #include <stddef.h>
 
+#pragma GCC visibility push(hidden)
+
 typedef struct dp_ncclComm *ncclComm_t;
 typedef int ncclResult_t;                      /* 0 = ncclSuccess */
 enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_UINT32 = 3, NCCL_INT64 = 4,
@@ -33,5 +35,7 @@ int dp_nccl_emu_install(dp_nccl_fns *fns, char *desc, size_t desc_size);
 /* nccl_emulate.c: the next emulated GroupEnd fails with this result (tests). */
 void dp_nccl_emu_fail_next(int fail_next);
 #endif
+
+#pragma GCC visibility pop
 
 #endif

@@ -58,7 +58,7 @@ PyObject *dp_export(dp_state *st, PyObject *obj)
 }
 
 /* Mark the buffer that owns a's memory as exported (see the file comment). */
-void dp_array_mark_exported(dp_state *st, PyArrayObject *a)
+void mark_exported(dp_state *st, PyArrayObject *a)
 {
     PyObject *b = (PyObject *)a;
     while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
@@ -160,7 +160,7 @@ static PyObject *get_cai(PyObject *op, void *c)
         goto done;
     }
     void *ptr = PyArray_SIZE(a) == 0 ? NULL : PyArray_DATA(a);
-    dp_array_mark_exported(dp_state_from_type(Py_TYPE(op)), a);
+    mark_exported(dp_state_from_type(Py_TYPE(op)), a);
     res = Py_BuildValue("{sOsOsOs(NO)sOsisO}", "shape", shape, "typestr", typestr, "descr",
                         descr, "data", PyLong_FromVoidPtr(ptr),
                         PyArray_ISWRITEABLE(a) ? Py_False : Py_True, "strides", strides,
@@ -209,12 +209,12 @@ static PyMethodDef array_methods_tbl[] = {
      "C-contiguous unless the layout is dense, then the same strides)."},
     {"__array__", (PyCFunction)(void (*)(void))array_array, METH_VARARGS | METH_KEYWORDS,
      "Refused with TypeError: use .numpy()."},
-    {"__dlpack__", (PyCFunction)(void (*)(void))dp_array_dlpack, METH_VARARGS | METH_KEYWORDS,
+    {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Returns a PyCapsule. DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
      "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. Refusals "
      "raise BufferError."},
-    {"__dlpack_device__", dp_array_dlpack_device, METH_NOARGS,
+    {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
      "__dlpack_device__()\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},
     {NULL},
 };

@@ -134,7 +134,7 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
     t->byte_offset = 0;
     ctx->versioned = versioned;
     ctx->owner = (PyObject *)self;
-    dp_array_mark_exported(dp_state_from_type(Py_TYPE(self)), a);
+    mark_exported(dp_state_from_type(Py_TYPE(self)), a);
     Py_INCREF(self);
     PyObject *cap;
     if (versioned) {
@@ -157,7 +157,7 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
     return cap;
 }
 
-PyObject *dp_array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
+PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
@@ -245,7 +245,7 @@ PyObject *dp_array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
     return to_capsule(self, versioned, 0);
 }
 
-PyObject *dp_array_dlpack_device(PyObject *op, PyObject *unused)
+PyObject *array_dlpack_device(PyObject *op, PyObject *unused)
 {
     return Py_BuildValue("(ii)", (int)kDLCUDA, ((dp_ArrayObject *)op)->dev.index);
 }

@@ -452,7 +452,7 @@ done:
 }
 
 /* (device_type, device_id) from obj.__dlpack_device__(), or -1 (no error). */
-int dp_dlpack_device(PyObject *obj, int *type, int *id)
+int dlpack_device(PyObject *obj, int *type, int *id)
 {
     int r = dlpack_device_ex(obj, type, id);
     if (r < 0) {

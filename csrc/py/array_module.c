@@ -28,7 +28,7 @@ static PyObject *py_from_dlpack(PyObject *m, PyObject *obj)
     if (PyObject_TypeCheck(obj, st->ArrayType)) {
         return Py_NewRef(obj);
     }
-    if (dp_dlpack_device(obj, &type, &id) == 0 && (type == kDLCPU || type == kDLCUDAHost)) {
+    if (dlpack_device(obj, &type, &id) == 0 && (type == kDLCPU || type == kDLCUDAHost)) {
         PyObject *np = PyImport_ImportModule("numpy");
         PyObject *r = np ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
         Py_XDECREF(np);

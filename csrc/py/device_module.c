@@ -132,11 +132,11 @@ static PyObject *py_device_of(PyObject *m, PyObject *arg)
 
 
 PyMethodDef dp_device_methods[] = {
-    {"_fail_alloc_after", dp_py_fail_alloc_after, METH_O,
+    {"_fail_alloc_after", py_fail_alloc_after, METH_O,
      "_fail_alloc_after(n) -> int\n\nTest hook: let n more device allocations succeed, "
      "then fail the next one (MemoryError); n < 0 turns it off. Returns the previous "
      "count (-1 when none was pending, e.g. once the failure has fired)."},
-    {"_cache_stats", dp_py_cache_stats, METH_O,
+    {"_cache_stats", py_cache_stats, METH_O,
      "_cache_stats(device) -> dict\n\nFor tests and benchmarks: the caching allocator's counters "
      "for a host or virtual CPU device: allocated, cached, peak, limit, slack (bytes), blocks (cached), "
      "hits, misses, evictions. Errors: as memory_allocated; ValueError for a CUDA device."},
@@ -159,7 +159,7 @@ PyMethodDef dp_device_methods[] = {
      "Raises TypeError when array is neither a numpy.ndarray nor a GPU array (a list,\n"
      "a NumPy scalar), and the producer's own error (or TypeError/BufferError naming\n"
      "'array') when a GPU object's protocol fails."},
-    {"memory_allocated", dp_py_memory_allocated, METH_O,
+    {"memory_allocated", py_memory_allocated, METH_O,
      "memory_allocated(device)\n--\n\nReturns an int: bytes (rounded to the allocator's block sizes) "
      "held by live dpmini arrays on a device ('cpu' counts dpmini's host allocations "
      "only). device: 'cpu' or -1 (the host), 'cpu:N', 'cuda:N', an int or a dpmini.Device.\n"
@@ -167,12 +167,12 @@ PyMethodDef dp_device_methods[] = {
      "an unknown spelling, a virtual device index outside 0..255, or a CUDA device that\n"
      "does not exist (the message says when dpmini sees no GPU at all).\n"
      "Source: torch.cuda.memory_allocated."},
-    {"memory_reserved", dp_py_memory_reserved, METH_O,
+    {"memory_reserved", py_memory_reserved, METH_O,
      "memory_reserved(device)\n--\n\nReturns an int: memory_allocated plus the bytes the caching "
      "allocator keeps for reuse on that device. device: as for memory_allocated.\n"
      "Errors: TypeError for a device of the wrong type; ValueError for an unknown spelling,\n"
      "an index out of range or a missing CUDA device. Source: torch.cuda.memory_reserved."},
-    {"empty_cache", dp_py_empty_cache, METH_NOARGS,
+    {"empty_cache", py_empty_cache, METH_NOARGS,
      "empty_cache()\n--\n\nReturn every cached block of every device (virtual CPU devices, the\n"
      "host's gathered outputs, CUDA devices) to the system; returns None. Live arrays are\n"
      "not touched. Errors: none (takes no argument; TypeError if given one).\n"

@@ -440,7 +440,7 @@ static int heap_arg(dp_state *st, PyObject *obj, dp_cache **out)
     return 0;
 }
 
-PyObject *dp_py_memory_allocated(PyObject *m, PyObject *arg)
+PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
 {
     dp_cache *h;
     size_t ga, gr;
@@ -454,7 +454,7 @@ PyObject *dp_py_memory_allocated(PyObject *m, PyObject *arg)
     return PyLong_FromSize_t(dp_cache_get_stats(h).allocated);
 }
 
-PyObject *dp_py_memory_reserved(PyObject *m, PyObject *arg)
+PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
 {
     dp_cache *h;
     size_t ga, gr;
@@ -469,7 +469,7 @@ PyObject *dp_py_memory_reserved(PyObject *m, PyObject *arg)
     return PyLong_FromSize_t(cs.allocated + cs.cached);
 }
 
-PyObject *dp_py_cache_stats(PyObject *m, PyObject *arg)
+PyObject *py_cache_stats(PyObject *m, PyObject *arg)
 {
     dp_cache *h;
     if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
@@ -483,7 +483,7 @@ PyObject *dp_py_cache_stats(PyObject *m, PyObject *arg)
                          "misses", cs.misses, "evictions", cs.evictions);
 }
 
-PyObject *dp_py_empty_cache(PyObject *m, PyObject *unused)
+PyObject *py_empty_cache(PyObject *m, PyObject *unused)
 {
     pthread_once(&heaps_once, init_heaps);
     Py_BEGIN_ALLOW_THREADS
@@ -498,7 +498,7 @@ PyObject *dp_py_empty_cache(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-PyObject *dp_py_fail_alloc_after(PyObject *m, PyObject *arg)
+PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) {
