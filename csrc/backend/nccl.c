@@ -7,7 +7,7 @@
  * loader path. Not loaded: callers use the copy-and-kernel fallback.
  * Under emulation (and in CPU-only builds) NCCL is never loaded.
  *
- * The NCCL declarations below are the few we call, written from NCCL's
+ * The NCCL declarations (nccl_api.h) are the few we call, written from NCCL's
  * public ABI (nccl.h), so the build does not need NCCL's headers.
  * Communicators (ncclCommInitAll over a device list) are cached per device
  * list (8 lists at most) for the life of the process, like PyTorch's; a list
