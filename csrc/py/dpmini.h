@@ -501,5 +501,8 @@ extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */
 extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
+/* adds the torch.nn.Module methods (parameters, state_dict, train, ...) to
+ * the DataParallel type made from dp_dataparallel_spec (dataparallel_module.c) */
+int dp_DataParallel_add_module_methods(PyTypeObject *tp);
 
 #endif
