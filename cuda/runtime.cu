@@ -223,12 +223,13 @@ extern "C" int dpc_device_count(void)
             n = nvml_count();
         if (n < 0) {
             n = 0;
-            __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED); // cuInit
-            cudaError_t e = cudaGetDeviceCount(&n);
+            cudaError_t e = cudaGetDeviceCount(&n); // cuInit
             if (e != cudaSuccess) {
                 (void)cudaGetLastError();
                 n = 0;
                 g_count_err = (int)e;
+            } else if (n > 0) {
+                __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED);
             }
         }
         g_count = n;
