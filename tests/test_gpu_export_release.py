@@ -75,11 +75,17 @@ def test_cai_reads_do_not_sync_the_device_at_every_free():
 
 
 def test_deferred_blocks_are_released_by_empty_cache():
+    dpmini.empty_cache()
+    allocated = dpmini.memory_allocated("cuda:0")
     a = dpmini.asarray(np.arange(64.0), 0)
+    assert dpmini.memory_allocated("cuda:0") > allocated
     _ = a.__cuda_array_interface__["data"]
     del a
     gc.collect()
-    assert _dbg("export_deferred") >= 1
+    assert _dbg("export_deferred") == 1
+    # freed by its array: not allocated any more, still reserved until the sync
+    assert dpmini.memory_allocated("cuda:0") == allocated
+    assert dpmini.memory_reserved("cuda:0") > allocated
     before = _dbg("export_syncs")
     dpmini.empty_cache()
     assert _dbg("export_deferred") == 0

@@ -158,7 +158,8 @@ void dp_gpu_forget(int dev, size_t rounded)
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved)
 {
     dp_cache_stats st = dp_cache_get_stats(gcache(dev));
-    *allocated = st.allocated;
+    size_t aside = dp_gpu_deferred_bytes(dev); /* freed, not yet cached */
+    *allocated = st.allocated - (aside < st.allocated ? aside : st.allocated);
     *reserved = st.allocated + st.cached;
 }
 

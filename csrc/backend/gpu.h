@@ -48,6 +48,9 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer)
  * all devices (tests). */
 dpc_status dp_gpu_release_deferred(int dev);
 int dp_gpu_deferred_count(void);
+/* Bytes put aside on dev: freed by their arrays, so not counted by
+ * memory_allocated, but still reserved. */
+size_t dp_gpu_deferred_bytes(int dev);
 /* A block given up for lost (its device is unusable): the cache forgets it. */
 void dp_gpu_forget(int dev, size_t rounded);
 /* Counters for tests (_dpmini._cuda_debug): device syncs that released

@@ -105,6 +105,19 @@ int dp_gpu_deferred_count(void)
     return total;
 }
 
+size_t dp_gpu_deferred_bytes(int dev)
+{
+    size_t bytes;
+    if (dev < 0 || dev >= DP_DEFER_DEVS) {
+        return 0;
+    }
+    pthread_once(&defer_once, defer_init);
+    pthread_mutex_lock(&defer[dev].mu);
+    bytes = defer[dev].bytes;
+    pthread_mutex_unlock(&defer[dev].mu);
+    return bytes;
+}
+
 /* Put a block aside; when the list is full, release it (and the block). */
 static void defer_block(int dev, void *p, size_t rounded)
 {
