@@ -224,7 +224,10 @@ static PyMethodDef array_methods_tbl[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Returns a PyCapsule. DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
-     "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. Refusals "
+     "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. stream: the "
+     "consumer's CUDA stream (an int; 0 refused); the array is ready on any stream, and once "
+     "the consumer released the tensor its memory is reused only after that stream (1: the "
+     "legacy default stream) finished; None, -1 or 2: after a device sync. Refusals "
      "raise BufferError."},
     {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
      "__dlpack_device__()\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},
