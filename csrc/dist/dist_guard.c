@@ -142,6 +142,8 @@ void dist_meta_array(dist_meta *m, PyObject *arr)
 {
     PyArrayObject *a = (PyArrayObject *)arr;
     m->ndim = PyArray_NDIM(a);
+    m->dev_kind = DIST_DEV_HOST;
+    m->dev_id = -1;
     for (int i = 0; i < PyArray_NDIM(a) && i < DIST_MAX_NDIM; i++)
         m->shape[i] = PyArray_DIM(a, i);
     m->itemsize = PyArray_ITEMSIZE(a);
@@ -218,7 +220,7 @@ static void describe(const dist_meta *m, char *buf, size_t n)
         ADD(" shape (");
         for (int64_t i = 0; i < m->ndim && i < DIST_MAX_NDIM; i++)
             ADD("%lld%s", (long long)m->shape[i], m->ndim == 1 ? "," : (i + 1 < m->ndim ? ", " : ""));
-        ADD(") dtype %s", m->dtype_name);
+        ADD(") dtype %s%s", m->dtype_name, m->dev_kind == DIST_DEV_GPU ? " (GPU array)" : "");
     }
 #undef ADD
 }
@@ -314,6 +316,8 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
         return "chunk_sizes/weights";
     if (!kind_compares_arrays(a->kind) || a->err[0] || b->err[0])
         return NULL;
+    if (a->dev_kind != b->dev_kind)
+        return "the device kind (a host array on some ranks, a GPU array on others)";
     if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize)
         return "dtype";
     if (a->ndim != b->ndim)
@@ -369,6 +373,25 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         if (what != NULL)
             return raise_mismatch(c, mine, what);
     }
+    /* 4. A GPU collective needs an NCCL communicator on every rank or on
+     * none (made together), and none aborted. */
+    const dist_meta *lead = kind_has_root(mine->kind) && !kind_compares_arrays(mine->kind)
+                            ? &c->peers[mine->root] : &c->peers[0];
+    if (lead->dev_kind != DIST_DEV_GPU || (mine->kind != DIST_ALL_REDUCE &&
+                                           mine->kind != DIST_REDUCE && mine->kind != DIST_BROADCAST))
+        return 0;   /* scatter and the gathers stage GPU arrays through the host */
+    for (int r = 0; r < P; r++) {
+        if (c->peers[r].nccl_state == 2 || c->peers[r].nccl_state != c->peers[0].nccl_state) {
+            int bad = c->peers[r].nccl_state == 2 ? r : 0;
+            PyErr_Format(PyExc_RuntimeError,
+                         "dpmini.distributed.%s (call %lld): GPU collectives are off: rank %d's "
+                         "NCCL communicator %s after an earlier NCCL error, timeout or "
+                         "interrupt (every rank raises this; host arrays still work)",
+                         dist_kind_name(mine->kind), (long long)mine->call, bad,
+                         c->peers[bad].nccl_state == 2 ? "was aborted" : "is missing");
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -400,6 +423,7 @@ int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
     int P = c->size, me = c->rank, rc = MPI_SUCCESS;
     mine->magic = DIST_MAGIC;
     mine->call = ++c->calls;
+    mine->nccl_state = c->nccl_broken[0] ? 2 : c->nccl != NULL ? 1 : 0;
     c->peers[me] = *mine;
     for (int i = 0; i < 2 * P; i++) {
         c->reqs[i] = MPI_REQUEST_NULL;
