@@ -97,6 +97,12 @@ double dist_now(void);
  * Returns 0 all done, 1 deadline passed, -1 exception set (MPI error or
  * KeyboardInterrupt). */
 int dist_poll(MPI_Request *reqs, int n, int *done, double deadline);
+/* One pause of a polling loop run with the GIL released (*ts saved):
+ * 1 the deadline has passed, -1 a signal handler raised (the GIL is taken
+ * for it every 50 ms, *next_signals), else 0 after a yield or a short
+ * sleep (longer once nothing has progressed since last_progress). */
+int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                    double *next_signals);
 /* Set a RuntimeError from an MPI error code; returns -1. */
 int dist_mpi_error(int code, const char *what);
 /* Record the pending Python exception as the local error of `mine`

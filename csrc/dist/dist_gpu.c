@@ -26,9 +26,7 @@
 #include "dist.h"
 #include "dist_nccl.h"
 
-#include <sched.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ */
@@ -367,24 +365,11 @@ static int finish(dist_comm *c, const dist_nccl_api *api, int rc, dist_stream_t 
                 (async != NCCL_OK && async != NCCL_IN_PROGRESS))
                 break;
             async = NCCL_OK;
-            double t = dist_now();
-            if (t >= deadline) {
-                timed_out = 1;
+            int pause = dist_poll_pause(&ts, deadline, start, &next_signals);
+            if (pause != 0) {
+                timed_out = pause > 0;
+                interrupted = pause < 0;
                 break;
-            }
-            if (t >= next_signals) {
-                PyEval_RestoreThread(ts);
-                interrupted = PyErr_CheckSignals() < 0;
-                ts = PyEval_SaveThread();
-                if (interrupted)
-                    break;
-                next_signals = t + 0.05;
-            }
-            if (t - start < 0.005) {
-                sched_yield();
-            } else {
-                struct timespec nap = {0, t - start < 0.1 ? 50000 : 500000};
-                nanosleep(&nap, NULL);
             }
         }
         PyEval_RestoreThread(ts);

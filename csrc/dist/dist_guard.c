@@ -48,6 +48,31 @@ int dist_mpi_error(int code, const char *what)
     return -1;
 }
 
+int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                    double *next_signals)
+{
+    double t = dist_now();
+    if (t >= deadline)
+        return 1;
+    if (t >= *next_signals) {
+        PyEval_RestoreThread(*ts);
+        int interrupted = PyErr_CheckSignals() < 0;
+        *ts = PyEval_SaveThread();
+        if (interrupted)
+            return -1;
+        *next_signals = t + 0.05;
+    }
+    /* Yield while data may be moving (MPI progresses inside MPI_Test);
+     * sleep once nothing has completed for 5 ms (a slow peer). */
+    if (t - last_progress < 0.005) {
+        sched_yield();
+    } else {
+        struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
+        nanosleep(&nap, NULL);
+    }
+    return 0;
+}
+
 int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
 {
     int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
@@ -71,26 +96,11 @@ int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
         }
         if (left == 0)
             break;
-        double t = dist_now();
-        if (t >= deadline) {
-            result = 1;
+        int pause = dist_poll_pause(&ts, deadline, last_progress, &next_signals);
+        if (pause != 0) {
+            result = pause > 0;
+            interrupted = pause < 0;
             break;
-        }
-        if (t >= next_signals) {
-            PyEval_RestoreThread(ts);
-            interrupted = PyErr_CheckSignals() < 0;
-            ts = PyEval_SaveThread();
-            if (interrupted)
-                break;
-            next_signals = t + 0.05;
-        }
-        /* Yield while data may be moving (MPI progresses inside MPI_Test);
-         * sleep once nothing has completed for 5 ms (a slow peer). */
-        if (t - last_progress < 0.005) {
-            sched_yield();
-        } else {
-            struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
-            nanosleep(&nap, NULL);
         }
     }
 out:
