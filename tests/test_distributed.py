@@ -357,6 +357,14 @@ def test_gpu_collectives_through_emulated_nccl_equal_the_host_path(np_):
                             f"rank's NCCL communicator is on cuda:{r}"), m
 
 
+@needs_emulated
+def test_gpu_check_case_of_tools_gpu_check_runs_on_emulated_nccl():
+    # tools/gpu_check.sh runs this case with -np 1 on a lent GPU (the real NCCL)
+    rc, lines, out, _ = mpirun_gpu("gpu_real", np=1)
+    assert rc == 0 and lines[0][0] == "OK gpu_real dpmini", out
+    assert lines[0][1].startswith("INFO emulated NCCL over MPI"), out
+
+
 @pytest.fixture(scope="module")
 def gpu_errors_run():
     if not _have_emulated_dist():

@@ -538,6 +538,49 @@ def case_gpu_no_device():
     say("OK gpu_no_device")
 
 
+def case_gpu_real():
+    """On a real GPU (tools/gpu_check.sh, mpirun -np 1): all_reduce, reduce and
+    broadcast of torch and dpmini GPU arrays through the real NCCL."""
+    libs = []
+    try:
+        import torch
+        if torch.cuda.is_available():
+            libs.append("torch")
+    except ImportError:
+        torch = None
+    if dpmini._dpmini.cuda_build_info()["device_count"] > 0:
+        libs.append("dpmini")
+    if not libs:
+        say("SKIP no GPU")
+        return
+    P = dist.size()
+    for lib in libs:
+        dtypes = NCCL_DTYPES if lib == "dpmini" else [np.int8, np.uint8, np.int32, np.int64,
+                                                      np.float16, np.float32, np.float64]
+        for dt in dtypes:
+            base = np.arange(24).reshape(4, 6) % 7
+
+            def dev(a):
+                a = np.ascontiguousarray(a)
+                return torch.from_numpy(a).to(f"cuda:{RANK}") if lib == "torch" \
+                    else dpmini.asarray(a, f"cuda:{RANK}")
+
+            def host(a):
+                return a.cpu().numpy() if lib == "torch" else a.numpy()
+            x = dev((base + RANK).astype(dt))
+            for op in ("sum", "max", "min") + (("mean",) if np.dtype(dt).kind == "f" else ()):
+                got = dist.all_reduce(x, op)
+                assert type(got) is type(x) and str(got.device) == str(x.device), (lib, got)
+                assert np.array_equal(host(got), host_reduce(base, P, op, dt)), (lib, dt, op)
+            r = dist.reduce(x, root=0, op="sum")
+            assert (r is None) == (RANK != 0)
+            assert r is None or np.array_equal(host(r), host_reduce(base, P, "sum", dt))
+            b = dist.broadcast(x if RANK == 0 else None)
+            assert np.array_equal(host(b), base.astype(dt)), (lib, dt)
+        say(f"OK gpu_real {lib}")
+    say(f"INFO {dist.nccl_info()}")
+
+
 def case_uninitialized():
     try:
         dist.scatter(np.zeros(3))
