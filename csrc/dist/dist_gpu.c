@@ -252,6 +252,7 @@ static int ensure_comm(dist_comm *c, int dev, double deadline, int64_t kind)
         return -1;   /* the others time out: no memory for a few hundred bytes */
     }
     peer_info *mine = &all[P];
+    int prev = -1;   /* the thread's current device, restored at the end */
     const dist_nccl_api *api = dist_nccl_get();
     if (api == NULL) {
         PyObject *t, *v, *tb;
@@ -263,9 +264,9 @@ static int ensure_comm(dist_comm *c, int dev, double deadline, int64_t kind)
         Py_XDECREF(t);
         Py_XDECREF(v);
         Py_XDECREF(tb);
-    } else if (dev < 0 && (rc = api->GetDevice(&dev)) != CUDA_OK) {
+    } else if ((rc = api->GetDevice(&prev)) != CUDA_OK) {
         snprintf(mine->err, sizeof mine->err, "cudaGetDevice failed: %s", api->CudaErrorString(rc));
-    } else if ((rc = api->SetDevice(dev)) != CUDA_OK) {
+    } else if ((rc = api->SetDevice(dev = dev < 0 ? prev : dev)) != CUDA_OK) {
         snprintf(mine->err, sizeof mine->err, "cudaSetDevice(%d) failed: %s", dev,
                  api->CudaErrorString(rc));
     }
@@ -334,13 +335,16 @@ static int ensure_comm(dist_comm *c, int dev, double deadline, int64_t kind)
     }
     c->nccl = comm;
     c->nccl_dev = dev;
-    PyMem_Free(all);
-    PyMem_Free(idm);
-    return 0;
+    rc = 0;
+    goto out;
 fail:
+    rc = -1;
+out:
+    if (api != NULL && prev >= 0 && prev != dev)
+        api->SetDevice(prev);
     PyMem_Free(all);
     PyMem_Free(idm);
-    return -1;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ */
