@@ -228,11 +228,16 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
         array of the right shape). The same on every rank (checked).
     Returns a new C-contiguous ndarray with x's dtype and x's shape except
     shape[dim] (x's dtype string is sent, so structured dtypes arrive as raw
-    void of the same size on the other ranks).
+    void of the same size on the other ranks). A GPU array on root (with a
+    ``__cuda_array_interface__``) moves by NCCL send/recv: every rank gets a
+    new array of root's library on its GPU (as in :func:`broadcast`).
     Raises (on every rank): ValueError/IndexError/TypeError for bad arguments on
     any rank, ValueError when the ranks disagree, TimeoutError.
     """
     c = _comm()
+    gpu = _gpu_args(x)
+    if gpu is not None:   # NCCL; off root x only names the device
+        return c.scatter(x, root, dim, chunk_sizes, weights, gpu)
     x, back = _to_numpy(x) if c.rank == root else (x, None)
     return _back(back, c.scatter(x, root, dim, chunk_sizes, weights))
 
@@ -243,21 +248,27 @@ def gather(x, root=0, dim=0):
     x: this rank's array; every rank's must have the same dtype, the same
     shape except along dim, and the same device kind (host or GPU; checked).
     Returns the joined array (ranks in order) on root, None elsewhere.
-    gather(scatter(x)) returns x exactly. Errors as scatter. GPU arrays are
-    staged through the host (copied to host memory, moved by MPI, copied back
-    to root's device in x's library).
+    gather(scatter(x)) returns x exactly. Errors as scatter. GPU arrays with a
+    ``__cuda_array_interface__`` move by NCCL send/recv and arrive as a new
+    array of x's library on root's GPU; other GPU arrays (JAX) are staged
+    through the host (copied to host memory, moved by MPI, copied back).
     """
-    dev = _cuda_device(x)
-    x, back = _to_numpy(x)
-    return _back(back, _comm().gather(x, root, dim, dev))
+    return _gather(x, lambda c, v, gpu: c.gather(v, root, dim, gpu))
 
 
 def all_gather(x, dim=0):
     """gather on every rank: every rank returns the joined array (GPU arrays
-    staged through the host, as in gather)."""
-    dev = _cuda_device(x)
+    as in gather)."""
+    return _gather(x, lambda c, v, gpu: c.all_gather(v, dim, gpu))
+
+
+def _gather(x, call):
+    gpu = _gpu_args(x)
+    if gpu is not None:
+        return call(_comm(), x, gpu)
+    dev = _cuda_device(x)   # staged: the device kind still goes to the guard
     x, back = _to_numpy(x)
-    return _back(back, _comm().all_gather(x, dim, dev))
+    return _back(back, call(_comm(), x, dev))
 
 
 def broadcast(x, root=0):

@@ -66,7 +66,9 @@ typedef struct {
     char lib[16];          /* a GPU array's library ("torch", "cupy", ...)  */
 } dist_meta;
 
-enum dist_dev { DIST_DEV_NONE = 0, DIST_DEV_HOST = 1, DIST_DEV_GPU = 2 };
+/* GPU: moved by NCCL; GPU_STAGED: a GPU array the wrapper copied to the
+ * host (no __cuda_array_interface__, e.g. JAX). */
+enum dist_dev { DIST_DEV_NONE = 0, DIST_DEV_HOST = 1, DIST_DEV_GPU = 2, DIST_DEV_GPU_STAGED = 3 };
 
 /* The Comm object: a duplicate of the user's communicator plus the state
  * the guard needs. */
@@ -181,6 +183,22 @@ PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, 
                           int root, double deadline);
 PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
                              double deadline);
+/* Shared with dist_gpu_move.c: a new C-contiguous array of `lib` shaped
+ * like m's on cuda:dev and its pointer (NULL with the exception set); this
+ * rank's NCCL communicator on dev (-1: the current device), collective;
+ * the wait for a queued NCCL call (rc: its result), which on failure
+ * aborts the NCCL communicator and leaks keep1..3 (buffers a peer may
+ * still touch). */
+PyObject *dist_gpu_alloc(const char *lib, const dist_meta *m, int dev, uintptr_t *ptr);
+int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind);
+int dist_gpu_finish(dist_comm *c, int rc, void *stream, double deadline, const char *what,
+                    int64_t call, PyObject *keep1, PyObject *keep2, PyObject *keep3);
+/* dist_gpu_move.c: scatter, gather, all_gather of GPU arrays through NCCL
+ * send/recv (sizes: the rows of every rank; root < 0: all_gather). */
+PyObject *dist_gpu_scatter(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,
+                           const int64_t *sizes, int dim, int root, double deadline);
+PyObject *dist_gpu_gather(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, int dim,
+                          int root, double deadline);
 /* Destroy (abort: after an error) this rank's NCCL communicator. */
 void dist_gpu_free(dist_comm *c, int abort);
 

@@ -121,7 +121,7 @@ done:
 
 /* A new C-contiguous array of `lib` shaped like m's array, on cuda:dev
  * (dpmini.distributed._gpu_alloc), and its device pointer. */
-static PyObject *alloc_like(const char *lib, const dist_meta *m, int dev, uintptr_t *ptr)
+PyObject *dist_gpu_alloc(const char *lib, const dist_meta *m, int dev, uintptr_t *ptr)
 {
     PyObject *mod = PyImport_ImportModule("dpmini.distributed");
     PyObject *fn = mod ? PyObject_GetAttrString(mod, "_gpu_alloc") : NULL;
@@ -174,7 +174,7 @@ int dist_gpu_read(dist_comm *c, PyObject *x, PyObject *gpu, int alloc, dist_meta
                      "one GPU per rank)", dev, c->nccl_dev);
         return -1;
     }
-    if (alloc && (g->out = alloc_like(lib, m, dev, &g->out_ptr)) == NULL)
+    if (alloc && (g->out = dist_gpu_alloc(lib, m, dev, &g->out_ptr)) == NULL)
         return -1;
     return 0;
 }
@@ -236,7 +236,7 @@ void dist_gpu_free(dist_comm *c, int abort)
 
 /* This rank's NCCL communicator on `dev` (-1: the CUDA current device).
  * Collective: every rank calls it at the same call. */
-static int ensure_comm(dist_comm *c, int dev, double deadline, int64_t kind)
+int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
 {
     if (c->nccl != NULL)
         return 0;
@@ -351,12 +351,10 @@ out:
 /* Waiting for the stream                                              */
 /* ------------------------------------------------------------------ */
 
-/* 0 complete; else the NCCL communicator is aborted, GPU collectives are
- * turned off on this rank and the exception is set. `rc`: the result of
- * queueing the call (NCCL_OK to wait for it). */
-static int finish(dist_comm *c, const dist_nccl_api *api, int rc, dist_stream_t s,
-                  double deadline, const char *what, int64_t call)
+int dist_gpu_finish(dist_comm *c, int rc, dist_stream_t s, double deadline, const char *what,
+                    int64_t call, PyObject *keep1, PyObject *keep2, PyObject *keep3)
 {
+    const dist_nccl_api *api = dist_nccl_get();
     int cuda = CUDA_OK, async = NCCL_OK, timed_out = 0, interrupted = 0;
     if (rc == NCCL_OK) {
         double next_signals = dist_now() + 0.05, start = dist_now();
@@ -380,6 +378,9 @@ static int finish(dist_comm *c, const dist_nccl_api *api, int rc, dist_stream_t 
         if (cuda == CUDA_OK && !timed_out && !interrupted && async == NCCL_OK)
             return 0;
     }
+    Py_XINCREF(keep1);   /* a peer may still write or read them (emulation): never freed */
+    Py_XINCREF(keep2);
+    Py_XINCREF(keep3);
     char secs[32];
     snprintf(secs, sizeof secs, "%g", c->timeout);
     snprintf(c->nccl_broken, sizeof c->nccl_broken, "%s in %s call %lld",
@@ -415,7 +416,7 @@ PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, 
 {
     int all = root < 0;
     const char *what = all ? "all_reduce" : "reduce";
-    if (ensure_comm(c, g->dev, deadline, mine->kind) < 0)
+    if (dist_gpu_comm(c, g->dev, deadline, mine->kind) < 0)
         return NULL;
     const dist_nccl_api *api = dist_nccl_get();
     dist_stream_t s = (dist_stream_t)g->stream;
@@ -427,7 +428,7 @@ PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, 
                  : api->Reduce((void *)g->ptr, (void *)g->out_ptr, g->count, g->nccl_type,
                                nccl_op, root, (dist_ncclComm_t)c->nccl, s);
         Py_END_ALLOW_THREADS
-        if (finish(c, api, rc, s, deadline, what, mine->call) < 0)
+        if (dist_gpu_finish(c, rc, s, deadline, what, mine->call, g->obj, g->out, NULL) < 0)
             return NULL;
     }
     if (!all && c->rank != root)
@@ -438,14 +439,14 @@ PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, 
 PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
                              double deadline)
 {
-    if (ensure_comm(c, g->obj != NULL ? g->dev : -1, deadline, DIST_BROADCAST) < 0)
+    if (dist_gpu_comm(c, g->obj != NULL ? g->dev : -1, deadline, DIST_BROADCAST) < 0)
         return NULL;
     const dist_nccl_api *api = dist_nccl_get();
     size_t count = 1;
     for (int64_t i = 0; i < rm->ndim; i++)
         count *= (size_t)rm->shape[i];
     if (g->out == NULL) {   /* off root: like root's array, on this rank's device */
-        g->out = alloc_like(rm->lib, rm, c->nccl_dev, &g->out_ptr);
+        g->out = dist_gpu_alloc(rm->lib, rm, c->nccl_dev, &g->out_ptr);
         if (g->out == NULL)
             return NULL;   /* the others wait for this rank until their timeout */
         g->nccl_type = nccl_type_of(rm->dtype);
@@ -457,7 +458,7 @@ PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,
         rc = api->Broadcast((void *)g->ptr, (void *)g->out_ptr, count, g->nccl_type, root,
                             (dist_ncclComm_t)c->nccl, s);
         Py_END_ALLOW_THREADS
-        if (finish(c, api, rc, s, deadline, "broadcast", rm->call) < 0)
+        if (dist_gpu_finish(c, rc, s, deadline, "broadcast", rm->call, g->obj, g->out, NULL) < 0)
             return NULL;
     }
     return Py_NewRef(g->out);

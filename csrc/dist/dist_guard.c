@@ -230,7 +230,8 @@ static void describe(const dist_meta *m, char *buf, size_t n)
         ADD(" shape (");
         for (int64_t i = 0; i < m->ndim && i < DIST_MAX_NDIM; i++)
             ADD("%lld%s", (long long)m->shape[i], m->ndim == 1 ? "," : (i + 1 < m->ndim ? ", " : ""));
-        ADD(") dtype %s%s", m->dtype_name, m->dev_kind == DIST_DEV_GPU ? " (GPU array)" : "");
+        ADD(") dtype %s%s", m->dtype_name, m->dev_kind == DIST_DEV_GPU ? " (GPU array)"
+            : m->dev_kind == DIST_DEV_GPU_STAGED ? " (GPU array, staged)" : "");
     }
 #undef ADD
 }
@@ -387,9 +388,8 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
      * none (made together), and none aborted. */
     const dist_meta *lead = kind_has_root(mine->kind) && !kind_compares_arrays(mine->kind)
                             ? &c->peers[mine->root] : &c->peers[0];
-    if (lead->dev_kind != DIST_DEV_GPU || (mine->kind != DIST_ALL_REDUCE &&
-                                           mine->kind != DIST_REDUCE && mine->kind != DIST_BROADCAST))
-        return 0;   /* scatter and the gathers stage GPU arrays through the host */
+    if (lead->dev_kind != DIST_DEV_GPU)
+        return 0;
     for (int r = 0; r < P; r++) {
         if (c->peers[r].nccl_state == 2 || c->peers[r].nccl_state != c->peers[0].nccl_state) {
             int bad = c->peers[r].nccl_state == 2 ? r : 0;

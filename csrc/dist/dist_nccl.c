@@ -148,7 +148,7 @@ static int bind(void *nccl, void *cudart, char *why, size_t n)
         S(1, CommDestroy, "ncclCommDestroy"), S(1, GetErrorString, "ncclGetErrorString"),
         S(0, SetDevice, "cudaSetDevice"), S(0, GetDevice, "cudaGetDevice"),
         S(0, StreamQuery, "cudaStreamQuery"), S(0, StreamSynchronize, "cudaStreamSynchronize"),
-        S(0, CudaErrorString, "cudaGetErrorString"),
+        S(0, CudaErrorString, "cudaGetErrorString"), S(0, Memcpy2DAsync, "cudaMemcpy2DAsync"),
 #undef S
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {

@@ -58,7 +58,11 @@ typedef struct {
     int (*StreamQuery)(dist_stream_t);
     int (*StreamSynchronize)(dist_stream_t);
     const char *(*CudaErrorString)(int);
+    int (*Memcpy2DAsync)(void *, size_t, const void *, size_t, size_t, size_t, int, dist_stream_t);
 } dist_nccl_api;
+
+/* cudaMemcpyKind */
+enum { CUDA_MEMCPY_DEVICE_TO_DEVICE = 3 };
 
 /* The table to use, loaded on first call (with the GIL held: the search
  * reads sys.path): the emulation when dist_nccl_set_emulated(1) was called

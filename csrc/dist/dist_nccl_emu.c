@@ -45,25 +45,28 @@
 #define EMU_ID_MAGIC "dpmini-emulated-nccl-id"
 #define EMU_TAG_P2P 7201
 
+/* One queued operation: an MPI request of a communicator, or (comm NULL)
+ * a 2D copy that runs once every operation queued before it is done. */
 typedef struct emu_op {
     struct emu_op *next;
+    struct dist_nccl_comm_s *comm;
     MPI_Request req;
     int never;              /* a fault: never completes                 */
     int reduce;             /* combine `scratch` into recv on completion */
     void *scratch, *recv;
     size_t count;
     int dtype, op, nranks;
+    const char *src;        /* a 2D copy                                */
+    size_t dpitch, spitch, width, height;
 } emu_op;
 
 struct dist_nccl_comm_s {
-    struct dist_nccl_comm_s *next;   /* the live list                   */
     MPI_Comm comm;
     int rank, size, dev, async_error;
-    emu_op *ops;                      /* queued, not yet complete       */
 };
 
 static pthread_mutex_t emu_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct dist_nccl_comm_s *live;
+static emu_op *emu_queue;   /* the one emulated stream, in order */
 static MPI_Comm emu_parent = MPI_COMM_NULL;
 static __thread int emu_device;
 static dist_nccl_api emu_api;
@@ -257,6 +260,16 @@ static int fault_now(void)
     return strcmp(f, "fail") == 0 ? 1 : strcmp(f, "error") == 0 ? 2 : strcmp(f, "hang") == 0 ? 3 : 0;
 }
 
+static void append(emu_op *o)
+{
+    pthread_mutex_lock(&emu_mu);
+    emu_op **tail = &emu_queue;
+    while (*tail != NULL)
+        tail = &(*tail)->next;
+    *tail = o;
+    pthread_mutex_unlock(&emu_mu);
+}
+
 /* A new queued op, or NULL (the caller returns its code in *rc). */
 static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, int *rc)
 {
@@ -284,14 +297,10 @@ static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, int *r
     o->count = count;
     o->nranks = c->size;
     o->never = f >= 2;
+    o->comm = c;
     if (f == 2)
         c->async_error = NCCL_REMOTE;
-    pthread_mutex_lock(&emu_mu);
-    emu_op **tail = &c->ops;
-    while (*tail != NULL)
-        tail = &(*tail)->next;
-    *tail = o;
-    pthread_mutex_unlock(&emu_mu);
+    append(o);
     return o;
 }
 
@@ -389,34 +398,66 @@ static int emu_group(void)
     return NCCL_OK;   /* non-blocking MPI needs no grouping to avoid deadlock */
 }
 
-/* Progress every live communicator's queue; CUDA_NOT_READY while any op is
- * pending (the emulation has one stream: every op orders before every
- * query, whichever stream it was given). */
+static void copy_2d(const emu_op *o)
+{
+    for (size_t row = 0; row < o->height && o->width > 0; row++)
+        memmove((char *)o->recv + row * o->dpitch, o->src + row * o->spitch, o->width);
+}
+
+/* Progress the queue; CUDA_NOT_READY while any op is pending (the
+ * emulation has one stream: every op orders before every query, whichever
+ * stream it was given; MPI operations are posted when queued, copies run
+ * in order after everything queued before them). */
 static int emu_stream_query(dist_stream_t st)
 {
     int pending = 0, err = 0;
     pthread_mutex_lock(&emu_mu);
-    for (struct dist_nccl_comm_s *c = live; c != NULL; c = c->next) {
-        emu_op **link = &c->ops;
-        while (*link != NULL) {
-            emu_op *o = *link;
-            int flag = 0;
-            if (!o->never && MPI_Test(&o->req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS)
-                err = 1;
-            if (!flag || o->never) {
-                pending = 1;
-                link = &o->next;
-                continue;
-            }
-            if (o->reduce)
-                combine(o);
-            *link = o->next;
-            free(o->scratch);
-            free(o);
+    emu_op **link = &emu_queue;
+    while (*link != NULL) {
+        emu_op *o = *link;
+        int flag = 0;
+        if (o->comm == NULL)
+            flag = !pending;
+        else if (!o->never && MPI_Test(&o->req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            err = 1;
+        if (!flag || o->never) {
+            pending = 1;
+            link = &o->next;
+            continue;
         }
+        if (o->comm == NULL)
+            copy_2d(o);
+        else if (o->reduce)
+            combine(o);
+        *link = o->next;
+        free(o->scratch);
+        free(o);
     }
     pthread_mutex_unlock(&emu_mu);
     return err ? 999 : pending ? CUDA_NOT_READY : CUDA_OK;
+}
+
+/* cudaMemcpy2DAsync on the emulated stream (any kind: every emulated
+ * address is host memory once decoded). */
+static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                         size_t height, int kind, dist_stream_t st)
+{
+    if (width > dpitch || width > spitch)
+        return 1;   /* cudaErrorInvalidValue */
+    emu_op *o = calloc(1, sizeof *o);
+    if (o == NULL)
+        return 2;   /* cudaErrorMemoryAllocation */
+    o->recv = (void *)((uintptr_t)dst & (((uintptr_t)dst & EMU_TAG) ? EMU_ADDR_MASK : ~(uintptr_t)0));
+    o->src = (const char *)((uintptr_t)src &
+                            (((uintptr_t)src & EMU_TAG) ? EMU_ADDR_MASK : ~(uintptr_t)0));
+    o->req = MPI_REQUEST_NULL;
+    o->dpitch = dpitch;
+    o->spitch = spitch;
+    o->width = width;
+    o->height = height;
+    append(o);
+    emu_stream_query(st);   /* runs now when nothing is queued before it */
+    return CUDA_OK;
 }
 
 static int emu_stream_sync(dist_stream_t st)
@@ -427,9 +468,8 @@ static int emu_stream_sync(dist_stream_t st)
             return rc;
         int never = 0;
         pthread_mutex_lock(&emu_mu);
-        for (struct dist_nccl_comm_s *c = live; c != NULL; c = c->next)
-            for (emu_op *o = c->ops; o != NULL; o = o->next)
-                never |= o->never;
+        for (emu_op *o = emu_queue; o != NULL; o = o->next)
+            never |= o->never;
         pthread_mutex_unlock(&emu_mu);
         if (never)
             return 999;   /* cudaErrorUnknown rather than waiting forever */
@@ -470,10 +510,6 @@ static int emu_comm_init_rank(dist_ncclComm_t *out, int nranks, dist_ncclUniqueI
         return NCCL_INVALID_ARGUMENT;
     }
     c->dev = emu_device;
-    pthread_mutex_lock(&emu_mu);
-    c->next = live;
-    live = c;
-    pthread_mutex_unlock(&emu_mu);
     *out = c;
     return NCCL_OK;
 }
@@ -484,29 +520,31 @@ static int emu_get_async_error(dist_ncclComm_t c, int *err)
     return NCCL_OK;
 }
 
-/* Off the live list. `abort`: ops that MPI may still complete are leaked
- * (an MPI collective cannot be cancelled), as is the MPI communicator. */
+/* Its ops off the queue (and the copies queued after them, which would
+ * wait for ever). `abort`: ops that MPI may still complete are leaked (an
+ * MPI collective cannot be cancelled), as is the MPI communicator. */
 static int emu_release(dist_ncclComm_t c, int abort)
 {
     if (c == NULL)
         return NCCL_INVALID_ARGUMENT;
     if (!abort && emu_stream_sync(NULL) != CUDA_OK)
         abort = 1;
+    int in_flight = 0, mine = 0;
     pthread_mutex_lock(&emu_mu);
-    for (struct dist_nccl_comm_s **l = &live; *l != NULL; l = &(*l)->next) {
-        if (*l == c) {
-            *l = c->next;
-            break;
+    emu_op **link = &emu_queue;
+    while (*link != NULL) {
+        emu_op *o = *link;
+        if (o->comm == c)
+            mine = 1;
+        if (o->comm != c && !(o->comm == NULL && mine)) {
+            link = &o->next;
+            continue;
         }
-    }
-    int in_flight = 0;
-    for (emu_op *o = c->ops, *next; o != NULL; o = next) {
-        next = o->next;
-        if (o->never) {
-            free(o);
-        } else {
+        *link = o->next;
+        if (o->comm != NULL && !o->never)
             in_flight = 1;   /* leaked: MPI may still write its buffers */
-        }
+        else
+            free(o);
     }
     pthread_mutex_unlock(&emu_mu);
     int finalized = 1;
@@ -586,5 +624,6 @@ const dist_nccl_api *dist_nccl_emu_table(void)
     emu_api.StreamQuery = emu_stream_query;
     emu_api.StreamSynchronize = emu_stream_sync;
     emu_api.CudaErrorString = emu_cuda_error_string;
+    emu_api.Memcpy2DAsync = emu_memcpy_2d;
     return &emu_api;
 }

@@ -433,21 +433,29 @@ def case_gpu():
     assert np.array_equal(b.numpy(), x.astype(np.float32)) and b.shape == (5, 3)
     say("OK gpu broadcast")
     for dim in (0, 1, -1):
-        shape = [2, 3, 4]
-        shape[dim] = 2 * P + 1
-        x = make(tuple(shape), np.float32, seed=dim + 5)
-        sizes, off = pieces_of(shape[dim], P)
-        piece = dist.scatter(on_gpu(x) if RANK == 0 else None, dim=dim)
-        hpiece = dist.scatter(x if RANK == 0 else None, dim=dim)
-        if RANK == 0:   # root's piece comes back in its library; others' are NumPy (staged)
-            assert isinstance(piece, dpmini.Array) and str(piece.device) == "cuda:0"
-            piece = piece.numpy()
-        assert np.array_equal(piece, hpiece), dim
-        back = dist.gather(on_gpu(piece), dim=dim)
-        assert (back is None) == (RANK != 0)
-        assert back is None or (isinstance(back, dpmini.Array) and np.array_equal(back.numpy(), x))
-        every = dist.all_gather(on_gpu(piece), dim=dim)
-        assert isinstance(every, dpmini.Array) and np.array_equal(every.numpy(), x)
+        for dt, n in ((np.float32, 2 * P + 1), (np.int8, P - 1), (np.float16, 0)):
+            shape = [2, 3, 4]
+            shape[dim] = n
+            x = make(tuple(shape), dt, seed=dim + 5)
+            piece = dist.scatter(on_gpu(x) if RANK == 0 else None, dim=dim)
+            hpiece = dist.scatter(x if RANK == 0 else None, dim=dim)
+            assert isinstance(piece, dpmini.Array) and str(piece.device) == f"cuda:{RANK}"
+            assert piece.dtype == x.dtype and np.array_equal(piece.numpy(), hpiece), (dim, dt)
+            back = dist.gather(piece, dim=dim)
+            assert (back is None) == (RANK != 0)
+            assert back is None or (isinstance(back, dpmini.Array) and
+                                    np.array_equal(back.numpy(), x)), (dim, dt)
+            every = dist.all_gather(piece, dim=dim)
+            assert isinstance(every, dpmini.Array) and str(every.device) == f"cuda:{RANK}"
+            assert np.array_equal(every.numpy(), x), (dim, dt)
+    x = make((11, 5), np.float64)
+    hint = on_gpu(np.zeros(1))   # off root: names the device only
+    piece = dist.scatter(on_gpu(x) if RANK == P - 1 else hint, root=P - 1, dim=0,
+                         weights=[1.0 + r for r in range(P)])
+    want = dist.scatter(x if RANK == P - 1 else None, root=P - 1, weights=[1.0 + r for r in range(P)])
+    assert np.array_equal(piece.numpy(), want)
+    back = dist.gather(piece, root=P - 1)
+    assert (RANK != P - 1 and back is None) or np.array_equal(back.numpy(), x)
     say("OK gpu scatter gather")
     try:
         dist.all_reduce(on_gpu(np.zeros(3, np.int16)))
