@@ -308,7 +308,7 @@ def all_reduce(x, op="sum"):
     no MPI type). GPU arrays (C-contiguous, with a ``__cuda_array_interface__``)
     go through NCCL (ncclAllReduce on the library's current stream, "mean" as
     ncclAvg) with NCCL's dtypes: int8, uint8, int32, uint32, int64, uint64,
-    float16, float32, float64. Returns a new array (GPU: of x's library on x's
+    float16, float32, float64 (others: TypeError naming the dtype). Returns a new array (GPU: of x's library on x's
     device, complete when returned; host: non-native byte order comes back
     native).
     """
@@ -367,11 +367,11 @@ def _gpu_alloc(lib, shape, typestr, device):
     on cuda:`device` (called from C for NCCL's results)."""
     dt = np.dtype(typestr)
     if lib == "torch":
-        torch = sys.modules["torch"]
+        import torch
         tdt = torch.from_numpy(np.empty(0, dt)).dtype
         return torch.empty(tuple(shape), dtype=tdt, device=f"cuda:{device}")
     if lib == "cupy":
-        cupy = sys.modules["cupy"]
+        import cupy
         with cupy.cuda.Device(device):
             return cupy.empty(tuple(shape), dt)
     import dpmini

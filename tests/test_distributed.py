@@ -348,7 +348,7 @@ def test_gpu_collectives_through_emulated_nccl_equal_the_host_path(np_):
             "OK gpu reduce", "OK gpu broadcast", "OK gpu scatter gather", "OK gpu"], out
     int16 = errors(lines, "int16")
     assert sorted(int16) == list(range(np_)), out
-    assert all(m.startswith("TypeError: x: dtype int16 of a GPU array has no NCCL type")
+    assert all(m.startswith("TypeError: x: dtype int16 of a GPU array has no NCCL reduction")
                for m in int16.values()), int16
     other = errors(lines, "other_device")
     assert sorted(other) == list(range(np_)), out

@@ -22,6 +22,8 @@
  *      rank (host collectives keep working: no MPI message is in flight).
  * The result is a new array of the caller's library on the same device,
  * allocated by dpmini.distributed._gpu_alloc, complete when returned.
+ * Reductions need an NCCL dtype; broadcast (and dist_gpu_move.c) move
+ * bytes, any dtype.
  */
 #include "dist.h"
 #include "dist_nccl.h"
@@ -158,16 +160,10 @@ int dist_gpu_read(dist_comm *c, PyObject *x, PyObject *gpu, int alloc, dist_meta
     g->stream = (intptr_t)stream;
     if (read_cai(x, "x", m, &g->ptr) < 0)
         return -1;
-    g->nccl_type = nccl_type_of(m->dtype);
+    g->nccl_type = nccl_type_of(m->dtype);   /* -1: moved as bytes only */
     g->count = 1;
     for (int64_t i = 0; i < m->ndim; i++)
         g->count *= (size_t)m->shape[i];
-    if (g->nccl_type < 0) {
-        PyErr_Format(PyExc_TypeError, "x: dtype %s of a GPU array has no NCCL type (NCCL "
-                     "moves int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, "
-                     "float32 and float64)", m->dtype_name);
-        return -1;
-    }
     if (c->nccl != NULL && c->nccl_dev != dev) {
         PyErr_Format(PyExc_ValueError, "x: a GPU array on cuda:%d, but this rank's NCCL "
                      "communicator is on cuda:%d (made by its first GPU collective; NCCL uses "
@@ -186,6 +182,12 @@ void dist_gpu_arg_clear(dist_gpu_arg *g)
 
 int dist_gpu_op(const dist_meta *m, int op)
 {
+    if (nccl_type_of(m->dtype) < 0) {
+        PyErr_Format(PyExc_TypeError, "x: dtype %s of a GPU array has no NCCL reduction (NCCL "
+                     "reduces int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, "
+                     "float32 and float64)", m->dtype_name);
+        return -1;
+    }
     if (op == DIST_OP_MEAN && m->dtype[1] != 'f') {
         PyErr_Format(PyExc_TypeError, "op='mean' needs a floating dtype, x has %s; use "
                      "op='sum' and divide as you want", m->dtype_name);
@@ -442,20 +444,19 @@ PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,
     if (dist_gpu_comm(c, g->obj != NULL ? g->dev : -1, deadline, DIST_BROADCAST) < 0)
         return NULL;
     const dist_nccl_api *api = dist_nccl_get();
-    size_t count = 1;
+    size_t bytes = (size_t)rm->itemsize;   /* moved as bytes: any dtype */
     for (int64_t i = 0; i < rm->ndim; i++)
-        count *= (size_t)rm->shape[i];
+        bytes *= (size_t)rm->shape[i];
     if (g->out == NULL) {   /* off root: like root's array, on this rank's device */
         g->out = dist_gpu_alloc(rm->lib, rm, c->nccl_dev, &g->out_ptr);
         if (g->out == NULL)
             return NULL;   /* the others wait for this rank until their timeout */
-        g->nccl_type = nccl_type_of(rm->dtype);
     }
-    if (count > 0) {
+    if (bytes > 0) {
         dist_stream_t s = (dist_stream_t)g->stream;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = api->Broadcast((void *)g->ptr, (void *)g->out_ptr, count, g->nccl_type, root,
+        rc = api->Broadcast((void *)g->ptr, (void *)g->out_ptr, bytes, NCCL_T_UINT8, root,
                             (dist_ncclComm_t)c->nccl, s);
         Py_END_ALLOW_THREADS
         if (dist_gpu_finish(c, rc, s, deadline, "broadcast", rm->call, g->obj, g->out, NULL) < 0)

@@ -428,12 +428,15 @@ def case_gpu():
     b = dist.broadcast(on_gpu(x) if RANK == 0 else None)
     assert isinstance(b, dpmini.Array) and str(b.device) == f"cuda:{RANK}"
     assert np.array_equal(b.numpy(), dist.broadcast(x if RANK == 0 else None))
+    c16 = dist.broadcast(on_gpu(x.astype(np.complex128)) if RANK == 0 else None)
+    assert np.array_equal(c16.numpy(), x.astype(np.complex128))   # bytes: any dtype
     hint = on_gpu(np.zeros(1, np.float32))   # off root: names the device only
     b = dist.broadcast(on_gpu(x.astype(np.float32)) if RANK == P - 1 else hint, root=P - 1)
     assert np.array_equal(b.numpy(), x.astype(np.float32)) and b.shape == (5, 3)
     say("OK gpu broadcast")
     for dim in (0, 1, -1):
-        for dt, n in ((np.float32, 2 * P + 1), (np.int8, P - 1), (np.float16, 0)):
+        for dt, n in ((np.float32, 2 * P + 1), (np.int8, P - 1), (np.float16, 0),
+                      (np.complex64, P + 2), (np.int16, 3)):   # bytes: any dtype
             shape = [2, 3, 4]
             shape[dim] = n
             x = make(tuple(shape), dt, seed=dim + 5)
