@@ -4,7 +4,13 @@ Launch one process per rank with ``mpirun -np N python script.py`` (or ``srun``)
 and call :func:`init` in each. Every collective here is called by every rank of
 the communicator, in the same order (SPMD), and works on NumPy host arrays of
 any dtype (object arrays excepted; :func:`broadcast` also takes any picklable
-object).
+object), on host arrays of other libraries (moved as NumPy, handed back in
+their library), and on GPU arrays (CUDA memory with a
+``__cuda_array_interface__``: PyTorch, CuPy, dpmini on "cuda:N"), which move
+through NCCL: one NCCL communicator per rank, one GPU per rank, made at the
+first GPU collective (NCCL is loaded with dlopen then, never at import;
+with dpmini's emulated build, or ``DPMINI_DIST_NCCL=emulate``, an emulation
+over MPI on host memory stands in for it).
 
 The collectives run in C (``dpmini._dist``) with the GIL released, on dpmini's
 own duplicate of the communicator, and each is **guarded**: before any data
