@@ -200,7 +200,7 @@ static const dist_nccl_api *load_real(void)
     if (version != NULL)
         version(&v);
     /* NCCL >= 2.9 encodes MAJOR*10000 + MINOR*100 + PATCH */
-    snprintf(real_api.desc, sizeof real_api.desc, "NCCL %d.%d.%d (%s); CUDA runtime (%s)",
+    snprintf(real_api.desc, sizeof real_api.desc, "NCCL %d.%d.%d (%.160s); CUDA runtime (%.160s)",
              v / 10000, (v / 100) % 100, v % 100, nccl_at, cudart_at);
     real_api.emulated = 0;
     return &real_api;

@@ -37,7 +37,7 @@ enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
 enum { CUDA_OK = 0, CUDA_NOT_READY = 600 };
 
 typedef struct {
-    char desc[320];        /* "NCCL 2.21.5 (path); CUDA runtime (path)" or the emulation */
+    char desc[400];        /* "NCCL 2.21.5 (path); CUDA runtime (path)" or the emulation */
     int emulated;
     int (*GetUniqueId)(dist_ncclUniqueId *);
     int (*CommInitRank)(dist_ncclComm_t *, int, dist_ncclUniqueId, int);
