@@ -317,7 +317,8 @@ def test_torch_module_broadcast_and_collectives_return_torch():
 # ------------------------------------------------------------------ GPU arrays
 # On the emulated build (make build-emulated: "cuda:N" dpmini arrays, NCCL
 # emulated over MPI by csrc/dist/dist_nccl_emu.c); make test-distributed builds it.
-EMU_ROOT = ROOT / "build" / "emulated"
+# $DPMINI_DIST_EMU_ROOT names another emulated build (e.g. one built with ASan).
+EMU_ROOT = Path(os.environ.get("DPMINI_DIST_EMU_ROOT") or ROOT / "build" / "emulated")
 
 
 def _have_emulated_dist():

@@ -59,9 +59,9 @@ static int restage(const dist_nccl_api *api, uintptr_t whole, uintptr_t stage, c
         if (w == 0)
             continue;
         int rc = to_stage ? api->Memcpy2DAsync(b, w, a, total * l->inner, w, l->outer,
-                                               CUDA_MEMCPY_DEVICE_TO_DEVICE, s)
+                                               CUDA_MEMCPY_DEFAULT, s)
                           : api->Memcpy2DAsync(a, total * l->inner, b, w, w, l->outer,
-                                               CUDA_MEMCPY_DEVICE_TO_DEVICE, s);
+                                               CUDA_MEMCPY_DEFAULT, s);
         if (rc != CUDA_OK)
             return rc;
     }

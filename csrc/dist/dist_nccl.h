@@ -62,7 +62,7 @@ typedef struct {
 } dist_nccl_api;
 
 /* cudaMemcpyKind */
-enum { CUDA_MEMCPY_DEVICE_TO_DEVICE = 3 };
+enum { CUDA_MEMCPY_DEFAULT = 4 };   /* the direction from the pointers (UVA) */
 
 /* The table to use, loaded on first call (with the GIL held: the search
  * reads sys.path): the emulation when dist_nccl_set_emulated(1) was called
