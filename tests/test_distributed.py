@@ -418,6 +418,16 @@ def test_nccl_error_or_stall_is_a_clear_error_on_every_rank(gpu_errors_run, case
         assert took and 2.0 <= took[0] < 10, took
 
 
+def test_interrupt_during_an_nccl_wait_aborts_it(gpu_errors_run):
+    rc, lines, out, _ = gpu_errors_run
+    for r in range(4):
+        got = [x for x in lines[r] if x.startswith("interrupted after ")]
+        assert got, out
+        secs, why = got[0][len("interrupted after "):].split(" s: ")
+        assert float(secs) < 30, got     # the timeout is 60 s: the timer's 0.5 s ended it
+        assert why == "an interrupt in all_reduce call 1", got
+
+
 @needs_mpi
 def test_real_nccl_without_a_gpu_is_the_same_runtime_error_on_every_rank():
     # The in-place build is not emulated: the real libcudart / libnccl are looked

@@ -514,6 +514,19 @@ def case_gpu_errors():
     except TimeoutError as exc:
         err("hang", exc)
         say(f"took {time.monotonic() - start:.1f}")
+    # Ctrl-C (here a timer's handler) while waiting for a stalled NCCL call
+    dist.init(timeout=60.0)
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("timer")
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(on_gpu(v))
+    except KeyboardInterrupt:
+        say(f"interrupted after {time.monotonic() - start:.1f} s: {dist._state.comm.nccl_broken}")
     del os.environ["DPMINI_DIST_NCCL_FAULT"]
     dist.barrier()
     say("OK gpu_errors")
