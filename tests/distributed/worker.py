@@ -468,6 +468,21 @@ def case_gpu():
         dist.all_reduce(on_gpu(np.zeros(3), dev=(RANK + 1) % 4))
     except ValueError as exc:
         err("other_device", exc)
+    # No device memory kept by a collective: results freed, everything freed.
+    import gc
+    gc.collect()
+    before = dpmini.memory_allocated(f"cuda:{RANK}")
+    x = on_gpu(make((2 * P + 1, 3), np.float32))
+    for _ in range(20):
+        dist.all_reduce(x)
+        dist.reduce(x, root=0)
+        dist.broadcast(x if RANK == 0 else None)
+        dist.gather(dist.scatter(x if RANK == 0 else None, dim=1), dim=1)
+        dist.all_gather(x, dim=1)
+    del x
+    gc.collect()
+    assert dpmini.memory_allocated(f"cuda:{RANK}") == before, \
+        (before, dpmini.memory_allocated(f"cuda:{RANK}"))
     dist.barrier()
     say("OK gpu")
 
