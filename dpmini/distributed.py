@@ -388,10 +388,15 @@ def _nccl_wants_emulation():
     """Whether the first GPU collective should use NCCL emulated over MPI on host
     memory (csrc/dist/dist_nccl_emu.c): with dpmini's emulated build, or when
     $DPMINI_DIST_NCCL is "emulate" (called from C, once)."""
-    if os.environ.get("DPMINI_DIST_NCCL") == "emulate":
-        return True
     from . import _dpmini
-    return _dpmini.cuda_build_info().get("backend") == "emulated"
+    info = _dpmini.cuda_build_info()
+    if os.environ.get("DPMINI_DIST_NCCL") == "emulate":
+        if info.get("backend") == "cuda" and info.get("device_count", 0) > 0:
+            raise RuntimeError("DPMINI_DIST_NCCL=emulate: the emulation reads GPU arrays as host "
+                               "memory, which real GPU memory is not; unset it on a machine with "
+                               "GPUs")
+        return True
+    return info.get("backend") == "emulated"
 
 
 def nccl_info():

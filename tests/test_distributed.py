@@ -441,3 +441,12 @@ def test_real_nccl_without_a_gpu_is_the_same_runtime_error_on_every_rank():
     assert got[0].startswith("RuntimeError: dpmini.distributed: rank 0 could not start NCCL "
                              "for GPU arrays (every rank raises this): "), got
     assert all(lines[r][-1] == "OK gpu_no_device" for r in range(2)), out
+
+
+@needs_mpi
+def test_env_switch_emulates_nccl_on_a_build_without_gpus():
+    rc, lines, out, _ = mpirun("env_emulate", np=2, DPMINI_DIST_NCCL="emulate")
+    assert rc == 0, out
+    for r in range(2):
+        assert lines[r] == ["INFO emulated NCCL over MPI on host memory "
+                            "(csrc/dist/dist_nccl_emu.c)", "OK env_emulate"], out

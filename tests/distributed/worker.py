@@ -550,11 +550,11 @@ def case_gpu_errors():
 class HostClaimingCuda:
     """Host memory that says it is on cuda:0 (DLPack and the CUDA Array Interface)."""
 
-    def __init__(self, a):
-        self.a = a
+    def __init__(self, a, dev=0):
+        self.a, self.dev = a, dev
 
     def __dlpack_device__(self):
-        return (2, 0)
+        return (2, self.dev)
 
     @property
     def __cuda_array_interface__(self):
@@ -618,6 +618,20 @@ def case_gpu_real():
             assert np.array_equal(host(b), base.astype(dt)), (lib, dt)
         say(f"OK gpu_real {lib}")
     say(f"INFO {dist.nccl_info()}")
+
+
+def case_env_emulate():
+    """DPMINI_DIST_NCCL=emulate on a build without GPUs: host memory claiming to be
+    cuda:RANK goes through the emulated NCCL."""
+    dist._gpu_alloc = lambda lib, shape, typestr, dev: HostClaimingCuda(np.empty(shape, typestr), dev)
+    v = np.arange(6, dtype=np.int64).reshape(2, 3) + RANK
+    got = dist.all_reduce(HostClaimingCuda(v, RANK))
+    assert isinstance(got, HostClaimingCuda) and got.dev == RANK
+    assert np.array_equal(got.a, dist.all_reduce(v))
+    b = dist.broadcast(HostClaimingCuda(v, RANK) if RANK == 0 else None)
+    assert np.array_equal(b.a, np.arange(6).reshape(2, 3))
+    say(f"INFO {dist.nccl_info()}")
+    say("OK env_emulate")
 
 
 def case_uninitialized():
