@@ -457,6 +457,13 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         }
         nsubmitted++;
     }
+    for (Py_ssize_t i = 0; i < m && abort != NULL; i++) {
+        if (jobs[i].on_worker && jobs[i].ctx == NULL) {
+            /* after the failing one: never queued, so no worker owns it */
+            jobs[i].on_worker = 0;
+            jobs[i].cancelled = 1;
+        }
+    }
     for (Py_ssize_t i = 0; i < m; i++) {
         apply_job *job = &jobs[i];
         if (job->on_worker || job->cancelled) {
