@@ -57,18 +57,8 @@ RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 DIST_MAY_INCLUDE = {"core", "dist"}
 
 # Upward edges still present: (including file, included header) -> why.
-# TODO(issue 10): gpu.c, nccl.c and their helpers (nccl_wait.c, gpu_driver.c,
-# gpu_debug.c) raise Python exceptions and hold module state, so they include
-# dpmini.h; moving that glue into csrc/py/ (leaving the backend files plain C
-# over cuda_api.h) removes these edges. Left for a later change: the GPU
-# layer's review fixes (issue 13) landed in these files at the same time.
-KNOWN = {
-    ("backend/gpu.c", "py/dpmini.h"): "GPU device model uses module state and raises Python errors",
-    ("backend/nccl.c", "py/dpmini.h"): "NCCL collectives raise Python errors and read module state",
-    ("backend/nccl_wait.c", "py/dpmini.h"): "a collective's wait checks signals with the GIL",
-    ("backend/gpu_driver.c", "py/dpmini.h"): "driver-version problems are reported as Python errors",
-    ("backend/gpu_debug.c", "py/dpmini.h"): "private Python test hooks into the CUDA emulator",
-}
+# None: keep it so (a new entry needs its reason and the issue that removes it).
+KNOWN = {}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -152,7 +142,6 @@ def check():
 # function handed to array.c through the module state.
 KNOWN_CALLS = {
     ("py/array.c", "engine/copy_engine.c"): "Array.to/copy_to_host/__array__ copy through the engine",
-    ("backend/gpu_debug.c", "py/module.c"): "private Python test hooks into the CUDA emulator",
     ("py/module.c", "engine/comm.c"): "module init adds dpmini.comm's method tables",
     ("py/module.c", "tree/scatter_tree.c"): "module init adds scatter's method table",
     ("py/module.c", "tree/gather_tree.c"): "module init adds gather's method table",

@@ -29,9 +29,11 @@
  * and reduce.c and the locking, caching, destroy and abort logic here run
  * in CI.
  */
-#include "dpmini.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* the GIL, signals, sys.path; not py/'s state or types */
 #include "gpu.h"
 #include "nccl_wait.h"
+#include "plan.h" /* DP_MAX_DEVICES */
 
 #include <dlfcn.h>
 #include <time.h>

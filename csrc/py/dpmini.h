@@ -426,7 +426,7 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
                             int dim);
 
 /* ------------------------------------------------------------------ */
-/* GPU arrays and memory (array.c, gpu.c; see gpu.h and cuda_api.h)    */
+/* GPU arrays and memory (array.c, gpu_error.c; see gpu.h, cuda_api.h) */
 /* ------------------------------------------------------------------ */
 
 /* Inside the C core a GPU array is a "shadow" ndarray: dtype, shape and byte
