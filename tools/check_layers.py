@@ -51,6 +51,7 @@ LAYERS = [
     ("engine", "copy jobs between devices, comm (scatter/gather/broadcast), reduce"),
     ("tree", "walkers over nested structures: scatter, gather, explain"),
     ("dp", "replicate, parallel_apply, DataParallel"),
+    ("module", "the module's init: exec slot, types, the method tables of every layer"),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # csrc/dist/ (dpmini._dist) stands beside the layers and may include core only.
@@ -138,18 +139,8 @@ def check():
 
 
 # Upward call edges still present: (calling file, defining file) -> why.
-# TODO(issue 10): both go with the module init's own top layer and the copy
-# function handed to array.c through the module state.
-KNOWN_CALLS = {
-    ("py/array.c", "engine/copy_engine.c"): "Array.to/copy_to_host/__array__ copy through the engine",
-    ("py/module.c", "engine/comm.c"): "module init adds dpmini.comm's method tables",
-    ("py/module.c", "tree/scatter_tree.c"): "module init adds scatter's method table",
-    ("py/module.c", "tree/gather_tree.c"): "module init adds gather's method table",
-    ("py/module.c", "tree/explain.c"): "module init adds explain's method table",
-    ("py/module.c", "dp/replicate.c"): "module init adds replicate's method table",
-    ("py/module.c", "dp/parallel_apply.c"): "module init adds parallel_apply's method table",
-    ("py/module.c", "dp/dataparallel.c"): "module init adds the DataParallel type",
-}
+# None: keep it so (a new entry needs its reason and the issue that removes it).
+KNOWN_CALLS = {}
 
 # nm -P symbol types: U is undefined (w, v weak undefined); upper-case
 # letters other than U are global definitions.

@@ -750,7 +750,7 @@ static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
                 return NULL;
             }
             dp_device host = {DP_HOST, -1};
-            PyObject *h = dp_copy_to_device(st, self->meta, host);
+            PyObject *h = st->copy_to_device(st, self->meta, host);
             if (h == NULL) {
                 return NULL;
             }
@@ -773,7 +773,7 @@ static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
         }
     }
     if (want_copy == 1) {
-        PyObject *c = dp_export(st, dp_copy_to_device(st, self->meta, self->dev));
+        PyObject *c = dp_export(st, st->copy_to_device(st, self->meta, self->dev));
         if (c == NULL) {
             return NULL;
         }
@@ -897,7 +897,7 @@ static PyObject *array_numpy(PyObject *op, PyObject *unused)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(op));
     dp_device host = {DP_HOST, -1};
-    return dp_copy_to_device(st, META(op), host);
+    return st->copy_to_device(st, META(op), host);
 }
 
 static PyObject *array_array(PyObject *op, PyObject *args, PyObject *kw)

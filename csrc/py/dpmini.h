@@ -1,8 +1,9 @@
 /* dpmini.h - what the Python-facing C files of dpmini share.
  *
  * Include this first in every C file of csrc/ that uses Python (never in
- * plan.c, copy.c, pool.c). module.c defines DP_IMPORT_ARRAY before including
- * it, so the NumPy C-API table is defined there and imported everywhere else.
+ * plan.c, copy.c, pool.c). py/state.c defines DP_IMPORT_ARRAY before
+ * including it, so the NumPy C-API table is defined there and imported
+ * everywhere else.
  *
  * Data flows one way (see README, "How it works"):
  *   Python objects -> split plan (plan.c) -> copy jobs (copy.c) on device
@@ -42,10 +43,23 @@
 #include "pool.h"
 
 /* ------------------------------------------------------------------ */
-/* Module state                                                        */
+/* Devices (device.c) and module state                                 */
 /* ------------------------------------------------------------------ */
 
+/* Kinds match the worker-slot kinds of pool.h. */
+enum { DP_HOST = 0, DP_VCPU = 1, DP_CUDA = 2 };
+
 typedef struct {
+    int kind;   /* DP_HOST, DP_VCPU or DP_CUDA                         */
+    int index;  /* -1 for DP_HOST; 0..DP_POOL_MAX_INDEX-1 otherwise    */
+} dp_device;
+
+static inline int dp_device_eq(dp_device a, dp_device b)
+{
+    return a.kind == b.kind && a.index == b.index;
+}
+
+typedef struct dp_state {
     PyTypeObject *DeviceType;        /* dpmini.Device                      */
     PyTypeObject *BufferType;        /* dpmini._Buffer: owns device memory */
     PyTypeObject *DataParallelType;  /* dpmini.DataParallel                */
@@ -61,6 +75,11 @@ typedef struct {
                                         repr() is the text itself (spec 6.5) */
     PyObject *origins;               /* dict: array type -> its library's
                                         from_dlpack, or None (interop.c)  */
+    /* A copy of src (any device) on dev, synchronously; a new shadow or
+     * ndarray. The engine's dp_copy_to_device, set by module init: py/
+     * (array.c's Array.to, copy_to_host, __array__) copies through it
+     * without calling up into engine/. Never NULL once the module exists. */
+    PyObject *(*copy_to_device)(struct dp_state *st, PyArrayObject *src, dp_device dev);
 } dp_state;
 
 extern struct PyModuleDef dp_module_def;
@@ -71,22 +90,13 @@ dp_state *dp_state_from_module(PyObject *module);
  * types too. Never fails once dpmini is imported. */
 dp_state *dp_state_from_type(PyTypeObject *tp);
 
+/* Import NumPy's C-API table (state.c defines it): 0, or -1 with an
+ * exception set. Called once by module init before anything uses NumPy. */
+int dp_import_numpy(void);
+
 /* ------------------------------------------------------------------ */
 /* Devices (device.c)                                                  */
 /* ------------------------------------------------------------------ */
-
-/* Kinds match the worker-slot kinds of pool.h. */
-enum { DP_HOST = 0, DP_VCPU = 1, DP_CUDA = 2 };
-
-typedef struct {
-    int kind;   /* DP_HOST, DP_VCPU or DP_CUDA                         */
-    int index;  /* -1 for DP_HOST; 0..DP_POOL_MAX_INDEX-1 otherwise    */
-} dp_device;
-
-static inline int dp_device_eq(dp_device a, dp_device b)
-{
-    return a.kind == b.kind && a.index == b.index;
-}
 
 typedef struct {
     PyObject_HEAD
