@@ -2,16 +2,25 @@
 reads the #include graph and fails on an include of a higher layer's header,
 on a folder its table does not name, and on a listed exception that has gone;
 it reads the object files' symbols (nm) and fails on a call up a layer, even
-one whose declaration sits in a header of the caller's own layer."""
+one whose declaration sits in a header of the caller's own layer, and on a
+call into another layer that the caller's includes do not show."""
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import check_layers  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def real_calls():
+    """check_calls() of this checkout (compiles csrc/ once for the module)."""
+    return check_layers.check_calls()
 
 
 def test_no_include_points_up_a_layer():
@@ -45,8 +54,8 @@ def test_the_checker_finds_an_upward_include(tmp_path, monkeypatch):
     assert ("core/plan.c", "tree/tree.h") in bad
 
 
-def test_no_call_points_up_a_layer():
-    bad, stale, found = check_layers.check_calls()
+def test_no_call_points_up_a_layer(real_calls):
+    bad, stale, found = real_calls
     assert bad == [], f"upward calls: {bad}"
     assert stale == [], f"exceptions listed in KNOWN_CALLS that are gone: {stale}"
     # the graph is real: a few edges that must be there
@@ -67,9 +76,10 @@ def _fake_tree(tmp_path, files):
 def _compile(fake, tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     objects = {}
+    folders = [f"-I{d}" for d in sorted(fake.iterdir()) if d.is_dir()]
     for src in sorted(fake.rglob("*.c")):
         obj = tmp_path / (src.stem + ".o")
-        subprocess.run([cc, "-c", "-O0", f"-I{src.parent}", str(src), "-o", str(obj)],
+        subprocess.run([cc, "-c", "-O0", *folders, str(src), "-o", str(obj)],
                        check=True, timeout=60)
         objects[src.resolve()] = obj
     return objects
@@ -102,6 +112,29 @@ def test_the_checker_finds_an_upward_call_through_a_header(tmp_path, monkeypatch
     assert bad == []
     assert [(check_layers.rel(a), check_layers.rel(b)) for a, b in found] == [
         ("tree/high.c", "core/low.c")]
+
+
+def test_every_call_between_layers_is_in_the_include_graph(real_calls):
+    _, _, includes = check_layers.check()
+    _, _, calls = real_calls
+    assert check_layers.unseen_calls(calls, includes) == []
+
+
+def test_a_call_declared_in_the_c_file_itself_is_reported(tmp_path, monkeypatch):
+    # tree/high.c declares core's function itself instead of including low.h:
+    # a dependency the include graph would not show
+    fake = _fake_tree(tmp_path, {
+        "core/low.h": "int dp_low(void);\n",
+        "core/low.c": '#include "low.h"\nint dp_low(void) { return 1; }\n',
+        "tree/high.c": "int dp_low(void);\nint dp_high(void) { return dp_low(); }\n",
+        "tree/ok.c": '#include "low.h"\nint dp_ok(void) { return dp_low(); }\n',
+    })
+    monkeypatch.setattr(check_layers, "CSRC", fake)
+    monkeypatch.setattr(check_layers, "ROOT", tmp_path)
+    _, _, includes = check_layers.check()
+    _, _, calls = check_layers.check_calls(_compile(fake, tmp_path))
+    assert check_layers.unseen_calls(calls, includes) == [
+        ("tree/high.c", "core/low.c", ["dp_low"])]
 
 
 def test_a_listed_call_exception_that_has_gone_is_reported(tmp_path, monkeypatch):

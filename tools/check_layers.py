@@ -25,6 +25,10 @@ configuration, which compiles the most code (the real-CUDA and CPU-only
 builds leave parts out, none in); --objects DIR reads a build's instead.
 csrc/dist/ is a separate extension and not part of the call check.
 
+And the two graphs agree: a file that calls into another layer includes a
+header of that layer itself, so the include graph shows every dependency
+(unseen_calls).
+
 KNOWN and KNOWN_CALLS list the upward edges that are still there, each with
 why and the issue that removes it; an edge listed there that has gone is
 reported too, so the lists cannot go stale. tests/test_layers.py runs both
@@ -244,6 +248,21 @@ def check_calls(objects=None):
     return bad, stale, found
 
 
+def unseen_calls(calls, includes):
+    """Call edges between layers that the include graph does not show: the
+    calling file includes no header of the called file's layer itself (a
+    declaration written into the .c file, or one reached only through another
+    layer's header). [(caller, callee, symbols)]."""
+    direct = {}
+    for src, dst in includes:
+        direct.setdefault(src, set()).add(layer_of(dst))
+    out = []
+    for (src, dst), names in sorted(calls.items()):
+        if layer_of(src) != layer_of(dst) and layer_of(dst) not in direct.get(src, set()):
+            out.append((rel(src), rel(dst), names))
+    return out
+
+
 def main(argv):
     bad, stale, found = check()
     objects = None
@@ -276,7 +295,11 @@ def main(argv):
               f"({layer_of(CSRC / src)} may not depend on {layer_of(CSRC / dst)})")
     for src, dst in cstale:
         print(f"stale exception: {src} no longer calls {dst}; remove it from KNOWN_CALLS")
-    if bad or stale or cbad or cstale:
+    unseen = unseen_calls(calls, found)
+    for src, dst, names in unseen:
+        print(f"call not in the include graph: {src} uses {', '.join(names)} of {dst} "
+              f"but includes no header of {layer_of(CSRC / dst)}/")
+    if bad or stale or cbad or cstale or unseen:
         print("layer order, lowest first: " + " < ".join(n for n, _ in LAYERS))
         return 1
     return 0

@@ -13,6 +13,9 @@
  */
 #include "dpmini.h"
 #include "dataparallel.h"
+#include "dp.h"
+#include "pool.h"
+#include "cuda_api.h"
 
 #include <errno.h>
 #include <string.h>

@@ -11,6 +11,8 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "tree.h"
+#include "dp.h"
+#include "engine.h"
 
 #include <string.h>
 

@@ -7,7 +7,10 @@
  * Sections: scatter; gather; broadcast; reduce; asarray; method tables.
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "copy_engine.h"
+#include "plan.h"
+#include "copy.h"
 
 /* Default bucket size of broadcast_coalesced (spec 5.3). */
 #define DP_BUCKET_BYTES 10485760

@@ -9,8 +9,12 @@
  * Sections: copy jobs; helpers; scatter; gather; broadcast.
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "plan.h"
+#include "copy.h"
+#include "pool.h"
 
 #include <string.h>
 

@@ -1,8 +1,7 @@
 /* copy_engine.h - internal: the copy engine's jobs and helpers, shared by
  * copy_engine.c (owner), comm.c (the dpmini.comm functions) and reduce.c.
- * Not part of dpmini.h; include after it. The engine's public entry points
- * (dp_scatter_run, dp_gather_arrays, dp_copy_to_device,
- * dp_broadcast_coalesced, dp_reduce_add) stay in dpmini.h.
+ * The engine's public entry points (dp_scatter_run, dp_gather_arrays,
+ * dp_copy_to_device, dp_broadcast_coalesced, dp_reduce_add) are in engine.h.
  *
  * Conventions as in dpmini.h: int results are 0 or -1 with an exception set;
  * PyObject* results are new references or NULL with an exception set. The
@@ -13,6 +12,7 @@
 #define DPMINI_COPY_ENGINE_H
 
 #include "dpmini.h"
+#include "copy.h"
 
 #pragma GCC visibility push(hidden)
 

@@ -4,6 +4,11 @@
  * definition, lookups and GC hooks) and adds the method tables of every
  * layer. Nothing calls into this file but Python's import. */
 #include "dpmini.h"
+#include "engine.h"
+#include "walk.h"
+#include "dp.h"
+#include "pool.h"
+#include "cuda_api.h"
 
 /* ------------------------------------------------------------------ */
 /* Init                                                                */

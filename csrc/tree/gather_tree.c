@@ -9,6 +9,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

@@ -10,6 +10,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "plan.h"
 
 /* ------------------------------------------------------------------ */
 /* Pass (a): collect                                                   */

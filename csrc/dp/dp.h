@@ -1,0 +1,16 @@
+/* dp.h - what dp/ offers the module's init (module/module.c): the
+ * DataParallel type and the method tables of dpmini.replicate,
+ * parallel_apply and data_parallel. dp/'s own shared declarations are in
+ * dataparallel.h and dataparallel_type.h.
+ */
+#ifndef DPMINI_DP_H
+#define DPMINI_DP_H
+
+#include "dpmini.h"
+
+extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
+extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
+extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
+extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
+
+#endif
