@@ -1,4 +1,4 @@
-"""The caching allocator (csrc/core/alloc.c through device.c): size classes reuse
+"""The caching allocator (csrc/core/alloc.c through host_memory.c): size classes reuse
 blocks across nearby sizes, the cache holds at most min($DPMINI_CACHE_LIMIT,
 peak allocated bytes + 32 MiB) per device, so memory_reserved stays within
 twice the peak plus 32 MiB on a variable-size workload, and empty_cache()

@@ -9,7 +9,7 @@ tests/test_threads.py the first KeyboardInterrupt case.
 
 The allocation hook is dpmini._dpmini._fail_alloc_after(n): n more device
 allocations succeed, the next one fails as if the system were out of memory
-(csrc/py/device.c raw_alloc; docs/reliability.md).
+(csrc/py/host_memory.c raw_alloc; docs/reliability.md).
 """
 import gc
 import subprocess

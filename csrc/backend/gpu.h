@@ -22,6 +22,10 @@
  * $DPMINI_2D_MIN_RUN overrides it (bytes). */
 #define DP_2D_MIN_RUN_DEFAULT 1024
 
+/* GPUs that get a memory cache and pinned staging of their own (gpu.c,
+ * gpu_copy.c). */
+#define DP_GPU_MAX 64
+
 /* Pinned staging per device: two halves used alternately (pack one while
  * the other is in flight). Allocated on first use, kept for the process. */
 #define DP_STAGE_HALF ((size_t)16 << 20)

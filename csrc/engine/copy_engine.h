@@ -1,5 +1,7 @@
 /* copy_engine.h - internal: the copy engine's jobs and helpers, shared by
- * copy_engine.c (owner), comm.c (the dpmini.comm functions) and reduce.c.
+ * the engine's files: copy_jobs.c (the jobs), copy_overlap.c (out= checks),
+ * copy_engine.c (scatter, gather), copy_broadcast.c, comm.c and
+ * comm_broadcast.c (the dpmini.comm functions) and reduce.c.
  * The engine's public entry points (dp_scatter_run, dp_gather_arrays,
  * dp_copy_to_device, dp_broadcast_coalesced, dp_reduce_add) are in engine.h.
  *
@@ -41,35 +43,41 @@ typedef struct {
 } job_list;
 
 /* ------------------------------------------------------------------ */
-/* Functions (all in copy_engine.c)                                    */
+/* Functions                                                           */
 /* ------------------------------------------------------------------ */
 
-/* Free a job list's storage and reset it to empty (jobs not run are dropped). */
+/* copy_jobs.c: free a job list's storage and reset it to empty (jobs not run are dropped). */
 void jobs_free(job_list *l);
-/* Queue dst[...] = src[...] for `shape` (strides in bytes) along `route`. */
+/* copy_jobs.c: queue dst[...] = src[...] for `shape` (strides in bytes) along `route`. */
 int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
              char *dst, const npy_intp *dst_strides,
              const char *src, const npy_intp *src_strides, copy_route route);
-/* Refuse an out= array that overlaps itself or any of srcs: ValueError naming argname. */
+/* copy_overlap.c: refuse an out= array that overlaps itself or any of srcs:
+ * ValueError naming argname. */
 int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t nsrc,
                       const char *argname, const char *srcname);
-/* Refuse out[i] and out[j] (i < j) sharing memory: ValueError. */
+/* copy_overlap.c: refuse out[i] and out[j] (i < j) sharing memory: ValueError. */
 int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n);
-/* Run every queued job on the device workers (GIL released; small totals inline). */
+/* copy_jobs.c: run every queued job on the device workers (GIL released; small totals inline). */
 int jobs_run(job_list *l);
-/* The route of a copy between src and dst (which device's worker runs it). */
+/* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */
 copy_route exec_device(dp_device src, dp_device dst);
-/* ValueError "<argname>: Expected at least one device to scatter to"; NULL. */
+/* copy_engine.c: ValueError "<argname>: Expected at least one device to scatter to"; NULL. */
 PyObject *devices_error(const char *argname);
-/* "[5, 3]"-style str of a shape, for messages. */
+/* copy_engine.c: "[5, 3]"-style str of a shape, for messages. */
 PyObject *shape_str(int nd, const npy_intp *shape);
-/* A sequence of arrays as a PyMem array of new references (*out, *n). */
+/* copy_engine.c: a sequence of arrays as a PyMem array of new references (*out, *n). */
 int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname,
                          int min_ndim, PyArrayObject ***out, Py_ssize_t *n);
-/* Release what arrays_from_sequence returned. */
+/* copy_engine.c: release what arrays_from_sequence returned. */
 void arrays_free(PyArrayObject **arrs, Py_ssize_t n);
-/* Queue a copy of all of src into a fresh array on dev; new reference. */
+/* copy_broadcast.c: queue a copy of all of src into a fresh array on dev; new reference. */
 PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device dev);
+/* copy_engine.c: a fresh array on dev for a copy of the strided region
+ * (data of src's dtype, shape, strides): a dense region keeps its layout
+ * (PyTorch's memory_format=preserve), anything else becomes C-contiguous. */
+PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src,
+                                 const npy_intp *shape, const npy_intp *strides);
 
 #pragma GCC visibility pop
 

@@ -1,7 +1,8 @@
 /* engine.h - what engine/ offers the layers above it (tree/, dp/, module/):
- * copies between devices (copy_engine.c), reduce_add (reduce.c) and the
- * dpmini.comm method tables (comm.c). engine/'s own helpers are in
- * copy_engine.h.
+ * copies between devices (copy_engine.c, copy_broadcast.c), reduce_add
+ * (reduce.c) and the method tables of dpmini.comm and dpmini.asarray
+ * (comm.c, asarray.c). engine/'s own helpers are in copy_engine.h and
+ * comm.h.
  *
  * Conventions as in dpmini.h: int results are 0 or -1 with an exception set;
  * PyObject* results are new references or NULL with an exception set.
@@ -52,8 +53,8 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest,
 /* A copy of src (any device) on dev, synchronously; new shadow/ndarray. */
 PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
 
-/* Method tables (module/module.c adds them): the torch.cuda.comm functions
- * on the main module, and the same as the dpmini.comm submodule. */
+/* Method tables (module/module.c adds them): the functions on the main
+ * module (asarray.c) and the dpmini.comm submodule's (comm.c). */
 extern PyMethodDef dp_comm_methods[];
 extern PyMethodDef dp_comm_submodule_methods[];
 

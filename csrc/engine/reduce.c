@@ -1,7 +1,7 @@
 /* reduce.c - reduce_add: the elementwise sum of arrays from several devices
  * onto one (spec §8; dp_reduce_add), through NCCL or the GPU add kernel when
  * the arrays are on GPUs, else on the host. Used by dpmini.comm.reduce_add
- * and reduce_add_coalesced (comm.c).
+ * and reduce_add_coalesced (comm_broadcast.c).
  */
 #include "dpmini.h"
 #include "engine.h"

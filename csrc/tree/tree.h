@@ -1,7 +1,8 @@
 /* tree.h - internal: what the tree walkers share (tree_common.c,
- * scatter_walk.c, scatter_tree.c, gather_tree.c, explain.c). The public
- * entry points (dp_scatter_kwargs_ex, dp_gather_outputs_ex,
- * dp_check_dims_spec, dp_parse_split_sizes) are in walk.h.
+ * tree_containers.c, tree_dims.c, tree_args.c, scatter_walk.c,
+ * scatter_tree.c, gather_*.c, explain.c). The public entry points
+ * (dp_scatter_kwargs_ex, dp_gather_outputs_ex, dp_check_dims_spec,
+ * dp_parse_split_sizes) are in walk.h.
  *
  * Conventions as in dpmini.h: int results are 0 or -1 with an exception set
  * unless said otherwise; PyObject* results are new references or NULL with
@@ -89,7 +90,7 @@ typedef struct {
 } scatter_ctx;
 
 /* ------------------------------------------------------------------ */
-/* tree_common.c: paths and helpers                                    */
+/* tree_common.c: paths in messages                                    */
 /* ------------------------------------------------------------------ */
 
 /* The root of a path ("args", "kwargs", "in_dims", "out", ...). */
@@ -111,6 +112,21 @@ PyObject *take_exception(void);
 /* Turn a failed constructor call's exception into a TypeError naming the path. */
 void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
                          const char *how, const char *hint);
+/* sep.join(list); the list holds str. */
+PyObject *join_str(const char *sep, PyObject *list);
+/* Append a new str to list, stealing it (NULL: an error is already set). */
+int append_steal(PyObject *list, PyObject *item);
+/* "(5, 3)" for an array's shape. */
+PyObject *shape_repr(PyArrayObject *a);
+/* Is the pending exception a caller mistake that _plan reports as text? */
+int is_caller_error(void);
+/* Raise exc with "<path of seg>: <fmt...>". Always returns -1. */
+int raise_at(PyObject *exc, const path_seg *seg, const char *fmt, ...);
+
+/* ------------------------------------------------------------------ */
+/* tree_containers.c: container tests and snapshots                    */
+/* ------------------------------------------------------------------ */
+
 /* A dict subclass rebuilt as copy.copy(obj) with copy[key] = value for each
  * pair of pairs (a list of (key, value) 2-tuples); TypeError naming seg. */
 PyObject *rebuild_mapping(dp_state *st, PyObject *obj, PyObject *pairs,
@@ -125,16 +141,11 @@ PyObject *namedtuple_names(PyObject *obj, Py_ssize_t n);
 PyObject *seq_snapshot(PyObject *seq);
 /* A dict's items() as a list of (key, value) 2-tuples. */
 PyObject *dict_pairs(PyObject *d);
-/* sep.join(list); the list holds str. */
-PyObject *join_str(const char *sep, PyObject *list);
-/* Append a new str to list, stealing it (NULL: an error is already set). */
-int append_steal(PyObject *list, PyObject *item);
-/* "(5, 3)" for an array's shape. */
-PyObject *shape_repr(PyArrayObject *a);
-/* Is the pending exception a caller mistake that _plan reports as text? */
-int is_caller_error(void);
-/* Raise exc with "<path of seg>: <fmt...>". Always returns -1. */
-int raise_at(PyObject *exc, const path_seg *seg, const char *fmt, ...);
+
+/* ------------------------------------------------------------------ */
+/* tree_dims.c: in_dims / out_dims                                     */
+/* ------------------------------------------------------------------ */
+
 /* Is spec a container entry of in_dims / out_dims (tuple, list or dict)? */
 int spec_is_container(PyObject *spec);
 /* The entry of a container spec for child i (borrowed in *child; NULL: not listed). */
@@ -147,8 +158,16 @@ int spec_mismatch(const path_seg *sseg, PyObject *spec, const path_seg *seg,
 int spec_check_children(PyObject *spec, const path_seg *sseg, const path_seg *seg,
                         Py_ssize_t n, PyObject *keys_of, PyObject *names);
 
+/* in_dims / out_dims as one call walks them: checked, and copied into
+ * containers the call owns (lists, tuples, plain dicts), so user code run
+ * during the walk (a dict subclass's items(), __eq__, a replica) cannot
+ * change or free an entry being walked; a change made meanwhile applies
+ * from the next call. *out: a new reference, NULL for NULL or None (the
+ * default). */
+int dims_take(PyObject *spec, const char *argname, int is_out, PyObject **out);
+
 /* ------------------------------------------------------------------ */
-/* tree_common.c: arguments of the Python functions                    */
+/* tree_args.c: arguments of the Python functions                      */
 /* ------------------------------------------------------------------ */
 
 /* dim argument: 0 when absent. */
@@ -159,16 +178,9 @@ PyObject *normalize_inputs(PyObject *inputs);
 /* kwargs: None -> NULL (no kwargs); a dict as is (borrowed). */
 int normalize_kwargs(PyObject *kwargs, PyObject **out);
 
-/* in_dims / out_dims as one call walks them: checked, and copied into
- * containers the call owns (lists, tuples, plain dicts), so user code run
- * during the walk (a dict subclass's items(), __eq__, a replica) cannot
- * change or free an entry being walked; a change made meanwhile applies
- * from the next call. *out: a new reference, NULL for NULL or None (the
- * default). */
-int dims_take(PyObject *spec, const char *argname, int is_out, PyObject **out);
-
 /* ------------------------------------------------------------------ */
-/* scatter_walk.c: scatter passes (a) and (b), for scatter_tree.c and explain.c */
+/* scatter_walk.c, scatter_count.c, scatter_args.c: scatter passes (a)  */
+/* and (b), for scatter_tree.c, scatter_py.c and explain.c            */
 /* ------------------------------------------------------------------ */
 
 /* Set up c for ndev devices (plan: _plan mode, no copies); ctx_clear frees it. */
@@ -203,6 +215,19 @@ int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
                    PyObject **args_spec, PyObject **kw_spec, PyObject **own);
 /* Pass (a) for the positional arguments, each with its args_spec entry. */
 int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec);
+
+/* ------------------------------------------------------------------ */
+/* scatter_tree.c: scatter passes (c) and (d), for scatter_py.c        */
+/* ------------------------------------------------------------------ */
+
+/* Pass (c): every split leaf's first c->k chunks in one dp_scatter_run,
+ * and the broadcast leaves' copies. */
+int scatter_copy(scatter_ctx *c);
+/* Pass (d): res[j] = obj as replica j sees it (c->k new references; all
+ * NULL on failure). */
+int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res);
+/* After pass (d): every leaf was handed out, else RuntimeError. */
+int scatter_check_all_taken(scatter_ctx *c);
 
 #pragma GCC visibility pop
 

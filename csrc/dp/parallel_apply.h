@@ -1,0 +1,58 @@
+/* parallel_apply.h - internal: what the parallel_apply files share:
+ * parallel_apply.c (the worker threads and running a batch of replica calls),
+ * parallel_apply_errors.c (taking and re-raising a replica's exception) and
+ * parallel_apply_entry.c (arguments, devices and the Python entry point).
+ * Not part of dpmini.h; include after it.
+ *
+ * Conventions as in dpmini.h: PyObject* results are new references or NULL
+ * with an exception set. The symbols below are hidden: they do not widen
+ * what the extension module exports.
+ */
+#ifndef DPMINI_PARALLEL_APPLY_H
+#define DPMINI_PARALLEL_APPLY_H
+
+#include "dpmini.h"
+
+#pragma GCC visibility push(hidden)
+
+/* One replica call of parallel_apply. Owned by the caller (on its stack or
+ * PyMem); a worker touches it only while the caller waits for the batch. */
+enum { JOB_QUEUED = 0, JOB_RUNNING = 1, JOB_DONE = 2 };
+
+typedef struct {
+    PyObject *module;      /* owned: the replica to call                      */
+    PyObject *args;        /* owned: exact tuple of positional arguments      */
+    PyObject *kwargs;      /* owned: exact dict, or NULL                      */
+    PyObject *ctx;         /* owned: copy of the caller's context (worker jobs) */
+    PyObject *result;      /* owned: the return value, once the job succeeded */
+    PyObject *exc;         /* owned: the exception raised (traceback attached) */
+    dp_device dev;         /* the replica's device                            */
+    unsigned long ident;   /* thread running it; valid while JOB_RUNNING      */
+    int state;             /* JOB_*; read and written with the GIL held       */
+    int on_worker;         /* 1: submitted to the device worker; 0: inline    */
+    int cancelled;         /* caller (GIL held): skip the call if not started */
+    int interrupted;       /* caller (GIL held): an async exception was sent  */
+    int no_tstate;         /* worker: no Python thread state could be made    */
+    PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
+    int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
+                              the worker's call (interop.c)                   */
+    PyObject *torch_autocast; /* owned: the caller's CPU autocast, entered
+                              around the worker's call, or NULL               */
+} apply_job;
+
+/* parallel_apply_errors.c: the exception being raised, as an instance with
+ * its traceback attached (new reference); the error indicator is cleared.
+ * Never NULL. */
+PyObject *replica_take_exception(void);
+/* parallel_apply_errors.c: raise exc again (steals the reference). */
+void restore_exception(PyObject *exc);
+/* parallel_apply_errors.c: raise replica i's exception exc (borrowed) as
+ * "Caught T in replica i on device d." (spec 6.5). */
+void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_device dev);
+/* parallel_apply.c: run jobs[0..m) (on device workers or inline) and wait;
+ * the list of results, or NULL with the first replica's error raised. */
+PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m);
+
+#pragma GCC visibility pop
+
+#endif

@@ -1,0 +1,166 @@
+/* copy_broadcast.c - the copy engine's broadcast: one array copied to a
+ * device (dp_copy_to_device) and arrays copied to many devices, through NCCL
+ * when every target is a GPU (dp_broadcast_coalesced) (copy_engine.h).
+ */
+#include "dpmini.h"
+#include "gpu.h"
+#include "copy_engine.h"
+#include "engine.h"
+#include "plan.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Broadcast                                                           */
+/* ------------------------------------------------------------------ */
+
+/* Queue a copy of all of src into a fresh array on dev; new reference. */
+PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device dev)
+{
+    PyArrayObject *dst = empty_like_region(st, dev, src, PyArray_SHAPE(src),
+                                           PyArray_STRIDES(src));
+    if (dst == NULL) {
+        return NULL;
+    }
+    if (jobs_add(jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
+                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
+                 PyArray_STRIDES(src), exec_device(dp_array_device(st, src), dev)) < 0) {
+        Py_DECREF(dst);
+        return NULL;
+    }
+    return (PyObject *)dst;
+}
+
+PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev)
+{
+    job_list jobs = {0};
+    PyObject *r = copy_to(st, &jobs, src, dev);
+    if (r != NULL && jobs_run(&jobs) < 0) {
+        Py_CLEAR(r);
+    }
+    jobs_free(&jobs);
+    return r;
+}
+
+/* broadcast through NCCL when every target is a distinct GPU, the source
+ * is a contiguous array on one of them, and NCCL loads. Returns 1 when done
+ * (row entries filled), 0 to use the copy path, -1 on error. */
+static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device *devs,
+                              Py_ssize_t ndev, PyObject *result, Py_ssize_t i)
+{
+    dp_device home = dp_array_device(st, src);
+    int ids[DP_MAX_DEVICES], root = -1;
+    void *bufs[DP_MAX_DEVICES];
+    if (home.kind != DP_CUDA || ndev < 2 || !PyArray_IS_C_CONTIGUOUS(src) ||
+        PyArray_NBYTES(src) == 0) {
+        return 0;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        if (devs[d].kind != DP_CUDA) {
+            return 0;
+        }
+        for (Py_ssize_t e = 0; e < d; e++) {
+            if (devs[e].index == devs[d].index) {
+                return 0; /* a repeated GPU: the copy path */
+            }
+        }
+        ids[d] = devs[d].index;
+        if (devs[d].index == home.index) {
+            root = (int)d;
+        }
+    }
+    if (root < 0 || !dp_nccl_available()) {
+        return 0;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *item;
+        if ((int)d == root) {
+            item = Py_NewRef(src);
+        } else {
+            PyArray_Descr *descr = PyArray_DESCR(src);
+            Py_INCREF(descr);
+            item = (PyObject *)dp_empty(st, devs[d], descr, PyArray_NDIM(src),
+                                        PyArray_SHAPE(src), NULL);
+            if (item == NULL) {
+                return -1;
+            }
+        }
+        bufs[d] = PyArray_BYTES((PyArrayObject *)item);
+        PyList_SET_ITEM(PyList_GET_ITEM(result, d), i, item);
+    }
+    dpc_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dp_nccl_broadcast((int)ndev, ids, bufs, (size_t)PyArray_NBYTES(src), root);
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        return dp_gpu_raise(st, s, "broadcast (ncclBroadcast)");
+    }
+    return 1;
+}
+
+PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device *devs,
+                                 Py_ssize_t ndev, size_t buffer_size)
+{
+    PyArrayObject **src = NULL;
+    Py_ssize_t n = 0;
+    job_list jobs = {0};
+    PyObject *result = NULL;
+
+    (void)buffer_size; /* see comm_broadcast_coalesced's docstring */
+    if (arrays_from_sequence(st, arrays, "tensors", 0, &src, &n) < 0) {
+        return NULL;
+    }
+    result = PyList_New(ndev);
+    if (result == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *row = PyList_New(n);
+        if (row == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(result, d, row);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = nccl_broadcast_one(st, src[i], devs, ndev, result, i);
+        if (r < 0) {
+            goto fail;
+        }
+        for (Py_ssize_t d = 0; r == 0 && d < ndev; d++) {
+            PyObject *row = PyList_GET_ITEM(result, d);
+            PyObject *item;
+            if (dp_device_eq(dp_array_device(st, src[i]), devs[d])) {
+                item = (PyObject *)src[i];
+                Py_INCREF(item);
+            } else {
+                item = copy_to(st, &jobs, src[i], devs[d]);
+                if (item == NULL) {
+                    goto fail;
+                }
+            }
+            PyList_SET_ITEM(row, i, item);
+        }
+    }
+    if (jobs_run(&jobs) < 0) {
+        goto fail;
+    }
+    jobs_free(&jobs);
+    arrays_free(src, n);
+    for (Py_ssize_t d = 0; d < ndev; d++) { /* GPU entries leave as dpmini.Array */
+        PyObject *row = PyList_GET_ITEM(result, d);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));
+            if (e == NULL) {
+                Py_DECREF(result);
+                return NULL;
+            }
+            PyList_SetItem(row, i, e);
+        }
+    }
+    return result;
+fail:
+    jobs_free(&jobs);
+    arrays_free(src, n);
+    Py_XDECREF(result);
+    return NULL;
+}

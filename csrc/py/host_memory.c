@@ -1,0 +1,510 @@
+/* host_memory.c - device memory on the host side: the caching allocator's
+ * host glue (mmap'ed blocks, per-device heaps, the allocation test hook),
+ * dpmini._Buffer (the owner of every dpmini allocation, pinned buffers and
+ * imported memory), dp_empty and dp_array_device, and the module functions
+ * over memory (memory_allocated, memory_reserved, empty_cache, _cache_stats,
+ * _fail_alloc_after; registered in device_module.c's table).
+ *
+ * Devices: the host (ordinary process memory, what NumPy uses), virtual CPU
+ * devices "cpu:N" (their own allocations, accounted per device), and CUDA
+ * devices (their memory is gpu.c's).
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* the same spelling as pyconfig.h, which may define it too */
+#endif
+#include "dpmini.h"
+#include "gpu.h"
+#include "env.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include "alloc.h"
+#include "host_memory.h"
+#include "pool.h"
+
+/* ------------------------------------------------------------------ */
+/* Caching allocator                                                   */
+/* ------------------------------------------------------------------ */
+
+/* Freed blocks are kept per device by the caching allocator (alloc.h: size
+ * classes, a bound of min($DPMINI_CACHE_LIMIT, peak allocated bytes +
+ * 32 MiB) per device, one mutex per device). This file gives it host memory: blocks of
+ * DP_MMAP_MIN bytes and more are mapped and unmapped directly, so that
+ * evicted blocks and empty_cache() hand memory back to the system (glibc's
+ * heap would keep it: its mmap threshold grows as large blocks are freed). */
+
+#define DP_ALIGN 64
+#define DP_HUGE_ALIGN ((size_t)2 << 20)            /* 2 MiB: transparent huge pages */
+#define DP_MMAP_MIN ((size_t)256 << 10)            /* blocks this large are mmap'ed */
+#define DP_CACHE_LIMIT_DEFAULT ((size_t)1 << 30)   /* bytes cached per device at most; the
+                                                      $DPMINI_CACHE_LIMIT default */
+#define DP_CACHE_SLACK ((size_t)32 << 20)          /* cached above the peak (alloc.h) */
+
+/* Slot 0 is the host; 1 + index for virtual CPU devices. CUDA memory has
+ * its own caches in gpu.c. */
+static dp_cache heaps[1 + DP_POOL_MAX_INDEX];
+static pthread_once_t heaps_once = PTHREAD_ONCE_INIT;
+/* Set once, with the GIL held, by the first dp_buffer_new. */
+static size_t cache_limit = DP_CACHE_LIMIT_DEFAULT;
+static int cache_limit_read;
+
+static int host_block_alloc(void *ctx, size_t size, void **out, void *err)
+{
+    (void)ctx;
+    (void)err;
+    if (size < DP_MMAP_MIN) {
+        return posix_memalign(out, DP_ALIGN, size) == 0 ? DP_ALLOC_OK : DP_ALLOC_OOM;
+    }
+    /* Class sizes from DP_MMAP_MIN up are multiples of 64 KiB, so of the
+     * page size. From DP_HUGE_ALIGN up, map 2 MiB more and unmap the ends so
+     * that the block starts on a huge-page boundary. */
+    size_t extra = size >= DP_HUGE_ALIGN ? DP_HUGE_ALIGN : 0;
+    char *base = mmap(NULL, size + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (base == MAP_FAILED) {
+        return DP_ALLOC_OOM;
+    }
+    char *p = base;
+    if (extra) {
+        p = (char *)(((uintptr_t)base + DP_HUGE_ALIGN - 1) & ~(uintptr_t)(DP_HUGE_ALIGN - 1));
+        if (p > base) {
+            (void)munmap(base, (size_t)(p - base));
+        }
+        if (p + size < base + size + extra) {
+            (void)munmap(p + size, (size_t)(base + size + extra - (p + size)));
+        }
+#ifdef MADV_HUGEPAGE
+        (void)madvise(p, size, MADV_HUGEPAGE); /* a hint: fewer page faults */
+#endif
+    }
+    *out = p;
+    return DP_ALLOC_OK;
+}
+
+static void host_block_release(void *ctx, void *p, size_t size)
+{
+    (void)ctx;
+    if (size < DP_MMAP_MIN) {
+        free(p);
+    } else {
+        (void)munmap(p, size);
+    }
+}
+
+static void init_heaps(void)
+{
+    dp_alloc_backend be = {host_block_alloc, host_block_release, NULL};
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        /* a default mutex attribute cannot fail on Linux */
+        (void)dp_cache_init(&heaps[i], be, cache_limit, DP_CACHE_SLACK);
+    }
+}
+
+static dp_cache *heap_of(dp_device d)
+{
+    pthread_once(&heaps_once, init_heaps);
+    if (d.kind == DP_HOST) {
+        return &heaps[0];
+    }
+    if (d.kind == DP_VCPU && d.index >= 0 && d.index < DP_POOL_MAX_INDEX) {
+        return &heaps[1 + d.index];
+    }
+    return NULL;
+}
+
+/* Test hook (dpmini._dpmini._fail_alloc_after, docs/reliability.md): when
+ * >= 0, that many more allocations succeed and the next one fails as if the
+ * system were out of memory; -1 is off. */
+static long fail_alloc_countdown = -1;
+
+/* True when the test hook says this allocation must fail. */
+static int fail_alloc_now(void)
+{
+    long left = __atomic_load_n(&fail_alloc_countdown, __ATOMIC_RELAXED);
+    while (left >= 0) {
+        long next = left == 0 ? -1 : left - 1;
+        if (__atomic_compare_exchange_n(&fail_alloc_countdown, &left, next, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            return left == 0;
+        }
+    }
+    return 0;
+}
+
+/* Allocate nbytes on d; NULL when the system is out of memory (no Python
+ * error is set, callers raise MemoryError). */
+static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
+{
+    dp_cache *h = heap_of(d);
+    void *p = NULL;
+    if (h == NULL || fail_alloc_now()) {
+        return NULL;
+    }
+    if (dp_cache_alloc(h, nbytes, &p, rounded, NULL) != DP_ALLOC_OK) {
+        return NULL;
+    }
+    return p;
+}
+
+static void raw_free(dp_device d, void *p, size_t size)
+{
+    dp_cache_free(heap_of(d), p, size);
+}
+
+/* ------------------------------------------------------------------ */
+/* dpmini._Buffer                                                       */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    dp_BufferObject base;
+    size_t rounded;   /* size of the block taken from the heap */
+    PyObject *owner;  /* borrowed memory (imports): kept alive, never freed
+                         here; NULL when the buffer owns ptr */
+    int pinned;       /* host memory from dpc_host_alloc (pin_memory=True) */
+} BufferImpl;
+
+PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes, PyObject *owner)
+{
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->base.dev = d;
+    self->base.nbytes = nbytes;
+    self->base.ptr = ptr;
+    self->base.exported = 0;
+    self->rounded = 0;
+    self->pinned = 0;
+    self->owner = Py_NewRef(owner);
+    return (PyObject *)self;
+}
+
+PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
+{
+    void *p = NULL;
+    dpc_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dpc_host_alloc(nbytes, &p);
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        dp_gpu_raise(st, s, "pin_memory: allocate page-locked host memory");
+        return NULL;
+    }
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        (void)dpc_host_free(p);
+        return NULL;
+    }
+    self->base.dev.kind = DP_HOST;
+    self->base.dev.index = -1;
+    self->base.nbytes = nbytes;
+    self->base.ptr = p;
+    self->base.exported = 0;
+    self->rounded = 0;
+    self->pinned = 1;
+    self->owner = NULL;
+    return (PyObject *)self;
+}
+
+/* $DPMINI_CACHE_LIMIT: bytes each device's cache may hold (a non-negative
+ * decimal integer, env.h's rule; 0 disables caching). Read once; an invalid value warns
+ * RuntimeWarning and keeps the default. GIL held. -1 if the warning raised. */
+static int read_cache_limit(void)
+{
+    if (cache_limit_read) {
+        return 0;
+    }
+    cache_limit_read = 1;
+    unsigned long long v;
+    int r = dp_env_uint("DPMINI_CACHE_LIMIT", 0, SIZE_MAX, &v);
+    if (r == DP_ENV_UNSET) {
+        return 0;
+    }
+    if (r == DP_ENV_INVALID) {
+        return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                "DPMINI_CACHE_LIMIT=%.50s is not a byte count (a non-negative "
+                                "integer); using the default, %zu bytes (1 GiB)",
+                                getenv("DPMINI_CACHE_LIMIT"), (size_t)DP_CACHE_LIMIT_DEFAULT);
+    }
+    cache_limit = (size_t)v;
+    pthread_once(&heaps_once, init_heaps);
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        dp_cache_set_limit(&heaps[i], cache_limit);
+    }
+    return 0;
+}
+
+PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
+{
+    if (!cache_limit_read && read_cache_limit() < 0) {
+        return NULL;
+    }
+    BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->base.dev = d;
+    self->base.nbytes = nbytes;
+    self->base.exported = 0;
+    self->owner = NULL;
+    self->pinned = 0;
+    if (d.kind == DP_CUDA) {
+        dpc_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = dp_gpu_alloc(d.index, nbytes, &self->base.ptr, &self->rounded);
+        Py_END_ALLOW_THREADS
+        if (s.code != 0) {
+            char op[96];
+            self->base.ptr = NULL;
+            Py_DECREF(self);
+            snprintf(op, sizeof op, "allocate %zu bytes", nbytes);
+            dp_gpu_raise(st, s, op);
+            return NULL;
+        }
+        return (PyObject *)self;
+    }
+    self->base.ptr = raw_alloc(d, nbytes, &self->rounded);
+    if (self->base.ptr == NULL) {
+        char name[32];
+        dp_device_format(d, name, sizeof name);
+        /* Keep dealloc from freeing a block that was never taken. */
+        self->rounded = 0;
+        Py_DECREF(self);
+        PyErr_Format(PyExc_MemoryError,
+                     "dpmini: cannot allocate %zu bytes on device %s", nbytes, name);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void buffer_dealloc(PyObject *op)
+{
+    BufferImpl *self = (BufferImpl *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->owner != NULL) {
+        Py_CLEAR(self->owner);
+    } else if (self->pinned) {
+        /* cudaFreeHost synchronises the device: not with the GIL held */
+        Py_BEGIN_ALLOW_THREADS
+        (void)dpc_host_free(self->base.ptr);
+        Py_END_ALLOW_THREADS
+    } else if (self->base.dev.kind == DP_CUDA) {
+        if (self->base.ptr != NULL && self->base.exported) {
+            Py_BEGIN_ALLOW_THREADS /* waits for the consumer's kernels */
+            dp_gpu_free_exported(self->base.dev.index, self->base.ptr, self->rounded);
+            Py_END_ALLOW_THREADS
+        } else if (self->base.ptr != NULL) {
+            dp_gpu_free(self->base.dev.index, self->base.ptr, self->rounded);
+        }
+    } else if (self->base.ptr != NULL) {
+        raw_free(self->base.dev, self->base.ptr, self->rounded);
+    }
+    PyObject_Free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *buffer_repr(PyObject *op)
+{
+    dp_BufferObject *self = (dp_BufferObject *)op;
+    char name[32];
+    dp_device_format(self->dev, name, sizeof name);
+    return PyUnicode_FromFormat("<dpmini._Buffer %zu bytes on %s>", self->nbytes, name);
+}
+
+static PyObject *buffer_get_device(PyObject *op, void *closure)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    return st ? dp_device_to_object(st, ((dp_BufferObject *)op)->dev) : NULL;
+}
+
+static PyObject *buffer_get_nbytes(PyObject *op, void *closure)
+{
+    return PyLong_FromSize_t(((dp_BufferObject *)op)->nbytes);
+}
+
+static PyGetSetDef buffer_getset[] = {
+    {"device", buffer_get_device, NULL, "Device that owns this memory.", NULL},
+    {"nbytes", buffer_get_nbytes, NULL, "Size in bytes.", NULL},
+    {NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_repr, buffer_repr},
+    {Py_tp_getset, buffer_getset},
+    {Py_tp_doc, "Memory owned by one dpmini device; the base of every array dpmini "
+                "allocates on a device. Not created directly."},
+    {0, NULL},
+};
+
+PyType_Spec dp_buffer_spec = {
+    .name = "dpmini._Buffer",
+    .basicsize = sizeof(BufferImpl),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = buffer_slots,
+};
+
+PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
+                        const npy_intp *shape, const npy_intp *strides)
+{
+    size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
+    for (int i = 0; i < nd; i++) {
+        if (shape[i] < 0) {
+            Py_DECREF(descr);
+            PyErr_Format(PyExc_ValueError, "shape[%d] is %zd: dimensions must be >= 0",
+                         i, (Py_ssize_t)shape[i]);
+            return NULL;
+        }
+        if (shape[i] != 0 && nbytes > SIZE_MAX / (size_t)shape[i]) {
+            Py_DECREF(descr);
+            PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");
+            return NULL;
+        }
+        nbytes *= (size_t)shape[i];
+    }
+    /* NumPy's limit; larger sizes also reach malloc as "negative" ones
+     * (found by valgrind; reliability.md, bug 9). */
+    if (nbytes > (size_t)NPY_MAX_INTP) {
+        Py_DECREF(descr);
+        PyErr_SetString(PyExc_ValueError, "array is too big: its byte count overflows");
+        return NULL;
+    }
+    PyObject *buf = dp_buffer_new(st, d, nbytes);
+    if (buf == NULL) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, (npy_intp *)shape,
+                                         (npy_intp *)strides,
+                                         ((dp_BufferObject *)buf)->ptr,
+                                         NPY_ARRAY_WRITEABLE | NPY_ARRAY_ALIGNED, NULL);
+    if (arr == NULL) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, buf) < 0) { /* steals buf */
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return (PyArrayObject *)arr;
+}
+
+dp_device dp_array_device(dp_state *st, PyArrayObject *a)
+{
+    PyObject *b = (PyObject *)a;
+    while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
+        b = PyArray_BASE((PyArrayObject *)b);
+    }
+    if (Py_IS_TYPE(b, st->BufferType)) {
+        return ((dp_BufferObject *)b)->dev;
+    }
+    dp_device host = {DP_HOST, -1};
+    return host;
+}
+
+/* ------------------------------------------------------------------ */
+/* Module functions over memory                                       */
+/* ------------------------------------------------------------------ */
+
+/* CUDA devices: 1 with *alloc and *reserved filled; 0 for other devices. */
+static int gpu_memory_arg(dp_state *st, PyObject *obj, size_t *alloc, size_t *reserved)
+{
+    dp_device d;
+    if (dp_device_from_object(st, obj, "device", DP_DEV_ALLOW_HOST, &d) < 0) {
+        return -1;
+    }
+    if (d.kind != DP_CUDA) {
+        return 0;
+    }
+    dp_gpu_memory(d.index, alloc, reserved);
+    return 1;
+}
+
+static int heap_arg(dp_state *st, PyObject *obj, dp_cache **out)
+{
+    dp_device d;
+    if (dp_device_from_object(st, obj, "device", DP_DEV_ALLOW_HOST, &d) < 0) {
+        return -1;
+    }
+    *out = heap_of(d);
+    if (*out == NULL) {
+        PyErr_SetString(PyExc_ValueError, "device: CUDA memory is not accounted here");
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *py_memory_allocated(PyObject *m, PyObject *arg)
+{
+    dp_cache *h;
+    size_t ga, gr;
+    int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
+    if (g != 0) {
+        return g < 0 ? NULL : PyLong_FromSize_t(ga);
+    }
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    return PyLong_FromSize_t(dp_cache_get_stats(h).allocated);
+}
+
+PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
+{
+    dp_cache *h;
+    size_t ga, gr;
+    int g = gpu_memory_arg(dp_state_from_module(m), arg, &ga, &gr);
+    if (g != 0) {
+        return g < 0 ? NULL : PyLong_FromSize_t(gr);
+    }
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    dp_cache_stats cs = dp_cache_get_stats(h);
+    return PyLong_FromSize_t(cs.allocated + cs.cached);
+}
+
+PyObject *py_cache_stats(PyObject *m, PyObject *arg)
+{
+    dp_cache *h;
+    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
+        return NULL;
+    }
+    dp_cache_stats cs = dp_cache_get_stats(h);
+    return Py_BuildValue("{snsnsnsnsnsnsKsKsK}", "allocated", (Py_ssize_t)cs.allocated,
+                         "cached", (Py_ssize_t)cs.cached, "peak", (Py_ssize_t)cs.peak,
+                         "blocks", (Py_ssize_t)cs.nblocks, "limit", (Py_ssize_t)cs.limit,
+                         "slack", (Py_ssize_t)cs.slack, "hits", cs.hits,
+                         "misses", cs.misses, "evictions", cs.evictions);
+}
+
+PyObject *py_empty_cache(PyObject *m, PyObject *unused)
+{
+    pthread_once(&heaps_once, init_heaps);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        dp_cache_empty(&heaps[i]);
+    }
+#ifdef __GLIBC__
+    malloc_trim(0);   /* blocks below DP_MMAP_MIN came from glibc's heap */
+#endif
+    dp_gpu_empty_cache();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLong(__atomic_exchange_n(&fail_alloc_countdown, n < 0 ? -1 : n,
+                                               __ATOMIC_RELAXED));
+}

@@ -1,0 +1,122 @@
+/* tree_containers.c - the containers the tree walkers go into: the tests
+ * for namedtuples and dataclass instances, snapshots of a sequence's items
+ * and a dict's pairs (safe from user code resizing them during a walk), and
+ * a dict subclass rebuilt with other values (rebuild_mapping). Used by
+ * scatter_walk.c, scatter_tree.c, gather_*.c and explain.c (tree.h).
+ */
+#include "dpmini.h"
+#include "tree.h"
+
+#include <math.h>
+#include <stdarg.h>
+
+/* A dict subclass rebuilt with other values (scatter, gather; replicate
+ * does the same in replicate.c): copy.copy(obj), then copy[key] = value for
+ * each (key, value) of pairs (a list of 2-tuples, obj's keys in its order).
+ * So the copy keeps obj's type, its keys and their order, and what the
+ * class keeps besides its items (a defaultdict's default_factory, instance
+ * attributes), and no constructor sees the pairs: type(obj)(pairs) would
+ * count them as keys in a Counter and fails for a defaultdict. The copy
+ * must come back as a new object of the same type with exactly the keys
+ * of pairs, else TypeError naming the path. */
+PyObject *rebuild_mapping(dp_state *st, PyObject *obj, PyObject *pairs,
+                          const path_seg *seg)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject *copy = PyObject_CallOneArg(st->copy_copy, obj);
+    if (copy == NULL)
+        goto fail;
+    if (copy == obj || Py_TYPE(copy) != tp) {
+        PyErr_Format(PyExc_TypeError, "copy.copy() returned %s",
+                     copy == obj ? "the same object" : Py_TYPE(copy)->tp_name);
+        goto fail;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        if (PyObject_SetItem(copy, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0)
+            goto fail;
+    }
+    Py_ssize_t len = PyObject_Length(copy);
+    if (len < 0)
+        goto fail;
+    if (len != n) {
+        PyErr_Format(PyExc_TypeError, "the copy has %zd keys, the original %zd", len, n);
+        goto fail;
+    }
+    return copy;
+fail:
+    Py_XDECREF(copy);
+    raise_rebuild_error(seg, tp, "copy.copy(obj) with its values replaced", "");
+    return NULL;
+}
+
+/* A namedtuple: a tuple subclass with `_fields` and `_asdict` (the test of
+ * scatter_gather.py). 1, 0 or -1. */
+int is_namedtuple(PyObject *obj)
+{
+    if (!PyTuple_Check(obj) || PyTuple_CheckExact(obj))
+        return 0;
+    int r = dp_has_attr(obj, "_asdict");
+    if (r <= 0)
+        return r;
+    return dp_has_attr(obj, "_fields");
+}
+
+/* An instance (not a class) of a dataclass. 1, 0 or -1. */
+int is_dataclass_instance(PyObject *obj)
+{
+    if (PyType_Check(obj))
+        return 0;
+    return dp_has_attr((PyObject *)Py_TYPE(obj), "__dataclass_fields__");
+}
+
+/* type(obj)._fields when it is a tuple of n str (for paths like args[0].a),
+ * else NULL with no exception set: paths then fall back to [i]. */
+PyObject *namedtuple_names(PyObject *obj, Py_ssize_t n)
+{
+    PyObject *names = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "_fields");
+    if (names == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != n)
+        goto no;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(names, i)))
+            goto no;
+    return names;
+no:
+    Py_DECREF(names);
+    return NULL;
+}
+
+/* A snapshot of a tuple's or list's items as a tuple (new reference), so
+ * that user code run during a walk cannot resize what is being walked. */
+PyObject *seq_snapshot(PyObject *seq)
+{
+    if (PyList_Check(seq))
+        return PyList_AsTuple(seq);
+    return Py_NewRef(seq);
+}
+
+/* A dict's items as a list of (key, value) 2-tuples; dict subclasses go
+ * through their items() (as `obj.items()` in PyTorch), so an OrderedDict
+ * keeps its own order. */
+PyObject *dict_pairs(PyObject *d)
+{
+    PyObject *items = PyMapping_Items(d);
+    if (items == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *p = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) {
+            PyErr_Format(PyExc_TypeError,
+                         "%.100s.items() must give (key, value) pairs, got %.100s",
+                         Py_TYPE(d)->tp_name, Py_TYPE(p)->tp_name);
+            Py_DECREF(items);
+            return NULL;
+        }
+    }
+    return items;
+}
