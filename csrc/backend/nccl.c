@@ -30,7 +30,7 @@
  * in CI.
  */
 #define PY_SSIZE_T_CLEAN
-#include <Python.h> /* the GIL, signals, sys.path; not py/'s state or types */
+#include <Python.h> /* sys.path, to find pip's libnccl; not py/'s state or types */
 #include "gpu.h"
 #include "nccl_wait.h"
 #include "nccl_api.h"

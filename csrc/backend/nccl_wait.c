@@ -12,7 +12,7 @@
  * what makes NCCL's kernels exit.
  */
 #define PY_SSIZE_T_CLEAN
-#include <Python.h> /* the GIL, signals, sys.path; not py/'s state or types */
+#include <Python.h> /* the GIL and signals; not py/'s state or types */
 #include "gpu.h"
 #include "nccl_wait.h"
 #include "env.h"
