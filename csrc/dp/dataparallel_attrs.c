@@ -394,6 +394,10 @@ PyGetSetDef dp_DataParallel_getset[] = {
      "None, or a tuple of per-device sizes along the split dim.", NULL},
     {"weights", (getter)DataParallel_get_weights, (setter)DataParallel_set_weights,
      "None, or a tuple of per-device weights (sizes proportional to them).", NULL},
+    {"training", (getter)dp_DataParallel_get_training, (setter)dp_DataParallel_set_training,
+     "module.training (read and set through the module; for torch.nn.Module-like\n"
+     "modules, as torch.nn.DataParallel's train()/eval() keep it). AttributeError\n"
+     "when the module has none.", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

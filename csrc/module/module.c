@@ -144,6 +144,7 @@ static int dp_exec(PyObject *m)
     if (add_type(m, &dp_device_spec, NULL, &st->DeviceType) < 0 ||
         add_type(m, &dp_buffer_spec, NULL, &st->BufferType) < 0 ||
         add_type(m, &dp_dataparallel_spec, NULL, &st->DataParallelType) < 0 ||
+        dp_DataParallel_add_module_methods(st->DataParallelType) < 0 ||
         add_type(m, &dp_array_spec, NULL, &st->ArrayType) < 0) {
         return -1;
     }
