@@ -2,8 +2,9 @@
 reads the #include graph and fails on an include of a higher layer's header,
 on a folder its table does not name, and on a listed exception that has gone;
 it reads the object files' symbols (nm) and fails on a call up a layer, even
-one whose declaration sits in a header of the caller's own layer, and on a
-call into another layer that the caller's includes do not show."""
+one whose declaration sits in a header of the caller's own layer, on a call
+into another layer that the caller's includes do not show, and on a header
+that declares another layer's functions."""
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,9 @@ import check_layers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def real_calls():
-    """check_calls() of this checkout (compiles csrc/ once for the module)."""
-    return check_layers.check_calls()
+def real_graph():
+    """link_graph() of this checkout (compiles csrc/ once for the module)."""
+    return check_layers.link_graph()
 
 
 def test_no_include_points_up_a_layer():
@@ -54,8 +55,8 @@ def test_the_checker_finds_an_upward_include(tmp_path, monkeypatch):
     assert ("core/plan.c", "tree/tree.h") in bad
 
 
-def test_no_call_points_up_a_layer(real_calls):
-    bad, stale, found = real_calls
+def test_no_call_points_up_a_layer(real_graph):
+    bad, stale, found = check_layers.check_calls(graph=real_graph)
     assert bad == [], f"upward calls: {bad}"
     assert stale == [], f"exceptions listed in KNOWN_CALLS that are gone: {stale}"
     # the graph is real: a few edges that must be there
@@ -114,10 +115,32 @@ def test_the_checker_finds_an_upward_call_through_a_header(tmp_path, monkeypatch
         ("tree/high.c", "core/low.c")]
 
 
-def test_every_call_between_layers_is_in_the_include_graph(real_calls):
+def test_every_call_between_layers_is_in_the_include_graph(real_graph):
     _, _, includes = check_layers.check()
-    _, _, calls = real_calls
+    calls, _ = real_graph
     assert check_layers.unseen_calls(calls, includes) == []
+
+
+def test_every_header_declares_only_its_own_layers_symbols(real_graph):
+    _, definitions = real_graph
+    assert check_layers.foreign_declarations(definitions) == []
+
+
+def test_a_header_declaring_another_layers_function_is_reported(tmp_path, monkeypatch):
+    # py/all.h declaring tree's function: tree's callers would include a py
+    # header for it, and the include graph would show py, not tree
+    fake = _fake_tree(tmp_path, {
+        "py/all.h": "/* walk() in a comment is not a declaration */\n"
+                    "int dp_walk(int x);\nextern int dp_walk_table[];\nint dp_py(void);\n",
+        "py/py.c": '#include "all.h"\nint dp_py(void) { return 0; }\n',
+        "tree/walk.c": "int dp_walk_table[2];\nint dp_walk(int x) { return x; }\n"
+                       "int walk(void) { return 0; }\n",
+    })
+    monkeypatch.setattr(check_layers, "CSRC", fake)
+    monkeypatch.setattr(check_layers, "ROOT", tmp_path)
+    _, definitions = check_layers.link_graph(_compile(fake, tmp_path))
+    assert check_layers.foreign_declarations(definitions) == [
+        ("py/all.h", "dp_walk", "tree/walk.c"), ("py/all.h", "dp_walk_table", "tree/walk.c")]
 
 
 def test_a_call_declared_in_the_c_file_itself_is_reported(tmp_path, monkeypatch):

@@ -25,9 +25,10 @@ configuration, which compiles the most code (the real-CUDA and CPU-only
 builds leave parts out, none in); --objects DIR reads a build's instead.
 csrc/dist/ is a separate extension and not part of the call check.
 
-And the two graphs agree: a file that calls into another layer includes a
-header of that layer itself, so the include graph shows every dependency
-(unseen_calls).
+And the two graphs agree: a header declares only what files of its own
+layer define (foreign_declarations), and a file that calls into another
+layer includes a header of that layer itself (unseen_calls), so the include
+graph shows every dependency.
 
 KNOWN and KNOWN_CALLS list the upward edges that are still there, each with
 why and the issue that removes it; an edge listed there that has gone is
@@ -203,37 +204,39 @@ def symbols(obj):
     return defined, undefined
 
 
-def call_edges(objects):
-    """{(calling file, defining file): sorted symbols} from {source: object}:
-    every symbol one file uses and another defines."""
-    table, wanted = {}, {}
-    for src, obj in objects.items():
-        defined, undefined = symbols(obj)
-        for name in defined:
-            table[name] = src
-        wanted[src] = undefined
+def link_graph(objects=None):
+    """(call edges, definitions) of {source: object file}, else of freshly
+    compiled objects (compile_objects). Call edges: {(calling file, defining
+    file): sorted symbols}, every symbol one file uses and another defines;
+    definitions: {symbol: defining file}."""
+    tmp = None
+    if objects is None:
+        tmp = tempfile.mkdtemp(prefix="check_layers_")
+        objects = compile_objects(tmp)
+    try:
+        table, wanted = {}, {}
+        for src, obj in objects.items():
+            defined, undefined = symbols(obj)
+            for name in defined:
+                table[name] = src
+            wanted[src] = undefined
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     out = {}
     for src, names in wanted.items():
         for name in names:
             dst = table.get(name)
             if dst is not None and dst != src:
                 out.setdefault((src, dst), []).append(name)
-    return {k: sorted(v) for k, v in out.items()}
+    return {k: sorted(v) for k, v in out.items()}, table
 
 
-def check_calls(objects=None):
+def check_calls(objects=None, graph=None):
     """(upward call edges not in KNOWN_CALLS as (caller, callee, symbols),
-    KNOWN_CALLS edges no longer present, all call edges). objects:
-    {source: object file}, else freshly compiled ones (compile_objects)."""
-    tmp = None
-    if objects is None:
-        tmp = tempfile.mkdtemp(prefix="check_layers_")
-        objects = compile_objects(tmp)
-    try:
-        found = call_edges(objects)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    KNOWN_CALLS edges no longer present, all call edges). graph: a
+    link_graph() result, else link_graph(objects)."""
+    found, _ = graph if graph is not None else link_graph(objects)
     bad, seen = [], set()
     for (src, dst), names in sorted(found.items()):
         a, b = layer_of(src), layer_of(dst)
@@ -246,6 +249,31 @@ def check_calls(objects=None):
             bad.append((key[0], key[1], names))
     stale = sorted(set(KNOWN_CALLS) - seen)
     return bad, stale, found
+
+
+# A name followed by "(" (a prototype, or a call in a static inline body), or
+# the name an extern data declaration ends with; comments are removed first.
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+_CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+_EXTERN = re.compile(r"\bextern\b[^;(){}]*?\b(\w+)\s*(?:\[[^\]]*\])?\s*;")
+
+
+def foreign_declarations(definitions):
+    """Headers that name a function or datum defined in another layer's
+    file: each layer declares its own, in a header of its folder, so that
+    including it is the dependency. [(header, symbol, defining file)]."""
+    out = []
+    for h in sorted(CSRC.rglob("*.h")):
+        layer = layer_of(h)
+        if layer not in RANK:
+            continue
+        text = _COMMENT.sub(" ", h.read_text())
+        names = set(_CALLED.findall(text)) | set(_EXTERN.findall(text))
+        for name in sorted(names):
+            src = definitions.get(name)
+            if src is not None and layer_of(src) != layer:
+                out.append((rel(h.resolve()), name, rel(src)))
+    return out
 
 
 def unseen_calls(calls, includes):
@@ -273,7 +301,8 @@ def main(argv):
             src = _c_of(obj, base)
             if src is not None and layer_of(src) in RANK:
                 objects[src.resolve()] = obj
-    cbad, cstale, calls = check_calls(objects)
+    graph = link_graph(objects)
+    cbad, cstale, calls = check_calls(graph=graph)
     if "--graph" in argv:
         for src, dst in found:
             print(f"{rel(src)} -> {rel(dst)}")
@@ -299,7 +328,10 @@ def main(argv):
     for src, dst, names in unseen:
         print(f"call not in the include graph: {src} uses {', '.join(names)} of {dst} "
               f"but includes no header of {layer_of(CSRC / dst)}/")
-    if bad or stale or cbad or cstale or unseen:
+    foreign = foreign_declarations(graph[1])
+    for header, name, src in foreign:
+        print(f"declared outside its layer: {header} declares {name}, defined in {src}")
+    if bad or stale or cbad or cstale or unseen or foreign:
         print("layer order, lowest first: " + " < ".join(n for n, _ in LAYERS))
         return 1
     return 0
