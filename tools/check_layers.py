@@ -20,7 +20,8 @@ call from the include check, so the object files are read too (`nm`): a
 file's undefined symbol that another csrc/ file defines is a call edge (a
 function call or a use of its data, such as a method table) from the first
 file to the second, and it must not point up a layer either. The objects are
-compiled into a temporary folder (-O0, a few seconds) in the emulated-GPU
+compiled ($CC or Python's compiler; binutils' nm reads them) into a
+temporary folder (-O0, a few seconds) in the emulated-GPU
 configuration, which compiles the most code (the real-CUDA and CPU-only
 builds leave parts out, none in); --objects DIR reads a build's instead.
 csrc/dist/ is a separate extension and not part of the call check.
@@ -171,7 +172,7 @@ def compile_objects(outdir):
     """Compile every layer source into outdir (-O0); {source: object}."""
     import numpy
 
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     flags = ["-c", "-O0", "-std=c11", "-fPIC", "-w", "-DDPMINI_CUDA_EMULATE=1",
              "-I" + sysconfig.get_paths()["include"], "-I" + numpy.get_include(),
              "-I" + str(CSRC)] + ["-I" + str(CSRC / name) for name, _ in LAYERS]
