@@ -17,8 +17,10 @@
 // a C++ destructor). Only dpc_set_device changes the current device for good.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 #include "cuda_api.h" /* csrc/backend/ (-I in setup.py) */
 #include "strided.h"
@@ -46,14 +48,16 @@
 // the guard switches back with cudaSetDevice.
 typedef int (*dp_cuCtxGetCurrent_t)(void **);
 typedef int (*dp_cuCtxSetCurrent_t)(void *);
+typedef int (*dp_cuDevicePrimaryCtxGetState_t)(int, unsigned *, int *);
 static dp_cuCtxGetCurrent_t g_cuCtxGetCurrent;
 static dp_cuCtxSetCurrent_t g_cuCtxSetCurrent;
+static dp_cuDevicePrimaryCtxGetState_t g_cuPrimaryCtxGetState;
 static pthread_once_t g_entry_once = PTHREAD_ONCE_INIT;
 
 static void load_entry_points(void)
 {
-    void *a = NULL, *b = NULL;
-    cudaDriverEntryPointQueryResult qa, qb;
+    void *a = NULL, *b = NULL, *c = NULL;
+    cudaDriverEntryPointQueryResult qa, qb, qc;
     if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &a, 12000, cudaEnableDefault, &qa) ==
             cudaSuccess && qa == cudaDriverEntryPointSuccess &&
         cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &b, 12000, cudaEnableDefault,
@@ -62,7 +66,24 @@ static void load_entry_points(void)
         g_cuCtxGetCurrent = (dp_cuCtxGetCurrent_t)a;
         g_cuCtxSetCurrent = (dp_cuCtxSetCurrent_t)b;
     }
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &c, 12000,
+                                         cudaEnableDefault, &qc) == cudaSuccess &&
+        qc == cudaDriverEntryPointSuccess)
+        g_cuPrimaryCtxGetState = (dp_cuDevicePrimaryCtxGetState_t)c;
     (void)cudaGetLastError();
+}
+
+// dpmini has made or bound a context (or initialised the driver to count
+// devices): a forked child cannot use CUDA (gpu_fork.c). g_ctx_dev: the
+// first device dpmini made current, where calls that name no device run.
+static int g_initialised;
+static int g_ctx_dev = -1;
+
+static void note_context(int dev)
+{
+    __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED);
+    int none = -1;
+    __atomic_compare_exchange_n(&g_ctx_dev, &none, dev, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 }
 
 // Make dev current; remember what to restore (device and context).
@@ -74,6 +95,7 @@ static cudaError_t guard_enter(int dev, dpc_device_guard *g)
     if (dev < 0)
         return cudaSuccess;
     pthread_once(&g_entry_once, load_entry_points);
+    note_context(dev);
     cudaError_t err = cudaGetDevice(&g->prev);
     if (err != cudaSuccess || g->prev == dev)
         return err;
@@ -108,6 +130,34 @@ struct DevGuard {
     DevGuard dev_guard_(dev);                                                        \
     CUDA_TRY(dev_guard_.err, dev)
 
+// The device for a call that needs a context but names no device (dev -1):
+// -1 (no switch) when the thread has a context bound; else the first device
+// dpmini used; else a device whose primary context another library made
+// active; else -1, the current device (nothing better exists).
+static int pick_device(int dev)
+{
+    if (dev >= 0)
+        return dev;
+    pthread_once(&g_entry_once, load_entry_points);
+    void *ctx = NULL;
+    if (g_cuCtxGetCurrent != NULL && g_cuCtxGetCurrent(&ctx) == 0 && ctx != NULL)
+        return -1;
+    int first = __atomic_load_n(&g_ctx_dev, __ATOMIC_RELAXED);
+    if (first >= 0)
+        return first;
+    int n = 0;
+    if (g_cuPrimaryCtxGetState != NULL && cudaGetDeviceCount(&n) == cudaSuccess) {
+        for (int d = 0; d < n; d++) {
+            unsigned flags = 0;
+            int active = 0;
+            if (g_cuPrimaryCtxGetState(d, &flags, &active) == 0 && active)
+                return d;
+        }
+    }
+    (void)cudaGetLastError();
+    return -1;
+}
+
 // ---------------------------------------------------------------- kernels
 
 // One thread per element, grid-stride. The index arithmetic is
@@ -132,20 +182,62 @@ __global__ void dp_add_kernel(T *acc, const T *x, int64_t n)
 static int g_count = -1;
 static int g_count_err; // the CUDA error of the count query, kept for reports
 
+// Counting devices through the runtime initialises the driver (cuInit), and
+// a child forked after that cannot use CUDA even if the parent never made a
+// context. So the count comes from NVML when it can (libnvidia-ml.so.1
+// through dlopen, as PyTorch's _device_count_nvml): only when
+// CUDA_VISIBLE_DEVICES is unset (its ordinal, UUID and MIG rules are the
+// runtime's) and the driver's CUDA major version is not older than the
+// runtime's (else the runtime's query reports the error, finding 9). -1:
+// NVML unusable.
+static int nvml_count(void)
+{
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL)
+        return -1;
+    typedef int (*init_t)(void);
+    typedef int (*count_t)(unsigned *);
+    init_t init = (init_t)dlsym(h, "nvmlInit_v2");
+    count_t count = (count_t)dlsym(h, "nvmlDeviceGetCount_v2");
+    init_t shutdown = (init_t)dlsym(h, "nvmlShutdown");
+    int n = -1;
+    if (init != NULL && count != NULL && shutdown != NULL && init() == 0) {
+        unsigned c = 0;
+        if (count(&c) == 0 && c <= INT_MAX)
+            n = (int)c;
+        (void)shutdown();
+    }
+    dlclose(h);
+    return n;
+}
+
 extern "C" int dpc_device_count(void)
 {
     if (g_count < 0) {
-        int n = 0;
-        cudaError_t e = cudaGetDeviceCount(&n);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
+        int n = -1, rt = 0, drv = 0;
+        if (cudaRuntimeGetVersion(&rt) != cudaSuccess || cudaDriverGetVersion(&drv) != cudaSuccess)
+            rt = drv = 0;
+        (void)cudaGetLastError();
+        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        if (vis == NULL && drv > 0 && drv / 1000 >= rt / 1000)
+            n = nvml_count();
+        if (n < 0) {
             n = 0;
-            g_count_err = (int)e;
+            cudaError_t e = cudaGetDeviceCount(&n); // cuInit
+            if (e != cudaSuccess) {
+                (void)cudaGetLastError();
+                n = 0;
+                g_count_err = (int)e;
+            } else if (n > 0) {
+                __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED);
+            }
         }
         g_count = n;
     }
     return g_count;
 }
+
+extern "C" int dpc_initialised(void) { return __atomic_load_n(&g_initialised, __ATOMIC_RELAXED); }
 
 extern "C" int dpc_device_error(const char **msg)
 {
@@ -173,6 +265,7 @@ extern "C" dpc_status dpc_set_device(int dev)
     if (cudaGetDevice(&cur) == cudaSuccess && cur == dev)
         return dpc_ok();
     (void)cudaGetLastError();
+    note_context(dev);
     CUDA_TRY(cudaSetDevice(dev), dev);
     return dpc_ok();
 }
@@ -262,15 +355,20 @@ extern "C" dpc_status dpc_free(int dev, void *p)
     return dpc_ok();
 }
 
-extern "C" dpc_status dpc_host_alloc(size_t nbytes, void **out)
+extern "C" dpc_status dpc_host_alloc(int dev, size_t nbytes, void **out)
 {
-    CUDA_TRY(cudaHostAlloc(out, nbytes ? nbytes : 1, cudaHostAllocPortable), -1);
+    int on = pick_device(dev);
+    ON_DEVICE(on); // not device 0's context on a fresh thread
+    __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED);
+    CUDA_TRY(cudaHostAlloc(out, nbytes ? nbytes : 1, cudaHostAllocPortable), on);
     return dpc_ok();
 }
 
-extern "C" dpc_status dpc_host_free(void *p)
+extern "C" dpc_status dpc_host_free(int dev, void *p)
 {
-    CUDA_TRY(cudaFreeHost(p), -1);
+    int on = pick_device(dev);
+    ON_DEVICE(on);
+    CUDA_TRY(cudaFreeHost(p), on);
     return dpc_ok();
 }
 
@@ -288,7 +386,9 @@ extern "C" int dpc_is_pinned(int dev, const void *p)
 extern "C" int dpc_is_device_ptr(const void *p, int *dev)
 {
     cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    DevGuard g(pick_device(-1)); // unified addressing: any context answers
+    __atomic_store_n(&g_initialised, 1, __ATOMIC_RELAXED);
+    if (g.err != cudaSuccess || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }

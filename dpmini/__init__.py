@@ -35,6 +35,14 @@ from ._dpmini import (
 )
 from ._plan import Plan, explain
 
+import atexit as _atexit
+
+from ._dpmini import _gpu_at_exit
+
+# NCCL communicators hold threads, sockets and GPU memory until destroyed.
+_atexit.register(_gpu_at_exit)
+del _atexit, _gpu_at_exit
+
 __version__ = "0.1.0"
 
 __all__ = [

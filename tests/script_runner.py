@@ -10,13 +10,15 @@ import pytest
 TIMEOUT = 60
 
 
-def run_script(body, *flags, env=None, timeout=TIMEOUT):
-    """Run the dedented `body` with `python *flags -c`; fail unless it exits 0
-    and its output ends with OK. Returns the CompletedProcess."""
+def run_script(body, *flags, env=None, timeout=TIMEOUT, cwd=None):
+    """Run the dedented `body` with `python *flags -c` (in `cwd`, e.g. a
+    tmp_path, so that a dpmini folder in the current directory is not
+    imported instead of the one on PYTHONPATH); fail unless it exits 0 and
+    its output ends with OK. Returns the CompletedProcess."""
     code = textwrap.dedent(body)
     try:
         res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
-                             text=True, timeout=timeout, env=env)
+                             text=True, timeout=timeout, env=env, cwd=cwd)
     except subprocess.TimeoutExpired:
         pytest.fail(f"deadlock or hang: the script did not finish in {timeout}s")
     assert res.returncode == 0, f"rc {res.returncode}\n" + res.stdout + res.stderr

@@ -363,26 +363,33 @@ def test_current_device_is_not_changed():
     assert cuda_debug()["current_device"] == start
 
 
-# ---- exported memory is not reused under a consumer (finding 4) ----
+# ---- exported memory is not reused under a consumer (findings 4 and 14) ----
 
 def test_exported_buffers_are_synchronised_before_reuse():
-    before = cuda_debug()["export_syncs"]
+    dbg = cuda_debug
+    dpmini.empty_cache()  # nothing deferred from earlier tests
+    before = dbg()["export_syncs"]
     a = dpmini.asarray(np.ones(64), 0)
     del a  # never exported: cached at once
-    assert cuda_debug()["export_syncs"] == before
+    assert dbg()["export_syncs"] == before and dbg()["export_deferred"] == 0
     a = dpmini.asarray(np.ones(64), 0)
-    a.__cuda_array_interface__
+    a.__cuda_array_interface__  # no stream named: released after a device sync
     del a
     gc.collect()
-    assert cuda_debug()["export_syncs"] == before + 1
+    assert dbg()["export_syncs"] == before and dbg()["export_deferred"] == 1
+    dpmini.empty_cache()
+    assert dbg()["export_syncs"] == before + 1 and dbg()["export_deferred"] == 0
+    ssyncs = dbg()["export_stream_syncs"]
     c0, c1 = dpmini.comm.scatter(dpmini.asarray(np.ones(64), 0), [0, 0])
     b = dpmini.from_dlpack(DLPackProducer(c1))  # a view's export marks the block
     del c0, c1
     gc.collect()
-    assert cuda_debug()["export_syncs"] == before + 1  # b still holds it
+    assert dbg()["export_stream_syncs"] == ssyncs  # b still holds it
     del b
     gc.collect()
-    assert cuda_debug()["export_syncs"] == before + 2
+    # the consumer (dpmini's import) named its stream: that stream is waited for
+    assert dbg()["export_stream_syncs"] == ssyncs + 1
+    assert dbg()["export_syncs"] == before + 1
 
 
 def _dlpack_flags(cap):

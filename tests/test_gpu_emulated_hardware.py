@@ -64,6 +64,36 @@ def test_gather_of_dlpack_outputs_waits_on_each_producers_device():
     assert p0.seen == [0] and p1.seen == [1]
 
 
+class PerThreadStreamOutput:
+    """A replica's output as a library on per-thread default streams
+    exports it: CAI stream 2, the per-thread default stream of the thread
+    that made it."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    @property
+    def __cuda_array_interface__(self):
+        return dict(self.arr.__cuda_array_interface__, stream=2)
+
+
+@emulated
+def test_cai_per_thread_stream_from_another_thread_is_waited_for():
+    # the output is imported on the caller's thread, whose own stream 2 is
+    # another stream than the producer's: the device is synchronised
+    import threading
+    x = sample((5, 4), "float32")
+    a = dpmini.asarray(x, 0)
+    ptr, n = a.data_ptr, x.nbytes
+    t = threading.Thread(target=lambda: _d._emu_queue(0, 2, ptr, n))  # still running there
+    t.start()
+    t.join()
+    assert _d._emu_busy(ptr, n)
+    b = dpmini.asarray(PerThreadStreamOutput(a))
+    assert not _d._emu_busy(ptr, n)  # the producer thread's work was waited for
+    np.testing.assert_array_equal(b.numpy(), x)
+
+
 # ---- finding 2: no peer kernel on memory peer access does not cover ----
 
 class CAIView:

@@ -98,7 +98,8 @@ fi
 t0=$(date +%s)
 timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/test_gpu_array.py tests/test_gpu_comm.py tests/test_gpu_dataparallel.py \
-    tests/test_gpu_emulated_hardware.py \
+    tests/test_gpu_emulated_hardware.py tests/test_gpu_export_release.py \
+    tests/test_gpu_broadcast_grouped.py tests/test_gpu_fork_exit.py \
     >"$OUT/tests.txt" 2>&1
 rc=$?
 cat "$OUT/tests.txt" >>"$LOG"

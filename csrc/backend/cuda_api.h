@@ -186,17 +186,28 @@ static inline int dpc_cuda_error_is_sticky(int code)
     }
 }
 
+/* 1 once dpmini initialised CUDA in this process (made or bound a context,
+ * or initialised the driver to count devices): a child forked after that
+ * cannot use CUDA (gpu_fork.c). */
+int dpc_initialised(void);
+
 /* ---- memory ---- */
 dpc_status dpc_malloc(int dev, size_t nbytes, void **out);
 dpc_status dpc_free(int dev, void *p);
-/* Page-locked host memory (cudaHostAlloc, portable to every device). */
-dpc_status dpc_host_alloc(size_t nbytes, void **out);
-dpc_status dpc_host_free(void *p);
+/* Page-locked host memory (cudaHostAlloc, portable to every device), made
+ * with dev's context current (the device of the copy it stages for), so a
+ * thread without a context does not create one on device 0. dev -1 (no
+ * device in question, e.g. pin_memory=True): the thread's own context if it
+ * has one, else a device dpmini already uses, else the current device. */
+dpc_status dpc_host_alloc(int dev, size_t nbytes, void **out);
+dpc_status dpc_host_free(int dev, void *p);
 /* 1 when p is page-locked host memory the runtime knows, else 0. Asked on
  * dev (the device the copy runs on), so a fresh thread does not create a
  * context on device 0 for the question. */
 int dpc_is_pinned(int dev, const void *p);
-/* 1 when p is device memory; *dev receives its device. */
+/* 1 when p is device memory; *dev receives its device. Asked like
+ * dpc_host_alloc with dev -1: in the thread's context, else on a device
+ * dpmini already uses (unified addressing answers for every device). */
 int dpc_is_device_ptr(const void *p, int *dev);
 
 /* ---- streams ---- */
@@ -259,6 +270,14 @@ void dpc_emu_set_stuck(int dev, int on);
 /* Emulator only: hook called at every stream or device sync (tests count
  * syncs made with the GIL held). */
 void dpc_emu_set_sync_hook(void (*hook)(void));
+/* Emulator only: the devices whose context exists (a thread starts with no
+ * context; a call through the device guard creates its device's, a call that
+ * needs one without a device creates the current device's, as on hardware);
+ * writes at most max, returns how many. */
+int dpc_emu_contexts(int *devs, int max);
+/* Emulator only: another library's kernel queued on stream s of dev touching
+ * device memory [p, p + n), pending until s or dev is synchronised. */
+void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n);
 #endif
 
 #ifdef __cplusplus

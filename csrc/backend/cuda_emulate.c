@@ -36,6 +36,17 @@
  *     touching one fails with 700, as on hardware. $DPMINI_EMULATE_PEER=0 (or
  *     dpc_emu_set_peer(0)) reports no peer access at all.
  *   - dpc_guard_enter/leave: the current device is restored only by leave.
+ *   - Contexts (cuda_emulate_ctx.c): a thread starts with none bound. A
+ *     call through the device guard (any call that names its device)
+ *     creates that device's context; a call that needs one and names no
+ *     device (page-locked host memory, pointer queries with dev -1) uses the
+ *     thread's bound context, else creates and binds the current device's
+ *     (device 0 on a fresh thread), as the runtime does; cudaSetDevice
+ *     creates and binds. dpc_emu_contexts lists the devices that got one, so
+ *     a stray context on GPU 0 shows.
+ *   - dpc_emu_queue: another library's kernel queued on any stream handle,
+ *     pending until that stream (or the device) is synchronised. Handle 2
+ *     (the per-thread default stream) is the calling thread's own stream.
  * What it does not keep: real asynchrony (every call completes before it
  * returns, so a read racing a producer is caught only through the records
  * above), real bandwidth.
@@ -85,7 +96,6 @@ static size_t emu_used[EMU_MAX_DEVICES];    /* guarded by emu_mu          */
 static int emu_count = -1;
 static int emu_count_err;                   /* $DPMINI_EMULATE_DRIVER_ERROR */
 static size_t emu_limit;
-static __thread int emu_current;
 static int emu_fault;                       /* next failing code, 0: none */
 static int emu_peer = -1;                   /* peer access: 1 on, 0 off    */
 static int emu_fail_slot = -1;              /* next stream_get to fail     */
@@ -150,14 +160,6 @@ void dpc_versions(int *runtime, int *driver)
 
 int bad_dev(int dev) { return dev < 0 || dev >= dpc_device_count(); }
 
-dpc_status dpc_set_device(int dev)
-{
-    if (bad_dev(dev))
-        return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
-    emu_current = dev;
-    return dpc_ok();
-}
-
 dpc_status dpc_enable_peer(int dev, int peer, int *on)
 {
     if (bad_dev(dev) || bad_dev(peer))
@@ -167,37 +169,33 @@ dpc_status dpc_enable_peer(int dev, int peer, int *on)
         const char *e = getenv("DPMINI_EMULATE_PEER");
         emu_peer = !(e && strcmp(e, "0") == 0);
     }
+    ctx_on(dev);
     *on = dev != peer && emu_peer;
     return dpc_ok();
 }
 
 void dpc_emu_set_peer(int on) { emu_peer = on != 0; }
 
-dpc_status dpc_guard_enter(int dev, dpc_device_guard *g)
-{
-    g->prev = emu_current;
-    g->switched = 0;
-    g->ctx = NULL;
-    if (bad_dev(dev))
-        return EMU_FAIL(E_INVALID_DEVICE, "cudaSetDevice(dev)", dev, emu_msg(E_INVALID_DEVICE));
-    g->switched = emu_current != dev;
-    emu_current = dev;
-    return dpc_ok();
-}
-
-void dpc_guard_leave(dpc_device_guard *g)
-{
-    if (g->switched)
-        emu_current = g->prev;
-    g->switched = 0;
-}
-
-int dpc_current_device(void) { return emu_current; }
 
 /* ---- work in flight (records only; the data moves at once) ---- */
 
+/* CUDA's per-thread default stream handle (2) names a different stream on
+ * every thread: the calling thread's. */
+static int emu_next_tid;
+static __thread int emu_tid;
+
+static dpc_stream resolve_stream(dpc_stream s)
+{
+    if (s != DPC_STREAM_PER_THREAD)
+        return s;
+    if (emu_tid == 0)
+        emu_tid = __atomic_add_fetch(&emu_next_tid, 1, __ATOMIC_SEQ_CST);
+    return (dpc_stream)(uintptr_t)(0x30000000u + (unsigned)emu_tid);
+}
+
 static void forget_pending(int by_dev, int dev, dpc_stream s)
 {
+    s = resolve_stream(s);
     pthread_mutex_lock(&emu_mu);
     for (emu_pend **l = &emu_pending; *l;) {
         emu_pend *q = *l;
@@ -218,7 +216,7 @@ void note_pending(dpc_stream s, int dev, const char *lo, const char *hi)
     emu_pend *q = malloc(sizeof *q);
     if (q == NULL)
         return;
-    q->s = s;
+    q->s = resolve_stream(s);
     q->dev = dev;
     q->lo = lo;
     q->hi = hi;
@@ -278,6 +276,7 @@ dpc_status dpc_device_sync(int dev)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
                         emu_msg(E_INVALID_DEVICE));
+    ctx_on(dev);
     wait_unstuck(dev);
     forget_pending(1, dev, NULL);
     return dpc_ok();
@@ -295,7 +294,9 @@ static void *to_dev(char *host, int dev)
     return (void *)((uintptr_t)host | EMU_TAG | ((uintptr_t)dev << EMU_DEV_SHIFT));
 }
 
-int dpc_is_device_ptr(const void *p, int *dev)
+/* Is p a device pointer (and of which device)? The emulator's own check:
+ * no context involved. */
+int tagged(const void *p, int *dev)
 {
     uintptr_t u = (uintptr_t)p;
     if (!(u & EMU_TAG))
@@ -303,6 +304,18 @@ int dpc_is_device_ptr(const void *p, int *dev)
     if (dev)
         *dev = (int)((u >> EMU_DEV_SHIFT) & 0x7f);
     return 1;
+}
+
+int dpc_is_device_ptr(const void *p, int *dev)
+{
+    ctx_pick(-1); /* cudaPointerGetAttributes needs a context */
+    return tagged(p, dev);
+}
+
+void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n)
+{
+    char *h = (char *)((uintptr_t)p & EMU_ADDR_MASK);
+    note_pending(s, dev, h, h + n);
 }
 
 static char *to_host(const void *p) { return (char *)((uintptr_t)p & EMU_ADDR_MASK); }
@@ -327,7 +340,7 @@ static int live_range(const char *host, size_t n, int dev)
 static char *dev_range_ex(const void *p, int64_t lo, int64_t hi, int *dev_out, int *nopeer)
 {
     int dev, live = 1;
-    if (!dpc_is_device_ptr(p, &dev))
+    if (!tagged(p, &dev))
         return NULL;
     char *h = to_host(p);
     if (hi > lo && !(live = live_range(h + lo, (size_t)(hi - lo), dev)))
@@ -400,6 +413,7 @@ dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
 {
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_INVALID_DEVICE));
+    ctx_on(dev);
     pthread_mutex_lock(&emu_mu);
     int over = emu_used[dev] + nbytes > emu_limit;
     if (!over)
@@ -429,7 +443,8 @@ dpc_status dpc_free(int dev, void *p)
     size_t size;
     if (p == NULL)
         return dpc_ok();
-    if (!dpc_is_device_ptr(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
+    ctx_on(dev);
+    if (!tagged(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
     forget_pending(1, dev, NULL); /* cudaFree synchronises the device */
     /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):
@@ -451,9 +466,13 @@ dpc_status dpc_emu_malloc_nopeer(int dev, size_t nbytes, void **out)
     return dpc_ok();
 }
 
-dpc_status dpc_host_alloc(size_t nbytes, void **out)
+dpc_status dpc_host_alloc(int dev, size_t nbytes, void **out)
 {
     char *h = NULL;
+    if (dev >= 0 && bad_dev(dev))
+        return EMU_FAIL(E_INVALID_DEVICE, "cudaHostAlloc(&p, nbytes, cudaHostAllocPortable)", dev,
+                        emu_msg(E_INVALID_DEVICE));
+    ctx_pick(dev);
     if (posix_memalign((void **)&h, 4096, nbytes ? nbytes : 1) != 0)
         return EMU_FAIL(E_OOM, "cudaHostAlloc(&p, nbytes, cudaHostAllocPortable)", -1,
                         emu_msg(E_OOM));
@@ -466,11 +485,12 @@ dpc_status dpc_host_alloc(size_t nbytes, void **out)
     return dpc_ok();
 }
 
-dpc_status dpc_host_free(void *p)
+dpc_status dpc_host_free(int dev, void *p)
 {
     size_t size;
     if (p == NULL)
         return dpc_ok();
+    ctx_pick(dev >= 0 && !bad_dev(dev) ? dev : -1);
     if (!untrack(p, -1, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFreeHost(p)", -1, emu_msg(E_INVALID_VALUE));
     memset(p, 0xDB, size);
@@ -480,8 +500,8 @@ dpc_status dpc_host_free(void *p)
 
 int dpc_is_pinned(int dev, const void *p)
 {
-    (void)dev;
-    return !dpc_is_device_ptr(p, NULL) && live_range(p, 1, -1);
+    ctx_pick(dev >= 0 && !bad_dev(dev) ? dev : -1);
+    return !tagged(p, NULL) && live_range(p, 1, -1);
 }
 
 /* ---- streams: handles, and the records of work queued on them ---- */
@@ -492,6 +512,7 @@ dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamCreateWithFlags", dev,
                         emu_msg(E_INVALID_DEVICE));
+    ctx_on(dev);
     int want = slot;
     if (__atomic_compare_exchange_n(&emu_fail_slot, &want, -1, 0, __ATOMIC_SEQ_CST,
                                     __ATOMIC_SEQ_CST))
@@ -523,6 +544,7 @@ dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
     *done = 0;
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_DEVICE));
+    ctx_on(dev);
     if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_HANDLE));
     *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST);
@@ -536,6 +558,7 @@ dpc_status dpc_stream_sync(int dev, dpc_stream s)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaStreamSynchronize(s)", dev,
                         emu_msg(E_INVALID_DEVICE));
+    ctx_on(dev);
     if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamSynchronize(s)", dev,
                         emu_msg(E_INVALID_HANDLE));

@@ -34,6 +34,15 @@ char *dev_range(const void *p, int64_t lo, int64_t hi, int *dev_out);
 /* A kernel on dev touching device range [p + lo, p + hi): its host address,
  * or NULL, with *illegal = 1 when peer access does not cover the block. */
 char *kernel_range(int dev, const void *p, int64_t lo, int64_t hi, int *illegal);
+/* Is p a device pointer (*dev: its device)? No context involved, unlike
+ * dpc_is_device_ptr (cuda_emulate.c). */
+int tagged(const void *p, int *dev);
+/* The emulator's context model (cuda_emulate_ctx.c): a call through the
+ * device guard on dev creates dev's context; ctx_pick(dev) is a call that
+ * needs a context, on dev when >= 0, else the thread's bound one, else a
+ * device that has one, else the current device's (created and bound). */
+void ctx_on(int dev);
+void ctx_pick(int dev);
 /* Record that s (on dev) touches host range [lo, hi) of device memory. */
 void note_pending(dpc_stream s, int dev, const char *lo, const char *hi);
 

@@ -27,7 +27,7 @@ static char *side(const void *p, size_t n, int on_device)
 {
     if (on_device)
         return dev_range(p, 0, (int64_t)n, NULL);
-    return dpc_is_device_ptr(p, NULL) ? NULL : (char *)p;
+    return tagged(p, NULL) ? NULL : (char *)p;
 }
 
 dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, int kind,
@@ -35,6 +35,7 @@ dpc_status dpc_memcpy_async(int dev, void *dst, const void *src, size_t nbytes, 
 {
     if (bad_dev(dev) || poisoned(s))
         return BAD_COPY("cudaMemcpyAsync(dst, src, n, kind, s)", dev);
+    ctx_on(dev);
     if (nbytes == 0)
         return dpc_ok();
     int f = take_fault();
@@ -58,6 +59,7 @@ dpc_status dpc_memcpy2d_async(int dev, void *dst, size_t dpitch, const void *src
 {
     if (bad_dev(dev) || poisoned(s) || width > dpitch || width > spitch)
         return BAD_COPY("cudaMemcpy2DAsync(dst, dpitch, src, spitch, w, h, kind, s)", dev);
+    ctx_on(dev);
     if (width == 0 || height == 0)
         return dpc_ok();
     if (dpitch > (size_t)INT_MAX || spitch > (size_t)INT_MAX || width > (size_t)INT_MAX)
@@ -84,6 +86,8 @@ dpc_status dpc_memcpy_peer_async(void *dst, int dst_dev, const void *src, int sr
     int dd = -1, sd = -1;
     if (poisoned(s))
         return BAD_COPY("cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, n, s)", dst_dev);
+    if (!bad_dev(dst_dev))
+        ctx_on(dst_dev);
     if (nbytes == 0)
         return dpc_ok();
     char *d = dev_range(dst, 0, (int64_t)nbytes, &dd);
@@ -120,6 +124,7 @@ dpc_status dpc_launch_strided_copy(int dev, const dpc_kdesc *d, void *dst, const
     int illegal = 0;
     if (bad_dev(dev) || poisoned(s) || d->ndim < 1 || d->ndim > DPC_KMAXDIMS || d->itemsize < 1)
         return BAD_COPY("dp_strided_copy_kernel<<<grid, block, 0, s>>>", dev);
+    ctx_on(dev);
     if (d->numel == 0)
         return dpc_ok();
     int f = take_fault();
@@ -157,6 +162,7 @@ dpc_status dpc_launch_add(int dev, int type, void *acc, const void *x, int64_t n
     int illegal = 0;
     if (bad_dev(dev) || poisoned(s) || type < 0 || type >= DPC_T_NONE)
         return BAD_COPY("dp_add_kernel<<<grid, block, 0, s>>>", dev);
+    ctx_on(dev);
     if (numel == 0)
         return dpc_ok();
     int64_t n = numel * type_size[type];

@@ -33,12 +33,13 @@ dpc_status dpc_malloc(int dev, size_t n, void **out)
     return NO_CUDA("cudaMalloc");
 }
 dpc_status dpc_free(int dev, void *p) { (void)dev; (void)p; return NO_CUDA("cudaFree"); }
-dpc_status dpc_host_alloc(size_t n, void **out)
+dpc_status dpc_host_alloc(int dev, size_t n, void **out)
 {
-    (void)n; *out = NULL;
+    (void)dev; (void)n; *out = NULL;
     return NO_CUDA("cudaHostAlloc");
 }
-dpc_status dpc_host_free(void *p) { (void)p; return NO_CUDA("cudaFreeHost"); }
+dpc_status dpc_host_free(int dev, void *p) { (void)dev; (void)p; return NO_CUDA("cudaFreeHost"); }
+int dpc_initialised(void) { return 0; }
 int dpc_is_pinned(int dev, const void *p) { (void)dev; (void)p; return 0; }
 int dpc_is_device_ptr(const void *p, int *dev) { (void)p; (void)dev; return 0; }
 dpc_status dpc_stream_get(int dev, int slot, dpc_stream *out)

@@ -7,6 +7,7 @@
  * dp_gpu_raise turns into a Python exception.
  */
 #include "gpu.h"
+#include "gpu_fork.h"
 #include "env.h"
 #include "alloc.h"
 #include "pool.h"
@@ -67,8 +68,19 @@ dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded)
         return dpc_fail(DPC_LIB_DPMINI, 1, 0, dev, "dp_gpu_alloc", __FILE__, __LINE__,
                         "device index out of range");
     }
+    if (dp_gpu_forked()) {
+        return dp_gpu_forked_status(dev);
+    }
     dpc_status s = dpc_ok();
     int rc = dp_cache_alloc(gcache(dev), nbytes, out, rounded, &s);
+    if (rc == DP_ALLOC_OOM && dp_gpu_deferred_count() > 0) {
+        /* exported blocks waiting for a device sync (gpu_export.c): release
+         * them and try once more */
+        s = dp_gpu_release_deferred(dev);
+        if (s.code == 0) {
+            rc = dp_cache_alloc(gcache(dev), nbytes, out, rounded, &s);
+        }
+    }
     if (rc != DP_ALLOC_OK && s.code == 0) {   /* the size cannot be rounded */
         s = dpc_fail(DPC_LIB_DPMINI, 2, 1, dev, "dp_gpu_alloc", __FILE__, __LINE__,
                      "allocation size too large");
@@ -78,6 +90,9 @@ dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded)
 
 void dp_gpu_free(int dev, void *p, size_t rounded)
 {
+    if (dp_gpu_forked()) {
+        return; /* the parent's memory; its cache's lock may be held forever */
+    }
 #ifdef DPMINI_CUDA_EMULATE
     if (dpc_emu_busy(p, rounded)) { /* queued work may still touch it: a bug */
         dpc_emu_note_freed_busy();
@@ -86,36 +101,29 @@ void dp_gpu_free(int dev, void *p, size_t rounded)
     dp_cache_free(gcache(dev), p, rounded);
 }
 
-long dp_gpu_stat_export_syncs;
 long dp_gpu_stat_legacy_syncs;
 
-void dp_gpu_free_exported(int dev, void *p, size_t rounded)
+void dp_gpu_forget(int dev, size_t rounded)
 {
-    /* The memory was handed to another library (DLPack / CUDA Array
-     * Interface) whose kernels may still be queued on its own stream, any
-     * stream of dev: wait for all of them before the block can be reused. A
-     * failed sync (sticky error) means the context is gone: leak the block
-     * rather than cache memory that may still be read. */
-    dpc_status s = dpc_device_sync(dev);
-    __atomic_add_fetch(&dp_gpu_stat_export_syncs, 1, __ATOMIC_RELAXED);
-    if (s.code != 0) {
-        dp_cache_forget(gcache(dev), rounded);
-        return;
-    }
-    dp_gpu_free(dev, p, rounded);
+    dp_cache_forget(gcache(dev), rounded);
 }
 
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved)
 {
     dp_cache_stats st = dp_cache_get_stats(gcache(dev));
-    *allocated = st.allocated;
+    size_t aside = dp_gpu_deferred_bytes(dev); /* freed, not yet cached */
+    *allocated = st.allocated - (aside < st.allocated ? aside : st.allocated);
     *reserved = st.allocated + st.cached;
 }
 
 void dp_gpu_empty_cache(void)
 {
     int n = dpc_device_count();
+    if (dp_gpu_forked()) {
+        return;
+    }
     for (int d = 0; d < n && d < DP_GPU_MAX; d++) {
+        (void)dp_gpu_release_deferred(d); /* exported blocks put aside first */
         dp_cache_empty(gcache(d));
     }
 }

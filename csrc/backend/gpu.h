@@ -39,13 +39,25 @@
  * hot path; cudaFree synchronises the whole device) ---- */
 dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded);
 void dp_gpu_free(int dev, void *p, size_t rounded);
-/* Free a block that was exported (DLPack / CUDA Array Interface): waits for
- * all of dev's work first (the consumer's kernels may still read it; see
- * gpu.c), then caches it. Call without the GIL. */
-void dp_gpu_free_exported(int dev, void *p, size_t rounded);
-/* Counters for tests (_dpmini._cuda_debug): device syncs before reusing an
- * exported block; legacy-default-stream syncs on import (array.c). */
+/* Free a block that was exported (DLPack / CUDA Array Interface;
+ * gpu_export.c): consumer, the stream a DLPack consumer named, is waited for
+ * first; without one (NULL) the block is put aside and cached after the next
+ * device sync, shared with other such blocks. Call without the GIL. */
+void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer);
+/* Release dev's put-aside blocks now (one device sync); blocks put aside on
+ * all devices (tests). */
+dpc_status dp_gpu_release_deferred(int dev);
+int dp_gpu_deferred_count(void);
+/* Bytes put aside on dev: freed by their arrays, so not counted by
+ * memory_allocated, but still reserved. */
+size_t dp_gpu_deferred_bytes(int dev);
+/* A block given up for lost (its device is unusable): the cache forgets it. */
+void dp_gpu_forget(int dev, size_t rounded);
+/* Counters for tests (_dpmini._cuda_debug): device syncs that released
+ * exported blocks, consumer-stream syncs before reusing one; legacy default
+ * stream syncs on import (array.c). */
 extern long dp_gpu_stat_export_syncs;
+extern long dp_gpu_stat_export_stream_syncs;
 extern long dp_gpu_stat_legacy_syncs;
 void dp_gpu_memory(int dev, size_t *allocated, size_t *reserved);
 /* dpmini's own cudaMalloc blocks (gpu_owned.c): only these are read by a
@@ -92,6 +104,14 @@ const char *dp_nccl_describe(void);
  * as one NCCL group; returns when done. */
 dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t nbytes,
                              int root);
+/* narr broadcasts over the same devices in one NCCL group (split into groups
+ * of at most 2048 rank calls, NCCL's limit) and one wait: array a goes from
+ * bufs[a * n + roots[a]] to bufs[a * n + i] on devs[i], nbytes[a] bytes. */
+dpc_status dp_nccl_broadcast_many(int n, const int *devs, int narr, void *const *bufs,
+                                  const size_t *nbytes, const int *roots);
+/* At interpreter exit: destroy the cached communicators (not in a forked
+ * child, not while a collective runs). */
+void dp_nccl_shutdown(void);
 /* recv (on devs[root]) = sum of send[i] (on devs[i]); numel elements of
  * DPC_T_* type; one group; returns when done. */
 dpc_status dp_nccl_reduce(int n, const int *devs, const void *const *send, void *recv,

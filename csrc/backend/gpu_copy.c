@@ -18,6 +18,7 @@
  * Nothing here dereferences a device pointer on the host.
  */
 #include "gpu.h"
+#include "gpu_fork.h"
 #include "env.h"
 #include "alloc.h"
 #include "pool.h"
@@ -215,7 +216,7 @@ static dpc_status stage_lock(int dev, gstage **out)
     pthread_mutex_lock(&g->mu);
     for (int h = 0; h < 2; h++) {
         if (g->half[h] == NULL) {
-            dpc_status s = dpc_host_alloc(DP_STAGE_HALF, (void **)&g->half[h]);
+            dpc_status s = dpc_host_alloc(dev, DP_STAGE_HALF, (void **)&g->half[h]);
             if (s.code != 0) {
                 pthread_mutex_unlock(&g->mu);
                 return s;
@@ -484,6 +485,9 @@ dpc_status dp_gpu_copy(const dp_copy_desc *d, char *dst, int dst_dev, const char
     if (dp_copy_numel(d) == 0) {
         return dpc_ok();
     }
+    if (dp_gpu_forked()) {
+        return dp_gpu_forked_status(dst_dev >= 0 ? dst_dev : src_dev);
+    }
     adopt_worker_device(src_dev < 0 || dst_dev >= 0 ? dst_dev : src_dev);
     if (src_dev < 0) {
         return copy_h2d(d, dst, dst_dev, src, slot, sync);
@@ -516,6 +520,9 @@ dpc_status dp_gpu_sync_finish(dp_gpu_sync *sync)
 dpc_status dp_gpu_add(int dev, int type, void *acc, const void *x, int64_t numel)
 {
     dpc_stream s;
+    if (dp_gpu_forked()) {
+        return dp_gpu_forked_status(dev);
+    }
     DPC_TRY(dpc_stream_get(dev, 0, &s));
     DPC_TRY(dpc_launch_add(dev, type, acc, x, numel, s));
     return dpc_stream_sync(dev, s);

@@ -32,6 +32,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h> /* sys.path, to find pip's libnccl; not py/'s state or types */
 #include "gpu.h"
+#include "gpu_fork.h"
 #include "nccl_wait.h"
 #include "nccl_api.h"
 #include "plan.h" /* DP_MAX_DEVICES */
@@ -215,7 +216,18 @@ static dpc_status comms_acquire(int n, const int *devs, comm_lease *L)
         return dpc_fail(DPC_LIB_DPMINI, 1, 1, -1, "calloc", __FILE__, __LINE__,
                         "out of host memory");
     }
+    /* NCCL sets each device while it builds the communicators, then restores
+     * the device it found current; on a fresh thread that is device 0 and the
+     * restore creates its context. Under a guard on devs[0] it restores
+     * devs[0], and the guard then restores the thread (no context included). */
+    dpc_device_guard guard;
+    dpc_status gs = dpc_guard_enter(devs[0], &guard);
+    if (gs.code != 0) {
+        free(comms);
+        return gs;
+    }
     ncclResult_t r = nccl.CommInitAll(comms, n, devs);
+    dpc_guard_leave(&guard);
     if (r != 0) {
         free(comms);
         return NCCL_FAIL(r, devs[0], "ncclCommInitAll(comms, n, devs)");
@@ -292,6 +304,9 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
 {
     comm_lease L;
     dpc_status st;
+    if (dp_gpu_forked()) {
+        return dp_gpu_forked_status(devs[root]);
+    }
     pthread_mutex_lock(&nccl_run_mu);
     st = comms_acquire(n, devs, &L);
     if (st.code != 0) {
@@ -329,21 +344,43 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
 }
 
 typedef struct {
-    void *const *bufs;
-    size_t nbytes;
-    int root;
+    void *const *bufs;      /* [array * n + rank] */
+    const size_t *nbytes;
+    const int *roots;
+    int narr, n;
 } bcast_ctx;
 
+/* Rank i's calls: one broadcast per array, in array order on every rank
+ * (NCCL matches a communicator's calls in a group by their order). */
 static ncclResult_t bcast_rank(void *ctx, int i, ncclComm_t comm, dpc_stream s)
 {
     bcast_ctx *c = ctx;
-    return nccl.Broadcast(c->bufs[c->root], c->bufs[i], c->nbytes, NCCL_UINT8, c->root, comm, s);
+    for (int a = 0; a < c->narr; a++) {
+        void *const *b = &c->bufs[(size_t)a * (size_t)c->n];
+        int root = c->roots[a];
+        ncclResult_t r = nccl.Broadcast(b[root], b[i], c->nbytes[a], NCCL_UINT8, root, comm, s);
+        if (r != 0) {
+            return r;
+        }
+    }
+    return 0;
+}
+
+dpc_status dp_nccl_broadcast_many(int n, const int *devs, int narr, void *const *bufs,
+                                  const size_t *nbytes, const int *roots)
+{
+    int per = NCCL_GROUP_OPS / n > 0 ? NCCL_GROUP_OPS / n : 1;
+    for (int a = 0; a < narr; a += per) {
+        bcast_ctx c = {&bufs[(size_t)a * (size_t)n], &nbytes[a], &roots[a],
+                       narr - a < per ? narr - a : per, n};
+        DPC_TRY(run_group(n, devs, roots[a], bcast_rank, &c, "ncclBroadcast"));
+    }
+    return dpc_ok();
 }
 
 dpc_status dp_nccl_broadcast(int n, const int *devs, void *const *bufs, size_t nbytes, int root)
 {
-    bcast_ctx c = {bufs, nbytes, root};
-    return run_group(n, devs, root, bcast_rank, &c, "ncclBroadcast");
+    return dp_nccl_broadcast_many(n, devs, 1, bufs, &nbytes, &root);
 }
 
 static int nccl_type(int t)
@@ -391,6 +428,36 @@ dpc_status dp_nccl_reduce(int n, const int *devs, const void *const *send, void 
     }
     reduce_ctx c = {send, recv, (size_t)numel, nt, root};
     return run_group(n, devs, root, reduce_rank, &c, "ncclReduce");
+}
+
+void dp_nccl_shutdown(void)
+{
+    /* At interpreter exit: destroy the cached communicators (they hold NCCL
+     * threads, sockets and GPU memory). Not in a forked child (they are the
+     * parent's), and not while a collective runs on another thread (a
+     * daemon thread at exit): destroying would wait for it or race with it. */
+    if (dp_gpu_forked() || pthread_mutex_trylock(&nccl_run_mu) != 0) {
+        return;
+    }
+    pthread_mutex_lock(&nccl_mu);
+    int loaded = nccl_state == 1;
+    pthread_mutex_unlock(&nccl_mu);
+    pthread_once(&comm_once, comm_init);
+    for (int i = 0; loaded && i < NCCL_MAX_COMMS; i++) {
+        comm_entry *e = &comm_cache[i];
+        pthread_mutex_lock(&e->mu);
+        pthread_mutex_lock(&nccl_mu);
+        ncclComm_t *comms = e->comms;
+        int n = e->n;
+        e->comms = NULL;
+        pthread_mutex_unlock(&nccl_mu);
+        for (int r = 0; comms != NULL && r < n; r++) {
+            (void)nccl.CommDestroy(comms[r]);
+        }
+        free(comms);
+        pthread_mutex_unlock(&e->mu);
+    }
+    pthread_mutex_unlock(&nccl_run_mu);
 }
 
 void dp_nccl_stats(long *calls, long *destroyed, long *aborted)

@@ -14,6 +14,12 @@ typedef int ncclResult_t;                      /* 0 = ncclSuccess */
 enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_UINT32 = 3, NCCL_INT64 = 4,
        NCCL_UINT64 = 5, NCCL_FLOAT16 = 6, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_SUM = 0 };
 
+/* NCCL takes at most 2048 operations between ncclGroupStart and
+ * ncclGroupEnd (NCCL's group-call documentation); a group of many arrays
+ * holds at most this many rank calls (nccl.c), and the stand-in refuses more
+ * (nccl_emulate.c). */
+#define NCCL_GROUP_OPS 2048
+
 typedef struct {
     ncclResult_t (*GetVersion)(int *);
     ncclResult_t (*CommInitAll)(ncclComm_t *, int, const int *);

@@ -37,7 +37,8 @@ typedef struct {
     emu_comm *comm;
 } emu_call;
 
-static __thread emu_call emu_calls[DP_MAX_DEVICES];
+/* A group's calls (NCCL_GROUP_OPS at most), allocated per group. */
+static __thread emu_call *emu_calls;
 static __thread int emu_ncalls, emu_depth;
 static int emu_nccl_fail_next;    /* tests: next GroupEnd fails with this  */
 /* Collectives of different communicator sets running at once on a shared
@@ -67,6 +68,14 @@ static ncclResult_t emu_init_all(ncclComm_t *comms, int n, const int *devs)
         return 1; /* ncclUnhandledCudaError... any non-zero: a failure */
     }
     *alive = n;
+    /* NCCL makes each device current while it sets up, then restores the
+     * device it found (cudaSetDevice: on a fresh thread device 0, whose
+     * context that creates) */
+    int saved = dpc_current_device();
+    for (int i = 0; i < n; i++) {
+        (void)dpc_set_device(devs[i]);
+    }
+    (void)dpc_set_device(saved >= 0 ? saved : 0);
     for (int i = 0; i < n; i++) {
         set[i] = calloc(1, sizeof **set);
         set[i]->rank = i;
@@ -107,8 +116,11 @@ static ncclResult_t emu_destroy(ncclComm_t c)
 static ncclResult_t emu_record(int op, const void *send, void *recv, size_t count, int type,
                                int root, ncclComm_t comm)
 {
-    if (emu_depth == 0 || emu_ncalls >= DP_MAX_DEVICES || comm == NULL) {
+    if (emu_depth == 0 || emu_calls == NULL || comm == NULL) {
         return 5; /* ncclInvalidUsage: dpmini always groups */
+    }
+    if (emu_ncalls >= NCCL_GROUP_OPS) {
+        return 5; /* NCCL's limit on operations in a group */
     }
     emu_call *c = &emu_calls[emu_ncalls++];
     c->op = op;
@@ -140,9 +152,14 @@ static ncclResult_t emu_reduce(const void *send, void *recv, size_t count, int t
 
 static ncclResult_t emu_group_start(void)
 {
-    if (emu_depth++ == 0) {
+    if (emu_depth == 0) {
         emu_ncalls = 0;
+        emu_calls = calloc(NCCL_GROUP_OPS, sizeof *emu_calls);
+        if (emu_calls == NULL) {
+            return 1;
+        }
     }
+    emu_depth++;
     return 0;
 }
 
@@ -162,42 +179,22 @@ static int dpc_of_nccl(int nt, size_t *size)
     }
 }
 
-static ncclResult_t emu_run(void)
+/* One collective: col[r] is rank r's call (checked alike by the caller). */
+static ncclResult_t emu_run_one(emu_call **col, int n)
 {
-    int n = emu_ncalls;
-    if (n == 0) {
-        return 0;
-    }
-    emu_call *c0 = &emu_calls[0];
-    int nranks = c0->comm->nranks, seen[DP_MAX_DEVICES] = {0};
+    emu_call *c0 = col[0];
     size_t isz = 1;
     int t = c0->op == EMU_BCAST ? DPC_T_U8 : dpc_of_nccl(c0->type, &isz);
-    if (n != nranks || t < 0 || (c0->op == EMU_BCAST && c0->type != NCCL_UINT8)) {
-        return 5;
-    }
-    for (int i = 0; i < n; i++) {
-        emu_call *c = &emu_calls[i];
-        if (c->comm->set != c0->comm->set || c->op != c0->op || c->root != c0->root ||
-            c->count != c0->count || c->type != c0->type || seen[c->comm->rank]) {
-            return 5;
-        }
-        seen[c->comm->rank] = 1;
-    }
-    emu_call *rc = NULL;
-    for (int i = 0; i < n; i++) {
-        if (emu_calls[i].comm->rank == c0->root) {
-            rc = &emu_calls[i];
-        }
-    }
+    emu_call *rc = col[c0->root];
     int rdev = rc->comm->dev;
     size_t bytes = c0->count * isz;
     dpc_stream s;
-    if (dpc_stream_get(rdev, 0, &s).code != 0) {
+    if (t < 0 || dpc_stream_get(rdev, 0, &s).code != 0) {
         return 1;
     }
     if (c0->op == EMU_BCAST) {
         for (int i = 0; i < n; i++) {
-            emu_call *c = &emu_calls[i];
+            emu_call *c = col[i];
             if (c != rc &&
                 dpc_memcpy_peer_async(c->recv, c->comm->dev, rc->send, rdev, bytes, s).code) {
                 return 1;
@@ -217,7 +214,7 @@ static ncclResult_t emu_run(void)
     }
     ncclResult_t r = 0;
     for (int i = 0; i < n && r == 0; i++) {
-        emu_call *c = &emu_calls[i];
+        emu_call *c = col[i];
         if (c == rc) {
             continue;
         }
@@ -227,6 +224,52 @@ static ncclResult_t emu_run(void)
         }
     }
     (void)dpc_free(rdev, tmp);
+    return r;
+}
+
+/* The calls of a group, as NCCL matches them: one communicator set; the
+ * k-th call of every rank forms collective k, which must agree on op,
+ * root, count and type. */
+static ncclResult_t emu_run(void)
+{
+    int n = emu_ncalls;
+    if (n == 0) {
+        return 0;
+    }
+    int nranks = emu_calls[0].comm->nranks, k_of[DP_MAX_DEVICES] = {0};
+    if (n % nranks != 0) {
+        return 5;
+    }
+    int m = n / nranks;
+    emu_call **order = calloc((size_t)n, sizeof *order);
+    if (order == NULL) {
+        return 1;
+    }
+    ncclResult_t r = 0;
+    for (int i = 0; i < n && r == 0; i++) {
+        emu_call *c = &emu_calls[i];
+        int rank = c->comm->rank, k = k_of[rank]++;
+        if (c->comm->set != emu_calls[0].comm->set || k >= m) {
+            r = 5;
+        } else {
+            order[k * nranks + rank] = c;
+        }
+    }
+    for (int k = 0; k < m && r == 0; k++) {
+        emu_call **col = &order[k * nranks];
+        for (int i = 0; i < nranks && r == 0; i++) {
+            if (col[i]->op != col[0]->op || col[i]->root != col[0]->root ||
+                col[i]->count != col[0]->count || col[i]->type != col[0]->type ||
+                col[0]->root < 0 || col[0]->root >= nranks ||
+                (col[0]->op == EMU_BCAST && col[0]->type != NCCL_UINT8)) {
+                r = 5;
+            }
+        }
+        if (r == 0) {
+            r = emu_run_one(col, nranks);
+        }
+    }
+    free(order);
     return r;
 }
 
@@ -264,6 +307,8 @@ static ncclResult_t emu_group_end(void)
     }
     pthread_mutex_unlock(&emu_busy_mu);
     emu_ncalls = 0;
+    free(emu_calls);
+    emu_calls = NULL;
     return r;
 }
 

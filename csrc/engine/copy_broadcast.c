@@ -42,15 +42,51 @@ PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev)
     return r;
 }
 
-/* broadcast through NCCL when every target is a distinct GPU, the source
- * is a contiguous array on one of them, and NCCL loads. Returns 1 when done
- * (row entries filled), 0 to use the copy path, -1 on error. */
-static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device *devs,
-                              Py_ssize_t ndev, PyObject *result, Py_ssize_t i)
+/* Arrays that take the NCCL path, broadcast together: one NCCL group (or a
+ * few, NCCL's limit on operations a group) and one wait for all of them. */
+typedef struct {
+    int n;            /* arrays queued                               */
+    int ndev;
+    int ids[DP_MAX_DEVICES];
+    void **bufs;      /* [array * ndev + rank]                        */
+    size_t *nbytes;   /* per array                                    */
+    int *roots;       /* per array: the rank holding the source       */
+} nccl_batch;
+
+static int batch_init(nccl_batch *b, Py_ssize_t narr, Py_ssize_t ndev)
+{
+    b->n = 0;
+    b->ndev = (int)ndev;
+    b->bufs = PyMem_Calloc((size_t)(narr * ndev) + 1, sizeof(void *));
+    b->nbytes = PyMem_Calloc((size_t)narr + 1, sizeof(size_t));
+    b->roots = PyMem_Calloc((size_t)narr + 1, sizeof(int));
+    if (b->bufs == NULL || b->nbytes == NULL || b->roots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void batch_free(nccl_batch *b)
+{
+    PyMem_Free(b->bufs);
+    PyMem_Free(b->nbytes);
+    PyMem_Free(b->roots);
+    b->bufs = NULL;
+    b->nbytes = NULL;
+    b->roots = NULL;
+}
+
+/* Queue src for the NCCL broadcast when every target is a distinct GPU, the
+ * source is a contiguous array on one of them, and NCCL loads: the outputs
+ * are allocated and put in the result rows. Returns 1 when queued, 0 to use
+ * the copy path, -1 on error. */
+static int nccl_broadcast_queue(dp_state *st, PyArrayObject *src, const dp_device *devs,
+                                Py_ssize_t ndev, PyObject *result, Py_ssize_t i,
+                                nccl_batch *b)
 {
     dp_device home = dp_array_device(st, src);
-    int ids[DP_MAX_DEVICES], root = -1;
-    void *bufs[DP_MAX_DEVICES];
+    int root = -1;
     if (home.kind != DP_CUDA || ndev < 2 || !PyArray_IS_C_CONTIGUOUS(src) ||
         PyArray_NBYTES(src) == 0) {
         return 0;
@@ -64,7 +100,7 @@ static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device 
                 return 0; /* a repeated GPU: the copy path */
             }
         }
-        ids[d] = devs[d].index;
+        b->ids[d] = devs[d].index;
         if (devs[d].index == home.index) {
             root = (int)d;
         }
@@ -72,6 +108,7 @@ static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device 
     if (root < 0 || !dp_nccl_available()) {
         return 0;
     }
+    void **bufs = &b->bufs[(size_t)b->n * (size_t)ndev];
     for (Py_ssize_t d = 0; d < ndev; d++) {
         PyObject *item;
         if ((int)d == root) {
@@ -88,14 +125,25 @@ static int nccl_broadcast_one(dp_state *st, PyArrayObject *src, const dp_device 
         bufs[d] = PyArray_BYTES((PyArrayObject *)item);
         PyList_SET_ITEM(PyList_GET_ITEM(result, d), i, item);
     }
+    b->nbytes[b->n] = (size_t)PyArray_NBYTES(src);
+    b->roots[b->n] = root;
+    b->n++;
+    return 1;
+}
+
+static int nccl_broadcast_run(dp_state *st, nccl_batch *b)
+{
+    if (b->n == 0) {
+        return 0;
+    }
     dpc_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = dp_nccl_broadcast((int)ndev, ids, bufs, (size_t)PyArray_NBYTES(src), root);
+    s = dp_nccl_broadcast_many(b->ndev, b->ids, b->n, b->bufs, b->nbytes, b->roots);
     Py_END_ALLOW_THREADS
     if (s.code != 0) {
         return dp_gpu_raise(st, s, "broadcast (ncclBroadcast)");
     }
-    return 1;
+    return 0;
 }
 
 PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device *devs,
@@ -105,10 +153,14 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     Py_ssize_t n = 0;
     job_list jobs = {0};
     PyObject *result = NULL;
+    nccl_batch batch = {0};
 
     (void)buffer_size; /* see comm_broadcast_coalesced's docstring */
     if (arrays_from_sequence(st, arrays, "tensors", 0, &src, &n) < 0) {
         return NULL;
+    }
+    if (batch_init(&batch, n, ndev) < 0) {
+        goto fail;
     }
     result = PyList_New(ndev);
     if (result == NULL) {
@@ -122,7 +174,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
         PyList_SET_ITEM(result, d, row);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        int r = nccl_broadcast_one(st, src[i], devs, ndev, result, i);
+        int r = nccl_broadcast_queue(st, src[i], devs, ndev, result, i, &batch);
         if (r < 0) {
             goto fail;
         }
@@ -141,10 +193,11 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
             PyList_SET_ITEM(row, i, item);
         }
     }
-    if (jobs_run(&jobs) < 0) {
+    if (nccl_broadcast_run(st, &batch) < 0 || jobs_run(&jobs) < 0) {
         goto fail;
     }
     jobs_free(&jobs);
+    batch_free(&batch);
     arrays_free(src, n);
     for (Py_ssize_t d = 0; d < ndev; d++) { /* GPU entries leave as dpmini.Array */
         PyObject *row = PyList_GET_ITEM(result, d);
@@ -160,6 +213,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     return result;
 fail:
     jobs_free(&jobs);
+    batch_free(&batch);
     arrays_free(src, n);
     Py_XDECREF(result);
     return NULL;

@@ -17,10 +17,13 @@
  * legacy default stream of the array's device is synchronised (the CAI
  * spec's advice; PyTorch's and CuPy's default stream is that stream).
  *
- * Exported memory (a CAI or DLPack export of a dpmini.Array) is marked on its
- * buffer: when it is freed, the device is synchronised before the caching
- * allocator may hand the block out again (the consumer's kernels may still
- * be reading it on the consumer's stream).
+ * Exported memory is marked on its buffer, so that the block is not handed
+ * out again while the consumer's kernels may still read it (gpu_export.c):
+ * a DLPack export when a consumer takes the capsule (a capsule dropped
+ * unused marks nothing), with the stream the consumer named, which the
+ * release then waits for; a CAI read (a property: a hasattr probe cannot be
+ * told from a use) without a stream, so the release waits for a device sync
+ * shared with other such blocks.
  */
 #include "dpmini.h"
 #include "dlpack.h"
@@ -57,15 +60,24 @@ PyObject *dp_export(dp_state *st, PyObject *obj)
     return array_wrap(st, (PyArrayObject *)obj, d);
 }
 
-/* Mark the buffer that owns a's memory as exported (see the file comment). */
-void mark_exported(dp_state *st, PyArrayObject *a)
+/* Mark the buffer that owns a's memory as exported (see the file comment):
+ * known 1 with the stream a DLPack consumer named, else 0. Exports to
+ * different streams, or one without, leave no single stream to wait for. */
+void mark_exported(dp_state *st, PyArrayObject *a, int known, void *stream)
 {
     PyObject *b = (PyObject *)a;
     while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
         b = PyArray_BASE((PyArrayObject *)b);
     }
     if (Py_IS_TYPE(b, st->BufferType)) {
-        ((dp_BufferObject *)b)->exported = 1;
+        dp_BufferObject *buf = (dp_BufferObject *)b;
+        if (known && (buf->exported == 0 ||
+                      (buf->exported == 1 && buf->export_stream == stream))) {
+            buf->exported = 1;
+            buf->export_stream = stream;
+        } else {
+            buf->exported = 2;
+        }
     }
 }
 
@@ -160,7 +172,7 @@ static PyObject *get_cai(PyObject *op, void *c)
         goto done;
     }
     void *ptr = PyArray_SIZE(a) == 0 ? NULL : PyArray_DATA(a);
-    mark_exported(dp_state_from_type(Py_TYPE(op)), a);
+    mark_exported(dp_state_from_type(Py_TYPE(op)), a, 0, NULL); /* no stream named */
     res = Py_BuildValue("{sOsOsOs(NO)sOsisO}", "shape", shape, "typestr", typestr, "descr",
                         descr, "data", PyLong_FromVoidPtr(ptr),
                         PyArray_ISWRITEABLE(a) ? Py_False : Py_True, "strides", strides,
@@ -212,7 +224,10 @@ static PyMethodDef array_methods_tbl[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Returns a PyCapsule. DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
-     "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. Refusals "
+     "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. stream: the "
+     "consumer's CUDA stream (an int; 0 refused); the array is ready on any stream, and once "
+     "the consumer released the tensor its memory is reused only after that stream (1: the "
+     "legacy default stream) finished; None, -1 or 2: after a device sync. Refusals "
      "raise BufferError."},
     {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
      "__dlpack_device__()\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},

@@ -11,9 +11,11 @@
 
 #pragma GCC visibility push(hidden)
 
-/* Mark the buffer that owns a's memory as exported (array.c's file comment):
- * the device is synchronised before its block is reused. array.c. */
-void mark_exported(dp_state *st, PyArrayObject *a);
+/* Mark the buffer that owns a's memory as exported (array.c's file comment;
+ * gpu_export.c waits before its block is reused): known 1 with the stream a
+ * DLPack consumer named (its release waits on that stream), 0 for none (a
+ * device sync shared with other such blocks). array.c. */
+void mark_exported(dp_state *st, PyArrayObject *a, int known, void *stream);
 
 /* dpmini.Array.__dlpack__ and __dlpack_device__ (array_dlpack.c), in the
  * type's method table (array.c). */

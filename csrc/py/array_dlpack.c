@@ -40,6 +40,9 @@ typedef struct {
         DLManagedTensor legacy;
     } mt;
     int versioned;
+    int unconsumed;          /* set when the capsule dies never taken    */
+    int stream_known;        /* the consumer named a stream to wait on   */
+    void *stream;            /* that stream (1: the legacy default)      */
     PyObject *owner;
     int64_t shape[NPY_MAXDIMS];
     int64_t strides[NPY_MAXDIMS];
@@ -52,6 +55,12 @@ static void export_release(export_ctx *ctx)
         return; /* interpreter gone: leak rather than crash */
     }
     PyGILState_STATE g = PyGILState_Ensure();
+    if (!ctx->unconsumed && ctx->owner != NULL) {
+        /* a consumer had the memory: its work on ctx->stream must finish
+         * before the block is reused (marked now, waited for at the free) */
+        mark_exported(dp_state_from_type(Py_TYPE(ctx->owner)),
+                      ((dp_ArrayObject *)ctx->owner)->meta, ctx->stream_known, ctx->stream);
+    }
     Py_XDECREF(ctx->owner);
     PyMem_RawFree(ctx);
     PyGILState_Release(g);
@@ -77,6 +86,7 @@ static void capsule_versioned(PyObject *cap)
     PyErr_Fetch(&t, &v, &tb);
     DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
     if (m != NULL && m->deleter != NULL) {
+        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
         m->deleter(m);
     }
     PyErr_Clear();
@@ -92,13 +102,15 @@ static void capsule_legacy(PyObject *cap)
     PyErr_Fetch(&t, &v, &tb);
     DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
     if (m != NULL && m->deleter != NULL) {
+        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
         m->deleter(m);
     }
     PyErr_Clear();
     PyErr_Restore(t, v, tb);
 }
 
-static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
+static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied, int stream_known,
+                            void *stream)
 {
     PyArrayObject *a = self->meta;
     DLDataType dt;
@@ -133,8 +145,9 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied)
     t->strides = ctx->strides;
     t->byte_offset = 0;
     ctx->versioned = versioned;
-    ctx->owner = (PyObject *)self;
-    mark_exported(dp_state_from_type(Py_TYPE(self)), a);
+    ctx->stream_known = stream_known;
+    ctx->stream = stream;
+    ctx->owner = (PyObject *)self; /* marked exported when a consumer releases it */
     Py_INCREF(self);
     PyObject *cap;
     if (versioned) {
@@ -161,6 +174,8 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    int stream_known = 0;       /* a stream the consumer will use the tensor on */
+    void *consumer = NULL;
     dp_ArrayObject *self = (dp_ArrayObject *)op;
     dp_state *st = dp_state_from_type(Py_TYPE(op));
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream,
@@ -182,7 +197,18 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
                             "(ambiguous; use 1 for the legacy default stream)");
             return NULL;
         }
-        /* Nothing to order: dpmini arrays are always ready (see file comment). */
+        /* Nothing to order: dpmini arrays are always ready (see file comment).
+         * Kept to wait on before the memory is reused: a handle, or 1 (the
+         * legacy default stream); -1 (no synchronisation) and 2 (the
+         * consumer thread's per-thread default stream) name nothing dpmini
+         * can wait on later. */
+        if (v > 0 && v != 2) {
+            stream_known = 1;
+            consumer = PyLong_AsVoidPtr(stream);
+            if (consumer == NULL && PyErr_Occurred()) {
+                return NULL;
+            }
+        }
     }
     int versioned = 0;
     if (max_version != Py_None) {
@@ -238,11 +264,11 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
         if (c == NULL) {
             return NULL;
         }
-        PyObject *cap = to_capsule((dp_ArrayObject *)c, versioned, 1);
+        PyObject *cap = to_capsule((dp_ArrayObject *)c, versioned, 1, stream_known, consumer);
         Py_DECREF(c);
         return cap;
     }
-    return to_capsule(self, versioned, 0);
+    return to_capsule(self, versioned, 0, stream_known, consumer);
 }
 
 PyObject *array_dlpack_device(PyObject *op, PyObject *unused)

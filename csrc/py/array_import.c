@@ -219,7 +219,13 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
         Py_DECREF(descr);
         return NULL;
     }
-    int dev = 0;
+    /* A NULL pointer (an empty array) has no memory: no device to ask and
+     * nothing to wait for; it is taken to be on the caller's current device
+     * (cudaGetDevice, which creates no context). */
+    int dev = ptr == NULL ? dpc_current_device() : 0;
+    if (dev < 0) {
+        dev = 0;
+    }
     if (ptr != NULL && !dpc_is_device_ptr(ptr, &dev)) {
         Py_DECREF(descr);
         PyErr_Format(PyExc_BufferError, "%s: __cuda_array_interface__ pointer %p is not CUDA "
@@ -232,7 +238,9 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
                      argname, dev, dpc_device_count());
         return NULL;
     }
-    if (stream == NULL || ver < 3) {
+    if (ptr == NULL) {
+        /* nothing to wait for */
+    } else if (stream == NULL || ver < 3) {
         /* No 'stream' key (CAI v2, e.g. PyTorch) or version < 3: the producer
          * promises nothing. Its work is most likely on the legacy default
          * stream (PyTorch's and CuPy's default), which dpmini's non-blocking
@@ -263,7 +271,15 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
         }
         dpc_status s;
         Py_BEGIN_ALLOW_THREADS
-        s = dpc_stream_sync(dev, sp); /* on dev, the caller's device left as it was */
+        if (sp == DPC_STREAM_PER_THREAD) {
+            /* the per-thread default stream of the PRODUCER's thread, which
+             * need not be this one (a replica's output, gathered on the
+             * caller's thread): this thread cannot name it, so the device is
+             * synchronised */
+            s = dpc_device_sync(dev);
+        } else {
+            s = dpc_stream_sync(dev, sp); /* on dev, the caller's device left as it was */
+        }
         Py_END_ALLOW_THREADS
         if (s.code != 0) {
             Py_DECREF(descr);

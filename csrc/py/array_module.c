@@ -128,16 +128,29 @@ static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
                          DP_2D_MIN_RUN_DEFAULT, "cuda_unusable", why);
 }
 
+/* Registered with atexit by dpmini/__init__.py: NCCL communicators hold
+ * threads, sockets and GPU memory until destroyed. */
+static PyObject *py_gpu_at_exit(PyObject *m, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS /* ncclCommDestroy waits for the communicators */
+    dp_nccl_shutdown();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* Private hooks for the tests (tests/test_gpu_*.py); not API. */
 static PyObject *py_cuda_debug(PyObject *m, PyObject *unused)
 {
     long calls, destroyed, aborted;
     dp_nccl_stats(&calls, &destroyed, &aborted);
-    return Py_BuildValue("{s:i,s:l,s:l,s:l,s:l,s:l,s:i}", "current_device",
+    return Py_BuildValue("{s:i,s:l,s:l,s:l,s:i,s:l,s:l,s:l,s:i}", "current_device",
                          dpc_current_device(), "legacy_syncs",
                          __atomic_load_n(&dp_gpu_stat_legacy_syncs, __ATOMIC_RELAXED),
                          "export_syncs",
                          __atomic_load_n(&dp_gpu_stat_export_syncs, __ATOMIC_RELAXED),
+                         "export_stream_syncs",
+                         __atomic_load_n(&dp_gpu_stat_export_stream_syncs, __ATOMIC_RELAXED),
+                         "export_deferred", dp_gpu_deferred_count(),
                          "nccl_calls", calls, "nccl_destroyed", destroyed, "nccl_aborted",
                          aborted, "nccl_live_comms", dp_nccl_live_comms());
 }
@@ -185,6 +198,9 @@ static PyObject *py_emulate_fault(PyObject *m, PyObject *arg)
 }
 
 PyMethodDef dp_array_methods[] = {
+    {"_gpu_at_exit", py_gpu_at_exit, METH_NOARGS,
+     "Private (dpmini/__init__.py registers it with atexit): destroy the cached NCCL "
+     "communicators."},
     {"_cuda_debug", py_cuda_debug, METH_NOARGS,
      "Private (tests): the thread's current CUDA device and dpmini's sync/NCCL counters."},
     {"_nccl_dtypes", py_nccl_dtypes, METH_NOARGS,

@@ -175,8 +175,10 @@ PyMethodDef dp_device_methods[] = {
      "an index out of range or a missing CUDA device. Source: torch.cuda.memory_reserved."},
     {"empty_cache", py_empty_cache, METH_NOARGS,
      "empty_cache()\n--\n\nReturn every cached block of every device (virtual CPU devices, the\n"
-     "host's gathered outputs, CUDA devices) to the system; returns None. Live arrays are\n"
-     "not touched. Errors: none (takes no argument; TypeError if given one).\n"
+     "host's gathered outputs, CUDA devices) to the system; returns None. CUDA blocks that were\n"
+     "exported to another library and wait for a device synchronisation before reuse are\n"
+     "released first (one sync per device). Live arrays are not touched. Errors: none (takes\n"
+     "no argument; TypeError if given one).\n"
      "Source: torch.cuda.empty_cache."},
     {NULL},
 };

@@ -141,8 +141,11 @@ typedef struct {
     dp_device dev;
     void *ptr;        /* 64-byte aligned; owned; NULL only when nbytes == 0 */
     size_t nbytes;    /* bytes requested                                    */
-    int exported;     /* CUDA memory handed to another library (DLPack/CAI
-                         export, array.c): freed with a device sync first */
+    int exported;     /* CUDA memory handed to another library (array.c):
+                         0 no; 1 to DLPack consumers that all named
+                         export_stream; 2 otherwise (a CAI read, no stream):
+                         see gpu_export.c for the wait before reuse */
+    void *export_stream;
 } dp_BufferObject;
 
 /* A new buffer of nbytes on device d (MemoryError on failure). Memory comes

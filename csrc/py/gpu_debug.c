@@ -11,6 +11,12 @@
  *                                the bytes of `data`; returns its address
  *   _emu_free(dev, ptr)          frees such memory
  *   _emu_nccl_hang(mode)         the next NCCL collective never finishes
+ *   _emu_contexts()              devices whose (emulated) CUDA context exists
+ *   _emu_queue(dev, stream, ptr, nbytes)
+ *                                another library's kernel queued on `stream`
+ *                                (any handle) touching [ptr, ptr + nbytes):
+ *                                recorded until that stream or dev is synced
+ *   _emu_busy(ptr, nbytes)       whether queued work still touches the range
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -104,6 +110,65 @@ static PyObject *py_emu_free(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_emu_contexts(PyObject *m, PyObject *unused)
+{
+    int devs[64];
+    int n = dpc_emu_contexts(devs, 64);
+    PyObject *l = PyList_New(n);
+    for (int i = 0; l != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromLong(devs[i]);
+        if (v == NULL) {
+            Py_CLEAR(l);
+            break;
+        }
+        PyList_SET_ITEM(l, i, v);
+    }
+    return l;
+}
+
+/* (dev, stream, ptr, nbytes) or (ptr, nbytes): a device range as ints. */
+static int range_arg(PyObject *ptr, Py_ssize_t n, void **p)
+{
+    *p = PyLong_AsVoidPtr(ptr);
+    if (*p == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_emu_queue(PyObject *m, PyObject *args)
+{
+    int dev;
+    PyObject *stream, *ptr;
+    Py_ssize_t n;
+    void *p, *s;
+    if (!PyArg_ParseTuple(args, "iOOn:_emu_queue", &dev, &stream, &ptr, &n) ||
+        range_arg(ptr, n, &p) < 0) {
+        return NULL;
+    }
+    s = PyLong_AsVoidPtr(stream);
+    if (s == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    dpc_emu_queue(dev, s, p, (size_t)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_emu_busy(PyObject *m, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    void *p;
+    if (!PyArg_ParseTuple(args, "On:_emu_busy", &ptr, &n) || range_arg(ptr, n, &p) < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(dpc_emu_busy(p, (size_t)n));
+}
+
 #else
 
 static PyObject *not_emulated(void)
@@ -117,6 +182,9 @@ static PyObject *py_emu_fail_stream_get(PyObject *m, PyObject *a) { return not_e
 static PyObject *py_emu_nopeer_alloc(PyObject *m, PyObject *a) { return not_emulated(); }
 static PyObject *py_emu_free(PyObject *m, PyObject *a) { return not_emulated(); }
 static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *a) { return not_emulated(); }
+static PyObject *py_emu_contexts(PyObject *m, PyObject *unused) { return not_emulated(); }
+static PyObject *py_emu_queue(PyObject *m, PyObject *a) { return not_emulated(); }
+static PyObject *py_emu_busy(PyObject *m, PyObject *a) { return not_emulated(); }
 
 #endif
 
@@ -134,5 +202,13 @@ PyMethodDef dp_gpu_debug_methods[] = {
      "asynchronous error, 2: silently)."},
     {"_emu_free", py_emu_free, METH_VARARGS,
      "Private (tests, emulated builds): _emu_free(dev, address)."},
+    {"_emu_contexts", py_emu_contexts, METH_NOARGS,
+     "Private (tests, emulated builds): sorted list of the devices whose CUDA context exists."},
+    {"_emu_queue", py_emu_queue, METH_VARARGS,
+     "Private (tests, emulated builds): _emu_queue(dev, stream, address, nbytes): another "
+     "library's kernel on `stream` touching the range, pending until a sync."},
+    {"_emu_busy", py_emu_busy, METH_VARARGS,
+     "Private (tests, emulated builds): _emu_busy(address, nbytes) -> whether queued work "
+     "still touches the range."},
     {NULL},
 };

@@ -180,6 +180,7 @@ PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes, Py
     self->base.nbytes = nbytes;
     self->base.ptr = ptr;
     self->base.exported = 0;
+    self->base.export_stream = NULL;
     self->rounded = 0;
     self->pinned = 0;
     self->owner = Py_NewRef(owner);
@@ -191,7 +192,7 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
     void *p = NULL;
     dpc_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = dpc_host_alloc(nbytes, &p);
+    s = dpc_host_alloc(-1, nbytes, &p);
     Py_END_ALLOW_THREADS
     if (s.code != 0) {
         dp_gpu_raise(st, s, "pin_memory: allocate page-locked host memory");
@@ -199,7 +200,7 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
     }
     BufferImpl *self = PyObject_New(BufferImpl, st->BufferType);
     if (self == NULL) {
-        (void)dpc_host_free(p);
+        (void)dpc_host_free(-1, p);
         return NULL;
     }
     self->base.dev.kind = DP_HOST;
@@ -207,6 +208,7 @@ PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes)
     self->base.nbytes = nbytes;
     self->base.ptr = p;
     self->base.exported = 0;
+    self->base.export_stream = NULL;
     self->rounded = 0;
     self->pinned = 1;
     self->owner = NULL;
@@ -253,6 +255,7 @@ PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
     self->base.dev = d;
     self->base.nbytes = nbytes;
     self->base.exported = 0;
+    self->base.export_stream = NULL;
     self->owner = NULL;
     self->pinned = 0;
     if (d.kind == DP_CUDA) {
@@ -293,12 +296,13 @@ static void buffer_dealloc(PyObject *op)
     } else if (self->pinned) {
         /* cudaFreeHost synchronises the device: not with the GIL held */
         Py_BEGIN_ALLOW_THREADS
-        (void)dpc_host_free(self->base.ptr);
+        (void)dpc_host_free(-1, self->base.ptr);
         Py_END_ALLOW_THREADS
     } else if (self->base.dev.kind == DP_CUDA) {
         if (self->base.ptr != NULL && self->base.exported) {
-            Py_BEGIN_ALLOW_THREADS /* waits for the consumer's kernels */
-            dp_gpu_free_exported(self->base.dev.index, self->base.ptr, self->rounded);
+            void *consumer = self->base.exported == 1 ? self->base.export_stream : NULL;
+            Py_BEGIN_ALLOW_THREADS /* the consumer's kernels finish first */
+            dp_gpu_free_exported(self->base.dev.index, self->base.ptr, self->rounded, consumer);
             Py_END_ALLOW_THREADS
         } else if (self->base.ptr != NULL) {
             dp_gpu_free(self->base.dev.index, self->base.ptr, self->rounded);
