@@ -73,8 +73,9 @@ deps-mpi: $(VENV)/.installed
 demo-distributed: deps-mpi
 	$(MPI_ENV) timeout 300 mpirun -np $(MPI_NP) $(PY) -m dpmini.demo_distributed
 
-# tests/test_distributed.py launches mpirun -np 4 and -np 1 itself (each in `timeout`).
-test-distributed: deps-mpi
+# tests/test_distributed.py launches mpirun -np 4 and -np 1 itself (each in `timeout`);
+# its GPU-array cases run on the emulated build (NCCL emulated over MPI).
+test-distributed: deps-mpi build-emulated
 	timeout 900 $(PY) -m pytest -q tests/test_distributed.py
 
 bench-distributed: deps-mpi

@@ -43,6 +43,8 @@ def _to_numpy(v):
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(v, cupy.ndarray):
         return v.get(), lambda a: cupy.asarray(a)
+    if isinstance(v, dpmini.Array):   # on "cuda:N": an explicit copy each way
+        return v.numpy(), lambda a, dev=v.device: dpmini.asarray(np.ascontiguousarray(a), dev)
     return v, None
 
 

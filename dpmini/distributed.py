@@ -4,7 +4,13 @@ Launch one process per rank with ``mpirun -np N python script.py`` (or ``srun``)
 and call :func:`init` in each. Every collective here is called by every rank of
 the communicator, in the same order (SPMD), and works on NumPy host arrays of
 any dtype (object arrays excepted; :func:`broadcast` also takes any picklable
-object).
+object), on host arrays of other libraries (moved as NumPy, handed back in
+their library), and on GPU arrays (CUDA memory with a
+``__cuda_array_interface__``: PyTorch, CuPy, dpmini on "cuda:N"), which move
+through NCCL: one NCCL communicator per rank, one GPU per rank, made at the
+first GPU collective (NCCL is loaded with dlopen then, never at import;
+with dpmini's emulated build, or ``DPMINI_DIST_NCCL=emulate``, an emulation
+over MPI on host memory stands in for it).
 
 The collectives run in C (``dpmini._dist``) with the GIL released, on dpmini's
 own duplicate of the communicator, and each is **guarded**: before any data
@@ -40,6 +46,7 @@ system MPI (``apt-get install openmpi-bin libopenmpi-dev`` or MPICH), then
 rebuild dpmini so that ``dpmini._dist`` is compiled.
 """
 import atexit
+import os
 import pickle
 import sys
 
@@ -68,7 +75,7 @@ from ._dist_explain import DistPlan, explain  # noqa: E402
 __all__ = [
     "init", "is_initialized", "finalize", "rank", "size", "local_rank", "local_size",
     "barrier", "scatter", "gather", "all_gather", "broadcast", "all_reduce", "reduce",
-    "split_sizes", "set_timeout", "get_timeout", "DistributedDataParallel",
+    "split_sizes", "set_timeout", "get_timeout", "nccl_info", "DistributedDataParallel",
     "reduce_gradients", "explain", "DistPlan",
 ]
 
@@ -113,6 +120,7 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
         local.Free()
     if not _state.exit_hook:
         atexit.register(_abort_if_broken)   # runs before mpi4py's MPI_Finalize (LIFO)
+        atexit.register(_free_gpu)          # ncclCommDestroy, before both
         _state.exit_hook = True
     if abort_on_exception and _state.prev_hook is None:
         _state.prev_hook = sys.excepthook
@@ -144,6 +152,12 @@ def _abort_if_broken():
                          "MPI_Finalize\n")
         sys.stderr.flush()
         comm.abort(1)
+
+
+def _free_gpu():
+    """At exit: destroy this rank's NCCL communicator while MPI and CUDA still work."""
+    if _state.comm is not None:
+        _state.comm.free_gpu()
 
 
 def is_initialized():
@@ -220,11 +234,16 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
         array of the right shape). The same on every rank (checked).
     Returns a new C-contiguous ndarray with x's dtype and x's shape except
     shape[dim] (x's dtype string is sent, so structured dtypes arrive as raw
-    void of the same size on the other ranks).
+    void of the same size on the other ranks). A GPU array on root (with a
+    ``__cuda_array_interface__``) moves by NCCL send/recv: every rank gets a
+    new array of root's library on its GPU (as in :func:`broadcast`).
     Raises (on every rank): ValueError/IndexError/TypeError for bad arguments on
     any rank, ValueError when the ranks disagree, TimeoutError.
     """
     c = _comm()
+    gpu = _gpu_args(x)
+    if gpu is not None:   # NCCL; off root x only names the device
+        return c.scatter(x, root, dim, chunk_sizes, weights, gpu)
     x, back = _to_numpy(x) if c.rank == root else (x, None)
     return _back(back, c.scatter(x, root, dim, chunk_sizes, weights))
 
@@ -232,29 +251,48 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
 def gather(x, root=0, dim=0):
     """Join every rank's `x` along `dim` on `root` (ragged along dim allowed).
 
-    x: this rank's array; every rank's must have the same dtype and the same
-    shape except along dim. Returns the joined array (ranks in order) on root,
-    None elsewhere. gather(scatter(x)) returns x exactly. Errors as scatter.
+    x: this rank's array; every rank's must have the same dtype, the same
+    shape except along dim, and the same device kind (host or GPU; checked).
+    Returns the joined array (ranks in order) on root, None elsewhere.
+    gather(scatter(x)) returns x exactly. Errors as scatter. GPU arrays with a
+    ``__cuda_array_interface__`` move by NCCL send/recv and arrive as a new
+    array of x's library on root's GPU; other GPU arrays (JAX) are staged
+    through the host (copied to host memory, moved by MPI, copied back).
     """
-    x, back = _to_numpy(x)
-    return _back(back, _comm().gather(x, root, dim))
+    return _gather(x, lambda c, v, gpu: c.gather(v, root, dim, gpu))
 
 
 def all_gather(x, dim=0):
-    """gather on every rank: every rank returns the joined array."""
+    """gather on every rank: every rank returns the joined array (GPU arrays
+    as in gather)."""
+    return _gather(x, lambda c, v, gpu: c.all_gather(v, dim, gpu))
+
+
+def _gather(x, call):
+    gpu = _gpu_args(x)
+    if gpu is not None:
+        return call(_comm(), x, gpu)
+    dev = _cuda_device(x)   # staged: the device kind still goes to the guard
     x, back = _to_numpy(x)
-    return _back(back, _comm().all_gather(x, dim))
+    return _back(back, call(_comm(), x, dev))
 
 
 def broadcast(x, root=0):
     """Root's `x` on every rank.
 
     On root, an ndarray (or NumPy scalar) travels as raw bytes and arrives as an
-    ndarray of the same dtype and shape; anything else is pickled and arrives
-    as an equal object. x is ignored on the other ranks (pass None).
-    A pickling error on root is raised on every rank.
+    ndarray of the same dtype and shape; a GPU array (PyTorch, CuPy, dpmini on
+    "cuda:N": CUDA memory with a ``__cuda_array_interface__``) goes through
+    NCCL (ncclBroadcast) and arrives as a new array of root's library on each
+    rank's GPU: the device of a GPU array passed as x there, else that rank's
+    NCCL communicator's device, else its current CUDA device. Anything else is
+    pickled and arrives as an equal object. x is otherwise ignored on the
+    other ranks (pass None). A pickling error on root is raised on every rank.
     """
     c = _comm()
+    gpu = _gpu_args(x)
+    if gpu is not None:
+        return c.broadcast(x, root, False, None, gpu)[0]
     pickled, error = False, None
     if c.rank == root and not isinstance(x, (np.ndarray, np.generic)):
         try:
@@ -270,19 +308,101 @@ def all_reduce(x, op="sum"):
     """Combine every rank's `x` element-wise; every rank returns the result.
 
     op: "sum", "mean" (sum / size(), floating and complex dtypes only), "max"
-    or "min". Every rank's x must have the same shape and dtype (checked).
-    Supported dtypes: bool (max = any, min = all), integers, float32, float64,
-    longdouble, complex64, complex128 (float16 has no MPI type). Returns a new
-    array (non-native byte order comes back native).
+    or "min". Every rank's x must have the same shape, dtype and device kind
+    (host or GPU; checked). Host dtypes: bool (max = any, min = all),
+    integers, float32, float64, longdouble, complex64, complex128 (float16 has
+    no MPI type). GPU arrays (C-contiguous, with a ``__cuda_array_interface__``)
+    go through NCCL (ncclAllReduce on the library's current stream, "mean" as
+    ncclAvg) with NCCL's dtypes: int8, uint8, int32, uint32, int64, uint64,
+    float16, float32, float64 (others: TypeError naming the dtype). Returns a new array (GPU: of x's library on x's
+    device, complete when returned; host: non-native byte order comes back
+    native).
     """
+    gpu = _gpu_args(x)
+    if gpu is not None:
+        return _comm().all_reduce(x, op, gpu)
     x, back = _to_numpy(x)
     return _back(back, _comm().all_reduce(x, op))
 
 
 def reduce(x, root=0, op="sum"):
-    """all_reduce whose result lands on `root` only (None elsewhere)."""
+    """all_reduce whose result lands on `root` only (None elsewhere); GPU
+    arrays through ncclReduce."""
+    gpu = _gpu_args(x)
+    if gpu is not None:
+        return _comm().reduce(x, root, op, gpu)
     x, back = _to_numpy(x)
     return _back(back, _comm().reduce(x, root, op))
+
+
+# ------------------------------------------------------------------ GPU arrays
+# kDLCUDA and kDLCUDAManaged in DLPack's DLDeviceType.
+_CUDA_KINDS = (2, 13)
+
+
+def _cuda_device(x):
+    """The CUDA device (int) of a GPU array (a CUDA __dlpack_device__), else None."""
+    if x is None or isinstance(x, (np.ndarray, np.generic)):
+        return None
+    try:
+        kind, dev = type(x).__dlpack_device__(x)
+    except Exception:   # no DLPack, or a library's own refusal: a host object
+        return None
+    return int(dev) if kind in _CUDA_KINDS else None
+
+
+def _gpu_args(x):
+    """(device, library, stream) when NCCL can read x (a GPU array with a
+    __cuda_array_interface__: PyTorch, CuPy, dpmini), else None. stream: the
+    library's current stream on x's device (torch.cuda.current_stream,
+    cupy.cuda.get_current_stream), else 0 (the legacy default stream)."""
+    dev = _cuda_device(x)
+    if dev is None or not hasattr(x, "__cuda_array_interface__"):
+        return None
+    lib = type(x).__module__.split(".")[0]
+    stream = 0
+    if lib == "torch":
+        stream = int(sys.modules["torch"].cuda.current_stream(dev).cuda_stream)
+    elif lib == "cupy":
+        stream = int(sys.modules["cupy"].cuda.get_current_stream().ptr)
+    return dev, lib, stream
+
+
+def _gpu_alloc(lib, shape, typestr, device):
+    """A new C-contiguous GPU array of `lib` ("torch", "cupy", else dpmini.Array)
+    on cuda:`device` (called from C for NCCL's results)."""
+    dt = np.dtype(typestr)
+    if lib == "torch":
+        import torch
+        tdt = torch.from_numpy(np.empty(0, dt)).dtype
+        return torch.empty(tuple(shape), dtype=tdt, device=f"cuda:{device}")
+    if lib == "cupy":
+        import cupy
+        with cupy.cuda.Device(device):
+            return cupy.empty(tuple(shape), dt)
+    import dpmini
+    return dpmini.empty(tuple(shape), dt, device=f"cuda:{device}")
+
+
+def _nccl_wants_emulation():
+    """Whether the first GPU collective should use NCCL emulated over MPI on host
+    memory (csrc/dist/dist_nccl_emu.c): with dpmini's emulated build, or when
+    $DPMINI_DIST_NCCL is "emulate" (called from C, once)."""
+    from . import _dpmini
+    info = _dpmini.cuda_build_info()
+    if os.environ.get("DPMINI_DIST_NCCL") == "emulate":
+        if info.get("backend") == "cuda" and info.get("device_count", 0) > 0:
+            raise RuntimeError("DPMINI_DIST_NCCL=emulate: the emulation reads GPU arrays as host "
+                               "memory, which real GPU memory is not; unset it on a machine with "
+                               "GPUs")
+        return True
+    return info.get("backend") == "emulated"
+
+
+def nccl_info():
+    """The NCCL used for GPU arrays (str): its version and path, the emulation,
+    or "not loaded" before the first GPU collective."""
+    return _dist.nccl_info()
 
 
 def _back(back, result):

@@ -312,3 +312,141 @@ def test_torch_module_broadcast_and_collectives_return_torch():
     pytest.importorskip("torch")
     rc, lines, out, _ = mpirun("torch", limit=240)
     assert rc == 0 and all(lines[r][-1].startswith("OK torch") for r in range(4)), out
+
+
+# ------------------------------------------------------------------ GPU arrays
+# On the emulated build (make build-emulated: "cuda:N" dpmini arrays, NCCL
+# emulated over MPI by csrc/dist/dist_nccl_emu.c); make test-distributed builds it.
+# $DPMINI_DIST_EMU_ROOT names another emulated build (e.g. one built with ASan).
+EMU_ROOT = Path(os.environ.get("DPMINI_DIST_EMU_ROOT") or ROOT / "build" / "emulated")
+
+
+def _have_emulated_dist():
+    pkg = EMU_ROOT / "dpmini"
+    if not _have_dist() or not list(pkg.glob("_dist*.so")):
+        return False
+    # a stale copy of the wrappers would test old code: make build-emulated refreshes it
+    return all((pkg / f).read_bytes() == (ROOT / "dpmini" / f).read_bytes()
+               for f in ("distributed.py", "_ddp.py"))
+
+
+needs_emulated = pytest.mark.skipif(not _have_emulated_dist(), reason="needs mpirun and an "
+                                    "up-to-date emulated build with dpmini._dist "
+                                    "(make build-emulated; make test-distributed builds it)")
+
+
+def mpirun_gpu(case, np=4, **env):
+    return mpirun(case, np=np, PYTHONPATH=str(EMU_ROOT), DPMINI_EMULATE_GPUS="4", **env)
+
+
+@needs_emulated
+@pytest.mark.parametrize("np_", [4, 1])
+def test_gpu_collectives_through_emulated_nccl_equal_the_host_path(np_):
+    rc, lines, out, _ = mpirun_gpu("gpu", np=np_)
+    assert rc == 0, out
+    for r in range(np_):
+        assert [x for x in lines[r] if x.startswith("OK")] == [
+            "OK gpu reduce", "OK gpu broadcast", "OK gpu scatter gather", "OK gpu"], out
+    int16 = errors(lines, "int16")
+    assert sorted(int16) == list(range(np_)), out
+    assert all(m.startswith("TypeError: x: dtype int16 of a GPU array has no NCCL reduction")
+               for m in int16.values()), int16
+    other = errors(lines, "other_device")
+    assert sorted(other) == list(range(np_)), out
+    for r, m in other.items():
+        assert m.startswith(f"ValueError: x: a GPU array on cuda:{(r + 1) % 4}, but this "
+                            f"rank's NCCL communicator is on cuda:{r}"), m
+
+
+@needs_emulated
+def test_gpu_check_case_of_tools_gpu_check_runs_on_emulated_nccl():
+    # tools/gpu_check.sh runs this case with -np 1 on a lent GPU (the real NCCL)
+    rc, lines, out, _ = mpirun_gpu("gpu_real", np=1)
+    assert rc == 0 and lines[0][0] == "OK gpu_real dpmini", out
+    assert lines[0][1].startswith("INFO emulated NCCL over MPI"), out
+
+
+@pytest.fixture(scope="module")
+def gpu_errors_run():
+    if not _have_emulated_dist():
+        pytest.skip("needs mpirun and an up-to-date emulated build")
+    return mpirun_gpu("gpu_errors", limit=90)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("same_gpu", ["ValueError: dpmini.distributed: ranks 0 and 2 both use GPU cuda:0 of host",
+                  "NCCL needs one GPU per rank"]),
+    ("host_vs_gpu", ["ValueError: dpmini.distributed.all_reduce: the ranks disagree on the "
+                     "device kind", "rank 0,1,3: all_reduce call 2 op=sum shape (4,) dtype "
+                     "float64 (GPU array)", "rank 2: all_reduce call 2 op=sum shape (4,) dtype "
+                     "float64"]),
+    ("gather_host_vs_gpu", ["ValueError: dpmini.distributed.gather: the ranks disagree on the "
+                            "device kind", "rank 1: gather call 3"]),
+    ("fail_after", ["RuntimeError: dpmini.distributed.all_reduce (call 6): GPU collectives are "
+                    "off: rank 0's NCCL communicator was aborted"]),
+    ("error_after", ["RuntimeError: dpmini.distributed.all_reduce (call 2): GPU collectives "
+                     "are off"]),
+])
+def test_gpu_disagreement_is_the_same_error_on_every_rank(gpu_errors_run, case, words):
+    rc, lines, out, _ = gpu_errors_run
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert len(set(got.values())) == 1, got
+    for w in words:
+        assert w in got[0], (w, got[0])
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("fail", r"RuntimeError: dpmini.distributed.all_reduce \(call 5 on rank {r}\): NCCL error 2: "
+             r"unhandled system error"),
+    ("error", r"RuntimeError: dpmini.distributed.all_reduce \(call 1 on rank {r}\): NCCL error 6: "
+              r"remote process exited or there was a network error; its NCCL communicator was "
+              r"aborted"),
+    ("hang", r"TimeoutError: dpmini.distributed.all_reduce \(call 1 on rank {r}\): the NCCL "
+             r"collective did not complete within the timeout of 2 s"),
+])
+def test_nccl_error_or_stall_is_a_clear_error_on_every_rank(gpu_errors_run, case, pattern):
+    rc, lines, out, _ = gpu_errors_run
+    assert rc == 0, out            # MPI itself stays usable: the job ends normally
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3], out
+    for r, m in got.items():
+        assert re.match(pattern.format(r=r), m), m
+    for r in range(4):
+        assert lines[r][-1] == "OK gpu_errors", out
+        took = [float(x.split()[1]) for x in lines[r] if x.startswith("took ")]
+        assert took and 2.0 <= took[0] < 10, took
+
+
+def test_interrupt_during_an_nccl_wait_aborts_it(gpu_errors_run):
+    rc, lines, out, _ = gpu_errors_run
+    for r in range(4):
+        got = [x for x in lines[r] if x.startswith("interrupted after ")]
+        assert got, out
+        secs, why = got[0][len("interrupted after "):].split(" s: ")
+        assert float(secs) < 30, got     # the timeout is 60 s: the timer's 0.5 s ended it
+        assert why == "an interrupt in all_reduce call 1", got
+
+
+@needs_mpi
+def test_real_nccl_without_a_gpu_is_the_same_runtime_error_on_every_rank():
+    # The in-place build is not emulated: the real libcudart / libnccl are looked
+    # for (dlopen) at the first GPU collective, and this machine has no GPU.
+    rc, lines, out, _ = mpirun("gpu_no_device", np=2)
+    assert rc == 0, out
+    if lines[0] == ["SKIP a GPU is present"]:
+        pytest.skip("a GPU is present (tools/gpu_check.sh runs the real NCCL case)")
+    got = errors(lines, "no_device")
+    assert sorted(got) == [0, 1] and len(set(got.values())) == 1, out
+    assert got[0].startswith("RuntimeError: dpmini.distributed: rank 0 could not start NCCL "
+                             "for GPU arrays (every rank raises this): "), got
+    assert all(lines[r][-1] == "OK gpu_no_device" for r in range(2)), out
+
+
+@needs_mpi
+def test_env_switch_emulates_nccl_on_a_build_without_gpus():
+    rc, lines, out, _ = mpirun("env_emulate", np=2, DPMINI_DIST_NCCL="emulate")
+    assert rc == 0, out
+    for r in range(2):
+        assert lines[r] == ["INFO emulated NCCL over MPI on host memory "
+                            "(csrc/dist/dist_nccl_emu.c)", "OK env_emulate"], out

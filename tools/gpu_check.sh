@@ -5,9 +5,10 @@
 # $OUT/summary.txt (prerequisites, build, backend and versions, tests passed /
 # failed / skipped, every benchmark line with its figures and ratios).
 #
-# Time limits (sum 390 s worst case, normally well under 5 minutes on an
-# H200): build 120 s, tests 120 s, benchmark 150 s (bench_gpu.py is sized
-# to finish in about a minute there).
+# Time limits (sum 510 s worst case, normally well under 5 minutes on an
+# H200): build 120 s, tests 120 s, the -np 1 NCCL case of dpmini.distributed
+# 120 s (skipped without mpirun / mpi4py), benchmark 150 s (bench_gpu.py is
+# sized to finish in about a minute there).
 #
 # What the machine must have (it has no network; nothing is installed):
 #   - nvcc: $CUDA_HOME/bin, PATH, or /usr/local/cuda/bin
@@ -16,7 +17,8 @@
 #   - an NVIDIA driver and at least one GPU
 # Optional: torch / cupy (their tests skip unless torch.cuda.is_available()
 # / CuPy reaches a GPU), hypothesis (not needed: only the GPU test files are
-# collected), libnccl (else the copy-and-kernel fallback is used).
+# collected), libnccl (else the copy-and-kernel fallback is used), mpirun +
+# mpi4py (dpmini.distributed's -np 1 NCCL case; skipped without them).
 # Missing prerequisites are reported up front and the script stops.
 #
 # The tree is copied to /tmp/dpmini-gpu-src WITHOUT pyproject.toml (so an
@@ -109,6 +111,31 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -30 | tee -a "$SUM"
 grep -E "^SKIPPED" "$OUT/tests.txt" | head -20 | tee -a "$SUM"
 say "nccl after tests: $($PY -c 'import dpmini; print(dpmini._dpmini.cuda_build_info()["nccl"])' 2>&1)"
 
+# ---- dpmini.distributed on the real NCCL: mpirun -np 1 (issue [8] item 4) ----
+# all_reduce / reduce / broadcast of torch and dpmini GPU arrays through libnccl
+# (tests/distributed/worker.py gpu_real). Skipped, not failed, without mpirun,
+# mpi4py or dpmini._dist (built only when mpicc and mpi4py were found above).
+nrc=0
+MPIRUN=$(command -v mpirun || command -v mpiexec || true)
+if [ -z "$MPIRUN" ]; then
+    say "distributed nccl (-np 1): SKIPPED (no mpirun)"
+elif ! $PY -c "import mpi4py" >/dev/null 2>&1; then
+    say "distributed nccl (-np 1): SKIPPED (no mpi4py)"
+elif ! $PY -c "import dpmini._dist" >/dev/null 2>&1; then
+    say "distributed nccl (-np 1): SKIPPED (dpmini._dist was not built: no mpicc or mpi4py at build time)"
+else
+    t0=$(date +%s)
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 DIST_TEST_OUT= \
+        timeout -k 10 120 "$MPIRUN" -np 1 $PY tests/distributed/worker.py gpu_real \
+        >"$OUT/nccl.txt" 2>&1
+    nrc=$?
+    cat "$OUT/nccl.txt" >>"$LOG"
+    [ $nrc -eq 124 ] && say "distributed nccl: TIMED OUT after 120 s"
+    say "distributed nccl (-np 1, rc $nrc, $(( $(date +%s) - t0 )) s):"
+    grep -E "^0 (OK|SKIP|INFO|ERR)" "$OUT/nccl.txt" | tee -a "$SUM"
+    [ $nrc -eq 0 ] || tail -20 "$OUT/nccl.txt" | tee -a "$SUM"
+fi
+
 # ---- benchmark (every figure and ratio goes to the summary) ----
 t0=$(date +%s)
 export BENCH_REPS=${BENCH_REPS:-3}  # best of 3: the benchmark fits its 150 s
@@ -119,9 +146,9 @@ cat "$OUT/bench.txt" >>"$LOG"
 say "benchmark (rc $brc, $(( $(date +%s) - t0 )) s):"
 tee -a "$SUM" <"$OUT/bench.txt"
 say "total: $(( $(date +%s) - t_start )) s"
-if [ $rc -eq 0 ] && [ $brc -eq 0 ]; then
+if [ $rc -eq 0 ] && [ $brc -eq 0 ] && [ $nrc -eq 0 ]; then
     say "RESULT: ok"
 else
-    say "RESULT: FAILED (tests rc $rc, benchmark rc $brc)"
+    say "RESULT: FAILED (tests rc $rc, benchmark rc $brc, distributed nccl rc $nrc)"
 fi
-exit $(( rc != 0 || brc != 0 ))
+exit $(( rc != 0 || brc != 0 || nrc != 0 ))

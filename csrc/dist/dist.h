@@ -55,12 +55,20 @@ typedef struct {
     int64_t itemsize;
     int64_t is_object;     /* broadcast of a pickled object                 */
     uint64_t split_hash;   /* chunk_sizes / weights, 0 when neither         */
+    int64_t dev_kind;      /* DIST_DEV_*: where this rank's array lives     */
+    int64_t dev_id;        /* the CUDA device of a GPU array, else -1       */
+    int64_t nccl_state;    /* 0 no NCCL communicator, 1 one, 2 aborted      */
     int64_t shape[DIST_MAX_NDIM];
     char dtype[24];        /* numpy dtype.str, e.g. "<f8"                   */
     char dtype_name[24];   /* str(dtype), e.g. "float64", for messages      */
     char split_text[56];   /* the split argument, for messages              */
     char err[200];         /* a local argument error, "" when none          */
+    char lib[16];          /* a GPU array's library ("torch", "cupy", ...)  */
 } dist_meta;
+
+/* GPU: moved by NCCL; GPU_STAGED: a GPU array the wrapper copied to the
+ * host (no __cuda_array_interface__, e.g. JAX). */
+enum dist_dev { DIST_DEV_NONE = 0, DIST_DEV_HOST = 1, DIST_DEV_GPU = 2, DIST_DEV_GPU_STAGED = 3 };
 
 /* The Comm object: a duplicate of the user's communicator plus the state
  * the guard needs. */
@@ -76,6 +84,9 @@ typedef struct {
     dist_meta *peers;      /* size records                                  */
     MPI_Request *reqs;     /* 2 * size requests for the agreement           */
     int *done;             /* 2 * size flags                                */
+    void *nccl;            /* this rank's NCCL communicator (dist_gpu.c)    */
+    int nccl_dev;          /* its CUDA device                               */
+    char nccl_broken[160]; /* why GPU collectives are off, "" when they work */
 } dist_comm;
 
 /* dist_guard.c ---------------------------------------------------------- */
@@ -88,6 +99,12 @@ double dist_now(void);
  * Returns 0 all done, 1 deadline passed, -1 exception set (MPI error or
  * KeyboardInterrupt). */
 int dist_poll(MPI_Request *reqs, int n, int *done, double deadline);
+/* One pause of a polling loop run with the GIL released (*ts saved):
+ * 1 the deadline has passed, -1 a signal handler raised (the GIL is taken
+ * for it every 50 ms, *next_signals), else 0 after a yield or a short
+ * sleep (longer once nothing has progressed since last_progress). */
+int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                    double *next_signals);
 /* Set a RuntimeError from an MPI error code; returns -1. */
 int dist_mpi_error(int code, const char *what);
 /* Record the pending Python exception as the local error of `mine`
@@ -138,5 +155,51 @@ PyObject *dist_split_sizes(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *dist_barrier(dist_comm *c, PyObject *args);
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw);
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw);
+
+/* dist_gpu.c ------------------------------------------------------------- */
+/* A GPU array as NCCL reads it (from its __cuda_array_interface__). */
+typedef struct {
+    PyObject *obj;         /* borrowed: the caller's array                  */
+    uintptr_t ptr;
+    size_t count;          /* elements                                      */
+    int nccl_type;
+    int dev;
+    intptr_t stream;       /* the library's current stream, 0: the default  */
+    PyObject *out;         /* the result array (new reference) or NULL      */
+    uintptr_t out_ptr;
+} dist_gpu_arg;
+/* Fill `m` (shape, dtype, device) and `g` from x and the wrapper's
+ * gpu=(device, library, stream); allocate the result like x when `alloc`.
+ * -1 with an exception set (a local argument error). */
+int dist_gpu_read(dist_comm *c, PyObject *x, PyObject *gpu, int alloc, dist_meta *m,
+                  dist_gpu_arg *g);
+void dist_gpu_arg_clear(dist_gpu_arg *g);
+/* The NCCL op for a dpmini op on this dtype; -1 with TypeError. */
+int dist_gpu_op(const dist_meta *m, int op);
+/* Phase 2 of all_reduce / reduce (root < 0: all_reduce) and broadcast on
+ * GPU arrays, after the agreement. New reference: the result, None off
+ * root (reduce), or NULL with the exception set. */
+PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, int nccl_op,
+                          int root, double deadline);
+PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
+                             double deadline);
+/* Shared with dist_gpu_move.c: a new C-contiguous array of `lib` shaped
+ * like m's on cuda:dev and its pointer (NULL with the exception set); this
+ * rank's NCCL communicator on dev (-1: the current device), collective;
+ * the wait for a queued NCCL call (rc: its result), which on failure
+ * aborts the NCCL communicator and leaks keep1..3 (buffers a peer may
+ * still touch). */
+PyObject *dist_gpu_alloc(const char *lib, const dist_meta *m, int dev, uintptr_t *ptr);
+int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind);
+int dist_gpu_finish(dist_comm *c, int rc, void *stream, double deadline, const char *what,
+                    int64_t call, PyObject *keep1, PyObject *keep2, PyObject *keep3);
+/* dist_gpu_move.c: scatter, gather, all_gather of GPU arrays through NCCL
+ * send/recv (sizes: the rows of every rank; root < 0: all_gather). */
+PyObject *dist_gpu_scatter(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,
+                           const int64_t *sizes, int dim, int root, double deadline);
+PyObject *dist_gpu_gather(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, int dim,
+                          int root, double deadline);
+/* Destroy (abort: after an error) this rank's NCCL communicator. */
+void dist_gpu_free(dist_comm *c, int abort);
 
 #endif

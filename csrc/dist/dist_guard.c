@@ -48,6 +48,31 @@ int dist_mpi_error(int code, const char *what)
     return -1;
 }
 
+int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                    double *next_signals)
+{
+    double t = dist_now();
+    if (t >= deadline)
+        return 1;
+    if (t >= *next_signals) {
+        PyEval_RestoreThread(*ts);
+        int interrupted = PyErr_CheckSignals() < 0;
+        *ts = PyEval_SaveThread();
+        if (interrupted)
+            return -1;
+        *next_signals = t + 0.05;
+    }
+    /* Yield while data may be moving (MPI progresses inside MPI_Test);
+     * sleep once nothing has completed for 5 ms (a slow peer). */
+    if (t - last_progress < 0.005) {
+        sched_yield();
+    } else {
+        struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
+        nanosleep(&nap, NULL);
+    }
+    return 0;
+}
+
 int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
 {
     int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
@@ -71,26 +96,11 @@ int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
         }
         if (left == 0)
             break;
-        double t = dist_now();
-        if (t >= deadline) {
-            result = 1;
+        int pause = dist_poll_pause(&ts, deadline, last_progress, &next_signals);
+        if (pause != 0) {
+            result = pause > 0;
+            interrupted = pause < 0;
             break;
-        }
-        if (t >= next_signals) {
-            PyEval_RestoreThread(ts);
-            interrupted = PyErr_CheckSignals() < 0;
-            ts = PyEval_SaveThread();
-            if (interrupted)
-                break;
-            next_signals = t + 0.05;
-        }
-        /* Yield while data may be moving (MPI progresses inside MPI_Test);
-         * sleep once nothing has completed for 5 ms (a slow peer). */
-        if (t - last_progress < 0.005) {
-            sched_yield();
-        } else {
-            struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
-            nanosleep(&nap, NULL);
         }
     }
 out:
@@ -142,6 +152,8 @@ void dist_meta_array(dist_meta *m, PyObject *arr)
 {
     PyArrayObject *a = (PyArrayObject *)arr;
     m->ndim = PyArray_NDIM(a);
+    m->dev_kind = DIST_DEV_HOST;
+    m->dev_id = -1;
     for (int i = 0; i < PyArray_NDIM(a) && i < DIST_MAX_NDIM; i++)
         m->shape[i] = PyArray_DIM(a, i);
     m->itemsize = PyArray_ITEMSIZE(a);
@@ -218,7 +230,8 @@ static void describe(const dist_meta *m, char *buf, size_t n)
         ADD(" shape (");
         for (int64_t i = 0; i < m->ndim && i < DIST_MAX_NDIM; i++)
             ADD("%lld%s", (long long)m->shape[i], m->ndim == 1 ? "," : (i + 1 < m->ndim ? ", " : ""));
-        ADD(") dtype %s", m->dtype_name);
+        ADD(") dtype %s%s", m->dtype_name, m->dev_kind == DIST_DEV_GPU ? " (GPU array)"
+            : m->dev_kind == DIST_DEV_GPU_STAGED ? " (GPU array, staged)" : "");
     }
 #undef ADD
 }
@@ -314,6 +327,8 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
         return "chunk_sizes/weights";
     if (!kind_compares_arrays(a->kind) || a->err[0] || b->err[0])
         return NULL;
+    if (a->dev_kind != b->dev_kind)
+        return "the device kind (a host array on some ranks, a GPU array on others)";
     if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize)
         return "dtype";
     if (a->ndim != b->ndim)
@@ -369,6 +384,24 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         if (what != NULL)
             return raise_mismatch(c, mine, what);
     }
+    /* 4. A GPU collective needs an NCCL communicator on every rank or on
+     * none (made together), and none aborted. */
+    const dist_meta *lead = kind_has_root(mine->kind) && !kind_compares_arrays(mine->kind)
+                            ? &c->peers[mine->root] : &c->peers[0];
+    if (lead->dev_kind != DIST_DEV_GPU)
+        return 0;
+    for (int r = 0; r < P; r++) {
+        if (c->peers[r].nccl_state == 2 || c->peers[r].nccl_state != c->peers[0].nccl_state) {
+            int bad = c->peers[r].nccl_state == 2 ? r : 0;
+            PyErr_Format(PyExc_RuntimeError,
+                         "dpmini.distributed.%s (call %lld): GPU collectives are off: rank %d's "
+                         "NCCL communicator %s after an earlier NCCL error, timeout or "
+                         "interrupt (every rank raises this; host arrays still work)",
+                         dist_kind_name(mine->kind), (long long)mine->call, bad,
+                         c->peers[bad].nccl_state == 2 ? "was aborted" : "is missing");
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -400,6 +433,7 @@ int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
     int P = c->size, me = c->rank, rc = MPI_SUCCESS;
     mine->magic = DIST_MAGIC;
     mine->call = ++c->calls;
+    mine->nccl_state = c->nccl_broken[0] ? 2 : c->nccl != NULL ? 1 : 0;
     c->peers[me] = *mine;
     for (int i = 0; i < 2 * P; i++) {
         c->reqs[i] = MPI_REQUEST_NULL;

@@ -8,6 +8,7 @@
  */
 #define DIST_IMPORT_ARRAY
 #include "dist.h"
+#include "dist_nccl.h"
 #include <mpi4py/mpi4py.h>
 
 #include <string.h>
@@ -88,6 +89,7 @@ static PyObject *build_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
 
 static void free_comm(dist_comm *c)
 {
+    dist_gpu_free(c, 0);
     int finalized = 1;
     MPI_Finalized(&finalized);
     if (c->comm != MPI_COMM_NULL && !finalized && !c->broken)
@@ -182,6 +184,24 @@ static PyObject *Comm_free(dist_comm *c, PyObject *Py_UNUSED(a))
     Py_RETURN_NONE;
 }
 
+static PyObject *Comm_free_gpu(dist_comm *c, PyObject *Py_UNUSED(a))
+{
+    dist_gpu_free(c, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_nccl_device(dist_comm *c, void *p)
+{
+    if (c->nccl == NULL)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(c->nccl_dev);
+}
+
+static PyObject *get_nccl_broken(dist_comm *c, void *p)
+{
+    return PyUnicode_FromString(c->nccl_broken);
+}
+
 static PyObject *Comm_abort(dist_comm *c, PyObject *arg)
 {
     int code = (int)PyLong_AsLong(arg);
@@ -215,6 +235,12 @@ static PyGetSetDef Comm_getset[] = {
     {"size", (getter)get_size, NULL, "Number of ranks (int).", NULL},
     {"calls", (getter)get_calls, NULL, "Collectives called so far on this rank (int).", NULL},
     {"broken", (getter)get_broken, NULL, "True after a TimeoutError: unusable.", NULL},
+    {"nccl_device", (getter)get_nccl_device, NULL,
+     "The CUDA device of this rank's NCCL communicator (int), None before the first GPU\n"
+     "collective (and after free_gpu() or an abort).", NULL},
+    {"nccl_broken", (getter)get_nccl_broken, NULL,
+     "Why GPU collectives are off on this rank (its NCCL communicator was aborted), or ''.",
+     NULL},
     {"timeout", (getter)get_timeout, (setter)set_timeout,
      "Seconds each collective may wait for the other ranks (float > 0).", NULL},
     {NULL},
@@ -226,16 +252,24 @@ static PyMethodDef Comm_methods[] = {
     {"scatter", KW dist_scatter, METH_VARARGS | METH_KEYWORDS,
      "scatter(x, root=0, dim=0, chunk_sizes=None, weights=None) -> this rank's piece."},
     {"gather", KW dist_gather, METH_VARARGS | METH_KEYWORDS,
-     "gather(x, root=0, dim=0) -> the joined array on root, None elsewhere."},
+     "gather(x, root=0, dim=0, gpu=None) -> the joined array on root, None elsewhere.\n"
+     "gpu: the CUDA device (int) of the GPU array x was staged from, for the guard."},
     {"all_gather", KW dist_all_gather, METH_VARARGS | METH_KEYWORDS,
-     "all_gather(x, dim=0) -> the joined array on every rank."},
+     "all_gather(x, dim=0, gpu=None) -> the joined array on every rank (gpu as gather)."},
     {"broadcast", KW dist_broadcast, METH_VARARGS | METH_KEYWORDS,
-     "broadcast(x, root=0, pickled=False, error=None) -> (root's array, root's pickled flag)."},
+     "broadcast(x, root=0, pickled=False, error=None, gpu=None) -> (root's array, root's\n"
+     "pickled flag). gpu=(device, library, stream): x is a GPU array, moved by NCCL."},
     {"all_reduce", KW dist_all_reduce, METH_VARARGS | METH_KEYWORDS,
-     "all_reduce(x, op='sum') -> the reduced array on every rank."},
+     "all_reduce(x, op='sum', gpu=None) -> the reduced array on every rank.\n"
+     "gpu=(device, library, stream): x is a GPU array, reduced by NCCL."},
     {"reduce", KW dist_reduce, METH_VARARGS | METH_KEYWORDS,
-     "reduce(x, root=0, op='sum') -> the reduced array on root, None elsewhere."},
-    {"free", (PyCFunction)Comm_free, METH_NOARGS, "Free dpmini's duplicate communicator."},
+     "reduce(x, root=0, op='sum', gpu=None) -> the reduced array on root, None elsewhere\n"
+     "(gpu as all_reduce)."},
+    {"free", (PyCFunction)Comm_free, METH_NOARGS,
+     "Free dpmini's duplicate communicator (and destroy its NCCL communicator)."},
+    {"free_gpu", (PyCFunction)Comm_free_gpu, METH_NOARGS,
+     "Destroy this rank's NCCL communicator (ncclCommDestroy); the next GPU collective makes\n"
+     "a new one on every rank. Call it on every rank, between collectives."},
     {"abort", (PyCFunction)Comm_abort, METH_O, "abort(code): MPI_Abort the whole job."},
     {NULL},
 };
@@ -299,7 +333,27 @@ static int dist_clear(PyObject *m)
     return 0;
 }
 
+static PyObject *nccl_emulate(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0 || dist_nccl_set_emulated(on) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *nccl_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    return PyUnicode_FromString(dist_nccl_describe());
+}
+
 static PyMethodDef dist_functions[] = {
+    {"_nccl_emulate", nccl_emulate, METH_O,
+     "_nccl_emulate(on: bool) -> None: before the first GPU collective, choose NCCL emulated\n"
+     "over MPI on host memory (csrc/dist/dist_nccl_emu.c; for dpmini's emulated build) or the\n"
+     "real libnccl. RuntimeError once the other one is in use."},
+    {"nccl_info", nccl_info, METH_NOARGS,
+     "nccl_info() -> str: the NCCL in use for GPU arrays (library version and path, or the\n"
+     "emulation), or 'not loaded' before the first GPU collective."},
     {"_check_abi", check_abi, METH_O,
      "_check_abi(library_version: str) -> None: ImportError unless an MPI library with this\n"
      "version string has the handle ABI of the mpi.h dpmini._dist was built with and is\n"

@@ -197,10 +197,11 @@ static PyObject *new_stage(const geometry *g)
 
 PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", NULL};
-    PyObject *x = Py_None, *cs = Py_None, *w = Py_None;
+    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu", NULL};
+    PyObject *x = Py_None, *cs = Py_None, *w = Py_None, *gpu = Py_None;
     int root = 0, dim = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiOO:scatter", kwlist, &x, &root, &dim, &cs, &w))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiOOO:scatter", kwlist, &x, &root, &dim, &cs,
+                                     &w, &gpu))
         return NULL;
     if (dist_enter(c) < 0)
         return NULL;
@@ -212,6 +213,8 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     int64_t *sizes = PyMem_Calloc((size_t)P * 2 + 1, sizeof(int64_t));
     double *wts = PyMem_Calloc((size_t)P + 1, sizeof(double));
     split_args s = {0, NULL, wts};
+    dist_gpu_arg ga;
+    memset(&ga, 0, sizeof ga);
     dist_meta mine;
     memset(&mine, 0, sizeof mine);
     mine.kind = DIST_SCATTER;
@@ -223,11 +226,19 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
         goto fail_local;
     }
     s.sizes = sizes + P;
-    if (check_root(root, P) == 0 && dist_read_split(cs, w, P, &s, &mine) == 0 && me == root &&
-        (arr = dist_as_array(x, "x", 0)) != NULL) {
+    int ok = check_root(root, P) == 0 && dist_read_split(cs, w, P, &s, &mine) == 0;
+    if (ok && me == root && gpu != Py_None) {   /* NCCL (dist_gpu_move.c) */
+        int d = dist_gpu_read(c, x, gpu, 0, &mine, &ga) == 0 ? wrap_dim(dim, (int)mine.ndim, "x")
+                                                              : -1;
+        if (d >= 0)
+            dist_plan_rows(&s, mine.shape[d], P, sizes);
+    } else if (ok && me == root && (arr = dist_as_array(x, "x", 0)) != NULL) {
         int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
         if (d >= 0 && dist_plan_rows(&s, PyArray_DIM((PyArrayObject *)arr, d), P, sizes) == 0)
             dist_meta_array(&mine, arr);
+    } else if (ok && me != root && gpu != Py_None && dist_gpu_read(c, x, gpu, 0, &mine, &ga) < 0) {
+        PyErr_Clear();   /* off root, x only names this rank's device: a bad one is ignored */
+        memset(&ga, 0, sizeof ga);
     }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
@@ -239,6 +250,10 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     geometry g;
     if (dist_plan_rows(&s, rm->shape[d], P, sizes) < 0 || geometry_of(rm, d, rm->shape[d], &g) < 0)
         goto fail;
+    if (rm->dev_kind == DIST_DEV_GPU) {
+        out = dist_gpu_scatter(c, rm, &ga, sizes, d, root, deadline);
+        goto done;
+    }
     out = dist_empty_like_meta(rm, d, sizes[me], (PyArrayObject *)arr);
     types = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Datatype));
     reqs = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Request));
@@ -306,7 +321,8 @@ done:
 /* gather / all_gather                                                 */
 /* ------------------------------------------------------------------ */
 
-static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind)
+static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind,
+                               PyObject *gpu)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_GATHER;
     if (dist_enter(c) < 0)
@@ -317,17 +333,28 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     MPI_Request *reqs = NULL;
     int64_t *rows_of = NULL;
     int *done = NULL, ntypes = 0, n = 0, rc = MPI_SUCCESS;
+    dist_gpu_arg ga;
+    memset(&ga, 0, sizeof ga);
     dist_meta mine;
     memset(&mine, 0, sizeof mine);
     mine.kind = kind;
     mine.root = all ? -1 : root;
     mine.dim = dim;
     mine.ndim = -1;
-    if ((all || check_root(root, P) == 0) && (arr = dist_as_array(x, "x", 0)) != NULL) {
+    if (!all && check_root(root, P) < 0) {
+        /* the error goes to the guard below */
+    } else if (PyTuple_Check(gpu)) {   /* NCCL (dist_gpu_move.c) */
+        if (dist_gpu_read(c, x, gpu, 0, &mine, &ga) == 0)
+            mine.dim = wrap_dim(dim, (int)mine.ndim, "x");
+    } else if ((arr = dist_as_array(x, "x", 0)) != NULL) {
         int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
         mine.dim = d;
         if (d >= 0)
             dist_meta_array(&mine, arr);
+        /* a GPU array the wrapper staged through the host (gpu: its
+         * device): its device kind still goes to the guard */
+        if (gpu != Py_None && (mine.dev_id = PyLong_AsLong(gpu)) != -1)
+            mine.dev_kind = DIST_DEV_GPU_STAGED;
     }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
@@ -335,6 +362,10 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
         goto fail;
 
     int d = (int)mine.dim;
+    if (mine.dev_kind == DIST_DEV_GPU) {
+        out = dist_gpu_gather(c, &mine, &ga, d, all ? -1 : root, deadline);
+        goto done;
+    }
     int64_t total = 0;
     for (int r = 0; r < P; r++)
         total += c->peers[r].shape[d];
@@ -415,22 +446,22 @@ done:
 
 PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", NULL};
-    PyObject *x;
+    static char *kwlist[] = {"x", "root", "dim", "gpu", NULL};
+    PyObject *x, *gpu = Py_None;
     int root = 0, dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ii:gather", kwlist, &x, &root, &dim))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiO:gather", kwlist, &x, &root, &dim, &gpu))
         return NULL;
-    return gather_common(c, x, root, dim, DIST_GATHER);
+    return gather_common(c, x, root, dim, DIST_GATHER, gpu);
 }
 
 PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "dim", NULL};
-    PyObject *x;
+    static char *kwlist[] = {"x", "dim", "gpu", NULL};
+    PyObject *x, *gpu = Py_None;
     int dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i:all_gather", kwlist, &x, &dim))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iO:all_gather", kwlist, &x, &dim, &gpu))
         return NULL;
-    return gather_common(c, x, 0, dim, DIST_ALL_GATHER);
+    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu);
 }
 
 /* ------------------------------------------------------------------ */
@@ -443,11 +474,11 @@ PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
  * exception the wrapper met (pickling) to raise on every rank. */
 PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "pickled", "error", NULL};
-    PyObject *x = Py_None, *error = Py_None;
+    static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", NULL};
+    PyObject *x = Py_None, *error = Py_None, *gpu = Py_None;
     int root = 0, pickled = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ipO:broadcast", kwlist, &x, &root, &pickled,
-                                     &error))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ipOO:broadcast", kwlist, &x, &root, &pickled,
+                                     &error, &gpu))
         return NULL;
     if (error != Py_None && !PyExceptionInstance_Check(error)) {
         PyErr_SetString(PyExc_TypeError, "error: expected an exception instance or None");
@@ -460,6 +491,8 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     MPI_Datatype unit = MPI_DATATYPE_NULL;
     MPI_Request req = MPI_REQUEST_NULL;
     int done = 0;
+    dist_gpu_arg g;
+    memset(&g, 0, sizeof g);
     dist_meta mine;
     memset(&mine, 0, sizeof mine);
     mine.kind = DIST_BROADCAST;
@@ -468,13 +501,28 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     mine.is_object = pickled;
     if (error != Py_None)   /* the wrapper's own failure (pickling), raised everywhere */
         PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    else if (check_root(root, P) == 0 && me == root && (arr = dist_as_array(x, "x", 0)) != NULL)
+    else if (check_root(root, P) < 0) {
+        /* the error goes to the guard below */
+    }
+    else if (me == root && gpu != Py_None)
+        dist_gpu_read(c, x, gpu, 1, &mine, &g);            /* NCCL (dist_gpu.c) */
+    else if (me == root && (arr = dist_as_array(x, "x", 0)) != NULL)
         dist_meta_array(&mine, arr);
+    else if (me != root && gpu != Py_None && dist_gpu_read(c, x, gpu, 0, &mine, &g) < 0) {
+        PyErr_Clear();   /* off root, x only names this rank's device: a bad one is ignored */
+        memset(&g, 0, sizeof g);
+    }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
     if (dist_agree(c, &mine, &saved, deadline) < 0)
         goto fail;
     const dist_meta *rm = &c->peers[root];
+    if (rm->dev_kind == DIST_DEV_GPU) {
+        out = dist_gpu_broadcast(c, rm, &g, root, deadline);
+        if (out != NULL)
+            res = Py_BuildValue("(OO)", out, Py_False);
+        goto fail;
+    }
     out = me == root ? PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER)
                      : dist_empty_like_meta(rm, -1, 0, NULL);
     if (out == NULL)
@@ -503,6 +551,7 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
 fail:
     if (unit != MPI_DATATYPE_NULL)
         MPI_Type_free(&unit);
+    dist_gpu_arg_clear(&g);
     Py_XDECREF(out);
     Py_XDECREF(arr);
     dist_leave(c);

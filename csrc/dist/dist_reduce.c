@@ -99,7 +99,7 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
 }
 
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
-                               int64_t kind)
+                               int64_t kind, PyObject *gpu)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
     if (dist_enter(c) < 0)
@@ -109,7 +109,9 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     MPI_Datatype t = MPI_DATATYPE_NULL;
     MPI_Op o = MPI_OP_NULL;
     MPI_Request req = MPI_REQUEST_NULL;
-    int done = 0;
+    int done = 0, nccl_op = 0;
+    dist_gpu_arg g;
+    memset(&g, 0, sizeof g);
     dist_meta mine;
     memset(&mine, 0, sizeof mine);
     mine.kind = kind;
@@ -120,13 +122,20 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     if (op >= 0 && !all && (root < 0 || root >= P))
         PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
                      root, P - 1);
-    else if (op >= 0 && (arr = dist_as_array(x, "x", 1)) != NULL &&
+    else if (op >= 0 && gpu != Py_None) {   /* NCCL (dist_gpu.c) */
+        if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
+            nccl_op = dist_gpu_op(&mine, op);
+    } else if (op >= 0 && (arr = dist_as_array(x, "x", 1)) != NULL &&
              mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
     if (dist_agree(c, &mine, &saved, deadline) < 0)
         goto fail;
+    if (gpu != Py_None) {   /* every rank's is (the guard compared the device kinds) */
+        out = dist_gpu_reduce(c, &mine, &g, nccl_op, all ? -1 : root, deadline);
+        goto done;
+    }
 
     int count = (int)PyArray_SIZE((PyArrayObject *)arr);
     int rc;
@@ -164,6 +173,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
 fail:
     Py_CLEAR(out);
 done:
+    dist_gpu_arg_clear(&g);
     Py_XDECREF(arr);
     dist_leave(c);
     return out;
@@ -171,21 +181,21 @@ done:
 
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "op", NULL};
-    PyObject *x;
+    static char *kwlist[] = {"x", "op", "gpu", NULL};
+    PyObject *x, *gpu = Py_None;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|s:all_reduce", kwlist, &x, &op))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|sO:all_reduce", kwlist, &x, &op, &gpu))
         return NULL;
-    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE);
+    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu);
 }
 
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "op", NULL};
-    PyObject *x;
+    static char *kwlist[] = {"x", "root", "op", "gpu", NULL};
+    PyObject *x, *gpu = Py_None;
     int root = 0;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|is:reduce", kwlist, &x, &root, &op))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|isO:reduce", kwlist, &x, &root, &op, &gpu))
         return NULL;
-    return reduce_common(c, x, root, op, DIST_REDUCE);
+    return reduce_common(c, x, root, op, DIST_REDUCE, gpu);
 }

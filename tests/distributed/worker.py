@@ -9,6 +9,7 @@ job non-zero through dpmini's abort hook).
 """
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -377,6 +378,260 @@ def case_torch():
     dist.DistributedDataParallel(m, device_ids=["cpu:0"])
     assert type(m.W).__module__.split(".")[0] in ("jax", "jaxlib") and float(m.W[0, 0]) == 0.0
     say("OK torch")
+
+
+# ------------------------------------------------------------------ GPU arrays (emulated build)
+# Run with PYTHONPATH=build/emulated and DPMINI_EMULATE_GPUS >= ranks: "cuda:N"
+# arrays are dpmini.Array, NCCL is emulated over MPI (csrc/dist/dist_nccl_emu.c).
+NCCL_DTYPES = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16,
+               np.float32, np.float64]
+
+
+def on_gpu(a, dev=None):
+    return dpmini.asarray(np.ascontiguousarray(a), f"cuda:{RANK if dev is None else dev}")
+
+
+def host_reduce(base, P, op, dtype):
+    """What every rank's base + rank combines to (float16 has no MPI type)."""
+    stack = np.stack([(base + r).astype(dtype) for r in range(P)]).astype(np.float64)
+    out = {"sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0),
+           "mean": stack.mean(0)}[op]
+    return out.astype(dtype)
+
+
+def case_gpu():
+    P = dist.size()
+    dist.all_reduce(np.ones(2))   # host collectives load no NCCL
+    assert dist.nccl_info() == "not loaded", dist.nccl_info()
+    base = np.arange(12).reshape(3, 4) % 5
+    for dt in NCCL_DTYPES:
+        v = (base + RANK).astype(dt)
+        for op in ("sum", "max", "min") + (("mean",) if np.dtype(dt).kind == "f" else ()):
+            got = dist.all_reduce(on_gpu(v), op)
+            assert isinstance(got, dpmini.Array) and str(got.device) == f"cuda:{RANK}", got
+            want = host_reduce(base, P, op, dt)
+            if dt != np.float16:   # the host path, where MPI has the dtype
+                host = dist.all_reduce(v, op)
+                assert host.dtype == want.dtype and np.array_equal(host, want), (dt, op)
+            assert got.numpy().dtype == want.dtype and np.array_equal(got.numpy(), want), (dt, op)
+    assert dist._state.comm.nccl_device == RANK
+    assert "emulated" in dist.nccl_info()
+    v = (base + RANK).astype(np.float64)
+    r = dist.reduce(on_gpu(v), root=P - 1, op="max")
+    h = dist.reduce(v, root=P - 1, op="max")
+    assert (r is None) == (h is None) == (RANK != P - 1)
+    assert r is None or (isinstance(r, dpmini.Array) and np.array_equal(r.numpy(), h))
+    z = dist.all_reduce(on_gpu(np.zeros((0, 3), np.float32)))
+    assert z.shape == (0, 3)
+    say("OK gpu reduce")
+    x = make((5, 3), np.int64, seed=3)
+    b = dist.broadcast(on_gpu(x) if RANK == 0 else None)
+    assert isinstance(b, dpmini.Array) and str(b.device) == f"cuda:{RANK}"
+    assert np.array_equal(b.numpy(), dist.broadcast(x if RANK == 0 else None))
+    c16 = dist.broadcast(on_gpu(x.astype(np.complex128)) if RANK == 0 else None)
+    assert np.array_equal(c16.numpy(), x.astype(np.complex128))   # bytes: any dtype
+    hint = on_gpu(np.zeros(1, np.float32))   # off root: names the device only
+    b = dist.broadcast(on_gpu(x.astype(np.float32)) if RANK == P - 1 else hint, root=P - 1)
+    assert np.array_equal(b.numpy(), x.astype(np.float32)) and b.shape == (5, 3)
+    say("OK gpu broadcast")
+    for dim in (0, 1, -1):
+        for dt, n in ((np.float32, 2 * P + 1), (np.int8, P - 1), (np.float16, 0),
+                      (np.complex64, P + 2), (np.int16, 3)):   # bytes: any dtype
+            shape = [2, 3, 4]
+            shape[dim] = n
+            x = make(tuple(shape), dt, seed=dim + 5)
+            piece = dist.scatter(on_gpu(x) if RANK == 0 else None, dim=dim)
+            hpiece = dist.scatter(x if RANK == 0 else None, dim=dim)
+            assert isinstance(piece, dpmini.Array) and str(piece.device) == f"cuda:{RANK}"
+            assert piece.dtype == x.dtype and np.array_equal(piece.numpy(), hpiece), (dim, dt)
+            back = dist.gather(piece, dim=dim)
+            assert (back is None) == (RANK != 0)
+            assert back is None or (isinstance(back, dpmini.Array) and
+                                    np.array_equal(back.numpy(), x)), (dim, dt)
+            every = dist.all_gather(piece, dim=dim)
+            assert isinstance(every, dpmini.Array) and str(every.device) == f"cuda:{RANK}"
+            assert np.array_equal(every.numpy(), x), (dim, dt)
+    x = make((11, 5), np.float64)
+    hint = on_gpu(np.zeros(1))   # off root: names the device only
+    piece = dist.scatter(on_gpu(x) if RANK == P - 1 else hint, root=P - 1, dim=0,
+                         weights=[1.0 + r for r in range(P)])
+    want = dist.scatter(x if RANK == P - 1 else None, root=P - 1, weights=[1.0 + r for r in range(P)])
+    assert np.array_equal(piece.numpy(), want)
+    back = dist.gather(piece, root=P - 1)
+    assert (RANK != P - 1 and back is None) or np.array_equal(back.numpy(), x)
+    say("OK gpu scatter gather")
+    try:
+        dist.all_reduce(on_gpu(np.zeros(3, np.int16)))
+    except TypeError as exc:
+        err("int16", exc)
+    try:   # the communicator is on cuda:RANK
+        dist.all_reduce(on_gpu(np.zeros(3), dev=(RANK + 1) % 4))
+    except ValueError as exc:
+        err("other_device", exc)
+    # No device memory kept by a collective: results freed, everything freed.
+    import gc
+    gc.collect()
+    before = dpmini.memory_allocated(f"cuda:{RANK}")
+    x = on_gpu(make((2 * P + 1, 3), np.float32))
+    for _ in range(20):
+        dist.all_reduce(x)
+        dist.reduce(x, root=0)
+        dist.broadcast(x if RANK == 0 else None)
+        dist.gather(dist.scatter(x if RANK == 0 else None, dim=1), dim=1)
+        dist.all_gather(x, dim=1)
+    del x
+    gc.collect()
+    assert dpmini.memory_allocated(f"cuda:{RANK}") == before, \
+        (before, dpmini.memory_allocated(f"cuda:{RANK}"))
+    dist.barrier()
+    say("OK gpu")
+
+
+def case_gpu_errors():
+    P = dist.size()
+    # Two ranks on one GPU (every rank on cuda:RANK % 2), before any communicator.
+    try:
+        dist.all_reduce(on_gpu(np.ones(2), dev=RANK % 2))
+    except ValueError as exc:
+        err("same_gpu", exc)
+    # Host on one rank, GPU on the others.
+    v = np.ones(4) * RANK
+    try:
+        dist.all_reduce(v if RANK == 2 else on_gpu(v))
+    except ValueError as exc:
+        err("host_vs_gpu", exc)
+    try:
+        dist.gather(v if RANK == 1 else on_gpu(v))
+    except ValueError as exc:
+        err("gather_host_vs_gpu", exc)
+    ok = dist.all_reduce(on_gpu(v))   # still usable: the right devices now
+    assert np.array_equal(ok.numpy(), np.ones(4) * sum(range(P)))
+    say("OK gpu agreement")
+    for fault in ("fail", "error"):
+        os.environ["DPMINI_DIST_NCCL_FAULT"] = fault
+        start = time.monotonic()
+        try:
+            dist.all_reduce(on_gpu(v))
+        except RuntimeError as exc:
+            err(fault, exc)
+        del os.environ["DPMINI_DIST_NCCL_FAULT"]
+        assert time.monotonic() - start < 10
+        try:   # GPU collectives are off now, on every rank; host ones work
+            dist.all_reduce(on_gpu(v))
+        except RuntimeError as exc:
+            err(fault + "_after", exc)
+        assert np.array_equal(dist.all_reduce(v), np.ones(4) * sum(range(P)))
+        dist.init(timeout=2.0)   # a new communicator, a new NCCL communicator
+    os.environ["DPMINI_DIST_NCCL_FAULT"] = "hang"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(on_gpu(v))
+    except TimeoutError as exc:
+        err("hang", exc)
+        say(f"took {time.monotonic() - start:.1f}")
+    # Ctrl-C (here a timer's handler) while waiting for a stalled NCCL call
+    dist.init(timeout=60.0)
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("timer")
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(on_gpu(v))
+    except KeyboardInterrupt:
+        say(f"interrupted after {time.monotonic() - start:.1f} s: {dist._state.comm.nccl_broken}")
+    del os.environ["DPMINI_DIST_NCCL_FAULT"]
+    dist.barrier()
+    say("OK gpu_errors")
+
+
+class HostClaimingCuda:
+    """Host memory that says it is on cuda:0 (DLPack and the CUDA Array Interface)."""
+
+    def __init__(self, a, dev=0):
+        self.a, self.dev = a, dev
+
+    def __dlpack_device__(self):
+        return (2, self.dev)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "version": 3,
+                "data": (self.a.ctypes.data, False), "strides": None}
+
+
+def case_gpu_no_device():
+    """The real NCCL path (dlopen of libcudart and libnccl) on a machine without a GPU."""
+    if dpmini._dpmini.cuda_build_info()["device_count"] > 0:
+        say("SKIP a GPU is present")
+        return
+    dist._gpu_alloc = lambda lib, shape, typestr, dev: HostClaimingCuda(np.empty(shape, typestr))
+    try:
+        dist.all_reduce(HostClaimingCuda(np.ones(3)))
+    except RuntimeError as exc:
+        err("no_device", exc)
+    say(f"INFO {dist.nccl_info()}")
+    assert np.array_equal(dist.all_reduce(np.ones(3)), np.ones(3) * dist.size())
+    say("OK gpu_no_device")
+
+
+def case_gpu_real():
+    """On a real GPU (tools/gpu_check.sh, mpirun -np 1): all_reduce, reduce and
+    broadcast of torch and dpmini GPU arrays through the real NCCL."""
+    libs = []
+    try:
+        import torch
+        if torch.cuda.is_available():
+            libs.append("torch")
+    except ImportError:
+        torch = None
+    if dpmini._dpmini.cuda_build_info()["device_count"] > 0:
+        libs.append("dpmini")
+    if not libs:
+        say("SKIP no GPU")
+        return
+    P = dist.size()
+    for lib in libs:
+        dtypes = NCCL_DTYPES if lib == "dpmini" else [np.int8, np.uint8, np.int32, np.int64,
+                                                      np.float16, np.float32, np.float64]
+        for dt in dtypes:
+            base = np.arange(24).reshape(4, 6) % 7
+
+            def dev(a):
+                a = np.ascontiguousarray(a)
+                return torch.from_numpy(a).to(f"cuda:{RANK}") if lib == "torch" \
+                    else dpmini.asarray(a, f"cuda:{RANK}")
+
+            def host(a):
+                return a.cpu().numpy() if lib == "torch" else a.numpy()
+            x = dev((base + RANK).astype(dt))
+            for op in ("sum", "max", "min") + (("mean",) if np.dtype(dt).kind == "f" else ()):
+                got = dist.all_reduce(x, op)
+                assert type(got) is type(x) and str(got.device) == str(x.device), (lib, got)
+                assert np.array_equal(host(got), host_reduce(base, P, op, dt)), (lib, dt, op)
+            r = dist.reduce(x, root=0, op="sum")
+            assert (r is None) == (RANK != 0)
+            assert r is None or np.array_equal(host(r), host_reduce(base, P, "sum", dt))
+            b = dist.broadcast(x if RANK == 0 else None)
+            assert np.array_equal(host(b), base.astype(dt)), (lib, dt)
+        say(f"OK gpu_real {lib}")
+    say(f"INFO {dist.nccl_info()}")
+
+
+def case_env_emulate():
+    """DPMINI_DIST_NCCL=emulate on a build without GPUs: host memory claiming to be
+    cuda:RANK goes through the emulated NCCL."""
+    dist._gpu_alloc = lambda lib, shape, typestr, dev: HostClaimingCuda(np.empty(shape, typestr), dev)
+    v = np.arange(6, dtype=np.int64).reshape(2, 3) + RANK
+    got = dist.all_reduce(HostClaimingCuda(v, RANK))
+    assert isinstance(got, HostClaimingCuda) and got.dev == RANK
+    assert np.array_equal(got.a, dist.all_reduce(v))
+    b = dist.broadcast(HostClaimingCuda(v, RANK) if RANK == 0 else None)
+    assert np.array_equal(b.a, np.arange(6).reshape(2, 3))
+    say(f"INFO {dist.nccl_info()}")
+    say("OK env_emulate")
 
 
 def case_uninitialized():

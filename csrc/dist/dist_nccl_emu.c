@@ -1,0 +1,471 @@
+/* dist_nccl_emu.c - NCCL and the CUDA runtime calls of dist_nccl.h,
+ * emulated over MPI on host memory, so that the GPU collectives of
+ * dpmini.distributed (communicator set-up, the guard, the stream polling,
+ * errors, timeouts, aborts) run in CI on the emulated build of dpmini.
+ *
+ * What it keeps from NCCL:
+ *   - ncclGetUniqueId / ncclCommInitRank: a communicator per rank, made
+ *     from rank 0's id (checked); it duplicates the MPI communicator given
+ *     by dist_nccl_emu_set_parent (real NCCL connects through the id).
+ *   - Asynchrony: a collective only posts non-blocking MPI operations and
+ *     returns; the work completes while cudaStreamQuery is polled
+ *     (cudaErrorNotReady until then), as a kernel queued on a stream.
+ *   - Semantics: ncclAllReduce / ncclReduce (sum, prod, max, min, avg) on
+ *     the ten NCCL dtypes (float16 and bfloat16 combined in double, rounded
+ *     to nearest even), ncclBroadcast (root's sendbuff copied to its
+ *     recvbuff), ncclSend / ncclRecv, result codes (ncclInvalidArgument for
+ *     a bad dtype, op, root, count or a buffer on another device).
+ *   - Device pointers: the emulated build of dpmini gives "cuda:N" memory
+ *     addresses with bit 55 set and the device in bits 48..54 (see
+ *     csrc/backend/cuda_emulate.c); they are decoded here, and a buffer on
+ *     another device than the communicator's is refused. Addresses without
+ *     that tag are used as host memory.
+ *   - Faults, from $DPMINI_DIST_NCCL_FAULT at each collective: "fail" (the
+ *     call returns ncclSystemError), "error" (the call is queued but never
+ *     completes and ncclCommGetAsyncError reports ncclRemoteError, as when a
+ *     peer dies), "hang" (never completes, no error: the timeout path).
+ * What it does not keep: GPU memory, NVLink or network speed, NCCL's
+ * blocking ncclCommInitRank across machines (MPI_Comm_dup here).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "dist_nccl.h"
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EMU_TAG ((uintptr_t)1 << 55)
+#define EMU_DEV_SHIFT 48
+#define EMU_ADDR_MASK (((uintptr_t)1 << EMU_DEV_SHIFT) - 1)
+#define EMU_ID_MAGIC "dpmini-emulated-nccl-id"
+#define EMU_TAG_P2P 7201
+
+/* One queued operation: an MPI request of a communicator, or (comm NULL)
+ * a 2D copy that runs once every operation queued before it is done. */
+typedef struct emu_op {
+    struct emu_op *next;
+    struct dist_nccl_comm_s *comm;
+    MPI_Request req;
+    int never;              /* a fault: never completes                 */
+    int reduce;             /* combine `scratch` into recv on completion */
+    void *scratch, *recv;
+    size_t count;
+    int dtype, op, nranks;
+    const char *src;        /* a 2D copy                                */
+    size_t dpitch, spitch, width, height;
+} emu_op;
+
+struct dist_nccl_comm_s {
+    MPI_Comm comm;
+    int rank, size, dev, async_error;
+};
+
+static pthread_mutex_t emu_mu = PTHREAD_MUTEX_INITIALIZER;
+static emu_op *emu_queue;   /* the one emulated stream, in order */
+static MPI_Comm emu_parent = MPI_COMM_NULL;
+static __thread int emu_device;
+static dist_nccl_api emu_api;
+
+void dist_nccl_emu_set_parent(MPI_Comm parent)
+{
+    emu_parent = parent;
+}
+
+/* ------------------------------------------------------------------ */
+/* Queued work                                                         */
+/* ------------------------------------------------------------------ */
+
+/* The host address of a buffer of `comm`'s device; -1 when it is on
+ * another emulated device. */
+static int host_of(const struct dist_nccl_comm_s *c, const void *p, void **host)
+{
+    uintptr_t u = (uintptr_t)p;
+    if (u & EMU_TAG) {
+        if ((int)((u >> EMU_DEV_SHIFT) & 0x7f) != c->dev)
+            return -1;
+        u &= EMU_ADDR_MASK;
+    }
+    *host = (void *)u;
+    return 0;
+}
+
+/* The fault asked for at this call: 0 none, 1 fail, 2 error, 3 hang. */
+static int fault_now(void)
+{
+    const char *f = getenv("DPMINI_DIST_NCCL_FAULT");
+    if (f == NULL || !*f)
+        return 0;
+    return strcmp(f, "fail") == 0 ? 1 : strcmp(f, "error") == 0 ? 2 : strcmp(f, "hang") == 0 ? 3 : 0;
+}
+
+static void append(emu_op *o)
+{
+    pthread_mutex_lock(&emu_mu);
+    emu_op **tail = &emu_queue;
+    while (*tail != NULL)
+        tail = &(*tail)->next;
+    *tail = o;
+    pthread_mutex_unlock(&emu_mu);
+}
+
+/* A new queued op, or NULL (the caller returns its code in *rc). */
+static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, int *rc)
+{
+    *rc = NCCL_OK;
+    if (c == NULL || c->comm == MPI_COMM_NULL) {
+        *rc = NCCL_INVALID_ARGUMENT;
+        return NULL;
+    }
+    int f = fault_now();
+    if (f == 1) {
+        *rc = NCCL_SYSTEM;
+        return NULL;
+    }
+    if (dist_emu_dtype_size(dtype) == 0 || count * dist_emu_dtype_size(dtype) > (size_t)INT_MAX / (size_t)c->size) {
+        *rc = NCCL_INVALID_ARGUMENT;
+        return NULL;
+    }
+    emu_op *o = calloc(1, sizeof *o);
+    if (o == NULL) {
+        *rc = NCCL_SYSTEM;
+        return NULL;
+    }
+    o->req = MPI_REQUEST_NULL;
+    o->dtype = dtype;
+    o->count = count;
+    o->nranks = c->size;
+    o->never = f >= 2;
+    o->comm = c;
+    if (f == 2)
+        c->async_error = NCCL_REMOTE;
+    append(o);
+    return o;
+}
+
+static int posted(int mpi_rc)
+{
+    return mpi_rc == MPI_SUCCESS ? NCCL_OK : NCCL_SYSTEM;
+}
+
+static int emu_all_reduce_or_reduce(const void *send, void *recv, size_t count, int dtype, int op,
+                                    int root, dist_ncclComm_t c, int all)
+{
+    void *s = NULL, *r = NULL;
+    if (op < NCCL_SUM || op > NCCL_AVG || (!all && (root < 0 || root >= c->size)))
+        return NCCL_INVALID_ARGUMENT;
+    if (host_of(c, send, &s) < 0 || ((all || c->rank == root) && host_of(c, recv, &r) < 0))
+        return NCCL_INVALID_ARGUMENT;
+    int rc;
+    emu_op *o = queue(c, dtype, count, &rc);
+    if (o == NULL || o->never)
+        return rc;
+    int bytes = (int)(count * dist_emu_dtype_size(dtype));
+    o->op = op;
+    o->recv = r;
+    o->reduce = all || c->rank == root;
+    if (o->reduce && (o->scratch = malloc((size_t)bytes * (size_t)c->size + 1)) == NULL) {
+        o->reduce = 0;   /* completes at once, touching nothing */
+        return NCCL_SYSTEM;
+    }
+    rc = all ? MPI_Iallgather(s, bytes, MPI_BYTE, o->scratch, bytes, MPI_BYTE, c->comm, &o->req)
+             : MPI_Igather(s, bytes, MPI_BYTE, o->scratch, bytes, MPI_BYTE, root, c->comm, &o->req);
+    if (rc != MPI_SUCCESS)
+        o->reduce = 0;
+    return posted(rc);
+}
+
+static int emu_all_reduce(const void *send, void *recv, size_t count, int dtype, int op,
+                          dist_ncclComm_t c, dist_stream_t st)
+{
+    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, 0, c, 1);
+}
+
+static int emu_reduce(const void *send, void *recv, size_t count, int dtype, int op, int root,
+                      dist_ncclComm_t c, dist_stream_t st)
+{
+    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, root, c, 0);
+}
+
+static int emu_broadcast(const void *send, void *recv, size_t count, int dtype, int root,
+                         dist_ncclComm_t c, dist_stream_t st)
+{
+    void *s = NULL, *r = NULL;
+    if (root < 0 || root >= c->size || host_of(c, recv, &r) < 0 ||
+        (c->rank == root && host_of(c, send, &s) < 0))
+        return NCCL_INVALID_ARGUMENT;
+    int rc;
+    emu_op *o = queue(c, dtype, count, &rc);
+    if (o == NULL || o->never)
+        return rc;
+    size_t bytes = count * dist_emu_dtype_size(dtype);
+    if (c->rank == root && s != r && bytes > 0)
+        memmove(r, s, bytes);
+    return posted(MPI_Ibcast(r, (int)bytes, MPI_BYTE, root, c->comm, &o->req));
+}
+
+static int emu_send(const void *send, size_t count, int dtype, int peer, dist_ncclComm_t c,
+                    dist_stream_t st)
+{
+    void *s = NULL;
+    if (peer < 0 || peer >= c->size || host_of(c, send, &s) < 0)
+        return NCCL_INVALID_ARGUMENT;
+    int rc;
+    emu_op *o = queue(c, dtype, count, &rc);
+    if (o == NULL || o->never)
+        return rc;
+    return posted(MPI_Isend(s, (int)(count * dist_emu_dtype_size(dtype)), MPI_BYTE, peer, EMU_TAG_P2P,
+                            c->comm, &o->req));
+}
+
+static int emu_recv(void *recv, size_t count, int dtype, int peer, dist_ncclComm_t c,
+                    dist_stream_t st)
+{
+    void *r = NULL;
+    if (peer < 0 || peer >= c->size || host_of(c, recv, &r) < 0)
+        return NCCL_INVALID_ARGUMENT;
+    int rc;
+    emu_op *o = queue(c, dtype, count, &rc);
+    if (o == NULL || o->never)
+        return rc;
+    return posted(MPI_Irecv(r, (int)(count * dist_emu_dtype_size(dtype)), MPI_BYTE, peer, EMU_TAG_P2P,
+                            c->comm, &o->req));
+}
+
+static int emu_group(void)
+{
+    return NCCL_OK;   /* non-blocking MPI needs no grouping to avoid deadlock */
+}
+
+static void copy_2d(const emu_op *o)
+{
+    for (size_t row = 0; row < o->height && o->width > 0; row++)
+        memmove((char *)o->recv + row * o->dpitch, o->src + row * o->spitch, o->width);
+}
+
+/* Progress the queue; CUDA_NOT_READY while any op is pending (the
+ * emulation has one stream: every op orders before every query, whichever
+ * stream it was given; MPI operations are posted when queued, copies run
+ * in order after everything queued before them). */
+static int emu_stream_query(dist_stream_t st)
+{
+    int pending = 0, err = 0;
+    pthread_mutex_lock(&emu_mu);
+    emu_op **link = &emu_queue;
+    while (*link != NULL) {
+        emu_op *o = *link;
+        int flag = 0;
+        if (o->comm == NULL)
+            flag = !pending;
+        else if (!o->never && MPI_Test(&o->req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            err = 1;
+        if (!flag || o->never) {
+            pending = 1;
+            link = &o->next;
+            continue;
+        }
+        if (o->comm == NULL)
+            copy_2d(o);
+        else if (o->reduce)
+            dist_emu_combine(o->scratch, o->recv, o->count, o->dtype, o->op, o->nranks);
+        *link = o->next;
+        free(o->scratch);
+        free(o);
+    }
+    pthread_mutex_unlock(&emu_mu);
+    return err ? 999 : pending ? CUDA_NOT_READY : CUDA_OK;
+}
+
+/* cudaMemcpy2DAsync on the emulated stream (any kind: every emulated
+ * address is host memory once decoded). */
+static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                         size_t height, int kind, dist_stream_t st)
+{
+    if (width > dpitch || width > spitch)
+        return 1;   /* cudaErrorInvalidValue */
+    emu_op *o = calloc(1, sizeof *o);
+    if (o == NULL)
+        return 2;   /* cudaErrorMemoryAllocation */
+    o->recv = (void *)((uintptr_t)dst & (((uintptr_t)dst & EMU_TAG) ? EMU_ADDR_MASK : ~(uintptr_t)0));
+    o->src = (const char *)((uintptr_t)src &
+                            (((uintptr_t)src & EMU_TAG) ? EMU_ADDR_MASK : ~(uintptr_t)0));
+    o->req = MPI_REQUEST_NULL;
+    o->dpitch = dpitch;
+    o->spitch = spitch;
+    o->width = width;
+    o->height = height;
+    append(o);
+    emu_stream_query(st);   /* runs now when nothing is queued before it */
+    return CUDA_OK;
+}
+
+static int emu_stream_sync(dist_stream_t st)
+{
+    for (;;) {
+        int rc = emu_stream_query(st);
+        if (rc != CUDA_NOT_READY)
+            return rc;
+        int never = 0;
+        pthread_mutex_lock(&emu_mu);
+        for (emu_op *o = emu_queue; o != NULL; o = o->next)
+            never |= o->never;
+        pthread_mutex_unlock(&emu_mu);
+        if (never)
+            return 999;   /* cudaErrorUnknown rather than waiting forever */
+        struct timespec nap = {0, 100000};
+        nanosleep(&nap, NULL);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Communicators                                                       */
+/* ------------------------------------------------------------------ */
+
+static int emu_get_unique_id(dist_ncclUniqueId *id)
+{
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "%s %ld %ld", EMU_ID_MAGIC, (long)getpid(),
+             (long)time(NULL));
+    return NCCL_OK;
+}
+
+static int emu_comm_init_rank(dist_ncclComm_t *out, int nranks, dist_ncclUniqueId id, int rank)
+{
+    *out = NULL;
+    if (strncmp(id.internal, EMU_ID_MAGIC, strlen(EMU_ID_MAGIC)) != 0 || emu_parent == MPI_COMM_NULL)
+        return NCCL_INVALID_ARGUMENT;
+    struct dist_nccl_comm_s *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return NCCL_SYSTEM;
+    if (MPI_Comm_dup(emu_parent, &c->comm) != MPI_SUCCESS) {
+        free(c);
+        return NCCL_SYSTEM;
+    }
+    MPI_Comm_rank(c->comm, &c->rank);
+    MPI_Comm_size(c->comm, &c->size);
+    if (c->rank != rank || c->size != nranks) {
+        MPI_Comm_free(&c->comm);
+        free(c);
+        return NCCL_INVALID_ARGUMENT;
+    }
+    c->dev = emu_device;
+    *out = c;
+    return NCCL_OK;
+}
+
+static int emu_get_async_error(dist_ncclComm_t c, int *err)
+{
+    *err = c != NULL ? c->async_error : NCCL_INVALID_ARGUMENT;
+    return NCCL_OK;
+}
+
+/* Its ops off the queue (and the copies queued after them, which would
+ * wait for ever). `abort`: ops that MPI may still complete are leaked (an
+ * MPI collective cannot be cancelled), as is the MPI communicator. */
+static int emu_release(dist_ncclComm_t c, int abort)
+{
+    if (c == NULL)
+        return NCCL_INVALID_ARGUMENT;
+    if (!abort && emu_stream_sync(NULL) != CUDA_OK)
+        abort = 1;
+    int in_flight = 0, mine = 0;
+    pthread_mutex_lock(&emu_mu);
+    emu_op **link = &emu_queue;
+    while (*link != NULL) {
+        emu_op *o = *link;
+        if (o->comm == c)
+            mine = 1;
+        if (o->comm != c && !(o->comm == NULL && mine)) {
+            link = &o->next;
+            continue;
+        }
+        *link = o->next;
+        if (o->comm != NULL && !o->never)
+            in_flight = 1;   /* leaked: MPI may still write its buffers */
+        else
+            free(o);
+    }
+    pthread_mutex_unlock(&emu_mu);
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (!in_flight && !finalized)
+        MPI_Comm_free(&c->comm);
+    if (!in_flight)
+        free(c);
+    return NCCL_OK;
+}
+
+static int emu_comm_abort(dist_ncclComm_t c)
+{
+    return emu_release(c, 1);
+}
+
+static int emu_comm_destroy(dist_ncclComm_t c)
+{
+    return emu_release(c, 0);
+}
+
+static const char *emu_error_string(int rc)
+{
+    switch (rc) {
+    case NCCL_OK: return "no error";
+    case NCCL_UNHANDLED_CUDA: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case NCCL_SYSTEM: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case NCCL_INTERNAL: return "internal error - please report this issue to the NCCL developers";
+    case NCCL_INVALID_ARGUMENT: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case NCCL_INVALID_USAGE: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case NCCL_REMOTE: return "remote process exited or there was a network error";
+    case NCCL_IN_PROGRESS: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
+}
+
+static int emu_set_device(int dev)
+{
+    if (dev < 0 || dev > 0x7f)
+        return 101;   /* cudaErrorInvalidDevice */
+    emu_device = dev;
+    return CUDA_OK;
+}
+
+static int emu_get_device(int *dev)
+{
+    *dev = emu_device;
+    return CUDA_OK;
+}
+
+static const char *emu_cuda_error_string(int rc)
+{
+    return rc == CUDA_OK ? "no error" : rc == CUDA_NOT_READY ? "device not ready"
+         : rc == 101 ? "invalid device ordinal" : "unknown error";
+}
+
+const dist_nccl_api *dist_nccl_emu_table(void)
+{
+    snprintf(emu_api.desc, sizeof emu_api.desc, "emulated NCCL over MPI on host memory "
+             "(csrc/dist/dist_nccl_emu.c)");
+    emu_api.emulated = 1;
+    emu_api.GetUniqueId = emu_get_unique_id;
+    emu_api.CommInitRank = emu_comm_init_rank;
+    emu_api.AllReduce = emu_all_reduce;
+    emu_api.Broadcast = emu_broadcast;
+    emu_api.Reduce = emu_reduce;
+    emu_api.Send = emu_send;
+    emu_api.Recv = emu_recv;
+    emu_api.GroupStart = emu_group;
+    emu_api.GroupEnd = emu_group;
+    emu_api.CommGetAsyncError = emu_get_async_error;
+    emu_api.CommAbort = emu_comm_abort;
+    emu_api.CommDestroy = emu_comm_destroy;
+    emu_api.GetErrorString = emu_error_string;
+    emu_api.SetDevice = emu_set_device;
+    emu_api.GetDevice = emu_get_device;
+    emu_api.StreamQuery = emu_stream_query;
+    emu_api.StreamSynchronize = emu_stream_sync;
+    emu_api.CudaErrorString = emu_cuda_error_string;
+    emu_api.Memcpy2DAsync = emu_memcpy_2d;
+    return &emu_api;
+}
