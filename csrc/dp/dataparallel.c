@@ -17,6 +17,8 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "dataparallel_type.h"
+#include "dp.h"
+#include "walk.h"
 
 #include <structmember.h>
 #include <string.h>

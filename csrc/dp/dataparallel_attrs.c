@@ -7,6 +7,8 @@
  */
 #include "dpmini.h"
 #include "dataparallel_type.h"
+#include "dp.h"
+#include "walk.h"
 
 /* ------------------------------------------------------------------ */
 /* repr                                                                */

@@ -9,6 +9,8 @@
 #include "dataparallel.h"
 #include "dataparallel_type.h"
 #include "gpu.h"
+#include "walk.h"
+#include "plan.h"
 
 #include <string.h>
 

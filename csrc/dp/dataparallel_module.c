@@ -17,6 +17,7 @@
  * an AttributeError, as in PyTorch: use dp.module.weight).
  */
 #include "dataparallel_type.h"
+#include "dp.h"
 
 /* self.module.<name>, or -1 with AttributeError naming the forwarded method. */
 PyObject *dp_wrapper_module_method(dp_DataParallelObject *self, const char *name)

@@ -7,8 +7,11 @@
  * Sections: scatter; gather; method table.
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "copy_engine.h"
 #include "comm.h"
+#include "plan.h"
+#include "copy.h"
 
 /* ------------------------------------------------------------------ */
 /* Scatter                                                             */

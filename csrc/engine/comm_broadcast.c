@@ -9,6 +9,7 @@
 #include "dpmini.h"
 #include "copy_engine.h"
 #include "comm.h"
+#include "engine.h"
 
 /* Default bucket size of broadcast_coalesced (spec 5.3). */
 #define DP_BUCKET_BYTES 10485760
