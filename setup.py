@@ -171,7 +171,7 @@ def mpi_flags():
 # MPI extension. Every layer folder is on the include path, so a C file names
 # a header by its file name alone ("plan.h"); "csrc" itself stays on the path
 # for csrc/backend/cuda_emulate.c's "../cuda/strided.h".
-LAYERS = ["core", "backend", "py", "engine", "tree", "dp"]
+LAYERS = ["core", "backend", "py", "engine", "tree", "dp", "module"]
 INCLUDE_DIRS = ["csrc"] + [os.path.join("csrc", layer) for layer in LAYERS]
 
 

@@ -183,7 +183,7 @@ class DataParallel:
         self, memo: set[Any] | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, Any]]: ...
     def state_dict(
-        self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> Any: ...
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -285,6 +285,8 @@ class _Comm(Protocol):
         devices: Sequence[DeviceLike] | None = None,
         chunk_sizes: Sequence[SupportsIndex] | None = None,
         dim: SupportsIndex = 0,
+        streams: Sequence[Any] | None = None,
+        *,
         out: Sequence[_AnyArray] | None = None,
     ) -> tuple[_AnyArray, ...]: ...
     def gather(
@@ -292,12 +294,14 @@ class _Comm(Protocol):
         arrays: Sequence[_ArrayIn],
         dim: SupportsIndex = 0,
         destination: DeviceLike | None = None,
+        *,
         out: _AnyArray | None = None,
     ) -> _AnyArray: ...
     def broadcast(
         self,
         array: _ArrayIn,
         devices: Sequence[DeviceLike] | None = None,
+        *,
         out: Sequence[_AnyArray] | None = None,
     ) -> tuple[_AnyArray, ...]: ...
     def broadcast_coalesced(

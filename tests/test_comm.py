@@ -607,3 +607,24 @@ def test_R28_gather_to_device_equals_gather_to_host_then_copy():
         assert dev(on_dev) == target
         assert bits(on_dev) == bits(host)
         assert bits(dpmini.asarray(host, target)) == bits(on_dev)
+
+
+def test_comm_signatures_are_torch_cuda_comms():
+    """spec 8.1, 8.5, 8.6: out is keyword-only; scatter takes streams as its
+    5th positional (accepted, one per device; dpmini's copies are finished on
+    return)."""
+    import inspect
+    x = np.arange(12.0).reshape(6, 2)
+    devs = ["cpu:0", "cpu:1"]
+    params = inspect.signature(comm.scatter).parameters
+    assert list(params) == ["array", "devices", "chunk_sizes", "dim", "streams", "out"]
+    assert params["out"].kind is inspect.Parameter.KEYWORD_ONLY
+    for fn in (comm.gather, comm.broadcast):
+        assert inspect.signature(fn).parameters["out"].kind is inspect.Parameter.KEYWORD_ONLY
+    a, b = comm.scatter(x, devs, None, 0, [None, None])
+    np.testing.assert_array_equal(np.concatenate([a, b]), x)
+    with pytest.raises(ValueError, match="streams: expected None or one stream per device"):
+        comm.scatter(x, devs, None, 0, [None])
+    with pytest.raises(TypeError):
+        comm.gather([a, b], 0, None, np.empty_like(x))      # out only by keyword
+    np.testing.assert_array_equal(comm.gather([a, b], 0, out=np.empty_like(x)), x)

@@ -103,17 +103,28 @@ def test_state_dict_keys_are_prefixed_and_load_strips_the_prefix():
 
 def test_train_eval_to_zero_grad_forward_and_chain():
     m, dp = _wrapped()
+    assert dp.training is True                       # the wrapper's own flag, True at first
     assert dp.eval() is dp and m.training is False and dp.training is False
-    assert dp.train() is dp and m.training is True
-    dp.training = False
-    assert m.training is False
+    assert dp.train() is dp and m.training is True and dp.training is True
+    m.train(False)                                   # the module's flag alone
+    assert dp.training is True
+    dp.training = False                              # the wrapper's flag alone, as nn.Module
+    assert m.training is False and dp.training is False
+    m.training = True
+    assert dp.training is False
+    import copy
+    import pickle
+    assert copy.copy(dp).training is False
+    dp2 = pickle.loads(pickle.dumps(dp))
+    assert dp2.training is False
     assert dp.to("cpu", copy=True) is dp and m.calls[-1] == ("to", ("cpu",), {"copy": True})
     assert dp.zero_grad(set_to_none=False) is None and m.calls[-1] == ("zero_grad", False)
 
 
 def test_a_plain_function_module_says_what_was_forwarded():
     dp = dpmini.DataParallel(lambda x: x, ["cpu:0", "cpu:1"])
-    for call in (dp.parameters, dp.state_dict, dp.eval, lambda: dp.training):
+    assert dp.training is True
+    for call in (dp.parameters, dp.state_dict, dp.eval):
         with pytest.raises(AttributeError, match="module .a function. has no attribute"):
             call()
     with pytest.raises(AttributeError):
@@ -128,6 +139,6 @@ def test_before_init_the_methods_raise_runtime_error():
             pass
 
     dp = Late()
-    for call in (dp.parameters, dp.children, dp.state_dict, lambda: dp.training):
+    for call in (dp.parameters, dp.children, dp.state_dict, dp.train):
         with pytest.raises(RuntimeError, match="__init__"):
             call()

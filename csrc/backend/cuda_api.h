@@ -11,8 +11,9 @@
  * Conventions
  *   - Every call returns a dpc_status by value; code 0 is success. A failed
  *     status records the library, its code, the failing call's text, file,
- *     line and device, so exactly one function (dp_gpu_raise in gpu.c) can
- *     turn it into dpmini.CudaError / NcclError / MemoryError.
+ *     line and device, so exactly one function (dp_gpu_raise, in
+ *     py/gpu_error.c) can turn it into dpmini.CudaError / NcclError /
+ *     MemoryError.
  *   - Device pointers are `void *` that the HOST MUST NEVER DEREFERENCE
  *     (under emulation they are tagged addresses that fault if touched).
  *     Host pointers are ordinary memory, pinned or pageable.

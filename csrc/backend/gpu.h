@@ -2,8 +2,8 @@
  * device.c, copy_engine.c, reduce.c, array.c and dataparallel.c.
  *
  * No Python.h here: everything in this header may run on a device worker
- * thread with the GIL released, except dp_gpu_raise (gpu.c, declared in
- * dpmini.h because it needs Python).
+ * thread with the GIL released. Failures are dpc_status values; the layer
+ * above turns them into Python exceptions (dp_gpu_raise, py/gpu_error.c).
  */
 #ifndef DPMINI_GPU_H
 #define DPMINI_GPU_H

@@ -9,8 +9,9 @@
  * default device list warns, a CUDA device request raises with the reason,
  * and `python -m dpmini info` / cuda_build_info() show it.
  */
-#include "dpmini.h"
 #include "gpu.h"
+
+#include <stdio.h>
 
 int dp_cuda_unusable(char *buf, size_t size)
 {

@@ -29,11 +29,13 @@
  * and reduce.c and the locking, caching, destroy and abort logic here run
  * in CI.
  */
-#include "dpmini.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* sys.path, to find pip's libnccl; not py/'s state or types */
 #include "gpu.h"
 #include "gpu_fork.h"
 #include "nccl_wait.h"
 #include "nccl_api.h"
+#include "plan.h" /* DP_MAX_DEVICES */
 
 #include <dlfcn.h>
 #include <time.h>

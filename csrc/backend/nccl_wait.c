@@ -11,7 +11,8 @@
  * (nccl.c run_group) aborts the communicators (ncclCommAbort), which is
  * what makes NCCL's kernels exit.
  */
-#include "dpmini.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* the GIL and signals; not py/'s state or types */
 #include "gpu.h"
 #include "nccl_wait.h"
 #include "env.h"

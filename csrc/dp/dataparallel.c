@@ -1,4 +1,5 @@
-/* dataparallel.c - dpmini.DataParallel and the functional data_parallel
+/* dataparallel.c - the dpmini.DataParallel type (the functional data_parallel is in
+ * dataparallel_call.c)
  * (spec §1, §2, §9; docs/design.md).
  *
  * DataParallel.forward runs, in order (spec §2):
@@ -10,13 +11,16 @@
  * replicate is in replicate.c, parallel_apply in parallel_apply.c.
  *
  * This file: the DataParallel type (construction, GC, the step methods, the
- * docstring) and module-level data_parallel. One call (the settings snapshot,
- * forward) is in dataparallel_call.c; repr, attributes and pickling in
- * dataparallel_attrs.c; the object layout in dataparallel_type.h.
+ * docstring). One call (the settings snapshot, forward) and module-level
+ * data_parallel are in dataparallel_call.c; repr, attributes and pickling in
+ * dataparallel_attrs.c; torch.nn.Module's methods in dataparallel_module.c and
+ * dataparallel_state_dict.c; the object layout in dataparallel_type.h.
  */
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "dataparallel_type.h"
+#include "dp.h"
+#include "walk.h"
 
 #include <structmember.h>
 #include <string.h>
@@ -527,100 +531,4 @@ PyType_Spec dp_dataparallel_spec = {
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = DataParallel_slots,
-};
-
-/* ------------------------------------------------------------------ */
-/* Public functions: module level                                      */
-/* ------------------------------------------------------------------ */
-
-PyDoc_STRVAR(data_parallel_doc,
-"data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None,\n"
-"              *, in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n"
-"--\n\n"
-"Functional DataParallel (PyTorch data_parallel, spec 2.9): the same steps\n"
-"as DataParallel.forward (scatter, empty-call fix, one-device fast path,\n"
-"replicate, parallel_apply, gather). inputs: a tuple of positional arguments;\n"
-"anything else is one argument (a list counts as ONE argument), None means\n"
-"none. module_kwargs: None or a dict. device_ids/output_device/dim and\n"
-"in_dims/out_dims/chunk_sizes/weights as for DataParallel (in_dims addresses\n"
-"inputs by position and module_kwargs by name).\n"
-"Errors: TypeError when module is not callable or module_kwargs is not a\n"
-"dict; ValueError for bad device_ids/output_device (empty, the host in\n"
-"device_ids, a missing CUDA device), 0-dim array inputs, bad in_dims/out_dims/\n"
-"chunk_sizes/weights, or (as DataParallel) structure mismatches in the\n"
-"outputs; IndexError for a dim out of range; TypeError/OverflowError for a dim\n"
-"that is not an int; a failing replica's exception as 'Caught T in replica i\n"
-"on device d.' (spec 6.5). Different chunk counts warn dpmini.SplitWarning\n"
-"(no strict here).");
-
-static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"module", "inputs", "device_ids", "output_device", "dim",
-                             "module_kwargs", "in_dims", "out_dims", "chunk_sizes",
-                             "weights", NULL};
-    PyObject *module, *inputs, *ids = Py_None, *out = Py_None, *dimobj = NULL;
-    PyObject *mkw = Py_None, *in = NULL, *res = NULL;
-    call_opts o = {0, 0, Py_None, Py_None, Py_None, Py_None};
-    dp_device *devs = NULL, outdev;
-    Py_ssize_t ndev = 0;
-    int dim = 0;
-    dp_state *st = dp_state_from_module(mod);
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOOO$OOOO:data_parallel", kwlist,
-                                     &module, &inputs, &ids, &out, &dimobj, &mkw,
-                                     &o.in_dims, &o.out_dims, &o.chunk_sizes, &o.weights)) {
-        return NULL;
-    }
-    if (!PyCallable_Check(module)) {
-        PyErr_Format(PyExc_TypeError, "data_parallel: module must be callable, got %.100s",
-                     Py_TYPE(module)->tp_name);
-        return NULL;
-    }
-    if (mkw != Py_None && !PyDict_Check(mkw)) {
-        PyErr_Format(PyExc_TypeError, "data_parallel: module_kwargs must be a dict or None, "
-                     "got %.100s", Py_TYPE(mkw)->tp_name);
-        return NULL;
-    }
-    if (dimobj != NULL && dp_int_from_object(dimobj, "dim", &dim) < 0) {
-        return NULL;
-    }
-    if (dp_check_dims_spec(o.in_dims, "in_dims", 0) < 0 ||
-        dp_check_dims_spec(o.out_dims, "out_dims", 1) < 0) {
-        return NULL;
-    }
-    o.dim = dim;
-    if (ids == Py_None) {
-        if (dp_default_devices(st, &devs, &ndev) < 0) {
-            return NULL;
-        }
-    } else if (dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
-        return NULL;
-    }
-    if (out == Py_None) {
-        outdev = devs[0];
-    } else if (dp_parse_target_device(st, out, "output_device", &outdev) < 0) {
-        goto fail;
-    }
-    if (inputs == Py_None) {
-        in = PyTuple_New(0);
-    } else if (PyTuple_Check(inputs)) {
-        in = PySequence_Tuple(inputs);
-    } else {
-        in = PyTuple_Pack(1, inputs);
-    }
-    if (in == NULL) {
-        goto fail;
-    }
-    res = dp_forward_core(st, module, in, (mkw == Py_None || PyDict_GET_SIZE(mkw) == 0) ? NULL : mkw,
-                       devs, ndev, outdev, &o);
-fail:
-    Py_XDECREF(in);
-    PyMem_Free(devs);
-    return res;
-}
-
-PyMethodDef dp_dataparallel_methods[] = {
-    {"data_parallel", (PyCFunction)(void (*)(void))dp_data_parallel,
-     METH_VARARGS | METH_KEYWORDS, data_parallel_doc},
-    {NULL, NULL, 0, NULL},
 };

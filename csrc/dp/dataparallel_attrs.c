@@ -7,6 +7,8 @@
  */
 #include "dpmini.h"
 #include "dataparallel_type.h"
+#include "dp.h"
+#include "walk.h"
 
 /* ------------------------------------------------------------------ */
 /* repr                                                                */
@@ -393,9 +395,9 @@ PyGetSetDef dp_DataParallel_getset[] = {
     {"weights", (getter)DataParallel_get_weights, (setter)DataParallel_set_weights,
      "None, or a tuple of per-device weights (sizes proportional to them).", NULL},
     {"training", (getter)dp_DataParallel_get_training, (setter)dp_DataParallel_set_training,
-     "module.training (read and set through the module; for torch.nn.Module-like\n"
-     "modules, as torch.nn.DataParallel's train()/eval() keep it). AttributeError\n"
-     "when the module has none.", NULL},
+     "The wrapper's own training flag, as torch.nn.DataParallel's (an nn.Module's):\n"
+     "True until train(mode)/eval() set it together with module's; assigning it\n"
+     "sets the wrapper's flag only, as in PyTorch.", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

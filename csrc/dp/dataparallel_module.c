@@ -17,6 +17,7 @@
  * an AttributeError, as in PyTorch: use dp.module.weight).
  */
 #include "dataparallel_type.h"
+#include "dp.h"
 
 /* self.module.<name>, or -1 with AttributeError naming the forwarded method. */
 PyObject *dp_wrapper_module_method(dp_DataParallelObject *self, const char *name)
@@ -290,10 +291,34 @@ static PyObject *DP_modules(dp_DataParallelObject *self, PyObject *unused)
     return it;
 }
 
-/* train(mode=True): module.train(mode); returns self, as nn.Module.train. */
+/* The wrapper's own training flag, as nn.Module keeps one per module: kept in
+ * the instance __dict__ (so copy and pickle carry it), True until set. */
+static int set_own_training(dp_DataParallelObject *self, PyObject *value)
+{
+    PyObject **dictptr = &self->dict;
+    if (*dictptr == NULL && (*dictptr = PyDict_New()) == NULL) {
+        return -1;
+    }
+    return PyDict_SetItemString(*dictptr, "training", value);
+}
+
+/* train(mode=True): module.train(mode), then the wrapper's flag; returns self,
+ * as nn.Module.train (which sets every module's flag, the wrapper's too). */
 static PyObject *DP_train(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
-    return forward_return_self(self, "train", args, kwargs);
+    static char *kwlist[] = {"mode", NULL};
+    PyObject *mode = Py_True;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:train", kwlist, &mode)) {
+        return NULL;
+    }
+    PyObject *fwd = PyTuple_Pack(1, mode);
+    PyObject *res = fwd == NULL ? NULL : forward_return_self(self, "train", fwd, NULL);
+    Py_XDECREF(fwd);
+    int on = res == NULL ? 0 : PyObject_IsTrue(mode);
+    if (res != NULL && (on < 0 || set_own_training(self, on ? Py_True : Py_False) < 0)) {
+        Py_CLEAR(res);
+    }
+    return res;
 }
 
 static PyObject *DP_eval(dp_DataParallelObject *self, PyObject *unused)
@@ -302,7 +327,7 @@ static PyObject *DP_eval(dp_DataParallelObject *self, PyObject *unused)
     if (args == NULL) {
         return NULL;
     }
-    PyObject *res = forward_return_self(self, "train", args, NULL);
+    PyObject *res = DP_train(self, args, NULL);
     Py_DECREF(args);
     return res;
 }
@@ -350,18 +375,8 @@ static PyObject *DP_apply(dp_DataParallelObject *self, PyObject *fn)
 
 PyObject *dp_DataParallel_get_training(dp_DataParallelObject *self, void *closure)
 {
-    if (dp_check_initialised(self) < 0) {
-        return NULL;
-    }
-    PyObject *t = PyObject_GetAttrString(self->module, "training");
-    if (t == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_AttributeError,
-                     "DataParallel.training reads module.training, and module (a %.100s) has "
-                     "no attribute 'training' (it is for torch.nn.Module-like modules)",
-                     Py_TYPE(self->module)->tp_name);
-    }
-    return t;
+    PyObject *t = self->dict == NULL ? NULL : PyDict_GetItemString(self->dict, "training");
+    return Py_NewRef(t != NULL ? t : Py_True);
 }
 
 int dp_DataParallel_set_training(dp_DataParallelObject *self, PyObject *value, void *closure)
@@ -370,10 +385,7 @@ int dp_DataParallel_set_training(dp_DataParallelObject *self, PyObject *value, v
         PyErr_SetString(PyExc_AttributeError, "DataParallel.training cannot be deleted");
         return -1;
     }
-    if (dp_check_initialised(self) < 0) {
-        return -1;
-    }
-    return PyObject_SetAttrString(self->module, "training", value);
+    return set_own_training(self, value);
 }
 
 #define FWD_DOC(sig, what)                                                                    \
@@ -410,7 +422,7 @@ static PyMethodDef dp_DataParallel_module_methods[] = {
      FWD_DOC("named_modules(memo=None, prefix='', remove_duplicate=True)",
              "(prefix, wrapper), then module.named_modules() under prefix + \"module\".")},
     {"state_dict", (PyCFunction)(void (*)(void))dp_DataParallel_state_dict, METH_VARARGS | METH_KEYWORDS,
-     FWD_DOC("state_dict(*, destination=None, prefix='', keep_vars=False)",
+     FWD_DOC("state_dict(destination=None, prefix='', keep_vars=False)",
              "module.state_dict() with every key prefixed \"module.\" (prefix + \"module.\"),\n"
              "as torch.nn.DataParallel's. Values are the module's arrays/tensors as they are.")},
     {"load_state_dict", (PyCFunction)(void (*)(void))dp_DataParallel_load_state_dict,

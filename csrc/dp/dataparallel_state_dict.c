@@ -11,8 +11,16 @@ PyObject *dp_DataParallel_state_dict(dp_DataParallelObject *self, PyObject *args
 {
     static char *kwlist[] = {"destination", "prefix", "keep_vars", NULL};
     PyObject *destination = Py_None, *prefix = NULL, *keep_vars = Py_False;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OUO", kwlist, &destination, &prefix,
-                                     &keep_vars)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OUO:state_dict", kwlist, &destination,
+                                     &prefix, &keep_vars)) {
+        return NULL;
+    }
+    /* nn.Module.state_dict still takes them positionally, with a FutureWarning */
+    if (PyTuple_GET_SIZE(args) > 0 &&
+        PyErr_WarnEx(PyExc_FutureWarning,
+                     "DataParallel.state_dict: positional arguments are deprecated (as in "
+                     "torch.nn.Module.state_dict); pass destination=, prefix=, keep_vars= "
+                     "by keyword", 1) < 0) {
         return NULL;
     }
     PyObject *full = prefix == NULL ? PyUnicode_FromString("module.")

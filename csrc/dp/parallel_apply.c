@@ -25,6 +25,9 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "parallel_apply.h"
+#include "dp.h"
+#include "pool.h"
+#include "cuda_api.h"
 
 #include <errno.h>
 #include <string.h>

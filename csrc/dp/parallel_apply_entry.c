@@ -6,6 +6,7 @@
 #include "dpmini.h"
 #include "dataparallel.h"
 #include "parallel_apply.h"
+#include "dp.h"
 
 #include <string.h>
 

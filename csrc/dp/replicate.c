@@ -14,6 +14,8 @@
 #include "dataparallel.h"
 #include "tree.h"
 #include "replicate.h"
+#include "dp.h"
+#include "engine.h"
 
 #include <string.h>
 

@@ -4,6 +4,7 @@
  */
 #include "dpmini.h"
 #include "copy_engine.h"
+#include "engine.h"
 
 /* ------------------------------------------------------------------ */
 /* asarray                                                             */

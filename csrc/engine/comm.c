@@ -7,8 +7,11 @@
  * Sections: scatter; gather; method table.
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "copy_engine.h"
 #include "comm.h"
+#include "plan.h"
+#include "copy.h"
 
 /* ------------------------------------------------------------------ */
 /* Scatter                                                             */
@@ -195,7 +198,7 @@ done:
 }
 
 PyDoc_STRVAR(comm_scatter_doc,
-"scatter(array, devices=None, chunk_sizes=None, dim=0, out=None)\n"
+"scatter(array, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=None)\n"
 "--\n"
 "\n"
 "Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
@@ -209,8 +212,10 @@ PyDoc_STRVAR(comm_scatter_doc,
 "chunks. chunk_sizes: one int per device (elements along dim, >= 0, summing to n).\n"
 "A chunk whose device is the array's own device is a view; others are copies (dense\n"
 "chunks keep their strides, others are C-contiguous). out: a sequence of preallocated\n"
-"arrays to fill instead of devices and chunk_sizes. The copies run on the device\n"
-"threads with the GIL released.\n"
+"arrays to fill instead of devices and chunk_sizes (keyword-only, as in PyTorch). The\n"
+"copies run on the device threads with the GIL released and are finished when scatter\n"
+"returns, so streams (PyTorch's per-device copy streams) is accepted for the same\n"
+"signature and needs no effect: None, or one entry per device (ValueError otherwise).\n"
 "Raises ValueError (no devices, bad chunk_sizes naming chunk_sizes[i], out\n"
 "mismatches, an out[i] overlapping array, another out[j] or itself), TypeError (not\n"
 "an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
@@ -218,9 +223,9 @@ PyDoc_STRVAR(comm_scatter_doc,
 
 static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "out", NULL};
+    static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "streams", "out", NULL};
     PyObject *obj, *devices_obj = Py_None, *sizes_obj = Py_None, *dim_obj = NULL,
-             *out_obj = Py_None, *result = NULL;
+             *streams_obj = Py_None, *out_obj = Py_None, *result = NULL;
     dp_state *st = dp_state_from_module(m);
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
@@ -229,9 +234,19 @@ static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
     PyObject **chunks = NULL;
     int dim = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOO:scatter", kwlist, &obj, &devices_obj,
-                                     &sizes_obj, &dim_obj, &out_obj)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOO$O:scatter", kwlist, &obj, &devices_obj,
+                                     &sizes_obj, &dim_obj, &streams_obj, &out_obj)) {
         return NULL;
+    }
+    if (streams_obj != Py_None && devices_obj != Py_None) {
+        Py_ssize_t ns = PySequence_Check(streams_obj) ? PySequence_Size(streams_obj) : -1;
+        Py_ssize_t nd = PySequence_Check(devices_obj) ? PySequence_Size(devices_obj) : -1;
+        if (ns < 0 || nd < 0 || ns != nd) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "streams: expected None or one stream per device "
+                         "(%zd devices), got %.100s", nd, Py_TYPE(streams_obj)->tp_name);
+            return NULL;
+        }
     }
     if (dim_obj != NULL && dp_int_from_object(dim_obj, "dim", &dim) < 0) {
         return NULL;
@@ -330,7 +345,7 @@ int parse_destination(dp_state *st, PyObject *obj, const char *argname,
 
 
 PyDoc_STRVAR(comm_gather_doc,
-"gather(arrays, dim=0, destination=None, out=None)\n"
+"gather(arrays, dim=0, destination=None, *, out=None)\n"
 "--\n"
 "\n"
 "Returns the gathered ndarray (out itself when given).\n"
@@ -358,7 +373,7 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
     dp_device host = {DP_HOST, -1}, dest;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:gather", kwlist, &arrays_obj, &dim_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$O:gather", kwlist, &arrays_obj, &dim_obj,
                                      &dest_obj, &out_obj)) {
         return NULL;
     }

@@ -9,6 +9,7 @@
 #include "dpmini.h"
 #include "copy_engine.h"
 #include "comm.h"
+#include "engine.h"
 
 /* Default bucket size of broadcast_coalesced (spec 5.3). */
 #define DP_BUCKET_BYTES 10485760
@@ -18,7 +19,7 @@
 /* ------------------------------------------------------------------ */
 
 DP_COMM_DOC(comm_broadcast_doc,
-"broadcast(array, devices=None, out=None)\n"
+"broadcast(array, devices=None, *, out=None)\n"
 "--\n"
 "\n"
 "Returns a tuple with one array per device (or out's arrays).\n"
@@ -42,7 +43,7 @@ PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
     Py_ssize_t nout = 0;
     job_list jobs = {0};
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:broadcast", kwlist, &obj, &devices_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O$O:broadcast", kwlist, &obj, &devices_obj,
                                      &out_obj)) {
         return NULL;
     }

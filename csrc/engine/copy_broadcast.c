@@ -5,6 +5,8 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "engine.h"
+#include "plan.h"
 
 #include <string.h>
 

@@ -11,8 +11,12 @@
  * Sections: helpers; scatter; gather.
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "plan.h"
+#include "copy.h"
+#include "pool.h"
 
 #include <string.h>
 

@@ -2,9 +2,8 @@
  * the engine's files: copy_jobs.c (the jobs), copy_overlap.c (out= checks),
  * copy_engine.c (scatter, gather), copy_broadcast.c, comm.c and
  * comm_broadcast.c (the dpmini.comm functions) and reduce.c.
- * Not part of dpmini.h; include after it. The engine's public entry points
- * (dp_scatter_run, dp_gather_arrays, dp_copy_to_device,
- * dp_broadcast_coalesced, dp_reduce_add) stay in dpmini.h.
+ * The engine's public entry points (dp_scatter_run, dp_gather_arrays,
+ * dp_copy_to_device, dp_broadcast_coalesced, dp_reduce_add) are in engine.h.
  *
  * Conventions as in dpmini.h: int results are 0 or -1 with an exception set;
  * PyObject* results are new references or NULL with an exception set. The
@@ -15,6 +14,7 @@
 #define DPMINI_COPY_ENGINE_H
 
 #include "dpmini.h"
+#include "copy.h"
 
 #pragma GCC visibility push(hidden)
 

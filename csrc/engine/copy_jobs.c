@@ -6,6 +6,7 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "pool.h"
 
 #include <string.h>
 

@@ -5,6 +5,7 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "copy.h"
 
 #include <string.h>
 

@@ -4,8 +4,10 @@
  * and reduce_add_coalesced (comm_broadcast.c).
  */
 #include "dpmini.h"
+#include "engine.h"
 #include "gpu.h"
 #include "copy_engine.h"
+#include "plan.h"
 
 /* ------------------------------------------------------------------ */
 /* Reduce                                                              */

@@ -189,7 +189,7 @@ static PyObject *array_numpy(PyObject *op, PyObject *unused)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(op));
     dp_device host = {DP_HOST, -1};
-    return dp_copy_to_device(st, META(op), host);
+    return st->copy_to_device(st, META(op), host);
 }
 
 static PyObject *array_array(PyObject *op, PyObject *args, PyObject *kw)

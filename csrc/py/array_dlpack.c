@@ -237,7 +237,7 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
                 return NULL;
             }
             dp_device host = {DP_HOST, -1};
-            PyObject *h = dp_copy_to_device(st, self->meta, host);
+            PyObject *h = st->copy_to_device(st, self->meta, host);
             if (h == NULL) {
                 return NULL;
             }
@@ -260,7 +260,7 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
         }
     }
     if (want_copy == 1) {
-        PyObject *c = dp_export(st, dp_copy_to_device(st, self->meta, self->dev));
+        PyObject *c = dp_export(st, st->copy_to_device(st, self->meta, self->dev));
         if (c == NULL) {
             return NULL;
         }

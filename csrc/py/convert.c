@@ -1,6 +1,7 @@
 /* convert.c - turning Python arguments into what the C core works on:
  * arrays (without copies), dims and ints. Every error names the argument. */
 #include "dpmini.h"
+#include "plan.h"
 
 int dp_is_array_leaf(dp_state *st, PyObject *obj)
 {

@@ -14,6 +14,8 @@
 #include "dpmini.h"
 #include "gpu.h"
 #include "env.h"
+#include "plan.h"
+#include "pool.h"
 
 #include <errno.h>
 #include <sched.h>

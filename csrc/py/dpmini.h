@@ -1,14 +1,13 @@
-/* dpmini.h - what the Python-facing C files of dpmini share.
+/* dpmini.h - the declarations of csrc/py/, the Python-facing layer: module
+ * state, Device and device memory, dpmini.Array, argument conversion, the
+ * leaves of other array libraries, and the funnel from a dpc_status to a
+ * Python exception. Each layer above declares its own in a header of its
+ * folder (engine/engine.h, tree/walk.h, dp/dp.h); a file includes the
+ * headers of exactly the layers it calls (docs/architecture.md).
  *
  * Include this first in every C file of csrc/ that uses Python (never in
- * plan.c, copy.c, pool.c). module.c defines DP_IMPORT_ARRAY before including
- * it, so the NumPy C-API table is defined there and imported everywhere else.
- *
- * Data flows one way (see README, "How it works"):
- *   Python objects -> split plan (plan.c) -> copy jobs (copy.c) on device
- *   worker threads (pool.c) -> device memory (device.c) -> replicas
- *   (replicate.c, parallel_apply.c, dataparallel.c) -> gather
- *   (gather_tree.c, copy_engine.c) -> result.
+ * core/). py/state.c defines DP_IMPORT_ARRAY before including it, so the
+ * NumPy C-API table is defined there and imported everywhere else.
  *
  * Conventions
  *   - Functions returning int: 0 on success, -1 with a Python exception set.
@@ -37,15 +36,25 @@
 #endif
 
 #include <stdint.h>
-#include "plan.h"
-#include "copy.h"
-#include "pool.h"
 
 /* ------------------------------------------------------------------ */
-/* Module state                                                        */
+/* Devices (device.c) and module state                                 */
 /* ------------------------------------------------------------------ */
+
+/* Kinds match the worker-slot kinds of pool.h. */
+enum { DP_HOST = 0, DP_VCPU = 1, DP_CUDA = 2 };
 
 typedef struct {
+    int kind;   /* DP_HOST, DP_VCPU or DP_CUDA                         */
+    int index;  /* -1 for DP_HOST; 0..DP_POOL_MAX_INDEX-1 otherwise    */
+} dp_device;
+
+static inline int dp_device_eq(dp_device a, dp_device b)
+{
+    return a.kind == b.kind && a.index == b.index;
+}
+
+typedef struct dp_state {
     PyTypeObject *DeviceType;        /* dpmini.Device                      */
     PyTypeObject *BufferType;        /* dpmini._Buffer: owns device memory */
     PyTypeObject *DataParallelType;  /* dpmini.DataParallel                */
@@ -61,6 +70,11 @@ typedef struct {
                                         repr() is the text itself (spec 6.5) */
     PyObject *origins;               /* dict: array type -> its library's
                                         from_dlpack, or None (interop.c)  */
+    /* A copy of src (any device) on dev, synchronously; a new shadow or
+     * ndarray. The engine's dp_copy_to_device, set by module init: py/
+     * (array.c's Array.to, copy_to_host, __array__) copies through it
+     * without calling up into engine/. Never NULL once the module exists. */
+    PyObject *(*copy_to_device)(struct dp_state *st, PyArrayObject *src, dp_device dev);
 } dp_state;
 
 extern struct PyModuleDef dp_module_def;
@@ -71,22 +85,13 @@ dp_state *dp_state_from_module(PyObject *module);
  * types too. Never fails once dpmini is imported. */
 dp_state *dp_state_from_type(PyTypeObject *tp);
 
+/* Import NumPy's C-API table (state.c defines it): 0, or -1 with an
+ * exception set. Called once by module init before anything uses NumPy. */
+int dp_import_numpy(void);
+
 /* ------------------------------------------------------------------ */
 /* Devices (device.c)                                                  */
 /* ------------------------------------------------------------------ */
-
-/* Kinds match the worker-slot kinds of pool.h. */
-enum { DP_HOST = 0, DP_VCPU = 1, DP_CUDA = 2 };
-
-typedef struct {
-    int kind;   /* DP_HOST, DP_VCPU or DP_CUDA                         */
-    int index;  /* -1 for DP_HOST; 0..DP_POOL_MAX_INDEX-1 otherwise    */
-} dp_device;
-
-static inline int dp_device_eq(dp_device a, dp_device b)
-{
-    return a.kind == b.kind && a.index == b.index;
-}
 
 typedef struct {
     PyObject_HEAD
@@ -314,122 +319,7 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj);
 PyObject *dp_array_describe(dp_state *st, PyObject *obj, PyArrayObject *arr);
 
 /* ------------------------------------------------------------------ */
-/* The copy engine (copy_engine.c; dp_reduce_add in reduce.c)         */
-/* ------------------------------------------------------------------ */
-
-/* One array to scatter (all pointers borrowed, except out). */
-typedef struct {
-    PyArrayObject *src;
-    int dim;                 /* already wrapped, 0 <= dim < ndim         */
-    int nchunks;             /* chunks to make (<= ndev)                 */
-    const int64_t *sizes;    /* nchunks sizes along dim, sum <= shape[dim]
-                                (a prefix is allowed: truncation)        */
-    PyObject **out;          /* nchunks slots; receive new references    */
-} dp_scatter_item;
-
-/* Scatter several arrays in one pass: chunk j of every item goes to devs[j].
- * A chunk whose device is the array's own device is a view (spec 3.4);
- * others are copied into fresh device memory (dense layouts keep their
- * strides, others become C-contiguous). The copies of all items run on the
- * device worker threads with the GIL released (inline below a size
- * threshold). On failure every out slot is NULL. */
-int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems,
-                   const dp_device *devs);
-
-/* Concatenate parts along dim onto dest (comm.gather rules, spec 4.6-4.8).
- * out (may be NULL) receives the result in place and is returned (new ref).
- * argname prefixes error messages (e.g. "tensors" or "out['loss']"). */
-PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
-                           int dim, dp_device dest, PyArrayObject *out,
-                           const char *argname);
-
-/* comm.broadcast_coalesced on a list of arrays: returns a new list of ndev
- * lists; list 0 holds the inputs themselves where they already live on
- * devs[0], copies elsewhere. */
-PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays,
-                                 const dp_device *devs, Py_ssize_t ndev,
-                                 size_t buffer_size);
-
-/* Sum same-shaped arrays onto dest (comm.reduce_add). */
-PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest,
-                        const char *argname);
-
-/* ------------------------------------------------------------------ */
-/* Structures (scatter_tree.c, gather_tree.c, tree_common.c)          */
-/* ------------------------------------------------------------------ */
-
-/* DataParallel's scatter_kwargs (spec 2.3, 2.7, 3.x) with dpmini's rules:
- * the replica count is the smallest chunk count over the array leaves of
- * inputs and kwargs together (non-array leaves never add replicas); with no
- * array leaf every device gets a replica. Different chunk counts warn
- * dpmini.SplitWarning, or raise ValueError when strict. inputs is a tuple
- * (or NULL), kwargs a dict (or NULL). Sets *inputs_out to a tuple of k
- * tuples and *kwargs_out to a tuple of k dicts (k >= 1 unless both are
- * empty, then both are empty tuples). */
-int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
-                      const dp_device *devs, Py_ssize_t ndev, int dim, int strict,
-                      PyObject **inputs_out, PyObject **kwargs_out);
-
-/* How one scatter splits its array leaves (dpmini's extensions; all
- * pointers borrowed and owned by the caller).
- *   in_dims: NULL or None: every array leaf is split along dim (PyTorch).
- *     Otherwise a structure mirroring the arguments (JAX pmap's in_axes):
- *     an int splits along that dim, None broadcasts the leaf whole to every
- *     replica, a tuple/list/dict mirrors a container (a prefix of a tuple or
- *     list, a subset of a dict's keys; what it leaves out uses dim), and an
- *     int or None given for a container applies to every leaf under it. At
- *     the top of dp_scatter_kwargs_ex a tuple/list addresses the positional
- *     arguments and a dict addresses them by position (int keys) and name
- *     (str keys, the keyword arguments). Broadcast leaves never change the
- *     replica count.
- *   chunk_sizes: ndev explicit sizes (>= 0) for every split leaf, or NULL.
- *   weights: ndev weights for dp_weighted_sizes (plan.h), or NULL.
- *   At most one of chunk_sizes and weights is set. */
-typedef struct {
-    int dim;                    /* default split dim, wrapped per array      */
-    int strict;                 /* 1: different chunk counts raise           */
-    PyObject *in_dims;          /* see above; may be NULL                    */
-    const int64_t *chunk_sizes; /* ndev entries, or NULL                     */
-    const double *weights;      /* ndev entries, or NULL                     */
-} dp_split_opts;
-
-/* dp_scatter_kwargs with in_dims, chunk_sizes and weights (opts). Errors in
- * in_dims name its path (e.g. "in_dims[1]['x']"). */
-int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
-                         const dp_device *devs, Py_ssize_t ndev,
-                         const dp_split_opts *opts,
-                         PyObject **inputs_out, PyObject **kwargs_out);
-
-/* Parse the chunk_sizes= and weights= arguments (each None or a sequence of
- * ndev numbers; at most one given) into caller arrays of DP_MAX_DEVICES
- * entries, and point opts->chunk_sizes / opts->weights at them (NULL when
- * not given). ValueError/TypeError naming the argument and entry. */
-int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t ndev,
-                         int64_t *sizes_buf, double *weights_buf,
-                         dp_split_opts *opts);
-
-/* Check the leaf types of an in_dims (is_out 0) or out_dims (is_out 1)
- * structure: ints, None, "sum" (out_dims only), and tuples, lists and
- * dicts of them. TypeError/ValueError naming the path, e.g. "out_dims['x']". */
-int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out);
-
-/* dp_gather_outputs with out_dims (NULL or None: dim everywhere, PyTorch).
- * out_dims mirrors the outputs: an int gathers along that dim; None
- * returns replica 0's value after checking every replica returned an equal
- * one; "sum" adds the replicas' values (reduce_add onto target for arrays);
- * a tuple/list/dict mirrors a container (prefix / subset of keys; the rest
- * uses dim); int, None and "sum" apply to every leaf under a container. */
-PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
-                               int dim, PyObject *out_dims);
-
-/* DataParallel's gather (spec 4, with dpmini's rules for dataclasses,
- * None/array mixes, str and number leaves). outputs: a sequence, one
- * entry per replica. */
-PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
-                            int dim);
-
-/* ------------------------------------------------------------------ */
-/* GPU arrays and memory (array.c, gpu.c; see gpu.h and cuda_api.h)    */
+/* GPU arrays and memory (array.c, gpu_error.c; see gpu.h, cuda_api.h) */
 /* ------------------------------------------------------------------ */
 
 /* Inside the C core a GPU array is a "shadow" ndarray: dtype, shape and byte
@@ -482,30 +372,15 @@ PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes,
 /* nbytes of page-locked host memory as a host buffer (pin_memory=True). */
 PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes);
 
-/* A copy of src (any device) on dev, synchronously; new shadow/ndarray. */
-PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev);
-
 /* ------------------------------------------------------------------ */
-/* Method tables and type specs each file contributes (module.c adds them) */
+/* Method tables and type specs of py/ (module/module.c adds them)     */
 /* ------------------------------------------------------------------ */
 
 extern PyMethodDef dp_device_methods[];       /* device.c   */
-extern PyMethodDef dp_comm_methods[];         /* comm.c     */
-extern PyMethodDef dp_comm_submodule_methods[]; /* comm.c: dpmini.comm */
-extern PyMethodDef dp_scatter_methods[];      /* scatter_tree.c */
-extern PyMethodDef dp_gather_methods[];       /* gather_tree.c */
-extern PyMethodDef dp_plan_methods[];         /* explain.c  */
-extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
-extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
-extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyMethodDef dp_array_methods[];        /* array.c    */
 extern PyMethodDef dp_gpu_debug_methods[];    /* gpu_debug.c */
 extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */
-extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
-/* adds the torch.nn.Module methods (parameters, state_dict, train, ...) to
- * the DataParallel type made from dp_dataparallel_spec (dataparallel_module.c) */
-int dp_DataParallel_add_module_methods(PyTypeObject *tp);
 
 #endif

@@ -27,6 +27,7 @@
 
 #include "alloc.h"
 #include "host_memory.h"
+#include "pool.h"
 
 /* ------------------------------------------------------------------ */
 /* Caching allocator                                                   */

@@ -6,6 +6,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "plan.h"
 
 /* ------------------------------------------------------------------ */
 /* Plan (dpmini.explain)                                               */

@@ -8,6 +8,7 @@
 #include "dpmini.h"
 #include "tree.h"
 #include "gather.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

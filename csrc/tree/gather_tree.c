@@ -17,6 +17,8 @@
 #include "dpmini.h"
 #include "tree.h"
 #include "gather.h"
+#include "walk.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

@@ -42,6 +42,9 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "engine.h"
+#include "plan.h"
 
 #include <limits.h>
 

@@ -8,6 +8,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "plan.h"
 
 /* ------------------------------------------------------------------ */
 /* Pass (a): collect                                                   */

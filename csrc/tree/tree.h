@@ -1,9 +1,8 @@
 /* tree.h - internal: what the tree walkers share (tree_common.c,
  * tree_containers.c, tree_dims.c, tree_args.c, scatter_walk.c,
- * scatter_tree.c, gather_*.c, explain.c). Not part of
- * dpmini.h; include after it. The public entry points (dp_scatter_kwargs_ex,
- * dp_gather_outputs_ex, dp_check_dims_spec, dp_parse_split_sizes) stay in
- * dpmini.h.
+ * scatter_tree.c, gather_*.c, explain.c). The public entry points
+ * (dp_scatter_kwargs_ex, dp_gather_outputs_ex, dp_check_dims_spec,
+ * dp_parse_split_sizes) are in walk.h.
  *
  * Conventions as in dpmini.h: int results are 0 or -1 with an exception set
  * unless said otherwise; PyObject* results are new references or NULL with

@@ -4,6 +4,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "plan.h"
 
 #include <math.h>
 #include <stdarg.h>

@@ -12,6 +12,8 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
+#include "plan.h"
 
 #include <math.h>
 #include <stdarg.h>

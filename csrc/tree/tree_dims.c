@@ -6,6 +6,7 @@
  */
 #include "dpmini.h"
 #include "tree.h"
+#include "walk.h"
 
 #include <math.h>
 #include <stdarg.h>

@@ -57,11 +57,14 @@ def test_loaded_values_reach_the_module(torch):
 
 
 def test_train_eval_to_zero_grad_act_on_the_module_and_chain(torch):
-    model, ours, _ = _pair(torch)
-    assert ours.eval() is ours and model.training is False and ours.training is False
-    assert ours.train() is ours and model.training is True and ours.training is True
-    ours.training = False
-    assert model.training is False
+    model, ours, theirs = _pair(torch)
+    for wrapper in (ours, theirs):
+        assert wrapper.eval() is wrapper and model.training is False and wrapper.training is False
+        model.train()
+        assert wrapper.training is False              # each keeps its own flag
+        assert wrapper.train() is wrapper and model.training is True and wrapper.training is True
+        wrapper.training = False
+        assert model.training is True
     assert ours.to(torch.float64) is ours and model[0].weight.dtype == torch.float64
     assert ours.double() is ours and ours.float() is ours
     assert model[0].weight.dtype == torch.float32
@@ -81,3 +84,11 @@ def test_an_optimizer_over_the_wrapper_parameters_trains_the_module(torch):
     model.weight.grad = torch.ones_like(model.weight)
     opt.step()
     assert torch.allclose(model.weight, before - 0.1)
+
+
+def test_state_dict_positional_arguments_warn_as_torch(torch):
+    model, ours, theirs = _pair(torch)
+    for wrapper in (ours, theirs):
+        with pytest.warns(FutureWarning):
+            keys = list(wrapper.state_dict(None, "p."))
+        assert keys[0] == "p.module.0.weight"

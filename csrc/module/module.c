@@ -1,44 +1,14 @@
-/* module.c - the dpmini._dpmini module: multi-phase init, module state,
- * exception types, and the method tables of the other files. */
-#define DP_IMPORT_ARRAY
+/* module.c - the dpmini._dpmini module's init, the top layer (csrc/module/,
+ * above dp/): the exec slot of multi-phase init makes the exception types
+ * and the heap types, fills the module state (py/state.c keeps its
+ * definition, lookups and GC hooks) and adds the method tables of every
+ * layer. Nothing calls into this file but Python's import. */
 #include "dpmini.h"
-
-/* ------------------------------------------------------------------ */
-/* State lookup                                                        */
-/* ------------------------------------------------------------------ */
-
-dp_state *dp_state_from_module(PyObject *module)
-{
-    return (dp_state *)PyModule_GetState(module);
-}
-
-dp_state *dp_state_from_type(PyTypeObject *tp)
-{
-#if PY_VERSION_HEX >= 0x030B0000
-    PyObject *m = PyType_GetModuleByDef(tp, &dp_module_def);
-    if (m == NULL) {
-        return NULL;
-    }
-    return (dp_state *)PyModule_GetState(m);
-#else
-    /* Python 3.10: walk the MRO to the first heap type that dpmini made. */
-    PyObject *mro = tp->tp_mro;
-    Py_ssize_t n = mro ? PyTuple_GET_SIZE(mro) : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
-        if (!(base->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
-            continue;
-        }
-        PyObject *m = PyType_GetModule(base);
-        if (m != NULL && PyModule_GetDef(m) == &dp_module_def) {
-            return (dp_state *)PyModule_GetState(m);
-        }
-        PyErr_Clear();
-    }
-    PyErr_SetString(PyExc_TypeError, "type is not a dpmini type");
-    return NULL;
-#endif
-}
+#include "engine.h"
+#include "walk.h"
+#include "dp.h"
+#include "pool.h"
+#include "cuda_api.h"
 
 /* ------------------------------------------------------------------ */
 /* Init                                                                */
@@ -145,7 +115,8 @@ static int dp_exec(PyObject *m)
 {
     dp_state *st = dp_state_from_module(m);
 
-    if (_import_array() < 0) {
+    st->copy_to_device = dp_copy_to_device;   /* py/ copies through the engine */
+    if (dp_import_numpy() < 0) {
         return -1;
     }
     if (add_exception(m, "dpmini.DPError", PyExc_Exception,
@@ -208,66 +179,13 @@ static int dp_exec(PyObject *m)
     return 0;
 }
 
-static int dp_traverse(PyObject *m, visitproc visit, void *arg)
-{
-    dp_state *st = dp_state_from_module(m);
-    Py_VISIT(st->DeviceType);
-    Py_VISIT(st->BufferType);
-    Py_VISIT(st->DataParallelType);
-    Py_VISIT(st->ArrayType);
-    Py_VISIT(st->DPError);
-    Py_VISIT(st->CudaError);
-    Py_VISIT(st->NcclError);
-    Py_VISIT(st->SplitWarning);
-    Py_VISIT(st->copy_copy);
-    Py_VISIT(st->dataclasses_fields);
-    Py_VISIT(st->format_exception);
-    Py_VISIT(st->KeyErrorMessage);
-    Py_VISIT(st->origins);
-    return 0;
-}
-
-static int dp_clear(PyObject *m)
-{
-    dp_state *st = dp_state_from_module(m);
-    Py_CLEAR(st->DeviceType);
-    Py_CLEAR(st->BufferType);
-    Py_CLEAR(st->DataParallelType);
-    Py_CLEAR(st->ArrayType);
-    Py_CLEAR(st->DPError);
-    Py_CLEAR(st->CudaError);
-    Py_CLEAR(st->NcclError);
-    Py_CLEAR(st->SplitWarning);
-    Py_CLEAR(st->copy_copy);
-    Py_CLEAR(st->dataclasses_fields);
-    Py_CLEAR(st->format_exception);
-    Py_CLEAR(st->KeyErrorMessage);
-    Py_CLEAR(st->origins);
-    return 0;
-}
-
-static void dp_free(void *m)
-{
-    dp_clear((PyObject *)m);
-}
-
 static PyModuleDef_Slot dp_slots[] = {
     {Py_mod_exec, dp_exec},
     {0, NULL},
 };
 
-struct PyModuleDef dp_module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "dpmini._dpmini",
-    .m_doc = "C core of dpmini: PyTorch-exact DataParallel scatter/gather for NumPy arrays.",
-    .m_size = sizeof(dp_state),
-    .m_slots = dp_slots,
-    .m_traverse = dp_traverse,
-    .m_clear = dp_clear,
-    .m_free = dp_free,
-};
-
 PyMODINIT_FUNC PyInit__dpmini(void)
 {
+    dp_module_def.m_slots = dp_slots; /* the same table on every call */
     return PyModuleDef_Init(&dp_module_def);
 }
