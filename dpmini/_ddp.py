@@ -256,7 +256,6 @@ def reduce_gradients(grads, weights="rows", rows=None):
             where = f"grads[{keys[i]!r}]" if keys is not None else f"grads[{i}]"
             raise TypeError(f"{where}: expected a floating or complex array, got dtype {a.dtype}")
         arrays.append(a)
-    _check_layout(dist, keys, arrays)
     if isinstance(weights, str) and weights in ("sum", "mean"):
         w = None
     elif isinstance(weights, str) and weights == "rows":
@@ -273,6 +272,7 @@ def reduce_gradients(grads, weights="rows", rows=None):
     else:
         raise ValueError(f"weights: expected 'rows', 'sum', 'mean' or a number, got {weights!r}")
 
+    _check_layout(dist, keys, arrays)   # after the local checks: the first collective
     # One all_reduce per dtype: the flattened arrays, then the weight.
     out = [None] * len(arrays)
     by_dtype = {}
@@ -335,7 +335,7 @@ def _check_layout(dist, keys, arrays):
             + " (every rank raises this)")
     per = [f[1] for f in full]
     P = len(per)
-    entries = [dict((n, (shape, dt)) for n, shape, _, dt in p) for p in per]
+    entries = [dict((n, (shape, dt, name)) for n, shape, dt, name in p) for p in per]
     if keys is not None and any(set(e) != set(entries[0]) for e in entries):
         union = sorted(set().union(*entries))
         diff = {k: [r for r in range(P) if k not in entries[r]] for k in union}
@@ -351,7 +351,7 @@ def _check_layout(dist, keys, arrays):
         got = [e[n] for e in entries]
         if any(g != got[0] for g in got):
             parts.append(f"grads[{n}] has " + _by_rank(
-                got, lambda g: f"shape {g[0]} dtype {g[1]}"))
+                got, lambda g: f"shape {g[0]} dtype {g[2]}"))
     raise ValueError("reduce_gradients: the ranks' gradients differ in shape or dtype: "
                      + "; ".join(parts) + " (every rank raises this; the communicator "
                      "stays usable)")
