@@ -242,6 +242,13 @@ int dp_is_foreign_array(dp_state *st, PyObject *obj);
  * BaseExceptions that are not Exceptions pass as they are. */
 void dp_reraise_at(dp_state *st, PyObject *path);
 
+/* Re-raise the pending Exception as the same type with message msg (a str,
+ * stolen; it names the path), the original as __cause__; st may be NULL
+ * (a KeyError's str is then its repr). BaseExceptions that are not
+ * Exceptions pass as they are; a type that cannot be built from one message
+ * stays as it was. */
+void dp_reraise_msg(dp_state *st, PyObject *msg);
+
 /* A foreign array as an ndarray (host memory: numpy.from_dlpack, a view) or
  * a shadow ndarray (CUDA memory, array.c's import), without a copy; a JAX
  * array sharded over several JAX devices is read with numpy.asarray (a

@@ -239,10 +239,25 @@ def test_strided_and_non_float_tensors(torch):
     assert torch.equal(dpmini.gather(list(dpmini.scatter(b, DEVS)), "cpu"), b)
 
 
-def test_a_dtype_numpy_cannot_hold_is_named(torch):
-    x = torch.ones(4, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"^args\[0\]: cannot read Tensor as an array"):
+@pytest.mark.parametrize("dtype,name", [("bfloat16", "bfloat16"), ("complex32", "complex32"),
+                                        ("float8_e4m3fn", "float8_e4m3fn")])
+def test_a_dtype_numpy_cannot_hold_is_named(torch, dtype, name):
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    x = torch.zeros(4, dtype=getattr(torch, dtype))
+    with pytest.raises(TypeError, match=rf"^args\[0\]: a torch.Tensor of dtype {name}: NumPy "
+                                        r"has no such dtype.*x\.float\(\)") as e:
         dpmini.DataParallel(lambda t: t, DEVS)(x)
+    assert e.value.__cause__ is not None   # numpy.from_dlpack's own error
+
+
+def test_a_bfloat16_output_is_named_at_its_path(torch):
+    with pytest.raises(TypeError, match=r"^out\['y'\]: a torch.Tensor of dtype bfloat16"):
+        dpmini.DataParallel(lambda t: {"y": t.bfloat16()}, DEVS)(torch.ones(4, 2))
+    with pytest.raises(TypeError, match=r"^module\.w: a torch.Tensor of dtype bfloat16"):
+        holder = Holder(torch)
+        holder.w = torch.ones(2, dtype=torch.bfloat16)
+        dpmini.replicate(holder, DEVS)
 
 
 def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
