@@ -199,6 +199,21 @@ def test_requires_grad_is_refused_naming_the_argument(torch):
         dpmini.DataParallel(model, DEVS)(torch.ones(4, 2))
 
 
+def test_an_output_that_requires_grad_is_explained_as_the_replicas_output(torch):
+    # the input does not require grad; the parameters do, with grad mode on
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(4, 2)
+    with pytest.raises(TypeError) as e:
+        dpmini.DataParallel(lambda t: {"y": model(t)}, DEVS)(x)
+    msg = str(e.value)
+    assert msg.startswith("out['y']: a replica returned a torch.Tensor that requires grad "
+                          "(computed from parameters that require grad, with grad mode on)")
+    assert "torch.no_grad()" in msg and "torch.func" in msg and "detach" not in msg
+    with torch.no_grad():
+        y = dpmini.DataParallel(lambda t: {"y": model(t)}, DEVS)(x)["y"]
+    assert torch.allclose(y, model(x).detach())
+
+
 def test_requires_grad_is_read_detached_under_no_grad(torch):
     x = torch.arange(8.0).reshape(4, 2).requires_grad_()
     with torch.no_grad():
