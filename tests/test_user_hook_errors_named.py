@@ -136,3 +136,40 @@ def test_module_copy_error_names_the_object_path(module, path, what):
     assert str(e.value.__cause__) == what
     with pytest.raises(RuntimeError, match=rf"^{path}: copy\.copy\(\)"):
         dpmini.replicate(module, D2)
+
+
+class ItemsFail(dict):
+    def items(self):
+        raise RuntimeError("items boom")
+
+
+class GetItemLies(dict):
+    """keys() names a key its __getitem__ then refuses."""
+
+    def keys(self):
+        return ["zzz"]
+
+    def items(self):
+        return [("zzz", 1)]
+
+    def __getitem__(self, k):
+        raise KeyError(k)
+
+
+def test_dict_subclass_items_error_names_the_argument():
+    x = np.zeros((4, 2))
+    with pytest.raises(RuntimeError, match=r"^args\[0\]: items boom$") as e:
+        dpmini.DataParallel(lambda a: a, D2)(ItemsFail(a=x))
+    assert str(e.value.__cause__) == "items boom"
+    with pytest.raises(RuntimeError, match=r"^inputs\[1\]\[0\]: items boom$"):
+        dpmini.scatter((x, [ItemsFail(a=x)]), D2)
+
+
+def test_dict_subclass_getitem_error_names_the_output_path():
+    out = GetItemLies(a=1)
+    dict.__setitem__(out, "zzz", 1)   # present, but its __getitem__ refuses it
+    with pytest.raises(KeyError) as e:
+        dpmini.gather([{"o": out}, {"o": out}], "cpu")
+    assert str(e.value) == ("out['o']: reading a GetItemLies (a dict subclass) with its "
+                            "__getitem__('zzz') raised KeyError: 'zzz'")
+    assert isinstance(e.value.__cause__, KeyError)
