@@ -256,6 +256,11 @@ void dp_reraise_msg(dp_state *st, PyObject *msg);
  * dpmini cannot read, or a producer that fails. */
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname);
 
+/* The name of obj's DLPack dtype ("bfloat16", "complex32", "float8_e4m3fn")
+ * in buf when NumPy has no such dtype, else NULL (also when obj's
+ * __dlpack__() fails). Never leaves an exception (interop_dtype.c). */
+const char *dp_dlpack_dtype_missing(PyObject *obj, char *buf, size_t n);
+
 /* The converter back into obj's library (new reference): that library's
  * from_dlpack (torch, jax.numpy, cupy, else array_api_compat's namespace or
  * the type's package), or Py_None for NumPy, dpmini.Array and libraries with
