@@ -20,7 +20,10 @@
  * numpy.from_dlpack (a view, no copy); CUDA memory through array_import.c's
  * DLPack/CAI import (a shadow ndarray, no copy). A producer whose DLPack
  * export refuses (JAX arrays sharded over several JAX devices) is read with
- * numpy.asarray (a copy). A tensor that requires grad is refused.
+ * numpy.asarray (a copy). A tensor that requires grad is refused, and so is
+ * a JAX tracer (inside jit/grad/vmap: no values to split), which counts as a
+ * leaf so that every walker refuses it naming its path. A dtype NumPy lacks
+ * (bfloat16...) is named (interop_dtype.c).
  *
  * The way back ("origin"): the library's own from_dlpack, found from the
  * type's top-level module (torch, jax/jaxlib, cupy), else through
