@@ -20,7 +20,10 @@
  * numpy.from_dlpack (a view, no copy); CUDA memory through array_import.c's
  * DLPack/CAI import (a shadow ndarray, no copy). A producer whose DLPack
  * export refuses (JAX arrays sharded over several JAX devices) is read with
- * numpy.asarray (a copy). A tensor that requires grad is refused.
+ * numpy.asarray (a copy). A tensor that requires grad is refused, and so is
+ * a JAX tracer (inside jit/grad/vmap: no values to split), which counts as a
+ * leaf so that every walker refuses it naming its path. A dtype NumPy lacks
+ * (bfloat16...) is named (interop_dtype.c).
  *
  * The way back ("origin"): the library's own from_dlpack, found from the
  * type's top-level module (torch, jax/jaxlib, cupy), else through
@@ -69,7 +72,7 @@ static void reraise_with(dp_state *st, PyObject *msg)
     if (tb != NULL)
         PyException_SetTraceback(v, tb);
     PyObject *arg = msg;
-    if (PyType_IsSubtype((PyTypeObject *)t, (PyTypeObject *)PyExc_KeyError) &&
+    if (PyType_IsSubtype((PyTypeObject *)t, (PyTypeObject *)PyExc_KeyError) && st != NULL &&
         st->KeyErrorMessage != NULL)
         arg = PyObject_CallOneArg(st->KeyErrorMessage, msg);
     PyObject *nv = arg != NULL ? PyObject_CallOneArg(t, arg) : NULL;
@@ -87,6 +90,15 @@ static void reraise_with(dp_state *st, PyObject *msg)
     Py_DECREF(nv);
     Py_DECREF(t);
     Py_XDECREF(tb);
+}
+
+void dp_reraise_msg(dp_state *st, PyObject *msg)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        Py_XDECREF(msg);   /* KeyboardInterrupt, SystemExit: as they are */
+        return;
+    }
+    reraise_with(st, msg);
 }
 
 void dp_reraise_at(dp_state *st, PyObject *path)
@@ -145,10 +157,47 @@ static int probe_attr(dp_state *st, PyObject *obj, const char *name, int callabl
     return -1;
 }
 
+/* Is obj a JAX tracer (an abstract value inside jax.jit, grad, vmap...)? The
+ * class is looked up in sys.modules only: without JAX imported there are no
+ * tracers. 1/0, never an exception. */
+static int is_jax_tracer(PyObject *obj)
+{
+    static const char *const mods[] = {"jax._src.core", "jax.core"};
+    for (size_t i = 0; i < sizeof mods / sizeof mods[0]; i++) {
+        PyObject *name = PyUnicode_FromString(mods[i]);
+        PyObject *mod = name != NULL ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        PyObject *cls = mod != NULL ? PyObject_GetAttrString(mod, "Tracer") : NULL;
+        Py_XDECREF(mod);
+        PyErr_Clear();
+        if (cls == NULL)
+            continue;
+        int r = PyType_Check(cls) && PyType_IsSubtype(Py_TYPE(obj), (PyTypeObject *)cls);
+        Py_DECREF(cls);
+        return r;
+    }
+    return 0;
+}
+
+/* TypeError for a JAX tracer at argname (it has no values to split). */
+static void refuse_jax_tracer(PyObject *obj, const char *argname)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a JAX tracer (%.100s) inside a JAX transformation (jax.jit, jax.grad, "
+                 "jax.vmap...): it has no values yet, and dpmini splits concrete arrays "
+                 "(copied on its own threads, outside JAX's trace); call DataParallel "
+                 "outside jit/grad/vmap, or jit the module instead "
+                 "(DataParallel(jax.jit(f), ...))", argname, Py_TYPE(obj)->tp_name);
+}
+
 int dp_is_foreign_array(dp_state *st, PyObject *obj)
 {
     if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) || never_foreign(obj))
         return 0;
+    /* A JAX tracer is an array leaf (so that every walker refuses it naming
+     * its path, dp_import_foreign) instead of a value shared whole. */
+    if (is_jax_tracer(obj))
+        return 1;
     int r = probe_attr(st, obj, "__dlpack__", 1);
     if (r < 0)
         return -1;
@@ -242,6 +291,20 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     PyObject *name = dp_array_type_name(st, obj);
     if (name == NULL)
         return 1;
+    if (strncmp(argname, "out", 3) == 0 && (argname[3] == '\0' || argname[3] == '[' ||
+                                            argname[3] == '.')) {
+        /* A replica's output (gather's paths start with "out"): the inputs
+         * need not have required grad; the module's parameters did. */
+        PyErr_Format(PyExc_TypeError,
+                     "%s: a replica returned a %U that requires grad (computed from "
+                     "parameters that require grad, with grad mode on): dpmini has no "
+                     "autograd, so gathering it would cut the graph; call the model under "
+                     "torch.no_grad() (or torch.inference_mode()), or compute the gradients "
+                     "inside the replica with torch.func and return them (README, \"Training "
+                     "without autograd\")", argname, name);
+        Py_DECREF(name);
+        return 1;
+    }
     PyErr_Format(PyExc_TypeError,
                  "%s: a %U that requires grad: dpmini has no autograd (its copies would cut "
                  "the graph); pass x.detach(), or call under torch.no_grad() (where it is "
@@ -319,10 +382,60 @@ static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argn
     return (PyArrayObject *)r;
 }
 
+/* Host memory through numpy.from_dlpack (a view, no copy). When NumPy
+ * refuses the dtype (bfloat16, float8, complex32: NumPy has none), a
+ * TypeError that says which dtype and what to do, the original as __cause__. */
+static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *argname)
+{
+    PyObject *np = PyImport_ImportModule("numpy");
+    PyObject *r = np != NULL ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
+    Py_XDECREF(np);
+    if (r != NULL && !PyArray_Check(r)) {
+        Py_DECREF(r);
+        PyErr_Format(PyExc_TypeError, "%s: numpy.from_dlpack returned no ndarray", argname);
+        return NULL;
+    }
+    if (r != NULL || !PyErr_ExceptionMatches(PyExc_Exception))
+        return (PyArrayObject *)r;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    char buf[96];
+    const char *missing = dp_dlpack_dtype_missing(obj, buf, sizeof buf);
+    PyObject *name = missing != NULL ? dp_array_type_name(st, obj) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        raise_unreadable(obj, argname, "numpy.from_dlpack");
+        return NULL;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a %U of dtype %s: NumPy has no such dtype, and dpmini splits, copies "
+                 "and gathers arrays as NumPy dtypes (bfloat16, float8 and complex32 are "
+                 "refused); convert it first (x.float(), or x.to(torch.float32) / "
+                 "x.astype(jnp.float32)) and back inside the replica if it needs that dtype",
+                 argname, name, missing);
+    Py_DECREF(name);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && v != NULL)
+        PyException_SetCause(v2, Py_NewRef(v));
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);
 
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
+    if (is_jax_tracer(obj)) {
+        refuse_jax_tracer(obj, argname);
+        return NULL;
+    }
     int rg = requires_grad(st, obj, argname);
     if (rg == 1 || rg < 0 || refuse_negative_bit(obj, argname))
         return NULL;
@@ -364,23 +477,39 @@ static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *ar
             return NULL;
         /* The producer cannot say where one buffer lives (a JAX array
          * sharded over several JAX devices): a host copy through
-         * numpy.asarray, as the docs say. */
+         * numpy.asarray, as the docs say, for an object with __array__
+         * that gives numbers. Otherwise (or when that fails) the producer's
+         * own error, re-raised naming the path and the protocol (README,
+         * "Probing"). */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
-        PyArrayObject *a = numpy_read(obj, "asarray", argname);
-        if (a == NULL) {
+        int has = dp_has_attr(obj, "__array__");
+        PyArrayObject *a = has == 1 ? numpy_read(obj, "asarray", argname) : NULL;
+        if (a != NULL && !PyDataType_REFCHK(PyArray_DESCR(a))) {
             Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            return a;
+        }
+        Py_XDECREF(a);
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            Py_XDECREF(t);   /* KeyboardInterrupt from the fallback: as it is */
             Py_XDECREF(v);
             Py_XDECREF(tb);
             return NULL;
         }
-        Py_XDECREF(t);
-        Py_XDECREF(v);
-        Py_XDECREF(tb);
-        return a;
+        PyErr_Clear();
+        PyErr_NormalizeException(&t, &v, &tb);
+        PyObject *msg = PyUnicode_FromFormat(
+            "%s: calling __dlpack_device__() of a %.100s object (to tell where its memory "
+            "lives) raised %.100s: %S", argname, Py_TYPE(obj)->tp_name,
+            v != NULL ? Py_TYPE(v)->tp_name : "?", v != NULL ? v : Py_None);
+        PyErr_Restore(t, v, tb);
+        reraise_with(st, msg);
+        return NULL;
     }
     if (type == kDLCPU || type == kDLCUDAHost)
-        return numpy_read(obj, "from_dlpack", argname);   /* a view, no copy */
+        return read_host_dlpack(st, obj, argname);   /* a view, no copy */
     if (type == kDLCUDA || type == kDLCUDAManaged)
         return dp_device_object_meta(st, obj, argname);
     PyErr_Format(PyExc_TypeError,
