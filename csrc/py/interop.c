@@ -1,6 +1,6 @@
 /* interop.c - arrays of other libraries (PyTorch, JAX, CuPy, ...): the one
  * definition of an array leaf, the zero-copy import of a foreign array, and
- * the way back into the caller's library.
+ * (in interop_origin.c) the way back into the caller's library.
  *
  * An array leaf (scatter, gather, replicate, explain, the comm functions) is
  * a numpy.ndarray (subclasses included), a dpmini.Array, or any object that
@@ -25,16 +25,13 @@
  * leaf so that every walker refuses it naming its path. A dtype NumPy lacks
  * (bfloat16...) is named (interop_dtype.c).
  *
- * The way back ("origin"): the library's own from_dlpack, found from the
- * type's top-level module (torch, jax/jaxlib, cupy), else through
- * array_api_compat.array_namespace, else the module's from_dlpack; cached per
- * type in the module state. NumPy, dpmini.Array and libraries without a
- * from_dlpack have origin None: their results stay NumPy / dpmini.Array.
+ * The way back ("origin", the caller's library) is interop_origin.c.
  *
  * interop_torch.c holds what PyTorch needs beyond this (nn.Module, grad mode).
  */
 #include "dpmini.h"
 #include "dlpack.h"
+#include "interop.h"
 
 #include <string.h>
 
@@ -221,7 +218,7 @@ static const char *short_name(PyTypeObject *tp)
     return dot != NULL ? dot + 1 : tp->tp_name;
 }
 
-static PyObject *top_module(PyObject *obj)
+PyObject *dp_top_module(PyObject *obj)
 {
     PyObject *mod = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
     if (mod == NULL || !PyUnicode_Check(mod)) {
@@ -241,7 +238,7 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
         return PyUnicode_FromString("numpy.ndarray");
     if (PyObject_TypeCheck(obj, st->ArrayType))
         return PyUnicode_FromString("dpmini.Array");
-    PyObject *top = top_module(obj), *res = NULL;
+    PyObject *top = dp_top_module(obj), *res = NULL;
     if (top == NULL)
         return NULL;
     if (PyUnicode_CompareWithASCIIString(top, "jaxlib") == 0 ||
@@ -266,7 +263,22 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
  * graph, so it is read detached (x.detach(): a view, no copy): 2. With grad
  * mode on: 1 with TypeError naming argname (dpmini has no autograd). 0: not
  * such a tensor; -1: an error from asking. */
-static PyObject *import_attr_quiet(const char *module, const char *attr);
+/* module.attr, or NULL with no exception when either is missing. */
+PyObject *dp_import_attr_quiet(const char *module, const char *attr)
+{
+    PyObject *mod = PyImport_ImportModule(module);
+    PyObject *r = mod != NULL ? PyObject_GetAttrString(mod, attr) : NULL;
+    Py_XDECREF(mod);
+    if (r == NULL || !PyCallable_Check(r)) {
+        Py_XDECREF(r);
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;   /* KeyboardInterrupt: the caller sees it pending */
+        PyErr_Clear();
+        return NULL;
+    }
+    return r;
+}
+
 
 static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
 {
@@ -279,7 +291,7 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     Py_DECREF(rg);
     if (!yes)
         return 0;
-    PyObject *enabled = import_attr_quiet("torch", "is_grad_enabled");
+    PyObject *enabled = dp_import_attr_quiet("torch", "is_grad_enabled");
     PyObject *on = enabled != NULL ? PyObject_CallNoArgs(enabled) : NULL;
     Py_XDECREF(enabled);
     if (on == NULL && PyErr_Occurred())
@@ -517,176 +529,4 @@ static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *ar
                  "memory and CUDA device memory only", argname, Py_TYPE(obj)->tp_name, type,
                  id);
     return NULL;
-}
-
-/* ------------------------------------------------------------------ */
-/* Origins: the way back                                               */
-/* ------------------------------------------------------------------ */
-
-/* module.attr, or NULL with no exception when either is missing. */
-static PyObject *import_attr_quiet(const char *module, const char *attr)
-{
-    PyObject *mod = PyImport_ImportModule(module);
-    PyObject *r = mod != NULL ? PyObject_GetAttrString(mod, attr) : NULL;
-    Py_XDECREF(mod);
-    if (r == NULL || !PyCallable_Check(r)) {
-        Py_XDECREF(r);
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
-            return NULL;   /* KeyboardInterrupt: the caller sees it pending */
-        PyErr_Clear();
-        return NULL;
-    }
-    return r;
-}
-
-/* The converter for obj's type (new reference; Py_None when none). */
-static PyObject *origin_lookup(PyObject *obj)
-{
-    PyObject *top = top_module(obj), *conv = NULL;
-    if (top == NULL)
-        return NULL;
-    const char *name = PyUnicode_AsUTF8(top);
-    if (name == NULL) {
-        Py_DECREF(top);
-        return NULL;
-    }
-    if (strcmp(name, "torch") == 0)
-        conv = import_attr_quiet("torch", "from_dlpack");
-    else if (strcmp(name, "jax") == 0 || strcmp(name, "jaxlib") == 0)
-        conv = import_attr_quiet("jax.numpy", "from_dlpack");
-    else if (strcmp(name, "cupy") == 0)
-        conv = import_attr_quiet("cupy", "from_dlpack");
-    else if (name[0] != '\0' && strcmp(name, "numpy") != 0 && strcmp(name, "builtins") != 0) {
-        /* array_api_compat's namespace when it knows the type, else the
-         * type's own package's from_dlpack. */
-        PyObject *ns_fn = import_attr_quiet("array_api_compat", "array_namespace");
-        if (ns_fn != NULL) {
-            PyObject *ns = PyObject_CallOneArg(ns_fn, obj);
-            Py_DECREF(ns_fn);
-            if (ns != NULL) {
-                conv = PyObject_GetAttrString(ns, "from_dlpack");
-                Py_DECREF(ns);
-            }
-            if (conv == NULL && PyErr_Occurred()) {
-                if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-                    Py_DECREF(top);
-                    return NULL;
-                }
-                PyErr_Clear();
-            }
-        }
-        if (conv == NULL && !PyErr_Occurred()) {
-            /* only a package already imported (the type's __module__ is
-             * never imported on its behalf) */
-            PyObject *mod = PyImport_GetModule(top);
-            if (mod != NULL) {
-                conv = PyObject_GetAttrString(mod, "from_dlpack");
-                Py_DECREF(mod);
-                if (conv != NULL && !PyCallable_Check(conv))
-                    Py_CLEAR(conv);
-            }
-            if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception))
-                PyErr_Clear();
-        }
-    }
-    Py_DECREF(top);
-    if (conv == NULL && PyErr_Occurred())
-        return NULL;
-    return conv != NULL ? conv : Py_NewRef(Py_None);
-}
-
-PyObject *dp_array_origin(dp_state *st, PyObject *obj)
-{
-    if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) ||
-        PyArray_IsScalar(obj, Generic))
-        return Py_NewRef(Py_None);
-    if (st->origins == NULL && (st->origins = PyDict_New()) == NULL)
-        return NULL;
-    PyObject *conv = PyDict_GetItemWithError(st->origins, (PyObject *)Py_TYPE(obj));
-    if (conv != NULL)
-        return Py_NewRef(conv);
-    if (PyErr_Occurred())
-        return NULL;
-    conv = origin_lookup(obj);
-    if (conv == NULL)
-        return NULL;
-    if (PyDict_SetItem(st->origins, (PyObject *)Py_TYPE(obj), conv) < 0) {
-        Py_DECREF(conv);
-        return NULL;
-    }
-    return conv;
-}
-
-PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char *argname)
-{
-    if (arr == NULL || origin == NULL || origin == Py_None)
-        return arr;
-    PyObject *r = PyObject_CallOneArg(origin, arr);
-    if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
-        /* A GPU-only library (CuPy) cannot hold host memory: results on
-         * the host or a virtual CPU device stay NumPy arrays (README). */
-        PyErr_Clear();
-        return arr;
-    }
-    Py_DECREF(arr);
-    if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyErr_NormalizeException(&t, &v, &tb);
-        PyObject *msg = PyUnicode_FromFormat(
-            "%s: cannot hand the result back through %R (the from_dlpack of the inputs' "
-            "library): %S", argname, origin, v ? v : Py_None);
-        PyErr_Restore(t, v, tb);
-        reraise_with(st, msg);
-    }
-    return r;
-}
-
-int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
-                   const char *argname)
-{
-    if (origin == NULL || origin == Py_None)
-        return 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        items[i] = dp_to_origin(st, origin, items[i], argname);
-        if (items[i] == NULL)
-            return -1;
-    }
-    return 0;
-}
-
-PyObject *dp_array_describe(dp_state *st, PyObject *obj, PyArrayObject *arr)
-{
-    PyObject *name = dp_array_type_name(st, obj);
-    if (name == NULL)
-        return NULL;
-    char dev[48];
-    dp_device d = dp_array_device(st, arr);
-    dp_device_format(d, dev, sizeof dev);
-    PyObject *res = PyUnicode_FromFormat("%U %s", name, dev);
-    Py_DECREF(name);
-    return res;
-}
-
-/* ------------------------------------------------------------------ */
-/* replicate                                                           */
-/* ------------------------------------------------------------------ */
-
-int dp_replicas_leaves(dp_state *st, PyObject *row, PyObject *imported, PyObject *leaves,
-                       PyObject *origins)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
-        PyObject *item = PyList_GET_ITEM(row, i), *imp = PyList_GET_ITEM(imported, i);
-        PyObject *leaf = PyList_GET_ITEM(leaves, i), *v;
-        int same = item == imp || (PyObject_TypeCheck(item, st->ArrayType) &&
-                                   (PyObject *)((dp_ArrayObject *)item)->meta == imp);
-        if (same)
-            v = Py_NewRef(leaf);   /* already on this device: the original */
-        else
-            v = dp_to_origin(st, PyList_GET_ITEM(origins, i), Py_NewRef(item), "module");
-        if (v == NULL)
-            return -1;
-        PyList_SetItem(row, i, v);
-    }
-    return 0;
 }
