@@ -77,13 +77,11 @@ PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     PyArrayObject **parts = NULL;
     PyObject **arrs = NULL;  /* new references: vals as arrays */
     PyObject *path = NULL, *res = NULL;
+    char buf[512];
     const char *cpath;
     int all0 = 1, any0 = 0, views = 0, wdim;
 
-    path = path_str(seg);
-    if (path == NULL)
-        goto done;
-    cpath = PyUnicode_AsUTF8(path);
+    cpath = path_text(seg, buf, sizeof buf, &path);   /* no str object made */
     if (cpath == NULL)
         goto done;
     parts = PyMem_Calloc((size_t)n, sizeof *parts);
