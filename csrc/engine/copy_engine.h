@@ -22,8 +22,19 @@
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
 
+/* Dims a queued copy keeps in its job; a simplified copy (copy.h) rarely
+ * has more, and one that has keeps its descriptor on the heap. */
+#define JOB_DIMS 8
+
 typedef struct {
-    dp_copy_desc desc;  /* simplified                                       */
+    /* the simplified copy (dp_copy_simplify), compact: a full dp_copy_desc
+     * holds DP_MAXDIMS dims (1.5 KB), and a call can queue tens of
+     * thousands of jobs */
+    int ndim;
+    size_t itemsize;
+    uint64_t bytes;     /* numel * itemsize                                  */
+    int64_t shape[JOB_DIMS], src_strides[JOB_DIMS], dst_strides[JOB_DIMS];
+    dp_copy_desc *big;  /* PyMem: the descriptor when ndim > JOB_DIMS, else NULL */
     char *dst;
     const char *src;
     dp_device exec;     /* whose worker runs it; the host means the caller  */

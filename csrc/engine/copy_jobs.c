@@ -30,6 +30,9 @@ static int launch_wait(job_list *l);
 void jobs_free(job_list *l)
 {
     (void)launch_wait(l);   /* an error path: the launched copies still write */
+    for (Py_ssize_t i = 0; i < l->n; i++) {
+        PyMem_Free(l->jobs[i].big);
+    }
     if (l->jobs != l->fixed) {
         PyMem_Free(l->jobs);
     }
@@ -97,20 +100,55 @@ int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
         return -1;
     }
     copy_job *j = &l->jobs[l->n];
-    if (dp_copy_init(&j->desc, nd, itemsize, sh, ss, ds) < 0) {
+    dp_copy_desc d;   /* only its first nd dims are written */
+    if (dp_copy_init(&d, nd, itemsize, sh, ss, ds) < 0) {
         PyErr_Format(PyExc_ValueError, "copy: %d dimensions is more than dpmini supports (%d)",
                      nd, DP_MAXDIMS);
         return -1;
     }
-    dp_copy_simplify(&j->desc);
+    dp_copy_simplify(&d);
+    j->big = NULL;
+    if (d.ndim > JOB_DIMS) {
+        j->big = PyMem_Malloc(sizeof d);
+        if (j->big == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *j->big = d;
+    } else {
+        for (int i = 0; i < d.ndim; i++) {
+            j->shape[i] = d.shape[i];
+            j->src_strides[i] = d.src_strides[i];
+            j->dst_strides[i] = d.dst_strides[i];
+        }
+    }
+    j->ndim = d.ndim;
+    j->itemsize = itemsize;
+    j->bytes = (uint64_t)dp_copy_numel(&d) * itemsize;
     j->dst = dst;
     j->src = src;
     j->exec = route.exec;
     j->src_dev = route.src;
     j->dst_dev = route.dst;
-    l->bytes += (size_t)dp_copy_numel(&j->desc) * itemsize;
+    l->bytes += (size_t)j->bytes;
     l->n++;
     return 0;
+}
+
+/* The job's copy as a dp_copy_desc: its heap one, or *buf filled in. */
+static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
+{
+    if (j->big != NULL) {
+        return j->big;
+    }
+    buf->ndim = j->ndim;
+    buf->itemsize = j->itemsize;
+    for (int i = 0; i < j->ndim; i++) {
+        buf->shape[i] = j->shape[i];
+        buf->src_strides[i] = j->src_strides[i];
+        buf->dst_strides[i] = j->dst_strides[i];
+    }
+    return buf;
 }
 
 typedef struct {
@@ -139,17 +177,19 @@ static void run_group(void *arg)
     uint64_t host_bytes = 0;
     for (Py_ssize_t i = 0; i < g->n; i++) {
         if (g->jobs[i]->exec.kind != DP_CUDA) {
-            host_bytes += (uint64_t)dp_copy_numel(&g->jobs[i]->desc) * g->jobs[i]->desc.itemsize;
+            host_bytes += g->jobs[i]->bytes;
         }
     }
     int mode = host_bytes >= DP_STREAM_MIN_JOB ? DP_COPY_STREAM : DP_COPY_AUTO;
     for (Py_ssize_t i = 0; i < g->n; i++) {
         copy_job *j = g->jobs[i];
+        dp_copy_desc buf;
+        const dp_copy_desc *d = job_desc(j, &buf);
         if (j->exec.kind != DP_CUDA) {
-            dp_copy_run_mode(&j->desc, j->dst, j->src, mode);
+            dp_copy_run_mode(d, j->dst, j->src, mode);
             continue;
         }
-        dpc_status s = dp_gpu_copy(&j->desc, j->dst, gpu_index(j->dst_dev), j->src,
+        dpc_status s = dp_gpu_copy(d, j->dst, gpu_index(j->dst_dev), j->src,
                                    gpu_index(j->src_dev), (int)i, &sync);
         if (s.code != 0) {
             g->status = s;
@@ -390,7 +430,8 @@ static int run_rest(job_list *l)
         if (i == n) {
             for (i = 0; i < n; i++) {
                 copy_job *j = &jobs[i];
-                dp_copy_run_mode(&j->desc, j->dst, j->src, DP_COPY_AUTO);
+                dp_copy_desc buf;
+                dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, DP_COPY_AUTO);
             }
             return 0;
         }
