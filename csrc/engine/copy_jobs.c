@@ -44,8 +44,8 @@ void jobs_free(job_list *l)
 }
 
 /* Room for `more` jobs beyond those queued, so that a caller that knows
- * how many it queues grows the list once: a job is a large struct (its
- * copy descriptor holds DP_MAXDIMS dims), and growing by doubling copied
+ * how many it queues grows the list once: a job is a few hundred bytes,
+ * and growing by doubling copied
  * every queued job again at each step. */
 int jobs_reserve(job_list *l, Py_ssize_t more)
 {
@@ -258,7 +258,7 @@ static int group_has_cuda(const job_group *g)
 
 /* The jobs ordered by executing device (each device's in queue order) in
  * *order (PyMem), cut into groups of one device each in *groups (PyMem);
- * *ng groups. Pointers are sorted, not the jobs: a job is a large struct. */
+ * *ng groups. Pointers are sorted, not the jobs (a few hundred bytes each). */
 static int group_jobs(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_group **groups,
                       Py_ssize_t *ng)
 {
