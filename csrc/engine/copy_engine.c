@@ -66,11 +66,20 @@ PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src
     int perm[DP_MAXDIMS];
     npy_intp new_strides[DP_MAXDIMS];
     const npy_intp *use = NULL;
-    for (int i = 0; i < nd; i++) {
+    /* A region in C order whose dims are all longer than 1 (a shard of a
+     * C-contiguous array, the usual case) keeps C order, which is what the
+     * dense rule below would give it: no need to sort its dims. */
+    int c_order = nd > 1 && itemsize > 0;
+    npy_intp expect = (npy_intp)itemsize;
+    for (int i = nd - 1; i >= 0 && c_order; i--) {
+        c_order = shape[i] > 1 && strides[i] == expect &&
+                  !__builtin_mul_overflow(expect, shape[i], &expect);
+    }
+    for (int i = 0; i < nd && !c_order; i++) {
         sh[i] = shape[i];
         sd[i] = strides[i];
     }
-    if (nd > 1 && itemsize > 0 && dp_layout_is_dense(nd, sh, sd, itemsize, perm)) {
+    if (!c_order && nd > 1 && itemsize > 0 && dp_layout_is_dense(nd, sh, sd, itemsize, perm)) {
         dp_dense_strides(nd, sh, itemsize, perm, out);
         for (int i = 0; i < nd; i++) {
             new_strides[i] = (npy_intp)out[i];

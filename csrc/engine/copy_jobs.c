@@ -100,6 +100,24 @@ int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
         return -1;
     }
     copy_job *j = &l->jobs[l->n];
+    /* Contiguous in C order on both sides (size-1 dims aside): the one-run
+     * form dp_copy_simplify would give it, without building a descriptor. */
+    int64_t run = (int64_t)itemsize;
+    int flat = itemsize <= (size_t)INT64_MAX;
+    for (int i = nd - 1; i >= 0 && flat; i--) {
+        if (sh[i] != 1) {
+            flat = ss[i] == run && ds[i] == run && !__builtin_mul_overflow(run, sh[i], &run);
+        }
+    }
+    if (flat) {
+        j->big = NULL;
+        j->ndim = 1;
+        j->itemsize = itemsize;
+        j->shape[0] = run / (int64_t)itemsize;
+        j->src_strides[0] = j->dst_strides[0] = (int64_t)itemsize;
+        j->bytes = (uint64_t)run;
+        goto queued;
+    }
     dp_copy_desc d;   /* only its first nd dims are written */
     if (dp_copy_init(&d, nd, itemsize, sh, ss, ds) < 0) {
         PyErr_Format(PyExc_ValueError, "copy: %d dimensions is more than dpmini supports (%d)",
@@ -125,6 +143,7 @@ int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
     j->ndim = d.ndim;
     j->itemsize = itemsize;
     j->bytes = (uint64_t)dp_copy_numel(&d) * itemsize;
+queued:
     j->dst = dst;
     j->src = src;
     j->exec = route.exec;
