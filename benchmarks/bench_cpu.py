@@ -37,6 +37,9 @@ are noisy, the ratios less so.
 6. --scaling: scatter+gather time and ratio to the limit vs array size
    (1 KiB .. 1 GiB, --max-scaling-mib), vs devices (2 .. 64) and vs leaves
    (1 .. 10,000), printed as Markdown tables for the README.
+
+Items 2-4 move by 2x between runs on a busy machine; bench_instructions.py
+counts the same cases in instructions (callgrind), which do not.
 """
 import argparse
 import ctypes

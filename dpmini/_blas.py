@@ -16,10 +16,19 @@ count (omp_set_num_threads) belongs to the thread that sets it, so setting it
 here would not reach the replicas' worker threads. ``DPMINI_BLAS_LIMIT=0`` in the environment (read at
 every call) turns the limit off. The setting is process-wide: threads outside
 the parallel section that call BLAS meanwhile see the limit too.
+
+An OpenBLAS with its own threads (NumPy's wheels) is read and set through its
+``openblas_get_num_threads`` / ``openblas_set_num_threads`` directly (found
+once, through threadpoolctl), not through threadpoolctl's methods at every
+call: those cost about 4 us a call each, several times the rest of a small
+DataParallel call. Unlike threadpoolctl's methods, this does not defer to
+another Python thread that first changed OpenBLAS through threadpoolctl
+(threadpoolctl then ignores a second thread's changes): the limit applies
+whichever thread calls DataParallel.
 """
 import os
 
-_state = {"controller": None, "missing": False, "cores": 1}
+_state = {"controller": None, "missing": False, "cores": 1, "pools": ()}
 
 
 def _cores():
@@ -41,18 +50,36 @@ def _controller():
         except ImportError:
             _state["missing"] = True
             return None
-        _state["controller"] = threadpoolctl.ThreadpoolController()
+        ctrl = threadpoolctl.ThreadpoolController()
+        _state["pools"] = tuple((lib, _direct(lib)) for lib in ctrl.lib_controllers
+                                if lib.user_api == "blas")
+        _state["controller"] = ctrl
         _state["cores"] = _cores()   # a system call: taken once, with the pools
     return _state["controller"]
+
+
+def _direct(lib):
+    """(get, set): the C functions of an OpenBLAS pool with its own threads,
+    or None (another library, an OpenMP build, a threadpoolctl without them):
+    that pool is then read and set through threadpoolctl's methods."""
+    if getattr(lib, "internal_api", None) != "openblas" or \
+            getattr(lib, "threading_layer", None) == "openmp":
+        return None
+    try:
+        get = lib._get_symbol("openblas_get_num_threads")
+        put = lib._get_symbol("openblas_set_num_threads")
+    except Exception:   # a threadpoolctl without _get_symbol: its public methods
+        return None
+    return (get, put) if get is not None and put is not None else None
 
 
 def limit(replicas):
     """Cut every BLAS pool to max(1, cores // replicas) threads.
 
     replicas: the number of replicas about to run on virtual CPU devices (>= 2).
-    Returns a list of (pool, previous thread count) to hand to :func:`restore`,
-    or None when nothing was changed (limit off, threadpoolctl missing, pools
-    already small enough).
+    Returns a list of (the pool's set_num_threads, previous thread count) to
+    hand to :func:`restore`, or None when nothing was changed (limit off,
+    threadpoolctl missing, pools already small enough).
     """
     if os.environ.get("DPMINI_BLAS_LIMIT", "1").strip() == "0":
         return None
@@ -61,13 +88,17 @@ def limit(replicas):
         return None
     per = max(1, _state["cores"] // int(replicas))
     changed = []
-    for lib in ctrl.lib_controllers:
-        if lib.user_api != "blas":
+    for lib, direct in _state["pools"]:
+        if direct is not None:
+            n = direct[0]()
+            if n > per:
+                direct[1](per)
+                changed.append((direct[1], n))
             continue
         n = lib.num_threads
         if n > per:
             lib.set_num_threads(per)
-            changed.append((lib, n))
+            changed.append((lib.set_num_threads, n))
     return changed or None
 
 
@@ -75,5 +106,5 @@ def restore(changed):
     """Set the pools :func:`limit` changed back to their previous thread counts.
     parallel_apply reports an error raised here through sys.unraisablehook
     (the replicas' results stand)."""
-    for lib, n in changed:
-        lib.set_num_threads(n)
+    for set_num_threads, n in changed:
+        set_num_threads(n)

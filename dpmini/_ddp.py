@@ -5,6 +5,7 @@ its local devices by dpmini.DataParallel (torch.chunk's rule, in threads), and
 gradients are combined across ranks by reduce_gradients, weighted by the rows
 each rank had so that uneven batches give exactly the single-process step.
 """
+import hashlib
 import pickle
 import sys
 
@@ -225,8 +226,12 @@ def reduce_gradients(grads, weights="rows", rows=None):
       "mean": the plain mean over ranks (Horovod's allreduce average).
       a number: this rank's weight (weighted mean with the others' weights).
     rows: this rank's rows (int >= 0), needed for weights="rows".
-    Dict entries are paired across ranks by key (every rank must have the same
-    keys: else the same ValueError on every rank, naming the differing keys).
+    Dict entries are paired across ranks by key, list entries by position. Every
+    rank must pass the same keys (or list length) with the same shape and dtype
+    under each: else the same ValueError on every rank names the differing keys,
+    or each entry that differs (``grads['w']``) with every rank's shape and dtype
+    (checked with one small all_gather of a digest; the details are exchanged only
+    when the digests differ).
     Returns the same container type with new float/complex arrays of the
     same shapes, each in its input's library (torch, JAX, CuPy, else NumPy). Raises TypeError (container or dtypes), ValueError (rows
     missing or negative, weights unknown), plus the collectives' errors.
@@ -236,7 +241,6 @@ def reduce_gradients(grads, weights="rows", rows=None):
     if isinstance(grads, dict):
         # Paired by key, not insertion order: a canonical order, the same key set checked.
         keys = sorted(grads, key=repr)
-        _check_keys(dist, [repr(k) for k in keys])
         values = [grads[k] for k in keys]
     elif isinstance(grads, (list, tuple)):
         keys, values = None, list(grads)
@@ -268,6 +272,7 @@ def reduce_gradients(grads, weights="rows", rows=None):
     else:
         raise ValueError(f"weights: expected 'rows', 'sum', 'mean' or a number, got {weights!r}")
 
+    _check_layout(dist, keys, arrays)   # after the local checks: the first collective
     # One all_reduce per dtype: the flattened arrays, then the weight.
     out = [None] * len(arrays)
     by_dtype = {}
@@ -304,17 +309,57 @@ def reduce_gradients(grads, weights="rows", rows=None):
     return type(grads)(out) if isinstance(grads, tuple) else out
 
 
-def _check_keys(dist, reprs):
-    """Every rank's gradient dict keys (reprs, sorted) must be the same (collective)."""
-    blob = np.frombuffer(pickle.dumps(reprs), dtype=np.uint8)
+def _check_layout(dist, keys, arrays):
+    """Every rank's gradients must have the same keys (dict; keys sorted by repr,
+    None for a list) and the same shape and dtype under each (collective).
+
+    Checked on a digest of the layout (one all_gather of one int64); only when the
+    digests differ is every rank's layout gathered, to raise the same ValueError on
+    every rank naming what differs: the keys, or each entry with every rank's shape
+    and dtype (the packed buffer that all_reduce would see says nothing useful)."""
+    names = [repr(k) for k in keys] if keys is not None else list(range(len(arrays)))
+    layout = (keys is not None, [(n, tuple(int(d) for d in a.shape), a.dtype.str, str(a.dtype))
+                                 for n, a in zip(names, arrays)])
+    blob = pickle.dumps(layout, protocol=4)
+    digest = np.frombuffer(hashlib.blake2b(blob, digest_size=8).digest(), dtype="<i8")
+    if (dist.all_gather(digest) == digest[0]).all():
+        return
+    blob = np.frombuffer(blob, dtype=np.uint8)
     lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
     allb = dist.all_gather(blob)
     starts = np.concatenate([[0], np.cumsum(lens)])
-    per = [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
-    if all(p == per[0] for p in per):
-        return
-    union = sorted(set().union(*per))
-    diff = {k: [r for r in range(len(per)) if k not in per[r]] for k in union}
-    diff = {k: v for k, v in diff.items() if v}
-    raise ValueError("reduce_gradients: the ranks' gradient dicts have different keys: "
-                     + "; ".join(f"{k} missing on rank(s) {v}" for k, v in diff.items()))
+    full = [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+    if any(f[0] != full[0][0] for f in full):
+        raise ValueError("reduce_gradients: grads is " + _by_rank(
+            [f[0] for f in full], lambda d: "a dict" if d else "a list/tuple")
+            + " (every rank raises this)")
+    per = [f[1] for f in full]
+    P = len(per)
+    entries = [dict((n, (shape, dt, name)) for n, shape, dt, name in p) for p in per]
+    if keys is not None and any(set(e) != set(entries[0]) for e in entries):
+        union = sorted(set().union(*entries))
+        diff = {k: [r for r in range(P) if k not in entries[r]] for k in union}
+        diff = {k: v for k, v in diff.items() if v}
+        raise ValueError("reduce_gradients: the ranks' gradient dicts have different keys: "
+                         + "; ".join(f"{k} missing on rank(s) {v}" for k, v in diff.items()))
+    if keys is None and any(len(p) != len(per[0]) for p in per):
+        raise ValueError("reduce_gradients: the ranks pass different numbers of gradients: "
+                         + _by_rank([len(p) for p in per], str)
+                         + " (every rank raises this)")
+    parts = []
+    for n, *_ in per[0]:
+        got = [e[n] for e in entries]
+        if any(g != got[0] for g in got):
+            parts.append(f"grads[{n}] has " + _by_rank(
+                got, lambda g: f"shape {g[0]} dtype {g[2]}"))
+    raise ValueError("reduce_gradients: the ranks' gradients differ in shape or dtype: "
+                     + "; ".join(parts) + " (every rank raises this; the communicator "
+                     "stays usable)")
+
+
+def _by_rank(values, text):
+    """'A on rank(s) [0, 2], B on rank(s) [1]': each distinct value with its ranks."""
+    groups = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return ", ".join(f"{text(v)} on rank(s) {rs}" for v, rs in groups.items())

@@ -86,6 +86,7 @@ class _State:
     local_size = 1
     prev_hook = None
     exit_hook = False
+    stuck = None         # the parent communicator of an init() whose wait was abandoned
 
 
 _state = _State()
@@ -95,29 +96,27 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
     """Start dpmini.distributed on `comm` (collective: every rank calls it).
 
     comm: an mpi4py intracommunicator, default ``MPI.COMM_WORLD``; dpmini works
-        on its own duplicate (``MPI_Comm_dup``), so its messages never meet yours.
+        on its own duplicate (``MPI_Comm_idup``), so its messages never meet yours.
     timeout: seconds (float > 0) each collective waits for the other ranks
         before raising ``TimeoutError``; choose it above the longest time one
-        rank can run ahead of the slowest between two collectives.
+        rank can run ahead of the slowest between two collectives. init itself
+        waits at most this long for every rank to call init: past it, the ranks
+        that did raise ``TimeoutError`` (a rank may have failed before init), and
+        the job is then ended with ``MPI_Abort`` (exit code 1) when that error ends
+        the rank, or at exit if it is caught: the unfinished duplication would
+        otherwise leave ``MPI_Finalize`` waiting forever.
     abort_on_exception: install a ``sys.excepthook`` that prints the traceback
         and then calls ``MPI_Abort`` (exit code 1 for the whole job) when an
         uncaught exception ends this rank and there is more than one rank.
 
     Calling init again replaces the communicator. Raises TypeError (comm not
-    an mpi4py communicator), ValueError (bad timeout, an intercommunicator).
+    an mpi4py communicator), ValueError (bad timeout, an intercommunicator),
+    TimeoutError (not every rank called init within `timeout`).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout: expected seconds as a number, got {type(timeout).__name__}")
     parent = MPI.COMM_WORLD if comm is None else comm
-    new = _dist.Comm(parent, float(timeout))
-    if _state.comm is not None:
-        _state.comm.free()
-    _state.comm = new
-    local = parent.Split_type(MPI.COMM_TYPE_SHARED, key=parent.Get_rank())
-    try:
-        _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
-    finally:
-        local.Free()
+    # The hooks first: they must end the job if the wait below is abandoned.
     if not _state.exit_hook:
         atexit.register(_abort_if_broken)   # runs before mpi4py's MPI_Finalize (LIFO)
         atexit.register(_free_gpu)          # ncclCommDestroy, before both
@@ -127,12 +126,29 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
         sys.excepthook = _abort_hook
     elif not abort_on_exception and _state.prev_hook is not None:
         sys.excepthook, _state.prev_hook = _state.prev_hook, None
+    stuck = _dist._stuck_inits()
+    try:
+        new = _dist.Comm(parent, float(timeout))
+    except BaseException:
+        if _dist._stuck_inits() != stuck:   # TimeoutError or Ctrl-C: the idup is pending
+            _state.stuck = parent
+        raise
+    if _state.comm is not None:
+        _state.comm.free()
+    _state.comm = new
+    local = parent.Split_type(MPI.COMM_TYPE_SHARED, key=parent.Get_rank())
+    try:
+        _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
 
 
 def _abort_hook(tp, value, tb):
     """sys.excepthook while initialized: print, then MPI_Abort the job."""
     prev = _state.prev_hook or sys.__excepthook__
     prev(tp, value, tb)
+    if _state.stuck is not None:
+        _abort_stuck(f"ended with {tp.__name__}")
     comm = _state.comm
     if comm is not None and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} of {comm.size} ended with "
@@ -145,6 +161,8 @@ def _abort_if_broken():
     """At exit: a communicator left broken by a TimeoutError may still have
     messages in flight, and MPI_Finalize could wait on them forever; end the
     job instead (exit code 1)."""
+    if _state.stuck is not None:
+        _abort_stuck("exits")
     comm = _state.comm
     if comm is not None and comm.broken and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} exits after a TimeoutError; "
@@ -152,6 +170,16 @@ def _abort_if_broken():
                          "MPI_Finalize\n")
         sys.stderr.flush()
         comm.abort(1)
+
+
+def _abort_stuck(what):
+    """MPI_Abort through the parent communicator of an init() that timed out."""
+    parent = _state.stuck
+    sys.stderr.write(f"dpmini.distributed: rank {parent.Get_rank()} of {parent.Get_size()} "
+                     f"{what} after init() did not complete on every rank; aborting the job "
+                     "(MPI_Abort, exit code 1) rather than waiting in MPI_Finalize\n")
+    sys.stderr.flush()
+    parent.Abort(1)
 
 
 def _free_gpu():

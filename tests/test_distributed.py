@@ -158,6 +158,8 @@ def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, 
     ("bad_dim", 2, "IndexError: dim: 7 is out of range"),
     ("bad_sizes", 0, "ValueError: chunk_sizes: the sizes must add up to the 8 rows"),
     ("unpicklable", 0, "TypeError: x: cannot pickle function"),
+    ("root_none", 0, "TypeError: x: rank 0 is scatter's root (root=0) and passed None; root "
+                     "passes the array to split"),
 ])
 def test_bad_argument_on_one_rank_raises_on_every_rank(mismatch_run, case, bad_rank, own):
     rc, lines, out, _ = mismatch_run
@@ -298,13 +300,74 @@ def test_ddp_in_dims_broadcast_table_first_counts_the_batch_rows():
     assert rc == 0 and all(lines[r] == ["OK ddp_indims"] for r in range(4)), out
 
 
-@needs_mpi
-def test_reduce_gradients_pairs_dict_entries_by_key():
-    rc, lines, out, _ = mpirun("dict_keys")
+@pytest.fixture(scope="module")
+def dict_keys_run():
+    if not _have_dist():
+        pytest.skip("needs mpirun and dpmini._dist")
+    return mpirun("dict_keys")
+
+
+def test_reduce_gradients_pairs_dict_entries_by_key(dict_keys_run):
+    rc, lines, out, _ = dict_keys_run
     assert rc == 0 and all("OK dict_keys" in lines[r] for r in range(4)), out
     got = errors(lines, "dict_keys")
     assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1, got
     assert "'c' missing on rank(s) [0, 1, 2]" in got[0], got
+
+
+@needs_mpi
+@pytest.mark.parametrize("case,words", [
+    ("shape_differs", ["grads['w'] has shape (3,) dtype float64 on rank(s) [0], shape (2,) "
+                       "dtype float64 on rank(s) [1, 2, 3]"]),
+    ("dtype_differs", ["grads[1] has shape (2,) dtype float64 on rank(s) [0, 2, 3], shape (2,) "
+                       "dtype float32 on rank(s) [1]"]),
+    ("count_differs", ["different numbers of gradients: 1 on rank(s) [0, 1, 3], 2 on rank(s) "
+                       "[2]"]),
+])
+def test_reduce_gradients_names_the_entry_whose_shape_differs(dict_keys_run, case, words):
+    rc, lines, out, _ = dict_keys_run
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1, got
+    assert got[0].startswith("ValueError: reduce_gradients: "), got
+    assert "all_reduce" not in got[0] and "(9,)" not in got[0], got   # not the packed buffer
+    for w in words:
+        assert w in got[0], (w, got[0])
+
+
+@needs_mpi
+def test_all_reduce_past_the_int_count_raises_before_copying_a_view():
+    rc, lines, out, _ = mpirun("big_reduce", np=2)
+    assert rc == 0, out
+    got = errors(lines, "big_reduce")
+    assert sorted(got) == [0, 1], out
+    for m in got.values():
+        assert m.startswith("OverflowError: x: 2147483653 elements do not fit MPI's int count"), m
+    for r in range(2):
+        peak = [int(x.split()[1]) for x in lines[r] if x.startswith("peak ")]
+        assert peak and peak[0] < 2**26, (peak, out)   # no 2 GiB contiguous copy
+        assert lines[r][-1] == "OK big_reduce", out
+
+
+@needs_mpi
+def test_rank_failing_before_init_gives_timeout_error_and_ends_the_job():
+    rc, lines, out, took = mpirun("skip_init", limit=60, retries=2, DIST_TEST_TIMEOUT="3")
+    assert rc != 0, out
+    assert "RuntimeError: rank 3 failed before init" in out
+    got = errors(lines, "init")   # the first rank to abort may end the others first
+    assert got and set(got) <= {0, 1, 2}, out
+    for r, m in got.items():
+        assert m.startswith(f"TimeoutError: dpmini.distributed.init (rank {r} of 4): not every "
+                            "rank reached init() within the timeout of 3 s (a rank may have "
+                            "failed before init"), m
+    assert "after init() did not complete on every rank; aborting the job (MPI_Abort" in out
+    assert took < 60, took
+
+
+@needs_mpi
+def test_rank_late_to_init_within_the_timeout_still_works():
+    rc, lines, out, _ = mpirun("late_init", DIST_TEST_TIMEOUT="20")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK late_init"] for r in range(4)), out
 
 
 @needs_mpi

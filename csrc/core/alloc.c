@@ -6,12 +6,16 @@
  * the cache's age list (oldest first, the eviction order). Every operation
  * is O(1) apart from evictions, which are O(blocks evicted). Backend calls
  * and free() of nodes happen after the mutex is released: evicted blocks
- * are collected on a private list first.
+ * are collected on a private list first. A few unused nodes are kept for
+ * reuse (a block handed out gives its node back; a block cached takes one),
+ * so the usual alloc / free pair calls neither malloc nor free.
  */
 #include "alloc.h"
 
 #include <stdint.h>
 #include <stdlib.h>
+
+#define DP_ALLOC_SPARE 64   /* unused nodes a cache keeps */
 
 struct dp_cblock {
     dp_cblock *prev, *next;          /* bin list                     */
@@ -62,8 +66,23 @@ int dp_cache_init(dp_cache *c, dp_alloc_backend be, size_t limit, size_t slack)
         c->bins[i] = NULL;
     }
     c->lru_old = c->lru_new = NULL;
+    c->spare = NULL;
+    c->nspare = 0;
     c->st = (dp_cache_stats){0};
     return 0;
+}
+
+/* Keep node b for reuse: 1, or 0 when enough are kept (free it after
+ * unlocking). Mutex held. */
+static int keep_node(dp_cache *c, dp_cblock *b)
+{
+    if (c->nspare >= DP_ALLOC_SPARE) {
+        return 0;
+    }
+    b->next = c->spare;
+    c->spare = b;
+    c->nspare++;
+    return 1;
 }
 
 /* Unlink b from its bin and the age list; mutex held. */
@@ -147,10 +166,13 @@ int dp_cache_alloc(dp_cache *c, size_t nbytes, void **out, size_t *rounded, void
         if (c->st.allocated > c->st.peak) {
             c->st.peak = c->st.allocated;
         }
-        pthread_mutex_unlock(&c->mu);
         *out = b->ptr;
         *rounded = size;
-        free(b);
+        int kept = keep_node(c, b);
+        pthread_mutex_unlock(&c->mu);
+        if (!kept) {
+            free(b);
+        }
         return DP_ALLOC_OK;
     }
     c->st.misses++;
@@ -179,8 +201,17 @@ int dp_cache_alloc(dp_cache *c, size_t nbytes, void **out, size_t *rounded, void
 void dp_cache_free(dp_cache *c, void *ptr, size_t rounded)
 {
     int cls = dp_cache_class(rounded);
-    dp_cblock *b = malloc(sizeof *b), *evicted = NULL;
+    dp_cblock *b, *evicted = NULL;
     pthread_mutex_lock(&c->mu);
+    b = c->spare;
+    if (b != NULL) {
+        c->spare = b->next;
+        c->nspare--;
+    } else {   /* no node kept: make one without holding the mutex */
+        pthread_mutex_unlock(&c->mu);
+        b = malloc(sizeof *b);
+        pthread_mutex_lock(&c->mu);
+    }
     c->st.allocated -= rounded;
     size_t bound = bound_of(c);
     if (b != NULL && cls >= 0 && rounded <= bound) {
@@ -206,6 +237,9 @@ void dp_cache_free(dp_cache *c, void *ptr, size_t rounded)
         c->st.nblocks++;
         b = NULL;
         ptr = NULL;
+    }
+    if (b != NULL && keep_node(c, b)) {
+        b = NULL;
     }
     pthread_mutex_unlock(&c->mu);
     release_chain(c, evicted);
@@ -254,5 +288,11 @@ dp_cache_stats dp_cache_get_stats(dp_cache *c)
 void dp_cache_destroy(dp_cache *c)
 {
     dp_cache_empty(c);
+    while (c->spare != NULL) {
+        dp_cblock *next = c->spare->next;
+        free(c->spare);
+        c->spare = next;
+    }
+    c->nspare = 0;
     pthread_mutex_destroy(&c->mu);
 }

@@ -70,6 +70,8 @@ typedef struct {
     size_t slack;                           /* cached bytes allowed above peak */
     dp_cblock *bins[DP_ALLOC_NCLASSES];     /* per class, most recent first */
     dp_cblock *lru_old, *lru_new;           /* every cached block, by age */
+    dp_cblock *spare;                       /* unused nodes, chained by next */
+    int nspare;                             /* their number (<= DP_ALLOC_SPARE) */
     dp_cache_stats st;
 } dp_cache;
 

@@ -3,8 +3,8 @@
  *
  * Built only when mpi.h and mpi4py's headers are found (setup.py). The
  * communicator comes from mpi4py's C API (PyMPIComm_Get after
- * import_mpi4py()); dpmini works on its own MPI_Comm_dup of it, so its
- * messages never meet the user's.
+ * import_mpi4py()); dpmini works on its own duplicate of it (MPI_Comm_idup,
+ * bounded by the timeout), so its messages never meet the user's.
  */
 #define DIST_IMPORT_ARRAY
 #include "dist.h"
@@ -15,6 +15,7 @@
 
 typedef struct {
     PyTypeObject *Comm;
+    int stuck_inits;   /* Comm() waits left unfinished (see wait_for_dup) */
 } dist_state;
 
 /* ------------------------------------------------------------------ */
@@ -97,6 +98,53 @@ static void free_comm(dist_comm *c)
     c->comm = MPI_COMM_NULL;
 }
 
+/* MPI_Comm_dup is collective and blocking: a rank that never calls init()
+ * (it raised before) would leave every other rank in it forever. So:
+ * MPI_Comm_idup, polled against the timeout with the GIL released (Ctrl-C
+ * checked). On a timeout or an interrupt the duplication stays pending:
+ * MPI may still write *out and the request cannot be freed (it is
+ * erroneous for a non-blocking collective), so both are left alone for
+ * good, counted in stuck_inits; dpmini.distributed then ends the job with
+ * MPI_Abort rather than let MPI_Finalize wait on it. 0, or -1 with an
+ * exception set. */
+static int wait_for_dup(PyTypeObject *tp, MPI_Comm parent, double timeout, MPI_Comm *comm)
+{
+    MPI_Comm *out = PyMem_Malloc(sizeof(MPI_Comm));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *out = MPI_COMM_NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int done = 0, rc = MPI_Comm_idup(parent, out, &req);
+    if (rc != MPI_SUCCESS) {
+        PyMem_Free(out);
+        return dist_mpi_error(rc, "MPI_Comm_idup");
+    }
+    int st = dist_poll(&req, 1, &done, dist_now() + timeout);
+    if (st == 0) {
+        *comm = *out;
+        PyMem_Free(out);
+        return 0;
+    }
+    dist_state *ds = PyType_GetModuleState(tp);
+    if (ds != NULL)
+        ds->stuck_inits++;
+    if (st == 1) {
+        int me = -1, n = 0;
+        MPI_Comm_rank(parent, &me);
+        MPI_Comm_size(parent, &n);
+        char secs[32];
+        snprintf(secs, sizeof secs, "%g", timeout);
+        PyErr_Format(PyExc_TimeoutError,
+                     "dpmini.distributed.init (rank %d of %d): not every rank reached init() "
+                     "within the timeout of %s s (a rank may have failed before init: see its "
+                     "error in the job's output); the job cannot go on: it is aborted "
+                     "(MPI_Abort) when this error ends the rank, or at exit", me, n, secs);
+    }
+    return -1;   /* st == -1: an interrupt or an MPI error, already raised */
+}
+
 static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"comm", "timeout", NULL};
@@ -137,13 +185,8 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         return NULL;
     c->comm = MPI_COMM_NULL;
     c->timeout = timeout;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = MPI_Comm_dup(*parent, &c->comm);
-    Py_END_ALLOW_THREADS
-    if (rc != MPI_SUCCESS) {
+    if (wait_for_dup(tp, *parent, timeout, &c->comm) < 0) {
         c->comm = MPI_COMM_NULL;
-        dist_mpi_error(rc, "MPI_Comm_dup");
         goto fail;
     }
     MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
@@ -276,9 +319,10 @@ static PyMethodDef Comm_methods[] = {
 
 PyDoc_STRVAR(Comm_doc,
 "Comm(comm, timeout)\n--\n\n"
-"dpmini's duplicate of an mpi4py intracommunicator (MPI_Comm_dup: collective, every rank\n"
-"must construct it), with the guarded collectives of dpmini.distributed. See that module\n"
-"for the API; this type is its engine.");
+"dpmini's duplicate of an mpi4py intracommunicator (MPI_Comm_idup: collective, every rank\n"
+"must construct it; TimeoutError when not every rank does within `timeout` seconds), with\n"
+"the guarded collectives of dpmini.distributed. See that module for the API; this type is\n"
+"its engine.");
 
 static PyType_Slot Comm_slots[] = {
     {Py_tp_new, Comm_new},
@@ -341,6 +385,12 @@ static PyObject *nccl_emulate(PyObject *Py_UNUSED(m), PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *stuck_inits(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    dist_state *st = PyModule_GetState(m);
+    return PyLong_FromLong(st->stuck_inits);
+}
+
 static PyObject *nccl_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
 {
     return PyUnicode_FromString(dist_nccl_describe());
@@ -351,6 +401,10 @@ static PyMethodDef dist_functions[] = {
      "_nccl_emulate(on: bool) -> None: before the first GPU collective, choose NCCL emulated\n"
      "over MPI on host memory (csrc/dist/dist_nccl_emu.c; for dpmini's emulated build) or the\n"
      "real libnccl. RuntimeError once the other one is in use."},
+    {"_stuck_inits", stuck_inits, METH_NOARGS,
+     "_stuck_inits() -> int: how many Comm() constructions ended (TimeoutError, interrupt)\n"
+     "with their MPI_Comm_idup still pending; MPI_Finalize could then wait forever, so\n"
+     "dpmini.distributed aborts the job at exit when this is not 0."},
     {"nccl_info", nccl_info, METH_NOARGS,
      "nccl_info() -> str: the NCCL in use for GPU arrays (library version and path, or the\n"
      "emulation), or 'not loaded' before the first GPU collective."},

@@ -232,6 +232,9 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
                                                               : -1;
         if (d >= 0)
             dist_plan_rows(&s, mine.shape[d], P, sizes);
+    } else if (ok && me == root && x == Py_None) {
+        PyErr_Format(PyExc_TypeError, "x: rank %d is scatter's root (root=%d) and passed None; "
+                     "root passes the array to split, only the other ranks pass None", me, root);
     } else if (ok && me == root && (arr = dist_as_array(x, "x", 0)) != NULL) {
         int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
         if (d >= 0 && dist_plan_rows(&s, PyArray_DIM((PyArrayObject *)arr, d), P, sizes) == 0)

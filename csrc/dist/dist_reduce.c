@@ -43,6 +43,19 @@ static int parse_op(const char *op)
     return -1;
 }
 
+/* OverflowError past MPI's int count. Checked on an ndarray before
+ * dist_as_array, which would first copy a non-contiguous view (a
+ * broadcast_to of 2**31 elements is 2 GiB to copy, long enough for the
+ * other ranks to time out), and again on the converted array. */
+static int too_many(npy_intp n)
+{
+    if (n <= INT_MAX)
+        return 0;
+    PyErr_Format(PyExc_OverflowError, "x: %lld elements do not fit MPI's int count "
+                 "(< 2**31); reduce it in parts", (long long)n);
+    return -1;
+}
+
 /* The MPI datatype and operation for this dtype and op, or an error
  * naming the dtype. */
 static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
@@ -90,12 +103,7 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
         *o = op == DIST_OP_MAX ? MPI_LOR : MPI_LAND;
     else
         *o = op == DIST_OP_MAX ? MPI_MAX : op == DIST_OP_MIN ? MPI_MIN : MPI_SUM;
-    if (PyArray_SIZE(a) > INT_MAX) {
-        PyErr_Format(PyExc_OverflowError, "x: %lld elements do not fit MPI's int count "
-                     "(< 2**31); reduce it in parts", (long long)PyArray_SIZE(a));
-        return -1;
-    }
-    return 0;
+    return too_many(PyArray_SIZE(a));
 }
 
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
@@ -125,8 +133,9 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     else if (op >= 0 && gpu != Py_None) {   /* NCCL (dist_gpu.c) */
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
-    } else if (op >= 0 && (arr = dist_as_array(x, "x", 1)) != NULL &&
-             mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
+    } else if (op >= 0 && (!PyArray_Check(x) || too_many(PyArray_SIZE((PyArrayObject *)x)) == 0)
+               && (arr = dist_as_array(x, "x", 1)) != NULL
+               && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);

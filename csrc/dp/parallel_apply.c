@@ -423,15 +423,23 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         }
         return NULL;
     }
-    /* Queue the worker jobs first, then run the inline ones meanwhile. */
+    /* Queue the worker jobs first, then run the inline ones meanwhile. The
+     * caller's torch grad mode and autocast are read once (they cannot
+     * change while this loop holds the GIL); each job gets its own autocast
+     * object, entered in its own thread. */
+    int torch_no_grad = -1, torch_cast = -1;
     for (Py_ssize_t i = 0; i < m && abort == NULL; i++) {
         apply_job *job = &jobs[i];
         if (!job->on_worker) {
             continue;
         }
         job->ctx = PyContext_CopyCurrent();
-        job->torch_no_grad = dp_torch_grad_enabled() == 0;
-        job->torch_autocast = dp_torch_autocast_carry();
+        if (torch_no_grad < 0) {
+            torch_no_grad = dp_torch_grad_enabled() == 0;
+        }
+        job->torch_no_grad = torch_no_grad;
+        job->torch_autocast = torch_cast != 0 ? dp_torch_autocast_carry() : NULL;
+        torch_cast = job->torch_autocast != NULL;
         if (job->ctx == NULL) {
             job->on_worker = 0;
             job->cancelled = 1;

@@ -27,6 +27,52 @@ static char rep_busy_marker;
 /* Helpers: the build                                                  */
 /* ------------------------------------------------------------------ */
 
+/* The path of node n from the module (new str): w->path filled back from
+ * the edges that lead to it (error messages only). */
+static PyObject *node_path(rep_walk *w, Py_ssize_t n)
+{
+    int depth = 0;
+    for (Py_ssize_t c = n; c != 0 && depth < DP_REPLICATE_MAX_DEPTH;) {
+        Py_ssize_t e = 0;
+        while (e < w->nedges && w->edges[e].child != c) {
+            e++;
+        }
+        if (e == w->nedges) {
+            break;
+        }
+        depth++;
+        for (int d = depth; d > 1; d--) {
+            w->path[d] = w->path[d - 1];
+        }
+        w->path[1].parent_kind = w->nodes[w->edges[e].parent].kind;
+        w->path[1].index = w->edges[e].index;
+        w->path[1].key = w->edges[e].key;
+        c = w->edges[e].parent;
+    }
+    return rep_path(w, depth);
+}
+
+/* The pending error of copy.copy(node n's object), re-raised (same type,
+ * the original as __cause__) naming its path (README, "Probing"). */
+static void name_copy_error(rep_walk *w, Py_ssize_t n)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return;   /* KeyboardInterrupt: as it is */
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *path = node_path(w, n);
+    PyObject *msg = path != NULL && v != NULL ? PyUnicode_FromFormat(
+        "%U: copy.copy() of a %.100s object (replicate makes one per device to hold that "
+        "device's arrays) raised %.100s: %S", path, Py_TYPE(w->nodes[n].obj)->tp_name,
+        Py_TYPE(v)->tp_name, v) : NULL;
+    Py_XDECREF(path);
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+    dp_reraise_msg(w->st, msg);
+}
+
 /* The replica of node n for one device (new reference). arrays_d: that
  * device's broadcast arrays; memo: one slot per node (NULL, REP_BUSY or a
  * new reference), so objects reachable twice stay one object. */
@@ -62,6 +108,9 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
         break;
     default:   /* RK_LIST_SUB, RK_DICT_SUB, RK_OBJECT */
         copy = PyObject_CallOneArg(w->st->copy_copy, node->obj);
+        if (copy == NULL) {
+            name_copy_error(w, n);
+        }
         break;
     }
     if (copy == NULL) {

@@ -121,6 +121,9 @@ Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth);
  * and group the edges that lead to arrays by parent (w->sorted). */
 int rep_link(rep_walk *w);
 
+/* "module.layers[1]['w']": the path of w->path[1..depth] (new str). */
+PyObject *rep_path(rep_walk *w, int depth);
+
 #pragma GCC visibility pop
 
 #endif

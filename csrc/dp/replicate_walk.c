@@ -220,7 +220,7 @@ static int rep_walk_slots(rep_walk *w, Py_ssize_t parent, PyObject *o, int depth
 }
 
 /* "module.layers[1]['w']": the path of the node at depth (new str). */
-static PyObject *rep_path(rep_walk *w, int depth)
+PyObject *rep_path(rep_walk *w, int depth)
 {
     PyObject *p = PyUnicode_FromString("module");
     /* Long paths show their first 32 steps, as tree_common.c's path_str. */

@@ -173,7 +173,28 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
         }
         PyList_SET_ITEM(result, d, row);
     }
+    if (n > 0 && ndev > PY_SSIZE_T_MAX / n) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (jobs_reserve(&jobs, n * ndev) < 0) {
+        goto fail;
+    }
+    /* Between virtual CPU devices, copies start in slices while the rest are
+     * still being set up (a module of many parameters): each worker gets
+     * DP_STREAM_MIN_JOB bytes or more a slice, so its copies still stream. */
+    int pipeline = 1;
+    for (Py_ssize_t d = 0; d < ndev && pipeline; d++) {
+        pipeline = devs[d].kind == DP_VCPU;
+    }
+    for (Py_ssize_t i = 0; i < n && pipeline; i++) {
+        pipeline = dp_array_device(st, src[i]).kind != DP_CUDA;
+    }
+    size_t slice = (size_t)ndev * DP_STREAM_MIN_JOB;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (pipeline && jobs.bytes - jobs.launched_bytes >= slice && jobs_launch(&jobs) < 0) {
+            goto fail;
+        }
         int r = nccl_broadcast_queue(st, src[i], devs, ndev, result, i, &batch);
         if (r < 0) {
             goto fail;

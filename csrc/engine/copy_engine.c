@@ -66,11 +66,20 @@ PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src
     int perm[DP_MAXDIMS];
     npy_intp new_strides[DP_MAXDIMS];
     const npy_intp *use = NULL;
-    for (int i = 0; i < nd; i++) {
+    /* A region in C order whose dims are all longer than 1 (a shard of a
+     * C-contiguous array, the usual case) keeps C order, which is what the
+     * dense rule below would give it: no need to sort its dims. */
+    int c_order = nd > 1 && itemsize > 0;
+    npy_intp expect = (npy_intp)itemsize;
+    for (int i = nd - 1; i >= 0 && c_order; i--) {
+        c_order = shape[i] > 1 && strides[i] == expect &&
+                  !__builtin_mul_overflow(expect, shape[i], &expect);
+    }
+    for (int i = 0; i < nd && !c_order; i++) {
         sh[i] = shape[i];
         sd[i] = strides[i];
     }
-    if (nd > 1 && itemsize > 0 && dp_layout_is_dense(nd, sh, sd, itemsize, perm)) {
+    if (!c_order && nd > 1 && itemsize > 0 && dp_layout_is_dense(nd, sh, sd, itemsize, perm)) {
         dp_dense_strides(nd, sh, itemsize, perm, out);
         for (int i = 0; i < nd; i++) {
             new_strides[i] = (npy_intp)out[i];
@@ -96,10 +105,15 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
 {
     job_list jobs = {0};
     int i, j;
+    Py_ssize_t njobs = 0;
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
+        njobs += items[i].nchunks;
+    }
+    if (jobs_reserve(&jobs, njobs) < 0) {
+        return -1;
     }
     for (i = 0; i < nitems; i++) {
         dp_scatter_item *it = &items[i];
@@ -203,7 +217,9 @@ static void shape_error(const char *argname, Py_ssize_t i, PyArrayObject *part,
 PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
                            dp_device dest, PyArrayObject *out, const char *argname)
 {
-    job_list jobs = {0};
+    copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
+    job_list jobs;
+    jobs_init_fixed(&jobs, few, 2);
     PyArrayObject *result = NULL;
     npy_intp shape[DP_MAXDIMS];
     Py_ssize_t i;
@@ -288,6 +304,9 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
             return NULL;
         }
     }
+    if (jobs_reserve(&jobs, n) < 0) {
+        goto fail;
+    }
     npy_intp stride = PyArray_STRIDES(result)[dim];
     int64_t offset = 0;
     for (i = 0; i < n; i++) {
@@ -357,6 +376,23 @@ fail:
     return NULL;
 }
 /* A sequence of arrays as a PyMem array of new references. */
+/* Write "[i]" and a terminating NUL at buf (room for 23 bytes; i >= 0). */
+static void index_suffix(char *buf, Py_ssize_t i)
+{
+    char digits[24];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + i % 10);
+        i /= 10;
+    } while (i > 0);
+    *buf++ = '[';
+    while (n > 0) {
+        *buf++ = digits[--n];
+    }
+    *buf++ = ']';
+    *buf = '\0';
+}
+
 int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname,
                          int min_ndim, PyArrayObject ***out, Py_ssize_t *n)
 {
@@ -380,9 +416,14 @@ int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname,
         PyErr_NoMemory();
         return -1;
     }
+    char name[96];
+    size_t plen = strlen(argname);
+    if (plen > sizeof name - 24) {
+        plen = sizeof name - 24;   /* argname is a short literal; room for "[N]" */
+    }
+    memcpy(name, argname, plen);
     for (Py_ssize_t i = 0; i < len; i++) {
-        char name[96];
-        snprintf(name, sizeof name, "%s[%zd]", argname, i);
+        index_suffix(name + plen, i);   /* "tensors[12]": no printf per item */
         arrs[i] = dp_as_array(st, PySequence_Fast_GET_ITEM(seq, i), name, min_ndim);
         if (arrs[i] == NULL) {
             for (Py_ssize_t k = 0; k < i; k++) {

@@ -22,8 +22,19 @@
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
 
+/* Dims a queued copy keeps in its job; a simplified copy (copy.h) rarely
+ * has more, and one that has keeps its descriptor on the heap. */
+#define JOB_DIMS 8
+
 typedef struct {
-    dp_copy_desc desc;  /* simplified                                       */
+    /* the simplified copy (dp_copy_simplify), compact: a full dp_copy_desc
+     * holds DP_MAXDIMS dims (1.5 KB), and a call can queue tens of
+     * thousands of jobs */
+    int ndim;
+    size_t itemsize;
+    uint64_t bytes;     /* numel * itemsize                                  */
+    int64_t shape[JOB_DIMS], src_strides[JOB_DIMS], dst_strides[JOB_DIMS];
+    dp_copy_desc *big;  /* PyMem: the descriptor when ndim > JOB_DIMS, else NULL */
     char *dst;
     const char *src;
     dp_device exec;     /* whose worker runs it; the host means the caller  */
@@ -37,9 +48,15 @@ typedef struct {
 } copy_route;
 
 typedef struct {
-    copy_job *jobs;     /* PyMem_Malloc'ed */
+    copy_job *jobs;     /* PyMem_Malloc'ed, or `fixed`                      */
     Py_ssize_t n, cap;
     size_t bytes;       /* total bytes to copy */
+    copy_job *fixed;    /* caller storage the list started in (never freed
+                           here; see jobs_init_fixed), or NULL              */
+    Py_ssize_t launched;     /* jobs [0, launched) already handed to the
+                                workers by jobs_launch                      */
+    size_t launched_bytes;   /* their bytes                                 */
+    struct job_launch *running; /* what jobs_launch started (PyMem), or NULL */
 } job_list;
 
 /* ------------------------------------------------------------------ */
@@ -48,6 +65,11 @@ typedef struct {
 
 /* copy_jobs.c: free a job list's storage and reset it to empty (jobs not run are dropped). */
 void jobs_free(job_list *l);
+/* copy_jobs.c: an empty list whose first `cap` jobs go into the caller's
+ * `buf` (a call that queues a few jobs allocates nothing); buf must outlive it. */
+void jobs_init_fixed(job_list *l, copy_job *buf, Py_ssize_t cap);
+/* copy_jobs.c: make room for `more` jobs beyond those queued (one allocation). */
+int jobs_reserve(job_list *l, Py_ssize_t more);
 /* copy_jobs.c: queue dst[...] = src[...] for `shape` (strides in bytes) along `route`. */
 int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
              char *dst, const npy_intp *dst_strides,
@@ -60,6 +82,12 @@ int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t
 int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n);
 /* copy_jobs.c: run every queued job on the device workers (GIL released; small totals inline). */
 int jobs_run(job_list *l);
+/* copy_jobs.c: start the jobs queued since the last launch on the device
+ * workers now, while the caller goes on queuing (GIL held): virtual CPU
+ * jobs only, and only in a list that will not move (jobs_reserve'd for all
+ * its jobs). 1 when started, 0 when left for jobs_run, -1 on error.
+ * jobs_run (or jobs_free, on an error path) waits for them. */
+int jobs_launch(job_list *l);
 /* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */
 copy_route exec_device(dp_device src, dp_device dst);
 /* copy_engine.c: ValueError "<argname>: Expected at least one device to scatter to"; NULL. */

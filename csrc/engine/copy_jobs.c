@@ -18,12 +18,65 @@
 /* Copy jobs                                                           */
 /* ------------------------------------------------------------------ */
 
+void jobs_init_fixed(job_list *l, copy_job *buf, Py_ssize_t cap)
+{
+    memset(l, 0, sizeof *l);
+    l->jobs = l->fixed = buf;
+    l->cap = cap;
+}
+
+static int launch_wait(job_list *l);
+
 void jobs_free(job_list *l)
 {
-    PyMem_Free(l->jobs);
-    l->jobs = NULL;
+    (void)launch_wait(l);   /* an error path: the launched copies still write */
+    for (Py_ssize_t i = 0; i < l->n; i++) {
+        PyMem_Free(l->jobs[i].big);
+    }
+    if (l->jobs != l->fixed) {
+        PyMem_Free(l->jobs);
+    }
+    l->jobs = l->fixed = NULL;
     l->n = l->cap = 0;
     l->bytes = 0;
+    l->launched = 0;
+    l->launched_bytes = 0;
+}
+
+/* Room for `more` jobs beyond those queued, so that a caller that knows
+ * how many it queues grows the list once: a job is a few hundred bytes,
+ * and growing by doubling copied
+ * every queued job again at each step. */
+int jobs_reserve(job_list *l, Py_ssize_t more)
+{
+    if (more <= l->cap - l->n) {
+        return 0;
+    }
+    if (l->running != NULL) {   /* workers are reading the jobs: never move them */
+        PyErr_SetString(PyExc_SystemError, "copy jobs: list grown while its jobs run");
+        return -1;
+    }
+    if (more > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(copy_job) - l->n) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t cap = l->n + more;
+    copy_job *grown;
+    if (l->jobs != NULL && l->jobs == l->fixed) {   /* out of the caller's storage */
+        grown = PyMem_Malloc((size_t)cap * sizeof(copy_job));
+        if (grown != NULL) {
+            memcpy(grown, l->jobs, (size_t)l->n * sizeof(copy_job));
+        }
+    } else {
+        grown = PyMem_Realloc(l->jobs, (size_t)cap * sizeof(copy_job));
+    }
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    l->jobs = grown;
+    l->cap = cap;
+    return 0;
 }
 
 /* Queue dst[...] = src[...] for `shape`. Strides in bytes. */
@@ -43,35 +96,82 @@ int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
         ss[i] = src_strides[i];
         ds[i] = dst_strides[i];
     }
-    if (l->n == l->cap) {
-        Py_ssize_t cap = l->cap ? 2 * l->cap : 16;
-        copy_job *grown = PyMem_Realloc(l->jobs, (size_t)cap * sizeof(copy_job));
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        l->jobs = grown;
-        l->cap = cap;
+    if (l->n == l->cap && jobs_reserve(l, l->cap ? l->cap : 4) < 0) {
+        return -1;
     }
     copy_job *j = &l->jobs[l->n];
-    if (dp_copy_init(&j->desc, nd, itemsize, sh, ss, ds) < 0) {
+    /* Contiguous in C order on both sides (size-1 dims aside): the one-run
+     * form dp_copy_simplify would give it, without building a descriptor. */
+    int64_t run = (int64_t)itemsize;
+    int flat = itemsize <= (size_t)INT64_MAX;
+    for (int i = nd - 1; i >= 0 && flat; i--) {
+        if (sh[i] != 1) {
+            flat = ss[i] == run && ds[i] == run && !__builtin_mul_overflow(run, sh[i], &run);
+        }
+    }
+    if (flat) {
+        j->big = NULL;
+        j->ndim = 1;
+        j->itemsize = itemsize;
+        j->shape[0] = run / (int64_t)itemsize;
+        j->src_strides[0] = j->dst_strides[0] = (int64_t)itemsize;
+        j->bytes = (uint64_t)run;
+        goto queued;
+    }
+    dp_copy_desc d;   /* only its first nd dims are written */
+    if (dp_copy_init(&d, nd, itemsize, sh, ss, ds) < 0) {
         PyErr_Format(PyExc_ValueError, "copy: %d dimensions is more than dpmini supports (%d)",
                      nd, DP_MAXDIMS);
         return -1;
     }
-    dp_copy_simplify(&j->desc);
+    dp_copy_simplify(&d);
+    j->big = NULL;
+    if (d.ndim > JOB_DIMS) {
+        j->big = PyMem_Malloc(sizeof d);
+        if (j->big == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *j->big = d;
+    } else {
+        for (int i = 0; i < d.ndim; i++) {
+            j->shape[i] = d.shape[i];
+            j->src_strides[i] = d.src_strides[i];
+            j->dst_strides[i] = d.dst_strides[i];
+        }
+    }
+    j->ndim = d.ndim;
+    j->itemsize = itemsize;
+    j->bytes = (uint64_t)dp_copy_numel(&d) * itemsize;
+queued:
     j->dst = dst;
     j->src = src;
     j->exec = route.exec;
     j->src_dev = route.src;
     j->dst_dev = route.dst;
-    l->bytes += (size_t)dp_copy_numel(&j->desc) * itemsize;
+    l->bytes += (size_t)j->bytes;
     l->n++;
     return 0;
 }
 
+/* The job's copy as a dp_copy_desc: its heap one, or *buf filled in. */
+static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
+{
+    if (j->big != NULL) {
+        return j->big;
+    }
+    buf->ndim = j->ndim;
+    buf->itemsize = j->itemsize;
+    for (int i = 0; i < j->ndim; i++) {
+        buf->shape[i] = j->shape[i];
+        buf->src_strides[i] = j->src_strides[i];
+        buf->dst_strides[i] = j->dst_strides[i];
+    }
+    return buf;
+}
+
 typedef struct {
-    copy_job *jobs;
+    copy_job **jobs;    /* the group's jobs, in the order they were queued */
     Py_ssize_t n;
     dpc_status status;  /* first failure of a GPU copy; code 0 when none */
     Py_ssize_t failed;  /* index of the failed job                       */
@@ -88,25 +188,27 @@ static int gpu_index(dp_device d)
 static void run_group(void *arg)
 {
     job_group *g = arg;
-    dp_gpu_sync sync = {g->n ? gpu_index(g->jobs[0].exec) : -1, 0};
+    dp_gpu_sync sync = {g->n ? gpu_index(g->jobs[0]->exec) : -1, 0};
     g->status = dpc_ok();
     /* Many small host jobs that together write more than a large job (a
      * replicate of many parameters, a scatter of many leaves) stream too:
      * what decides is how much this thread writes, not each job's size. */
     uint64_t host_bytes = 0;
     for (Py_ssize_t i = 0; i < g->n; i++) {
-        if (g->jobs[i].exec.kind != DP_CUDA) {
-            host_bytes += (uint64_t)dp_copy_numel(&g->jobs[i].desc) * g->jobs[i].desc.itemsize;
+        if (g->jobs[i]->exec.kind != DP_CUDA) {
+            host_bytes += g->jobs[i]->bytes;
         }
     }
     int mode = host_bytes >= DP_STREAM_MIN_JOB ? DP_COPY_STREAM : DP_COPY_AUTO;
     for (Py_ssize_t i = 0; i < g->n; i++) {
-        copy_job *j = &g->jobs[i];
+        copy_job *j = g->jobs[i];
+        dp_copy_desc buf;
+        const dp_copy_desc *d = job_desc(j, &buf);
         if (j->exec.kind != DP_CUDA) {
-            dp_copy_run_mode(&j->desc, j->dst, j->src, mode);
+            dp_copy_run_mode(d, j->dst, j->src, mode);
             continue;
         }
-        dpc_status s = dp_gpu_copy(&j->desc, j->dst, gpu_index(j->dst_dev), j->src,
+        dpc_status s = dp_gpu_copy(d, j->dst, gpu_index(j->dst_dev), j->src,
                                    gpu_index(j->src_dev), (int)i, &sync);
         if (s.code != 0) {
             g->status = s;
@@ -125,7 +227,7 @@ static void run_group(void *arg)
 static int group_error(job_group *g)
 {
     char op[96], a[32], b[32];
-    copy_job *j = &g->jobs[g->failed];
+    copy_job *j = g->jobs[g->failed];
     dp_device_format(j->src_dev, a, sizeof a);
     dp_device_format(j->dst_dev, b, sizeof b);
     snprintf(op, sizeof op, "copy %s -> %s", a, b);
@@ -139,13 +241,26 @@ static int group_error(job_group *g)
     return rc;
 }
 
-static int exec_before(const void *a, const void *b)
+static int exec_before(const copy_job *x, const copy_job *y)
 {
-    const copy_job *x = a, *y = b;
     if (x->exec.kind != y->exec.kind) {
         return x->exec.kind - y->exec.kind;
     }
     return x->exec.index - y->exec.index;
+}
+
+/* The rank of a job's executing device in exec_before's order: the host,
+ * then the virtual CPU devices, then the GPUs, each by index. */
+#define EXEC_KEYS (1 + 2 * DP_POOL_MAX_INDEX)
+static int exec_key(const copy_job *j)
+{
+    if (j->exec.kind == DP_HOST) {
+        return 0;
+    }
+    int i = j->exec.index < 0 ? 0 : j->exec.index >= DP_POOL_MAX_INDEX
+            ? DP_POOL_MAX_INDEX - 1 : j->exec.index;   /* never out of range; a
+               clamped key would only cut one device's jobs into two groups */
+    return 1 + (j->exec.kind == DP_CUDA ? DP_POOL_MAX_INDEX : 0) + i;
 }
 
 /* 1 when a group has a CUDA job: it waits on streams (slot 0 is shared with
@@ -153,81 +268,224 @@ static int exec_before(const void *a, const void *b)
 static int group_has_cuda(const job_group *g)
 {
     for (Py_ssize_t i = 0; i < g->n; i++) {
-        if (g->jobs[i].exec.kind == DP_CUDA) {
+        if (g->jobs[i]->exec.kind == DP_CUDA) {
             return 1;
         }
     }
     return 0;
 }
 
-/* Order jobs by executing device. A job is a large struct (its copy
- * descriptor holds DP_MAXDIMS dims), so the usual already-ordered list (one
- * leaf's jobs, queued device by device) is left alone instead of sorted. */
-static void sort_jobs(job_list *l)
+/* The jobs ordered by executing device (each device's in queue order) in
+ * *order (PyMem), cut into groups of one device each in *groups (PyMem);
+ * *ng groups. Pointers are sorted, not the jobs (a few hundred bytes each). */
+static int group_jobs(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_group **groups,
+                      Py_ssize_t *ng)
 {
-    for (Py_ssize_t i = 1; i < l->n; i++) {
-        if (exec_before(&l->jobs[i - 1], &l->jobs[i]) > 0) {
-            qsort(l->jobs, (size_t)l->n, sizeof(copy_job), exec_before);
-            return;
-        }
+    copy_job **o = PyMem_Malloc((size_t)njobs * sizeof *o);
+    job_group *g = o != NULL ? PyMem_Malloc((size_t)njobs * sizeof *g) : NULL;
+    if (g == NULL) {
+        PyMem_Free(o);
+        PyErr_NoMemory();
+        return -1;
     }
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < njobs && sorted; i++) {
+        sorted = i == 0 || exec_before(&jobs[i - 1], &jobs[i]) <= 0;
+    }
+    if (sorted) {
+        for (Py_ssize_t i = 0; i < njobs; i++) {
+            o[i] = &jobs[i];
+        }
+    } else {
+        /* a counting sort by device: stable, one pass to count, one to place */
+        Py_ssize_t *at = PyMem_Calloc(EXEC_KEYS + 1, sizeof *at);
+        if (at == NULL) {
+            PyMem_Free(o);
+            PyMem_Free(g);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < njobs; i++) {
+            at[exec_key(&jobs[i]) + 1]++;
+        }
+        for (int k = 0; k < EXEC_KEYS; k++) {
+            at[k + 1] += at[k];
+        }
+        for (Py_ssize_t i = 0; i < njobs; i++) {
+            o[at[exec_key(&jobs[i])]++] = &jobs[i];
+        }
+        PyMem_Free(at);
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < njobs; i++) {
+        if (i == 0 || !dp_device_eq(o[i]->exec, o[i - 1]->exec)) {
+            g[n].jobs = &o[i];
+            g[n].n = 0;
+            g[n].status = dpc_ok();
+            g[n].failed = 0;
+            n++;
+        }
+        g[n - 1].n++;
+    }
+    *order = o;
+    *groups = g;
+    *ng = n;
+    return 0;
 }
 
 /* Run every queued job: each device's jobs on its worker, all devices at
  * once, the GIL released. Small totals, host-only jobs, and calls made from
  * inside a worker (a replica) run inline (the GIL released for CUDA jobs). */
-int jobs_run(job_list *l)
+/* What jobs_launch started: its groups, their jobs' order, the batch
+ * they run in (one per list, made by the first launch). */
+struct job_launch {
+    struct job_launch *next;
+    copy_job **order;
+    job_group *groups;
+    dp_batch *batch;
+};
+
+static void launch_free(job_list *l)
 {
-    if (l->n == 0) {
+    struct job_launch *r = l->running;
+    dp_batch *batch = NULL;
+    while (r != NULL) {
+        struct job_launch *next = r->next;
+        batch = r->batch;
+        PyMem_Free(r->order);
+        PyMem_Free(r->groups);
+        PyMem_Free(r);
+        r = next;
+    }
+    if (batch != NULL) {
+        dp_batch_destroy(batch);
+        PyMem_Free(batch);
+    }
+    l->running = NULL;
+}
+
+/* Wait for the launched jobs (the GIL released) and drop the bookkeeping.
+ * Launched jobs are host copies, which do not fail. */
+static int launch_wait(job_list *l)
+{
+    if (l->running == NULL) {
         return 0;
     }
-    if (l->bytes < DP_INLINE_BYTES || dp_pool_in_worker()) {
-        /* one group per executing device, run here one after another */
-        sort_jobs(l);
-        Py_ssize_t start = 0;
-        for (Py_ssize_t i = 1; i <= l->n; i++) {
-            if (i < l->n && dp_device_eq(l->jobs[i].exec, l->jobs[start].exec)) {
-                continue;
-            }
-            job_group g = {&l->jobs[start], i - start, {0}, 0};
-            if (l->bytes < DP_INLINE_BYTES && !group_has_cuda(&g)) {
-                run_group(&g);
-            } else {
-                Py_BEGIN_ALLOW_THREADS
-                run_group(&g);
-                Py_END_ALLOW_THREADS
-            }
-            if (g.status.code != 0) {
-                return group_error(&g);
-            }
-            start = i;
+    dp_batch *batch = l->running->batch;
+    Py_BEGIN_ALLOW_THREADS
+    dp_batch_wait(batch, -1);
+    Py_END_ALLOW_THREADS
+    launch_free(l);
+    return 0;
+}
+
+int jobs_launch(job_list *l)
+{
+    Py_ssize_t from = l->launched, n = l->n - from;
+    if (n == 0 || dp_pool_in_worker()) {
+        return 0;
+    }
+    for (Py_ssize_t i = from; i < l->n; i++) {
+        if (l->jobs[i].exec.kind != DP_VCPU || l->jobs[i].src_dev.kind == DP_CUDA) {
+            return 0;   /* GPU copies report errors: they run in jobs_run */
         }
-        return 0;
     }
-    sort_jobs(l);
-    job_group *groups = PyMem_Malloc((size_t)l->n * sizeof(job_group));
-    if (groups == NULL) {
+    struct job_launch *r = PyMem_Calloc(1, sizeof *r);
+    if (r == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_ssize_t ng = 0;
-    for (Py_ssize_t i = 0; i < l->n; i++) {
-        if (i == 0 || !dp_device_eq(l->jobs[i].exec, l->jobs[i - 1].exec)) {
-            groups[ng].jobs = &l->jobs[i];
-            groups[ng].n = 0;
-            groups[ng].status = dpc_ok();
-            groups[ng].failed = 0;
-            ng++;
+    if (l->running != NULL) {
+        r->batch = l->running->batch;
+    } else {
+        r->batch = PyMem_Malloc(sizeof *r->batch);
+        int err = r->batch != NULL ? dp_batch_init(r->batch) : ENOMEM;
+        if (err != 0) {
+            PyMem_Free(r->batch);
+            PyMem_Free(r);
+            return 0;   /* jobs_run copies them */
         }
-        groups[ng - 1].n++;
     }
-    int err = 0;
+    Py_ssize_t ng;
+    if (group_jobs(l->jobs + from, n, &r->order, &r->groups, &ng) < 0) {
+        if (l->running == NULL) {
+            dp_batch_destroy(r->batch);
+            PyMem_Free(r->batch);
+        }
+        PyMem_Free(r);
+        return -1;
+    }
+    r->next = l->running;
+    l->running = r;
+    l->launched = l->n;
+    l->launched_bytes = l->bytes;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        dp_device ex = r->groups[g].jobs[0]->exec;
+        if (dp_batch_submit(r->batch, ex.kind, ex.index, run_group, &r->groups[g]) != 0) {
+            run_group(&r->groups[g]);   /* no worker: the caller does it */
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return 1;
+}
+
+/* jobs_run for the jobs not launched yet. */
+static int run_rest(job_list *l)
+{
+    copy_job *jobs = l->jobs + l->launched;
+    Py_ssize_t n = l->n - l->launched;
+    if (n == 0) {
+        return 0;
+    }
+    int small = l->bytes - l->launched_bytes < DP_INLINE_BYTES;
+    if (small) {
+        /* Host copies of a few hundred KiB in all: here, in queue order
+         * (none streams below DP_STREAM_MIN_JOB). */
+        Py_ssize_t i = 0;
+        while (i < n && jobs[i].exec.kind != DP_CUDA) {
+            i++;
+        }
+        if (i == n) {
+            for (i = 0; i < n; i++) {
+                copy_job *j = &jobs[i];
+                dp_copy_desc buf;
+                dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, DP_COPY_AUTO);
+            }
+            return 0;
+        }
+    }
+    copy_job **order;
+    job_group *groups;
+    Py_ssize_t ng;
+    if (group_jobs(jobs, n, &order, &groups, &ng) < 0) {
+        return -1;
+    }
+    int err = 0, rc = 0;
+    if (small || dp_pool_in_worker()) {
+        /* one group per executing device, run here one after another */
+        for (Py_ssize_t g = 0; g < ng && rc == 0; g++) {
+            if (small && !group_has_cuda(&groups[g])) {
+                run_group(&groups[g]);
+            } else {
+                Py_BEGIN_ALLOW_THREADS
+                run_group(&groups[g]);
+                Py_END_ALLOW_THREADS
+            }
+            if (groups[g].status.code != 0) {
+                rc = group_error(&groups[g]);
+            }
+        }
+        PyMem_Free(groups);
+        PyMem_Free(order);
+        return rc;
+    }
     Py_BEGIN_ALLOW_THREADS
     dp_batch batch;
     err = dp_batch_init(&batch);
     if (err == 0) {
         for (Py_ssize_t g = 0; g < ng; g++) {
-            dp_device ex = groups[g].jobs[0].exec;
+            dp_device ex = groups[g].jobs[0]->exec;
             if (ex.kind == DP_HOST ||
                 dp_batch_submit(&batch, ex.kind, ex.index, run_group, &groups[g]) != 0) {
                 run_group(&groups[g]); /* no worker: the caller does it */
@@ -238,19 +496,25 @@ int jobs_run(job_list *l)
     }
     Py_END_ALLOW_THREADS
     if (err == 0) {
-        for (Py_ssize_t g = 0; g < ng; g++) {
+        for (Py_ssize_t g = 0; g < ng && rc == 0; g++) {
             if (groups[g].status.code != 0) {
-                int rc = group_error(&groups[g]);
-                PyMem_Free(groups);
-                return rc;
+                rc = group_error(&groups[g]);
             }
         }
     }
     PyMem_Free(groups);
+    PyMem_Free(order);
     if (err != 0) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    return 0;
+    return rc;
+}
+
+int jobs_run(job_list *l)
+{
+    int rc = run_rest(l);
+    int w = launch_wait(l);
+    return rc < 0 ? rc : w;
 }

@@ -251,6 +251,28 @@ PyObject *dp_type_name(PyObject *obj)
     return res;
 }
 
+/* The pending error of obj's __index__ / __float__ (hook), re-raised as the
+ * same type naming argname, the original as __cause__ (README, "Probing").
+ * Always -1. */
+static int reraise_hook_error(PyObject *obj, const char *argname, const char *hook)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;   /* KeyboardInterrupt: as it is */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *tn = dp_type_name(obj);
+    PyObject *msg = tn != NULL && v != NULL
+        ? PyUnicode_FromFormat("%s: %U.%s() raised %.100s: %S", argname, tn, hook,
+                               Py_TYPE(v)->tp_name, v)
+        : NULL;
+    Py_XDECREF(tn);
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+    dp_reraise_msg(NULL, msg);
+    return -1;
+}
+
 /* TypeError "argname: expected <what>, got <type>" (with the shape of an
  * array, which is no scalar however small). Always -1. */
 static int refuse_number(PyObject *obj, const char *argname, const char *what)
@@ -309,7 +331,7 @@ int dp_index_from_object(PyObject *obj, const char *argname, long long lo, long 
             PyErr_Clear();   /* a type whose __index__ refuses: say what was expected */
             return refuse_number(obj, argname, "an int");
         }
-        return -1;   /* the __index__'s own error, e.g. KeyboardInterrupt */
+        return reraise_hook_error(obj, argname, "__index__");   /* its own error */
     }
     int overflow;
     long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
@@ -359,11 +381,13 @@ int dp_real_from_object(PyObject *obj, const char *argname, double *out)
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError, "%s: %.60R... is out of range (too large for a "
                          "float64)", argname, obj);
-        } else if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return -1;
+        }
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             return refuse_number(obj, argname, "a real number");
         }
-        return -1;
+        return reraise_hook_error(obj, argname, "__float__");   /* its own error */
     }
     *out = x;
     return 0;

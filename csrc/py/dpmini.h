@@ -247,12 +247,24 @@ int dp_is_foreign_array(dp_state *st, PyObject *obj);
  * BaseExceptions that are not Exceptions pass as they are. */
 void dp_reraise_at(dp_state *st, PyObject *path);
 
+/* Re-raise the pending Exception as the same type with message msg (a str,
+ * stolen; it names the path), the original as __cause__; st may be NULL
+ * (a KeyError's str is then its repr). BaseExceptions that are not
+ * Exceptions pass as they are; a type that cannot be built from one message
+ * stays as it was. */
+void dp_reraise_msg(dp_state *st, PyObject *msg);
+
 /* A foreign array as an ndarray (host memory: numpy.from_dlpack, a view) or
  * a shadow ndarray (CUDA memory, array.c's import), without a copy; a JAX
  * array sharded over several JAX devices is read with numpy.asarray (a
  * copy). TypeError naming argname for a tensor that requires grad, a device
  * dpmini cannot read, or a producer that fails. */
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname);
+
+/* The name of obj's DLPack dtype ("bfloat16", "complex32", "float8_e4m3fn")
+ * in buf when NumPy has no such dtype, else NULL (also when obj's
+ * __dlpack__() fails). Never leaves an exception (interop_dtype.c). */
+const char *dp_dlpack_dtype_missing(PyObject *obj, char *buf, size_t n);
 
 /* The converter back into obj's library (new reference): that library's
  * from_dlpack (torch, jax.numpy, cupy, else array_api_compat's namespace or

@@ -1,6 +1,6 @@
 /* interop.c - arrays of other libraries (PyTorch, JAX, CuPy, ...): the one
  * definition of an array leaf, the zero-copy import of a foreign array, and
- * the way back into the caller's library.
+ * (in interop_origin.c) the way back into the caller's library.
  *
  * An array leaf (scatter, gather, replicate, explain, the comm functions) is
  * a numpy.ndarray (subclasses included), a dpmini.Array, or any object that
@@ -20,18 +20,18 @@
  * numpy.from_dlpack (a view, no copy); CUDA memory through array_import.c's
  * DLPack/CAI import (a shadow ndarray, no copy). A producer whose DLPack
  * export refuses (JAX arrays sharded over several JAX devices) is read with
- * numpy.asarray (a copy). A tensor that requires grad is refused.
+ * numpy.asarray (a copy). A tensor that requires grad is refused, and so is
+ * a JAX tracer (inside jit/grad/vmap: no values to split), which counts as a
+ * leaf so that every walker refuses it naming its path. A dtype NumPy lacks
+ * (bfloat16...) is named (interop_dtype.c).
  *
- * The way back ("origin"): the library's own from_dlpack, found from the
- * type's top-level module (torch, jax/jaxlib, cupy), else through
- * array_api_compat.array_namespace, else the module's from_dlpack; cached per
- * type in the module state. NumPy, dpmini.Array and libraries without a
- * from_dlpack have origin None: their results stay NumPy / dpmini.Array.
+ * The way back ("origin", the caller's library) is interop_origin.c.
  *
  * interop_torch.c holds what PyTorch needs beyond this (nn.Module, grad mode).
  */
 #include "dpmini.h"
 #include "dlpack.h"
+#include "interop.h"
 
 #include <string.h>
 
@@ -69,7 +69,7 @@ static void reraise_with(dp_state *st, PyObject *msg)
     if (tb != NULL)
         PyException_SetTraceback(v, tb);
     PyObject *arg = msg;
-    if (PyType_IsSubtype((PyTypeObject *)t, (PyTypeObject *)PyExc_KeyError) &&
+    if (PyType_IsSubtype((PyTypeObject *)t, (PyTypeObject *)PyExc_KeyError) && st != NULL &&
         st->KeyErrorMessage != NULL)
         arg = PyObject_CallOneArg(st->KeyErrorMessage, msg);
     PyObject *nv = arg != NULL ? PyObject_CallOneArg(t, arg) : NULL;
@@ -87,6 +87,15 @@ static void reraise_with(dp_state *st, PyObject *msg)
     Py_DECREF(nv);
     Py_DECREF(t);
     Py_XDECREF(tb);
+}
+
+void dp_reraise_msg(dp_state *st, PyObject *msg)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        Py_XDECREF(msg);   /* KeyboardInterrupt, SystemExit: as they are */
+        return;
+    }
+    reraise_with(st, msg);
 }
 
 void dp_reraise_at(dp_state *st, PyObject *path)
@@ -145,10 +154,47 @@ static int probe_attr(dp_state *st, PyObject *obj, const char *name, int callabl
     return -1;
 }
 
+/* Is obj a JAX tracer (an abstract value inside jax.jit, grad, vmap...)? The
+ * class is looked up in sys.modules only: without JAX imported there are no
+ * tracers. 1/0, never an exception. */
+static int is_jax_tracer(PyObject *obj)
+{
+    static const char *const mods[] = {"jax._src.core", "jax.core"};
+    for (size_t i = 0; i < sizeof mods / sizeof mods[0]; i++) {
+        PyObject *name = PyUnicode_FromString(mods[i]);
+        PyObject *mod = name != NULL ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        PyObject *cls = mod != NULL ? PyObject_GetAttrString(mod, "Tracer") : NULL;
+        Py_XDECREF(mod);
+        PyErr_Clear();
+        if (cls == NULL)
+            continue;
+        int r = PyType_Check(cls) && PyType_IsSubtype(Py_TYPE(obj), (PyTypeObject *)cls);
+        Py_DECREF(cls);
+        return r;
+    }
+    return 0;
+}
+
+/* TypeError for a JAX tracer at argname (it has no values to split). */
+static void refuse_jax_tracer(PyObject *obj, const char *argname)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a JAX tracer (%.100s) inside a JAX transformation (jax.jit, jax.grad, "
+                 "jax.vmap...): it has no values yet, and dpmini splits concrete arrays "
+                 "(copied on its own threads, outside JAX's trace); call DataParallel "
+                 "outside jit/grad/vmap, or jit the module instead "
+                 "(DataParallel(jax.jit(f), ...))", argname, Py_TYPE(obj)->tp_name);
+}
+
 int dp_is_foreign_array(dp_state *st, PyObject *obj)
 {
     if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) || never_foreign(obj))
         return 0;
+    /* A JAX tracer is an array leaf (so that every walker refuses it naming
+     * its path, dp_import_foreign) instead of a value shared whole. */
+    if (is_jax_tracer(obj))
+        return 1;
     int r = probe_attr(st, obj, "__dlpack__", 1);
     if (r < 0)
         return -1;
@@ -172,7 +218,7 @@ static const char *short_name(PyTypeObject *tp)
     return dot != NULL ? dot + 1 : tp->tp_name;
 }
 
-static PyObject *top_module(PyObject *obj)
+PyObject *dp_top_module(PyObject *obj)
 {
     PyObject *mod = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
     if (mod == NULL || !PyUnicode_Check(mod)) {
@@ -192,7 +238,7 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
         return PyUnicode_FromString("numpy.ndarray");
     if (PyObject_TypeCheck(obj, st->ArrayType))
         return PyUnicode_FromString("dpmini.Array");
-    PyObject *top = top_module(obj), *res = NULL;
+    PyObject *top = dp_top_module(obj), *res = NULL;
     if (top == NULL)
         return NULL;
     if (PyUnicode_CompareWithASCIIString(top, "jaxlib") == 0 ||
@@ -217,7 +263,22 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
  * graph, so it is read detached (x.detach(): a view, no copy): 2. With grad
  * mode on: 1 with TypeError naming argname (dpmini has no autograd). 0: not
  * such a tensor; -1: an error from asking. */
-static PyObject *import_attr_quiet(const char *module, const char *attr);
+/* module.attr, or NULL with no exception when either is missing. */
+PyObject *dp_import_attr_quiet(const char *module, const char *attr)
+{
+    PyObject *mod = PyImport_ImportModule(module);
+    PyObject *r = mod != NULL ? PyObject_GetAttrString(mod, attr) : NULL;
+    Py_XDECREF(mod);
+    if (r == NULL || !PyCallable_Check(r)) {
+        Py_XDECREF(r);
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;   /* KeyboardInterrupt: the caller sees it pending */
+        PyErr_Clear();
+        return NULL;
+    }
+    return r;
+}
+
 
 static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
 {
@@ -230,7 +291,7 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     Py_DECREF(rg);
     if (!yes)
         return 0;
-    PyObject *enabled = import_attr_quiet("torch", "is_grad_enabled");
+    PyObject *enabled = dp_import_attr_quiet("torch", "is_grad_enabled");
     PyObject *on = enabled != NULL ? PyObject_CallNoArgs(enabled) : NULL;
     Py_XDECREF(enabled);
     if (on == NULL && PyErr_Occurred())
@@ -242,6 +303,20 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     PyObject *name = dp_array_type_name(st, obj);
     if (name == NULL)
         return 1;
+    if (strncmp(argname, "out", 3) == 0 && (argname[3] == '\0' || argname[3] == '[' ||
+                                            argname[3] == '.')) {
+        /* A replica's output (gather's paths start with "out"): the inputs
+         * need not have required grad; the module's parameters did. */
+        PyErr_Format(PyExc_TypeError,
+                     "%s: a replica returned a %U that requires grad (computed from "
+                     "parameters that require grad, with grad mode on): dpmini has no "
+                     "autograd, so gathering it would cut the graph; call the model under "
+                     "torch.no_grad() (or torch.inference_mode()), or compute the gradients "
+                     "inside the replica with torch.func and return them (README, \"Training "
+                     "without autograd\")", argname, name);
+        Py_DECREF(name);
+        return 1;
+    }
     PyErr_Format(PyExc_TypeError,
                  "%s: a %U that requires grad: dpmini has no autograd (its copies would cut "
                  "the graph); pass x.detach(), or call under torch.no_grad() (where it is "
@@ -319,10 +394,60 @@ static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argn
     return (PyArrayObject *)r;
 }
 
+/* Host memory through numpy.from_dlpack (a view, no copy). When NumPy
+ * refuses the dtype (bfloat16, float8, complex32: NumPy has none), a
+ * TypeError that says which dtype and what to do, the original as __cause__. */
+static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *argname)
+{
+    PyObject *np = PyImport_ImportModule("numpy");
+    PyObject *r = np != NULL ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
+    Py_XDECREF(np);
+    if (r != NULL && !PyArray_Check(r)) {
+        Py_DECREF(r);
+        PyErr_Format(PyExc_TypeError, "%s: numpy.from_dlpack returned no ndarray", argname);
+        return NULL;
+    }
+    if (r != NULL || !PyErr_ExceptionMatches(PyExc_Exception))
+        return (PyArrayObject *)r;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    char buf[96];
+    const char *missing = dp_dlpack_dtype_missing(obj, buf, sizeof buf);
+    PyObject *name = missing != NULL ? dp_array_type_name(st, obj) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        raise_unreadable(obj, argname, "numpy.from_dlpack");
+        return NULL;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a %U of dtype %s: NumPy has no such dtype, and dpmini splits, copies "
+                 "and gathers arrays as NumPy dtypes (bfloat16, float8 and complex32 are "
+                 "refused); convert it first (x.float(), or x.to(torch.float32) / "
+                 "x.astype(jnp.float32)) and back inside the replica if it needs that dtype",
+                 argname, name, missing);
+    Py_DECREF(name);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && v != NULL)
+        PyException_SetCause(v2, Py_NewRef(v));
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);
 
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
+    if (is_jax_tracer(obj)) {
+        refuse_jax_tracer(obj, argname);
+        return NULL;
+    }
     int rg = requires_grad(st, obj, argname);
     if (rg == 1 || rg < 0 || refuse_negative_bit(obj, argname))
         return NULL;
@@ -364,23 +489,39 @@ static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *ar
             return NULL;
         /* The producer cannot say where one buffer lives (a JAX array
          * sharded over several JAX devices): a host copy through
-         * numpy.asarray, as the docs say. */
+         * numpy.asarray, as the docs say, for an object with __array__
+         * that gives numbers. Otherwise (or when that fails) the producer's
+         * own error, re-raised naming the path and the protocol (README,
+         * "Probing"). */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
-        PyArrayObject *a = numpy_read(obj, "asarray", argname);
-        if (a == NULL) {
+        int has = dp_has_attr(obj, "__array__");
+        PyArrayObject *a = has == 1 ? numpy_read(obj, "asarray", argname) : NULL;
+        if (a != NULL && !PyDataType_REFCHK(PyArray_DESCR(a))) {
             Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            return a;
+        }
+        Py_XDECREF(a);
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            Py_XDECREF(t);   /* KeyboardInterrupt from the fallback: as it is */
             Py_XDECREF(v);
             Py_XDECREF(tb);
             return NULL;
         }
-        Py_XDECREF(t);
-        Py_XDECREF(v);
-        Py_XDECREF(tb);
-        return a;
+        PyErr_Clear();
+        PyErr_NormalizeException(&t, &v, &tb);
+        PyObject *msg = PyUnicode_FromFormat(
+            "%s: calling __dlpack_device__() of a %.100s object (to tell where its memory "
+            "lives) raised %.100s: %S", argname, Py_TYPE(obj)->tp_name,
+            v != NULL ? Py_TYPE(v)->tp_name : "?", v != NULL ? v : Py_None);
+        PyErr_Restore(t, v, tb);
+        reraise_with(st, msg);
+        return NULL;
     }
     if (type == kDLCPU || type == kDLCUDAHost)
-        return numpy_read(obj, "from_dlpack", argname);   /* a view, no copy */
+        return read_host_dlpack(st, obj, argname);   /* a view, no copy */
     if (type == kDLCUDA || type == kDLCUDAManaged)
         return dp_device_object_meta(st, obj, argname);
     PyErr_Format(PyExc_TypeError,
@@ -388,176 +529,4 @@ static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *ar
                  "memory and CUDA device memory only", argname, Py_TYPE(obj)->tp_name, type,
                  id);
     return NULL;
-}
-
-/* ------------------------------------------------------------------ */
-/* Origins: the way back                                               */
-/* ------------------------------------------------------------------ */
-
-/* module.attr, or NULL with no exception when either is missing. */
-static PyObject *import_attr_quiet(const char *module, const char *attr)
-{
-    PyObject *mod = PyImport_ImportModule(module);
-    PyObject *r = mod != NULL ? PyObject_GetAttrString(mod, attr) : NULL;
-    Py_XDECREF(mod);
-    if (r == NULL || !PyCallable_Check(r)) {
-        Py_XDECREF(r);
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
-            return NULL;   /* KeyboardInterrupt: the caller sees it pending */
-        PyErr_Clear();
-        return NULL;
-    }
-    return r;
-}
-
-/* The converter for obj's type (new reference; Py_None when none). */
-static PyObject *origin_lookup(PyObject *obj)
-{
-    PyObject *top = top_module(obj), *conv = NULL;
-    if (top == NULL)
-        return NULL;
-    const char *name = PyUnicode_AsUTF8(top);
-    if (name == NULL) {
-        Py_DECREF(top);
-        return NULL;
-    }
-    if (strcmp(name, "torch") == 0)
-        conv = import_attr_quiet("torch", "from_dlpack");
-    else if (strcmp(name, "jax") == 0 || strcmp(name, "jaxlib") == 0)
-        conv = import_attr_quiet("jax.numpy", "from_dlpack");
-    else if (strcmp(name, "cupy") == 0)
-        conv = import_attr_quiet("cupy", "from_dlpack");
-    else if (name[0] != '\0' && strcmp(name, "numpy") != 0 && strcmp(name, "builtins") != 0) {
-        /* array_api_compat's namespace when it knows the type, else the
-         * type's own package's from_dlpack. */
-        PyObject *ns_fn = import_attr_quiet("array_api_compat", "array_namespace");
-        if (ns_fn != NULL) {
-            PyObject *ns = PyObject_CallOneArg(ns_fn, obj);
-            Py_DECREF(ns_fn);
-            if (ns != NULL) {
-                conv = PyObject_GetAttrString(ns, "from_dlpack");
-                Py_DECREF(ns);
-            }
-            if (conv == NULL && PyErr_Occurred()) {
-                if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-                    Py_DECREF(top);
-                    return NULL;
-                }
-                PyErr_Clear();
-            }
-        }
-        if (conv == NULL && !PyErr_Occurred()) {
-            /* only a package already imported (the type's __module__ is
-             * never imported on its behalf) */
-            PyObject *mod = PyImport_GetModule(top);
-            if (mod != NULL) {
-                conv = PyObject_GetAttrString(mod, "from_dlpack");
-                Py_DECREF(mod);
-                if (conv != NULL && !PyCallable_Check(conv))
-                    Py_CLEAR(conv);
-            }
-            if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception))
-                PyErr_Clear();
-        }
-    }
-    Py_DECREF(top);
-    if (conv == NULL && PyErr_Occurred())
-        return NULL;
-    return conv != NULL ? conv : Py_NewRef(Py_None);
-}
-
-PyObject *dp_array_origin(dp_state *st, PyObject *obj)
-{
-    if (PyArray_Check(obj) || PyObject_TypeCheck(obj, st->ArrayType) ||
-        PyArray_IsScalar(obj, Generic))
-        return Py_NewRef(Py_None);
-    if (st->origins == NULL && (st->origins = PyDict_New()) == NULL)
-        return NULL;
-    PyObject *conv = PyDict_GetItemWithError(st->origins, (PyObject *)Py_TYPE(obj));
-    if (conv != NULL)
-        return Py_NewRef(conv);
-    if (PyErr_Occurred())
-        return NULL;
-    conv = origin_lookup(obj);
-    if (conv == NULL)
-        return NULL;
-    if (PyDict_SetItem(st->origins, (PyObject *)Py_TYPE(obj), conv) < 0) {
-        Py_DECREF(conv);
-        return NULL;
-    }
-    return conv;
-}
-
-PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char *argname)
-{
-    if (arr == NULL || origin == NULL || origin == Py_None)
-        return arr;
-    PyObject *r = PyObject_CallOneArg(origin, arr);
-    if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
-        /* A GPU-only library (CuPy) cannot hold host memory: results on
-         * the host or a virtual CPU device stay NumPy arrays (README). */
-        PyErr_Clear();
-        return arr;
-    }
-    Py_DECREF(arr);
-    if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyErr_NormalizeException(&t, &v, &tb);
-        PyObject *msg = PyUnicode_FromFormat(
-            "%s: cannot hand the result back through %R (the from_dlpack of the inputs' "
-            "library): %S", argname, origin, v ? v : Py_None);
-        PyErr_Restore(t, v, tb);
-        reraise_with(st, msg);
-    }
-    return r;
-}
-
-int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
-                   const char *argname)
-{
-    if (origin == NULL || origin == Py_None)
-        return 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        items[i] = dp_to_origin(st, origin, items[i], argname);
-        if (items[i] == NULL)
-            return -1;
-    }
-    return 0;
-}
-
-PyObject *dp_array_describe(dp_state *st, PyObject *obj, PyArrayObject *arr)
-{
-    PyObject *name = dp_array_type_name(st, obj);
-    if (name == NULL)
-        return NULL;
-    char dev[48];
-    dp_device d = dp_array_device(st, arr);
-    dp_device_format(d, dev, sizeof dev);
-    PyObject *res = PyUnicode_FromFormat("%U %s", name, dev);
-    Py_DECREF(name);
-    return res;
-}
-
-/* ------------------------------------------------------------------ */
-/* replicate                                                           */
-/* ------------------------------------------------------------------ */
-
-int dp_replicas_leaves(dp_state *st, PyObject *row, PyObject *imported, PyObject *leaves,
-                       PyObject *origins)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(row); i++) {
-        PyObject *item = PyList_GET_ITEM(row, i), *imp = PyList_GET_ITEM(imported, i);
-        PyObject *leaf = PyList_GET_ITEM(leaves, i), *v;
-        int same = item == imp || (PyObject_TypeCheck(item, st->ArrayType) &&
-                                   (PyObject *)((dp_ArrayObject *)item)->meta == imp);
-        if (same)
-            v = Py_NewRef(leaf);   /* already on this device: the original */
-        else
-            v = dp_to_origin(st, PyList_GET_ITEM(origins, i), Py_NewRef(item), "module");
-        if (v == NULL)
-            return -1;
-        PyList_SetItem(row, i, v);
-    }
-    return 0;
 }

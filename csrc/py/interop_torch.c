@@ -38,6 +38,98 @@ int dp_is_torch_module(PyObject *obj)
     return r;
 }
 
+/* Is v shared by reference between the replicas (spec 5.5: PyTorch's
+ * replicas share the "other Python attributes")? Everything but tensors,
+ * modules and the containers that may hold them (dict, list, tuple, set,
+ * whose copies deepcopy makes as before). 1/0/-1. */
+static int shared_attr(PyObject *v, PyObject *tensor_cls)
+{
+    if (PyDict_Check(v) || PyList_Check(v) || PyTuple_Check(v) || PyAnySet_Check(v))
+        return 0;
+    if (tensor_cls != NULL && PyType_IsSubtype(Py_TYPE(v), (PyTypeObject *)tensor_cls))
+        return 0;
+    int r = dp_is_torch_module(v);
+    return r < 0 ? -1 : !r;
+}
+
+/* A copy.deepcopy memo (a new dict) that maps id(v) -> v for every shared
+ * attribute v (shared_attr) in the __dict__ of module and its submodules,
+ * so that the per-replica deepcopy shares them as PyTorch's replicate does
+ * (a threading.Lock, an open file, a tokenizer cannot be deep-copied). */
+static PyObject *shared_attrs_memo(PyObject *module)
+{
+    PyObject *memo = PyDict_New(), *mods = NULL, *it = NULL, *m = NULL, *tensor_cls = NULL;
+    PyObject *torch = module_if_imported("torch");
+    if (torch != NULL) {
+        tensor_cls = PyObject_GetAttrString(torch, "Tensor");
+        Py_DECREF(torch);
+        if (tensor_cls != NULL && !PyType_Check(tensor_cls))
+            Py_CLEAR(tensor_cls);
+        PyErr_Clear();
+    }
+    if (memo == NULL)
+        goto fail;
+    mods = PyObject_CallMethod(module, "modules", NULL);
+    it = mods != NULL ? PyObject_GetIter(mods) : NULL;
+    if (it == NULL)
+        goto fail;
+    while ((m = PyIter_Next(it)) != NULL) {
+        PyObject *d = PyObject_GenericGetDict(m, NULL);
+        Py_DECREF(m);
+        if (d == NULL)
+            goto fail;
+        PyObject *key, *v;
+        Py_ssize_t pos = 0;
+        int rc = 0;
+        while (rc == 0 && PyDict_Next(d, &pos, &key, &v)) {
+            int r = shared_attr(v, tensor_cls);
+            if (r < 0) {
+                rc = -1;
+                break;
+            }
+            if (r) {
+                PyObject *id = PyLong_FromVoidPtr(v);
+                rc = id != NULL ? PyDict_SetItem(memo, id, v) : -1;
+                Py_XDECREF(id);
+            }
+        }
+        Py_DECREF(d);
+        if (rc < 0)
+            goto fail;
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    Py_DECREF(mods);
+    Py_XDECREF(tensor_cls);
+    return memo;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(mods);
+    Py_XDECREF(tensor_cls);
+    Py_XDECREF(memo);
+    return NULL;
+}
+
+/* The pending error of copy.deepcopy(module), re-raised (same type, the
+ * original as __cause__) naming the module and what was being done. */
+static void name_deepcopy_error(PyObject *module)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *msg = v != NULL ? PyUnicode_FromFormat(
+        "module: copy.deepcopy of the %.100s for a replica on another virtual CPU device "
+        "raised %.100s: %S (attributes that are not tensors, modules or dicts/lists/tuples/"
+        "sets are shared by reference, as in PyTorch; an object inside such a container "
+        "must be deep-copyable, or hold it in an attribute of its own)",
+        Py_TYPE(module)->tp_name, Py_TYPE(v)->tp_name, v) : NULL;
+    PyErr_Restore(t, v, tb);
+    dp_reraise_msg(NULL, msg);
+}
+
 PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_device *devs,
                                     Py_ssize_t ndev)
 {
@@ -62,15 +154,24 @@ PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_dev
         PyObject *copy = PyImport_ImportModule("copy");
         PyObject *deep = copy != NULL ? PyObject_GetAttrString(copy, "deepcopy") : NULL;
         Py_XDECREF(copy);
+        PyObject *memo = deep != NULL ? shared_attrs_memo(module) : NULL;
+        if (memo == NULL)
+            Py_CLEAR(deep);
         int prev = deep != NULL ? dp_torch_set_grad(0) : -1;
         for (Py_ssize_t d = 1; deep != NULL && d < ndev; d++) {
-            PyObject *c = PyObject_CallOneArg(deep, module);
+            /* a memo per replica: deepcopy adds every copy it makes */
+            PyObject *md = PyDict_Copy(memo);
+            PyObject *c = md != NULL ? PyObject_CallFunctionObjArgs(deep, module, md, NULL)
+                                     : NULL;
+            Py_XDECREF(md);
             if (c == NULL) {
+                name_deepcopy_error(module);
                 Py_CLEAR(deep);
                 break;
             }
             PyList_SET_ITEM(res, d, c);
         }
+        Py_XDECREF(memo);
         if (prev >= 0) {
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);

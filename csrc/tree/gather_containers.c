@@ -11,6 +11,35 @@
 #include <math.h>
 #include <string.h>
 
+/* The pending error of a dict subclass's own keys() / __getitem__ /
+ * __contains__ (what), re-raised as the same type naming the output path
+ * and the hook, the original as __cause__ (README, "Probing"). */
+static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
+                               const char *what, PyObject *key)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;   /* KeyboardInterrupt: as it is */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *path = path_str(seg);
+    PyObject *kr = path != NULL && key != NULL ? path_key_repr(key) : NULL;
+    PyObject *msg = NULL;
+    if (path != NULL && v != NULL && kr != NULL)
+        msg = PyUnicode_FromFormat("%U: reading a %.100s (a dict subclass) with its "
+                                   "__getitem__(%U) raised %.100s: %S", path,
+                                   Py_TYPE(d)->tp_name, kr, Py_TYPE(v)->tp_name, v);
+    else if (path != NULL && v != NULL && key == NULL)
+        msg = PyUnicode_FromFormat("%U: reading a %.100s (a dict subclass) with its %s "
+                                   "raised %.100s: %S", path, Py_TYPE(d)->tp_name, what,
+                                   Py_TYPE(v)->tp_name, v);
+    Py_XDECREF(kr);
+    Py_XDECREF(path);
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+    dp_reraise_msg(st, msg);
+}
+
 /* Dicts: same number of keys, every key of replica 0 in every dict; key order
  * and type from replica 0 (spec 4.1, R14). */
 PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
@@ -33,8 +62,10 @@ PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         return NULL;
     }
     keys = PyMapping_Keys(vals[0]);
-    if (keys == NULL)
+    if (keys == NULL) {
+        name_mapping_error(g->st, vals[0], seg, "keys()", NULL);
         goto done;
+    }
     if (spec_is_container(spec) &&
         spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
         goto done;
@@ -61,8 +92,11 @@ PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                 Py_XDECREF(kr);
                 Py_XDECREF(path);
             }
-            if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL)
+            if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL) {
+                if (has != 0)
+                    name_mapping_error(g->st, vals[i], seg, "[key]", key);
                 ok = 0;
+            }
         }
         path_seg csseg;
         PyObject *cspec;

@@ -70,31 +70,35 @@ int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
     return 0;
 }
 
+/* Replica counts up to this gather a leaf with arrays on the stack. */
+#define GATHER_FEW 8
+
 /* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
 PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg)
 {
-    PyArrayObject **parts = NULL;
-    PyObject **arrs = NULL;  /* new references: vals as arrays */
+    PyArrayObject **parts = NULL, *parts_few[GATHER_FEW];
+    PyObject **arrs = NULL, *arrs_few[GATHER_FEW];  /* new references: vals as arrays */
     PyObject *path = NULL, *res = NULL;
+    char buf[512];
     const char *cpath;
     int all0 = 1, any0 = 0, views = 0, wdim;
 
-    path = path_str(seg);
-    if (path == NULL)
-        goto done;
-    cpath = PyUnicode_AsUTF8(path);
+    cpath = path_text(seg, buf, sizeof buf, &path);   /* no str object made */
     if (cpath == NULL)
         goto done;
-    parts = PyMem_Calloc((size_t)n, sizeof *parts);
-    if (parts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    arrs = PyMem_Calloc((size_t)n, sizeof *arrs);
-    if (arrs == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (n <= GATHER_FEW) {   /* the usual replica counts: no allocation */
+        memset(parts_few, 0, sizeof parts_few);
+        memset(arrs_few, 0, sizeof arrs_few);
+        parts = parts_few;
+        arrs = arrs_few;
+    } else {
+        parts = PyMem_Calloc((size_t)n, sizeof *parts);
+        arrs = parts != NULL ? PyMem_Calloc((size_t)n, sizeof *arrs) : NULL;
+        if (arrs == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (dp_refused_array_subclass(vals[i], cpath) != 0)
@@ -160,11 +164,13 @@ done:
     if (parts != NULL && views)
         for (Py_ssize_t i = 0; i < n; i++)
             Py_XDECREF(parts[i]);
-    PyMem_Free(parts);
+    if (parts != parts_few)
+        PyMem_Free(parts);
     if (arrs != NULL)
         for (Py_ssize_t i = 0; i < n; i++)
             Py_XDECREF(arrs[i]);
-    PyMem_Free(arrs);
+    if (arrs != arrs_few)
+        PyMem_Free(arrs);
     Py_XDECREF(path);
     return res;
 }

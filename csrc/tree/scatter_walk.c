@@ -331,8 +331,13 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
     if (check_depth(seg, "inputs") < 0 || Py_EnterRecursiveCall(" while scattering inputs"))
         return -1;
     items = container_items(obj, kind);
-    if (items == NULL)
+    if (items == NULL) {
+        /* a dict subclass's own items() failed: name its path */
+        PyObject *path = path_str(seg);
+        dp_reraise_at(c->st, path);
+        Py_XDECREF(path);
         goto done;
+    }
     Py_ssize_t n = items_len(kind, items);
     if (kind == S_NAMEDTUPLE)
         names = namedtuple_names(obj, n);

@@ -101,6 +101,10 @@ path_seg seg_child(const path_seg *up, seg_kind kind, Py_ssize_t index,
 /* The path as a new str, e.g. "args[1]['img']"; iterative, and a path of
  * more than 40 steps shows its first 32 and "...(N more)". */
 PyObject *path_str(const path_seg *seg);
+/* The path as C text: in buf (cap bytes) when it is a short plain-ASCII
+ * path, else the UTF-8 of a path_str kept in *owned (the caller releases
+ * it). NULL with an exception on failure. For paths that only errors show. */
+const char *path_text(const path_seg *seg, char *buf, size_t cap, PyObject **owned);
 /* A dict key as paths show it: repr(key), or "<type key>" when repr fails
  * with an Exception (new str). */
 PyObject *path_key_repr(PyObject *key);

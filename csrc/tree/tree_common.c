@@ -98,10 +98,23 @@ static int seg_text_ascii(const path_seg *seg, char *buf, size_t *len, size_t ca
         return 0;
     }
     if (seg->kind == SEG_INDEX) {
-        int k = PyOS_snprintf(buf + at, cap - at, "[%zd]", seg->index);
-        if (k < 0 || (size_t)k >= cap - at)
+        /* "[%zd]" by hand: printf costs more than the rest of the path */
+        char digits[24];
+        int k = 0;
+        Py_ssize_t v = seg->index;
+        if (v < 0)
+            return -1;   /* never: an index into a tuple or list */
+        do {
+            digits[k++] = (char)('0' + v % 10);
+            v /= 10;
+        } while (v > 0);
+        if ((size_t)k + 2 >= cap - at)
             return -1;
-        *len = at + (size_t)k;
+        buf[at++] = '[';
+        while (k > 0)
+            buf[at++] = digits[--k];
+        buf[at++] = ']';
+        *len = at;
         return 0;
     }
     if (!PyUnicode_CheckExact(seg->name) || !PyUnicode_IS_ASCII(seg->name))
@@ -148,6 +161,29 @@ static PyObject *path_str_ascii(const path_seg *seg)
         if (seg_text_ascii(chain[i], buf, &len, sizeof buf) < 0)
             return NULL;
     return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)len);
+}
+
+const char *path_text(const path_seg *seg, char *buf, size_t cap, PyObject **owned)
+{
+    *owned = NULL;
+    if (seg->depth < PATH_LONG) {
+        const path_seg *chain[16];
+        size_t len = 0;
+        int n = 0, ok = 1;
+        for (const path_seg *s = seg; s != NULL && ok; s = s->up) {
+            ok = n < (int)(sizeof chain / sizeof chain[0]);
+            if (ok)
+                chain[n++] = s;
+        }
+        for (int i = n - 1; ok && i >= 0; i--)
+            ok = seg_text_ascii(chain[i], buf, &len, cap) == 0;
+        if (ok && len < cap) {
+            buf[len] = '\0';
+            return buf;
+        }
+    }
+    *owned = path_str(seg);
+    return *owned != NULL ? PyUnicode_AsUTF8(*owned) : NULL;
 }
 
 PyObject *path_str(const path_seg *seg)

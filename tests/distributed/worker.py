@@ -154,6 +154,7 @@ def case_mismatch():
                                            chunk_sizes=[1, 1, 1, 1])),
         ("bad_op", lambda: dist.all_reduce(np.zeros(2, np.int64), "mean")),
         ("unpicklable", lambda: dist.broadcast((lambda: 0) if RANK == 0 else None)),
+        ("root_none", lambda: dist.scatter(None)),
     ]
     for name, call in calls:
         try:
@@ -318,6 +319,17 @@ def case_dict_keys():
     got = dist.reduce_gradients(d, weights="mean")
     assert list(got) == list(d)
     assert np.array_equal(got["a"], a) and np.array_equal(got["b"], b), got
+    for name, g in [
+        ("shape_differs", {"w": np.ones(3 if RANK == 0 else 2), "b": np.ones(5)}),
+        ("dtype_differs", [np.ones(2), np.ones(2, np.float32 if RANK == 1 else np.float64)]),
+        ("count_differs", [np.ones(2)] * (2 if RANK == 2 else 1)),
+    ]:
+        try:
+            dist.reduce_gradients(g, weights="sum")
+            say(f"NOERR {name}")
+        except ValueError as exc:
+            err(name, exc)
+        assert dist.all_reduce(np.ones(1))[0] == dist.size()   # still usable
     bad = dict(d)
     if RANK == dist.size() - 1:
         bad["c"] = np.ones(2)
@@ -634,6 +646,44 @@ def case_env_emulate():
     say("OK env_emulate")
 
 
+def case_big_reduce():
+    """all_reduce of more than 2**31 elements through a broadcast_to view: the
+    OverflowError comes before any copy of the view (2 GiB here)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        dist.all_reduce(np.broadcast_to(np.ones(1, np.int8), (2**31 + 5,)))
+        say("NOERR big_reduce")
+    except OverflowError as exc:
+        err("big_reduce", exc)
+    say(f"peak {tracemalloc.get_traced_memory()[1]}")
+    tracemalloc.stop()
+    assert dist.all_reduce(np.ones(2)).tolist() == [dist.size()] * 2   # still usable
+    say("OK big_reduce")
+
+
+def init_with_missing_rank():
+    """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
+    others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
+    from mpi4py import MPI
+    global RANK
+    RANK = MPI.COMM_WORLD.Get_rank()
+    last = RANK == MPI.COMM_WORLD.Get_size() - 1
+    if last and CASE == "skip_init":
+        raise RuntimeError(f"rank {RANK} failed before init")
+    if last:
+        time.sleep(1.5)
+    start = time.monotonic()
+    try:
+        dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
+    except TimeoutError as exc:   # caught: the job must still end, at exit
+        err("init", exc)
+        say(f"waited {time.monotonic() - start:.1f}")
+        return
+    assert dist.all_reduce(np.ones(2)).tolist() == [dist.size()] * 2
+    say(f"OK {CASE}")
+
+
 def case_uninitialized():
     try:
         dist.scatter(np.zeros(3))
@@ -645,6 +695,9 @@ if __name__ == "__main__":
     RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
     if CASE == "uninitialized":
         case_uninitialized()
+        sys.exit(0)
+    if CASE in ("skip_init", "late_init"):
+        init_with_missing_rank()
         sys.exit(0)
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()

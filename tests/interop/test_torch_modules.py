@@ -95,3 +95,53 @@ def test_cpu_autocast_holds_in_the_replica_threads(torch):
     assert on.tolist() == [1.0] * 4
     with torch.no_grad():
         assert dpmini.DataParallel(m, DEVS)(x).dtype == torch.float32
+
+
+def test_attributes_deepcopy_cannot_copy_are_shared_as_in_pytorch(torch):
+    # spec 5.5: PyTorch's replicas share the module's other Python attributes
+    import threading
+
+    class WithLock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.lock = threading.Lock()
+            self.log = open(__file__)          # an open file: not deep-copyable either
+            self.lin.tag = threading.Lock()    # in a submodule too
+
+        def forward(self, x):
+            with self.lock:
+                return self.lin(x)
+
+    model = WithLock()
+    try:
+        with torch.no_grad():
+            x = torch.arange(8.0).reshape(4, 2)
+            out = dpmini.DataParallel(model, DEVS)(x)
+            assert torch.allclose(out, model(x))
+        reps = dpmini.replicate(model, DEVS)
+        assert reps[1].lock is model.lock and reps[1].log is model.log
+        assert reps[1].lin.tag is model.lin.tag
+        # tensors, submodules and containers are still copies of their own
+        assert reps[1].lin is not model.lin
+        assert reps[1].lin.weight.data_ptr() != model.lin.weight.data_ptr()
+    finally:
+        model.log.close()
+
+
+def test_a_deepcopy_error_names_the_module(torch):
+    import threading
+
+    class LockInList(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.locks = [threading.Lock()]   # inside a container: deep-copied, fails
+
+        def forward(self, x):
+            return x
+
+    import pytest
+    with pytest.raises(TypeError, match=r"^module: copy\.deepcopy of the .*LockInList .*raised "
+                                        r"TypeError: cannot pickle") as e:
+        dpmini.replicate(LockInList(), DEVS)
+    assert isinstance(e.value.__cause__, TypeError)

@@ -199,6 +199,21 @@ def test_requires_grad_is_refused_naming_the_argument(torch):
         dpmini.DataParallel(model, DEVS)(torch.ones(4, 2))
 
 
+def test_an_output_that_requires_grad_is_explained_as_the_replicas_output(torch):
+    # the input does not require grad; the parameters do, with grad mode on
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(4, 2)
+    with pytest.raises(TypeError) as e:
+        dpmini.DataParallel(lambda t: {"y": model(t)}, DEVS)(x)
+    msg = str(e.value)
+    assert msg.startswith("out['y']: a replica returned a torch.Tensor that requires grad "
+                          "(computed from parameters that require grad, with grad mode on)")
+    assert "torch.no_grad()" in msg and "torch.func" in msg and "detach" not in msg
+    with torch.no_grad():
+        y = dpmini.DataParallel(lambda t: {"y": model(t)}, DEVS)(x)["y"]
+    assert torch.allclose(y, model(x).detach())
+
+
 def test_requires_grad_is_read_detached_under_no_grad(torch):
     x = torch.arange(8.0).reshape(4, 2).requires_grad_()
     with torch.no_grad():
@@ -239,10 +254,25 @@ def test_strided_and_non_float_tensors(torch):
     assert torch.equal(dpmini.gather(list(dpmini.scatter(b, DEVS)), "cpu"), b)
 
 
-def test_a_dtype_numpy_cannot_hold_is_named(torch):
-    x = torch.ones(4, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"^args\[0\]: cannot read Tensor as an array"):
+@pytest.mark.parametrize("dtype,name", [("bfloat16", "bfloat16"), ("complex32", "complex32"),
+                                        ("float8_e4m3fn", "float8_e4m3fn")])
+def test_a_dtype_numpy_cannot_hold_is_named(torch, dtype, name):
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    x = torch.zeros(4, dtype=getattr(torch, dtype))
+    with pytest.raises(TypeError, match=rf"^args\[0\]: a torch.Tensor of dtype {name}: NumPy "
+                                        r"has no such dtype.*x\.float\(\)") as e:
         dpmini.DataParallel(lambda t: t, DEVS)(x)
+    assert e.value.__cause__ is not None   # numpy.from_dlpack's own error
+
+
+def test_a_bfloat16_output_is_named_at_its_path(torch):
+    with pytest.raises(TypeError, match=r"^out\['y'\]: a torch.Tensor of dtype bfloat16"):
+        dpmini.DataParallel(lambda t: {"y": t.bfloat16()}, DEVS)(torch.ones(4, 2))
+    with pytest.raises(TypeError, match=r"^module\.w: a torch.Tensor of dtype bfloat16"):
+        holder = Holder(torch)
+        holder.w = torch.ones(2, dtype=torch.bfloat16)
+        dpmini.replicate(holder, DEVS)
 
 
 def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
