@@ -177,15 +177,24 @@ static slot *get_slot(int kind, int index)
 
 static void finish_job(dp_batch *b)
 {
+    void (*orphan_free)(void *) = NULL;
+    void *orphan_arg = NULL;
     pthread_mutex_lock(&b->mu);
     int left = b->pending - 1;
     __atomic_store_n(&b->pending, left, __ATOMIC_RELAXED);
     /* Signal while still holding the lock: once we unlock, a waiter may see
      * pending == 0, return and destroy the batch, so the batch must not be
-     * touched (not even to signal) after pthread_mutex_unlock. */
-    if (left == 0)
-        pthread_cond_signal(&b->done_cv);
+     * touched (not even to signal) after pthread_mutex_unlock. An abandoned
+     * batch has no waiter: its last job frees it, after the unlock. */
+    if (left == 0) {
+        orphan_free = b->orphan_free;
+        orphan_arg = b->orphan_arg;
+        if (orphan_free == NULL)
+            pthread_cond_signal(&b->done_cv);
+    }
     pthread_mutex_unlock(&b->mu);
+    if (orphan_free != NULL)
+        orphan_free(orphan_arg);
 }
 
 static void *worker_main(void *p)
@@ -313,6 +322,8 @@ int dp_batch_init(dp_batch *b)
         return rc;
     }
     b->pending = 0;
+    b->orphan_free = NULL;
+    b->orphan_arg = NULL;
     return 0;
 }
 
@@ -395,6 +406,18 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
             done = b->pending == 0;
             break;
         }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return done;
+}
+
+int dp_batch_abandon(dp_batch *b, void (*free_fn)(void *), void *arg)
+{
+    pthread_mutex_lock(&b->mu);
+    int done = b->pending == 0;
+    if (!done) {
+        b->orphan_free = free_fn;
+        b->orphan_arg = arg;
     }
     pthread_mutex_unlock(&b->mu);
     return done;

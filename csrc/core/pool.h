@@ -41,12 +41,15 @@
 typedef void (*dp_job_fn)(void *arg);
 
 /* A batch: a count of jobs not yet finished, with a mutex and a condition.
- * Caller-owned (usually on the stack). Must outlive all its jobs: always wait
- * for a batch to finish (dp_batch_wait returning 1) before destroying it. */
+ * Caller-owned (usually on the stack). Must outlive all its jobs: wait for a
+ * batch to finish (dp_batch_wait returning 1) before destroying it, or hand
+ * it to its workers with dp_batch_abandon. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t done_cv;
     int pending;   /* jobs submitted and not finished; guarded by mu */
+    void (*orphan_free)(void *);  /* set by dp_batch_abandon; guarded by mu */
+    void *orphan_arg;
 } dp_batch;
 
 /* Returns 0, or an errno value if the mutex/condition cannot be made. */
@@ -63,6 +66,15 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg);
 /* Wait until every job of the batch has finished. timeout_ms < 0 waits
  * forever. Returns 1 when all are finished, 0 on timeout. */
 int dp_batch_wait(dp_batch *b, long timeout_ms);
+
+/* Give up waiting for b: when its last job finishes, the worker that ran
+ * it calls free_fn(arg) (without the GIL, after its last touch of b), which
+ * must dp_batch_destroy b and free the memory holding it and the jobs.
+ * Returns 0 when that is now the workers' task, or 1 when every job had
+ * already finished: then nothing is called and the caller destroys b as
+ * usual. parallel_apply uses it to return from Ctrl-C while a replica is
+ * stuck in a C call (docs/reliability.md). */
+int dp_batch_abandon(dp_batch *b, void (*free_fn)(void *), void *arg);
 
 /* Ask every idle worker thread of every device to exit (they release their
  * stacks); devices start threads again on demand. parallel_apply calls it

@@ -9,6 +9,15 @@
  * (the analogue of PyTorch copying grad mode, spec 6.2). The caller waits
  * with the GIL released, in 50 ms slices so that Ctrl-C still works.
  *
+ * Ctrl-C: the caller sends the KeyboardInterrupt to the running replicas
+ * and waits DP_GRACE_MS more for them. A replica blocked in a C call (a
+ * lock, time.sleep, a socket) sees it only when it returns to bytecode, so
+ * after the grace (or at a second Ctrl-C) the caller raises anyway and
+ * leaves those jobs to their workers: the jobs and the batch live in one
+ * heap block (apply_run) that the last worker frees, each abandoned job
+ * drops its own references when its replica returns, and its result is
+ * discarded (docs/reliability.md).
+ *
  * Sections: types; helpers (the worker, running a batch). A replica's
  * exception is taken and re-raised in parallel_apply_errors.c; arguments and
  * the entry points are in parallel_apply_entry.c.
@@ -28,6 +37,16 @@
 /* ------------------------------------------------------------------ */
 
 #define DP_WAIT_SLICE_MS 50              /* signal checks while waiting  */
+#define DP_GRACE_MS 1000                 /* after Ctrl-C, wait this long for
+                                            the replicas before giving up */
+
+/* The jobs of one call and their batch, in memory that outlives the call
+ * when the caller gives up on a stuck replica (PyMem_Raw: the last worker
+ * frees it without the GIL). */
+typedef struct {
+    dp_batch batch;
+    apply_job jobs[];
+} apply_run;
 
 /* A new thread state for the calling thread, bound as its GILState state;
  * NULL when out of memory. CPython 3.11's PyThreadState_New dereferences
@@ -90,6 +109,18 @@ static void worker_exit(void)
     (void)PyGILState_Ensure();
     PyGILState_Release(PyGILState_LOCKED);
     PyGILState_Release(PyGILState_UNLOCKED);
+}
+
+/* Drop the references a job owns (GIL held). */
+static void job_clear(apply_job *job)
+{
+    Py_CLEAR(job->module);
+    Py_CLEAR(job->args);
+    Py_CLEAR(job->kwargs);
+    Py_CLEAR(job->ctx);
+    Py_CLEAR(job->torch_autocast);
+    Py_CLEAR(job->result);
+    Py_CLEAR(job->exc);
 }
 
 /* Runs on the worker of job->dev (pool.c): takes the GIL, enters the
@@ -165,6 +196,10 @@ static void apply_job_main(void *arg)
         }
     }
     job->state = JOB_DONE;
+    if (job->abandoned) {
+        /* The caller has returned (Ctrl-C): nobody reads the outcome. */
+        job_clear(job);
+    }
     PyGILState_Release(g);
 }
 
@@ -287,10 +322,68 @@ static void blas_restore(PyObject *token)
     Py_DECREF(token);
 }
 
-PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
+/* pool.c calls this after the last job of an abandoned run (no GIL). */
+static void run_free(void *arg)
 {
-    dp_batch batch;
+    apply_run *run = arg;
+    dp_batch_destroy(&run->batch);
+    PyMem_RawFree(run);
+}
+
+/* The jobs move into a heap apply_run while workers may touch them: NULL
+ * with MemoryError, or the run with its batch made. */
+static apply_run *run_new(apply_job *jobs, Py_ssize_t m)
+{
+    apply_run *run = PyMem_RawMalloc(sizeof *run + (size_t)m * sizeof *jobs);
+    if (run == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    int rc = dp_batch_init(&run->batch);
+    if (rc != 0) {
+        PyMem_RawFree(run);
+        PyErr_Format(PyExc_RuntimeError, "parallel_apply: cannot create a job batch (%s)",
+                     strerror(rc));
+        return NULL;
+    }
+    memcpy(run->jobs, jobs, (size_t)m * sizeof *jobs);
+    return run;
+}
+
+/* Every job has finished: the jobs go back to the caller's array. */
+static void run_end(apply_run *run, apply_job *jobs, Py_ssize_t m)
+{
+    memcpy(jobs, run->jobs, (size_t)m * sizeof *jobs);
+    run_free(run);
+}
+
+/* Give up waiting (GIL held): the finished jobs go back to the caller's
+ * array; each unfinished worker job stays in the run, marked abandoned, and
+ * its worker drops its references when the replica returns; the last
+ * worker frees the run. The caller's copy of an abandoned job is zeroed, so
+ * it owns nothing there. */
+static void run_abandon(apply_run *run, apply_job *jobs, Py_ssize_t m)
+{
+    for (Py_ssize_t i = 0; i < m; i++) {
+        apply_job *job = &run->jobs[i];
+        if (job->on_worker && job->state != JOB_DONE) {
+            job->abandoned = 1;
+            memset(&jobs[i], 0, sizeof jobs[i]);
+        } else {
+            jobs[i] = *job;
+        }
+    }
+    if (dp_batch_abandon(&run->batch, run_free, run)) {
+        run_free(run);   /* the last job finished meanwhile */
+    }
+}
+
+PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
+{
+    apply_run *run = NULL;
+    apply_job *jobs = caller_jobs;   /* run->jobs once there is a run */
     int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0;
+    int grace = -1;           /* wait slices left after an interrupt, or -1 */
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
     char devbuf[32];
@@ -310,25 +403,23 @@ PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
                             "interpreter shutdown (sys.is_finalizing() is true)");
             return NULL;
         }
-        if (job->on_worker && !have_batch) {
-            int rc = dp_batch_init(&batch);
-            if (rc != 0) {
-                PyErr_Format(PyExc_RuntimeError, "parallel_apply: cannot create a job batch (%s)",
-                             strerror(rc));
-                return NULL;
-            }
-            have_batch = 1;
-            dp_pool_set_exit_hook(worker_exit);
-        }
+        have_batch |= job->on_worker;
     }
-    if (have_batch && check_threads_per_device(jobs, m) < 0) {
-        dp_batch_destroy(&batch);
-        return NULL;
+    if (have_batch) {
+        if (check_threads_per_device(jobs, m) < 0) {
+            return NULL;
+        }
+        run = run_new(caller_jobs, m);
+        if (run == NULL) {
+            return NULL;
+        }
+        jobs = run->jobs;
+        dp_pool_set_exit_hook(worker_exit);
     }
     PyObject *blas = blas_limit(jobs, m, nested);
     if (blas == NULL) {
         if (have_batch) {
-            dp_batch_destroy(&batch);
+            run_end(run, caller_jobs, m);
         }
         return NULL;
     }
@@ -355,7 +446,7 @@ PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             abort = replica_take_exception();
             break;
         }
-        int rc = dp_batch_submit(&batch, job->dev.kind, job->dev.index, apply_job_main, job);
+        int rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
         if (rc != 0) {
             dp_device_format(job->dev, devbuf, sizeof devbuf);
             if (rc == EAGAIN || rc == ENOMEM) {
@@ -377,6 +468,13 @@ PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
         }
         nsubmitted++;
     }
+    for (Py_ssize_t i = 0; i < m && abort != NULL; i++) {
+        if (jobs[i].on_worker && jobs[i].ctx == NULL) {
+            /* after the failing one: never queued, so no worker owns it */
+            jobs[i].on_worker = 0;
+            jobs[i].cancelled = 1;
+        }
+    }
     for (Py_ssize_t i = 0; i < m; i++) {
         apply_job *job = &jobs[i];
         if (job->on_worker || job->cancelled) {
@@ -391,22 +489,36 @@ PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             /* KeyboardInterrupt or SystemExit in the caller: stop the rest. */
             abort = Py_NewRef(job->exc);
             interrupt_jobs(jobs, m, (PyObject *)Py_TYPE(abort));
+            grace = DP_GRACE_MS / DP_WAIT_SLICE_MS;
         }
     }
     if (abort != NULL) {
         interrupt_jobs(jobs, m, NULL);   /* unstarted worker jobs are skipped */
     }
+    int abandoned = 0;
     while (nsubmitted > 0) {
         int done;
         Py_BEGIN_ALLOW_THREADS
-        done = dp_batch_wait(&batch, DP_WAIT_SLICE_MS);
+        done = dp_batch_wait(&run->batch, DP_WAIT_SLICE_MS);
         Py_END_ALLOW_THREADS
         if (done) {
             break;
         }
+        if (grace == 0) {
+            /* Replicas still run after the interrupt: stuck in a C call
+             * that the KeyboardInterrupt reaches only when it returns. */
+            run_abandon(run, caller_jobs, m);
+            abandoned = 1;
+            break;
+        }
+        if (grace > 0) {
+            grace--;
+        }
         if (PyErr_CheckSignals() < 0) {
             PyObject *e = replica_take_exception();
             interrupt_jobs(jobs, m, (PyObject *)Py_TYPE(e));
+            /* the first interrupt starts the grace, a second one ends it */
+            grace = grace < 0 ? DP_GRACE_MS / DP_WAIT_SLICE_MS : 0;
             if (abort == NULL) {
                 abort = e;
             } else {
@@ -414,10 +526,11 @@ PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m)
             }
         }
     }
-    blas_restore(blas);   /* every replica has finished */
-    if (have_batch) {
-        dp_batch_destroy(&batch);
+    blas_restore(blas);   /* every replica has finished, or is abandoned */
+    if (have_batch && !abandoned) {
+        run_end(run, caller_jobs, m);
     }
+    jobs = caller_jobs;
     if (trim) {
         /* Let idle workers go, so that the threads this failed call started
          * give their stacks back and the next call has room. */

@@ -16,7 +16,9 @@
 #pragma GCC visibility push(hidden)
 
 /* One replica call of parallel_apply. Owned by the caller (on its stack or
- * PyMem); a worker touches it only while the caller waits for the batch. */
+ * PyMem); run_jobs moves it into heap memory shared with the workers while
+ * they run it, and back when they are done (or leaves it to a worker whose
+ * replica ignores Ctrl-C: `abandoned`). */
 enum { JOB_QUEUED = 0, JOB_RUNNING = 1, JOB_DONE = 2 };
 
 typedef struct {
@@ -33,6 +35,8 @@ typedef struct {
     int cancelled;         /* caller (GIL held): skip the call if not started */
     int interrupted;       /* caller (GIL held): an async exception was sent  */
     int no_tstate;         /* worker: no Python thread state could be made    */
+    int abandoned;         /* caller (GIL held): gave up waiting (Ctrl-C); the
+                              worker drops the job's references when it ends */
     PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
     int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
                               the worker's call (interop.c)                   */

@@ -434,6 +434,52 @@ static void test_latency(void)
     dp_batch_destroy(&b);
 }
 
+/* ---- dp_batch_abandon: the last job frees the batch, after its last touch ---- */
+static atomic_int abandon_release, abandon_freed, abandon_ran;
+static void job_block(void *arg)
+{
+    (void)arg;
+    while (!atomic_load(&abandon_release))
+        sleep_ms(1);
+    atomic_fetch_add(&abandon_ran, 1);
+}
+static void free_abandoned(void *arg)
+{
+    dp_batch *b = arg;
+    CHECK(b->pending == 0);
+    dp_batch_destroy(b);
+    free(b);   /* under ASan: a later touch of the batch would be reported */
+    atomic_fetch_add(&abandon_freed, 1);
+}
+
+static void test_abandon(void)
+{
+    dp_batch *b = malloc(sizeof *b);
+    CHECK(b != NULL && dp_batch_init(b) == 0);
+    CHECK(dp_batch_submit(b, 1, 20, job_block, NULL) == 0);
+    CHECK(dp_batch_submit(b, 1, 21, job_block, NULL) == 0);
+    CHECK(dp_batch_submit(b, 1, 20, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(b, 20) == 0);            /* the blocked jobs hold it */
+    CHECK(dp_batch_abandon(b, free_abandoned, b) == 0);
+    CHECK(atomic_load(&abandon_freed) == 0);
+    atomic_store(&abandon_release, 1);
+    double t0 = secs();
+    while (atomic_load(&abandon_freed) == 0 && secs() - t0 < 10)
+        sleep_ms(1);
+    CHECK(atomic_load(&abandon_freed) == 1 && atomic_load(&abandon_ran) == 2);
+    /* the devices' workers take new batches afterwards */
+    dp_batch again;
+    CHECK(dp_batch_init(&again) == 0);
+    int before = atomic_load(&counter);
+    CHECK(dp_batch_submit(&again, 1, 20, job_inc, NULL) == 0);
+    CHECK(dp_batch_submit(&again, 1, 21, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&again, 10000) == 1 && atomic_load(&counter) == before + 2);
+    /* every job finished already: 1, nothing called, the caller destroys it */
+    CHECK(dp_batch_abandon(&again, free_abandoned, &again) == 1);
+    CHECK(atomic_load(&abandon_freed) == 1);
+    dp_batch_destroy(&again);
+}
+
 int main(void)
 {
     test_many_on_one_device();
@@ -450,6 +496,7 @@ int main(void)
     test_on_worker();
     test_fork();
     test_fork_in_job();
+    test_abandon();
     test_latency();
     if (failures) {
         printf("test_pool: %d failure(s)\n", failures);
