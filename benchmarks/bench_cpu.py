@@ -65,6 +65,7 @@ OVERHEAD_TARGET_US = 30.0    # DataParallel call minus direct call, one (8, 4) l
 DEVICE_TARGET_US = 4.0       # per device per call, 64 devices, tiny input
 REPLICATE_TARGET_GBPS = 15.0
 MLP_TARGET = 1.0             # DataParallel speed / NumPy speed
+STEPS_IN_A_RUN = 5           # item 5: calls in a row, as a training loop makes them
 ELEMENTWISE_TARGET = 1.7
 
 VERDICTS = []                # (text, met) for the summary
@@ -320,13 +321,23 @@ def bench_blas(rounds):
         dp = dpmini.DataParallel(module, device_ids=devices(2))
         def run_dp(dp=dp, x=x):
             return dp(x)   # the per-device gradients come back stacked (gather)
-        t = median_times({"numpy": lambda m=module, x=x: m(x), "dpmini": run_dp}, rounds)
-        speed = t["numpy"] / t["dpmini"]
+        routes = {"numpy": lambda m=module, x=x: m(x), "dpmini": run_dp}
+        # Two ways, both printed. Call by call, alternating with NumPy's route:
+        # every DataParallel call then cuts OpenBLAS from the 2 threads NumPy's
+        # call just used to 1 per replica, and OpenBLAS's idle threads still spin
+        # on the cores for a while (measured here: ~40 ms -> ~78 ms a step). In runs
+        # of STEPS_IN_A_RUN calls, as a training loop calls it, only the first call
+        # of a run pays that; the target is judged on these runs.
+        alt = median_times(routes, rounds)
+        t = median_per_call(routes, STEPS_IN_A_RUN, rounds)
+        speed, alt_speed = t["numpy"] / t["dpmini"], alt["numpy"] / alt["dpmini"]
         results[name] = speed
         v = verdict(f"{name}: DataParallel on 2 devices {speed:.2f}x plain NumPy "
                     f"(target >= {target}x)", speed >= target)
-        print(f"5. {name}: NumPy {t['numpy'] * 1e3:.1f} ms, DataParallel on 2 devices "
-              f"{t['dpmini'] * 1e3:.1f} ms: {speed:.2f}x (target >= {target}): {v}")
+        print(f"5. {name}: in runs of {STEPS_IN_A_RUN} calls NumPy {t['numpy'] * 1e3:.1f} ms, "
+              f"DataParallel on 2 devices {t['dpmini'] * 1e3:.1f} ms: {speed:.2f}x "
+              f"(target >= {target}): {v}; alternating call by call with NumPy's route: "
+              f"{alt['numpy'] * 1e3:.1f} / {alt['dpmini'] * 1e3:.1f} ms, {alt_speed:.2f}x")
     return results
 
 
