@@ -231,8 +231,12 @@ static PyObject *DP_named_modules(dp_DataParallelObject *self, PyObject *args, P
         goto done;
     }
     if (!seen) {
-        if (remove_duplicate && PyObject_CallMethod(memo, "add", "O", self) == NULL) {
-            goto done;
+        if (remove_duplicate) {
+            PyObject *added = PyObject_CallMethod(memo, "add", "O", self);
+            if (added == NULL) {
+                goto done;
+            }
+            Py_DECREF(added);
         }
         PyObject *pair = PyTuple_Pack(2, prefix, (PyObject *)self);
         if (pair == NULL || PyList_Append(out, pair) < 0) {
