@@ -46,6 +46,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -310,6 +311,17 @@ class ElementwiseStep:
         return np.tanh(x) * np.exp(-x * x) + np.sin(x)
 
 
+def kernel_time(fn, calls=STEPS_IN_A_RUN):
+    """System CPU seconds and minor page faults a call of fn, over `calls` calls
+    (resource.getrusage of the whole process: the replicas' threads included)."""
+    fn()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(calls):
+        fn()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_stime - r0.ru_stime) / calls, (r1.ru_minflt - r0.ru_minflt) / calls
+
+
 def bench_blas(rounds):
     rng = np.random.default_rng(3)
     results = {}
@@ -338,6 +350,11 @@ def bench_blas(rounds):
               f"DataParallel on 2 devices {t['dpmini'] * 1e3:.1f} ms: {speed:.2f}x "
               f"(target >= {target}): {v}; alternating call by call with NumPy's route: "
               f"{alt['numpy'] * 1e3:.1f} / {alt['dpmini'] * 1e3:.1f} ms, {alt_speed:.2f}x")
+        kernel = {r: kernel_time(f) for r, f in routes.items()}
+        print(f"   in the kernel (page faults) a call: NumPy {kernel['numpy'][0] * 1e3:.1f} ms, "
+              f"{kernel['numpy'][1]:.0f} faults; DataParallel {kernel['dpmini'][0] * 1e3:.1f} ms, "
+              f"{kernel['dpmini'][1]:.0f} faults (replicas allocate from their device's cache; "
+              f"DPMINI_NUMPY_ALLOCATOR=0 turns that off)")
     return results
 
 

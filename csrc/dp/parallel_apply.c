@@ -119,6 +119,7 @@ static void job_clear(apply_job *job)
     Py_CLEAR(job->kwargs);
     Py_CLEAR(job->ctx);
     Py_CLEAR(job->torch_autocast);
+    Py_CLEAR(job->numpy_handler);
     Py_CLEAR(job->result);
     Py_CLEAR(job->exc);
 }
@@ -163,6 +164,9 @@ static void apply_job_main(void *arg)
             job->exc = replica_take_exception();
         } else if (PyContext_Enter(job->ctx) < 0) {
             job->exc = replica_take_exception();
+        } else if (dp_numpy_allocator_enter(job->numpy_handler) < 0) {
+            job->exc = replica_take_exception();
+            (void)PyContext_Exit(job->ctx);
         } else {
             /* torch's grad mode is per thread: carry the caller's over, as
              * torch.nn.parallel.parallel_apply does. */
@@ -434,6 +438,13 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             continue;
         }
         job->ctx = PyContext_CopyCurrent();
+        if (job->ctx != NULL) {
+            /* set in the context copy: the caller's context keeps its own */
+            job->numpy_handler = dp_numpy_allocator(st, job->dev);
+            if (job->numpy_handler == NULL) {
+                Py_CLEAR(job->ctx);
+            }
+        }
         if (torch_no_grad < 0) {
             torch_no_grad = dp_torch_grad_enabled() == 0;
         }

@@ -42,6 +42,8 @@ typedef struct {
                               the worker's call (interop.c)                   */
     PyObject *torch_autocast; /* owned: the caller's CPU autocast, entered
                               around the worker's call, or NULL               */
+    PyObject *numpy_handler; /* owned: NumPy's allocator in the worker's call
+                              (numpy_allocator.c; None: NumPy's own), or NULL */
 } apply_job;
 
 /* parallel_apply_errors.c: the exception being raised, as an instance with

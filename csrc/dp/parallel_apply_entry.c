@@ -199,6 +199,7 @@ fail:
         Py_XDECREF(jobs[i].kwargs);
         Py_XDECREF(jobs[i].ctx);
         Py_XDECREF(jobs[i].torch_autocast);
+        Py_XDECREF(jobs[i].numpy_handler);
         Py_XDECREF(jobs[i].result);
         Py_XDECREF(jobs[i].exc);
     }
@@ -242,6 +243,11 @@ PyDoc_STRVAR(parallel_apply_doc,
 "counts back, so\n"
 "replicas x BLAS threads <= cores; DPMINI_BLAS_LIMIT=0 turns this off\n"
 "(dpmini/_blas.py; PyTorch does not do this).\n"
+"NumPy arrays a replica on a worker of virtual CPU device cpu:i makes come\n"
+"from cpu:i's caching allocator (NumPy's NEP 49 handler, set in the\n"
+"replica's context copy only; as PyTorch replicas on GPUs use the CUDA\n"
+"caching allocator): no page faults for reused temporaries;\n"
+"DPMINI_NUMPY_ALLOCATOR=0 turns this off.\n"
 "Errors: ValueError 'parallel_apply: the number of modules (M) is not equal\n"
 "to the number of inputs (N)' (likewise kwargs_tup and devices); the first\n"
 "failing replica (lowest index) is re-raised with its type and the message\n"

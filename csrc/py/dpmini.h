@@ -70,6 +70,9 @@ typedef struct dp_state {
                                         repr() is the text itself (spec 6.5) */
     PyObject *origins;               /* dict: array type -> its library's
                                         from_dlpack, or None (interop.c)  */
+    PyObject *numpy_handlers;        /* list by virtual CPU device index: its
+                                        NumPy allocator capsule or None; NULL
+                                        until first used (numpy_allocator.c) */
     /* A copy of src (any device) on dev, synchronously; a new shadow or
      * ndarray. The engine's dp_copy_to_device, set by module init: py/
      * (array.c's Array.to, copy_to_host, __array__) copies through it
@@ -383,6 +386,15 @@ PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes,
 
 /* nbytes of page-locked host memory as a host buffer (pin_memory=True). */
 PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes);
+
+/* numpy_allocator.c: the NumPy data allocator (NEP 49 handler capsule) for
+ * replicas on dev, new reference: device dev's caching allocator when dev is
+ * a virtual CPU device and $DPMINI_NUMPY_ALLOCATOR is not 0, else None. NULL
+ * with an exception. GIL held. */
+PyObject *dp_numpy_allocator(dp_state *st, dp_device dev);
+/* numpy_allocator.c: make handler (from dp_numpy_allocator; None: nothing)
+ * NumPy's allocator in the current context. 0, or -1 with an exception. */
+int dp_numpy_allocator_enter(PyObject *handler);
 
 /* ------------------------------------------------------------------ */
 /* Method tables and type specs of py/ (module/module.c adds them)     */

@@ -158,6 +158,23 @@ static void raw_free(dp_device d, void *p, size_t size)
     dp_cache_free(heap_of(d), p, size);
 }
 
+void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded)
+{
+    dp_device d = {DP_VCPU, index};
+    dp_cache *h = heap_of(d);
+    void *p = NULL;
+    if (h == NULL || dp_cache_alloc(h, nbytes, &p, rounded, NULL) != DP_ALLOC_OK) {
+        return NULL;
+    }
+    return p;
+}
+
+void dp_vcpu_heap_free(int index, void *p, size_t rounded)
+{
+    dp_device d = {DP_VCPU, index};
+    dp_cache_free(heap_of(d), p, rounded);
+}
+
 /* ------------------------------------------------------------------ */
 /* dpmini._Buffer                                                       */
 /* ------------------------------------------------------------------ */
@@ -241,6 +258,11 @@ static int read_cache_limit(void)
         dp_cache_set_limit(&heaps[i], cache_limit);
     }
     return 0;
+}
+
+int dp_host_memory_ready(void)
+{
+    return cache_limit_read ? 0 : read_cache_limit();
 }
 
 PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)

@@ -16,6 +16,16 @@ PyObject *py_cache_stats(PyObject *m, PyObject *arg);
 PyObject *py_empty_cache(PyObject *m, PyObject *unused);
 PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg);
 
+/* For numpy_allocator.c: a block of at least nbytes from virtual CPU device
+ * index's cache (its size in *rounded), or NULL when out of memory; no
+ * Python calls, any thread. The test hook of _fail_alloc_after does not
+ * apply. */
+void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded);
+/* Give a dp_vcpu_heap_alloc block back (any thread). */
+void dp_vcpu_heap_free(int index, void *p, size_t rounded);
+/* Reads $DPMINI_CACHE_LIMIT once (GIL held); -1 if its warning raised. */
+int dp_host_memory_ready(void);
+
 #pragma GCC visibility pop
 
 #endif

@@ -67,6 +67,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->format_exception);
     Py_VISIT(st->KeyErrorMessage);
     Py_VISIT(st->origins);
+    Py_VISIT(st->numpy_handlers);
     return 0;
 }
 
@@ -86,6 +87,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->format_exception);
     Py_CLEAR(st->KeyErrorMessage);
     Py_CLEAR(st->origins);
+    Py_CLEAR(st->numpy_handlers);
     return 0;
 }
 
