@@ -54,11 +54,24 @@ static PyObject *make_view(PyArrayObject *src, char *data, const npy_intp *shape
     return v;
 }
 
+static PyArrayObject *region_in_slab(dp_state *st, dp_slab *s, size_t hint, dp_device dev,
+                                     PyArrayObject *src, const npy_intp *shape,
+                                     const npy_intp *strides);
+
 /* A fresh array on dev for a copy of the strided region (data of `src`'s
  * dtype, `shape`, `strides`): a dense region keeps its layout (PyTorch's
  * memory_format=preserve), anything else becomes C-contiguous. */
 PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src,
                                  const npy_intp *shape, const npy_intp *strides)
+{
+    return region_in_slab(st, NULL, 0, dev, src, shape, strides);
+}
+
+/* empty_like_region carved from slab s (dp_empty_slab; NULL: its own
+ * buffer); hint as dp_empty_slab's. */
+static PyArrayObject *region_in_slab(dp_state *st, dp_slab *s, size_t hint, dp_device dev,
+                                     PyArrayObject *src, const npy_intp *shape,
+                                     const npy_intp *strides)
 {
     int nd = PyArray_NDIM(src);
     size_t itemsize = (size_t)PyArray_ITEMSIZE(src);
@@ -88,7 +101,7 @@ PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src
     }
     PyArray_Descr *descr = PyArray_DESCR(src);
     Py_INCREF(descr);
-    return dp_empty(st, dev, descr, nd, shape, use);
+    return dp_empty_slab(st, s, dev, descr, nd, shape, use, hint);
 }
 
 PyObject *devices_error(const char *argname)
@@ -101,16 +114,62 @@ PyObject *devices_error(const char *argname)
 /* Scatter                                                             */
 /* ------------------------------------------------------------------ */
 
+/* Bytes of a chunk of src with `shape` (no overflow: a region of src). */
+static size_t region_bytes(PyArrayObject *src, const npy_intp *shape)
+{
+    size_t n = (size_t)PyArray_ITEMSIZE(src);
+    for (int d = 0; d < PyArray_NDIM(src); d++) {
+        n *= (size_t)shape[d];
+    }
+    return n;
+}
+
+/* Chunks no larger than this share buffers per device (dp_slab), when a
+ * device gets at least two of them in one call: a scatter of many small
+ * leaves then allocates a few buffers instead of one per chunk. */
+static int slab_piece(dp_device d, size_t nbytes)
+{
+    return d.kind != DP_CUDA && nbytes > 0 && nbytes <= DP_SLAB_PIECE_MAX;
+}
+
 int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
 {
     job_list jobs = {0};
-    int i, j;
+    int i, j, maxk = 0;
     Py_ssize_t njobs = 0;
+    dp_slab slabs[DP_MAX_DEVICES];
+    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs */
+    int pieces[DP_MAX_DEVICES];
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
         njobs += items[i].nchunks;
+        maxk = items[i].nchunks > maxk ? items[i].nchunks : maxk;
+    }
+    if (maxk > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", maxk,
+                     DP_MAX_DEVICES);
+        return -1;
+    }
+    memset(slabs, 0, (size_t)maxk * sizeof slabs[0]);
+    memset(left, 0, (size_t)maxk * sizeof left[0]);
+    memset(pieces, 0, (size_t)maxk * sizeof pieces[0]);
+    if (nitems > 1) {
+        for (i = 0; i < nitems; i++) {
+            dp_scatter_item *it = &items[i];
+            npy_intp shape[DP_MAXDIMS];
+            memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
+            dp_device home = dp_array_device(st, it->src);
+            for (j = 0; j < it->nchunks; j++) {
+                shape[it->dim] = (npy_intp)it->sizes[j];
+                size_t nb = region_bytes(it->src, shape);
+                if (!dp_device_eq(devs[j], home) && slab_piece(devs[j], nb)) {
+                    left[j] += DP_SLAB_ROUND(nb);
+                    pieces[j]++;
+                }
+            }
+        }
     }
     if (jobs_reserve(&jobs, njobs) < 0) {
         return -1;
@@ -135,8 +194,18 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
                 }
                 continue;
             }
-            PyArrayObject *dst = empty_like_region(st, devs[j], src, shape,
-                                                   PyArray_STRIDES(src));
+            dp_slab *slab = NULL;
+            size_t hint = 0;
+            if (pieces[j] >= 2) {
+                size_t nb = region_bytes(src, shape);
+                if (slab_piece(devs[j], nb)) {
+                    slab = &slabs[j];
+                    hint = left[j];
+                    left[j] -= DP_SLAB_ROUND(nb);
+                }
+            }
+            PyArrayObject *dst = region_in_slab(st, slab, hint, devs[j], src, shape,
+                                                PyArray_STRIDES(src));
             if (dst == NULL) {
                 goto fail;
             }
@@ -148,21 +217,32 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
             }
         }
     }
+    for (j = 0; j < maxk; j++) {
+        dp_slab_clear(&slabs[j]);
+    }
     if (jobs_run(&jobs) < 0) {
         goto fail;
     }
     jobs_free(&jobs);
-    for (i = 0; i < nitems; i++) { /* chunks on GPUs leave as dpmini.Array */
-        for (j = 0; j < items[i].nchunks; j++) {
-            items[i].out[j] = dp_export(st, items[i].out[j]);
-            if (items[i].out[j] == NULL) {
-                goto fail;
+    for (j = 0; j < maxk; j++) {   /* chunks on GPUs leave as dpmini.Array */
+        if (devs[j].kind != DP_CUDA) {
+            continue;   /* a view on the source's device or a host copy: as it is */
+        }
+        for (i = 0; i < nitems; i++) {
+            if (j < items[i].nchunks) {
+                items[i].out[j] = dp_export(st, items[i].out[j]);
+                if (items[i].out[j] == NULL) {
+                    goto fail;
+                }
             }
         }
     }
     return 0;
 fail:
     jobs_free(&jobs);
+    for (j = 0; j < maxk; j++) {
+        dp_slab_clear(&slabs[j]);
+    }
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             Py_CLEAR(items[i].out[j]);
@@ -216,6 +296,13 @@ static void shape_error(const char *argname, Py_ssize_t i, PyArrayObject *part,
 
 PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
                            dp_device dest, PyArrayObject *out, const char *argname)
+{
+    return dp_gather_arrays_slab(st, parts, n, dim, dest, out, argname, NULL);
+}
+
+PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
+                                dp_device dest, PyArrayObject *out, const char *argname,
+                                dp_slab *slab)
 {
     copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
     job_list jobs;
@@ -299,7 +386,7 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
     } else {
         PyArray_Descr *descr = PyArray_DESCR(parts[0]);
         Py_INCREF(descr);
-        result = dp_empty(st, dest, descr, nd, shape, NULL);
+        result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
         if (result == NULL) {
             return NULL;
         }
@@ -366,7 +453,7 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         goto fail;
     }
     jobs_free(&jobs);
-    if (out != NULL) {
+    if (out != NULL || dest.kind != DP_CUDA) {
         return (PyObject *)result;
     }
     return dp_export(st, (PyObject *)result);

@@ -159,7 +159,7 @@ PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(parts[0]), cpath, &wdim) < 0)
             goto done;
     }
-    res = dp_gather_arrays(g->st, parts, n, wdim, g->target, NULL, cpath);
+    res = dp_gather_arrays_slab(g->st, parts, n, wdim, g->target, NULL, cpath, g->slab);
 done:
     if (parts != NULL && views)
         for (Py_ssize_t i = 0; i < n; i++)
