@@ -70,7 +70,7 @@ PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
         goto done;
     child = PyMem_Calloc((size_t)n, sizeof *child);
-    acc = exact ? PyDict_New() : PyList_New(0);
+    acc = exact ? dict_new_sized(PyList_GET_SIZE(keys)) : PyList_New(0);
     if (child == NULL || acc == NULL) {
         if (child == NULL)
             PyErr_NoMemory();
@@ -81,7 +81,19 @@ PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         path_seg cseg = seg_child(seg, SEG_KEY, 0, key);
         int ok = 1;
         for (Py_ssize_t i = 0; i < n && ok; i++) {
-            int has = PyDict_Contains(vals[i], key);
+            int has;
+            if (PyDict_CheckExact(vals[i])) {
+                /* one lookup; a str key's hash is cached */
+                PyObject *found = PyDict_GetItemWithError(vals[i], key);
+                if (found != NULL) {
+                    child[i] = Py_NewRef(found);
+                    continue;
+                }
+                has = PyErr_Occurred() ? -1 : 0;
+            }
+            else {
+                has = PyDict_Contains(vals[i], key);
+            }
             if (has == 0) {
                 PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
                 if (path != NULL && kr != NULL)

@@ -222,7 +222,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
         if (kind == S_TUPLE || kind == S_NAMEDTUPLE)
             res[j] = PyTuple_New(n);
         else if (exact_dict)
-            res[j] = PyDict_New();
+            res[j] = dict_new_sized(n);
         else /* S_LIST, or the pairs of a dict subclass */
             res[j] = PyList_New(n);
         if (res[j] == NULL)
@@ -233,7 +233,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
         if (scatter_build(c, child, &cseg, tmp) < 0)
             goto done;
-        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        PyObject *key = kind == S_DICT ? container_key(items, i) : NULL;
         if (place_child(kind, exact_dict, res, tmp, k, i, key) < 0)
             goto done;
     }
@@ -269,6 +269,10 @@ done:
  * failure). */
 int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res)
 {
+    /* The next leaf of pass (a), the same object: an array leaf (its kind
+     * was decided there). */
+    if (c->cursor < c->nleaves && c->leaves[c->cursor].obj == obj)
+        return take_chunks(c, obj, res);
     int kind = scatter_kind(c->st, obj);
     if (kind < 0)
         return -1;

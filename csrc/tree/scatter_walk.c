@@ -97,10 +97,11 @@ int scatter_kind(dp_state *st, PyObject *obj)
 }
 
 /* The children of a container of kind S_TUPLE/S_LIST/S_NAMEDTUPLE (a tuple
- * snapshot) or S_DICT (a list of pairs), as a new reference. */
+ * snapshot) or S_DICT (dict_flat's (k0, v0, k1, v1, ...)), as a new
+ * reference. */
 PyObject *container_items(PyObject *obj, int kind)
 {
-    return kind == S_DICT ? dict_pairs(obj) : seq_snapshot(obj);
+    return kind == S_DICT ? dict_flat(obj) : seq_snapshot(obj);
 }
 
 /* Child i of a container walked through container_items: sets *seg and
@@ -109,9 +110,8 @@ PyObject *container_child(int kind, PyObject *items, PyObject *names,
                           Py_ssize_t i, const path_seg *up, path_seg *seg)
 {
     if (kind == S_DICT) {
-        PyObject *pair = PyList_GET_ITEM(items, i);
-        *seg = seg_child(up, SEG_KEY, 0, PyTuple_GET_ITEM(pair, 0));
-        return PyTuple_GET_ITEM(pair, 1);
+        *seg = seg_child(up, SEG_KEY, 0, container_key(items, i));
+        return PyTuple_GET_ITEM(items, 2 * i + 1);
     }
     if (names != NULL)
         *seg = seg_child(up, SEG_ATTR, 0, PyTuple_GET_ITEM(names, i));
@@ -122,7 +122,7 @@ PyObject *container_child(int kind, PyObject *items, PyObject *names,
 
 Py_ssize_t items_len(int kind, PyObject *items)
 {
-    return kind == S_DICT ? PyList_GET_SIZE(items) : PyTuple_GET_SIZE(items);
+    return kind == S_DICT ? PyTuple_GET_SIZE(items) / 2 : PyTuple_GET_SIZE(items);
 }
 
 /* Plan mode: keep the first caller error as text and go on; otherwise (or
@@ -363,7 +363,7 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
         path_seg cseg, csseg;
         PyObject *cspec;
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
-        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        PyObject *key = kind == S_DICT ? container_key(items, i) : NULL;
         if (spec_child(spec, sseg, i, key, &cspec, &csseg) < 0)
             goto done;
         if (collect(c, child, &cseg, cspec, &csseg) < 0)

@@ -145,6 +145,11 @@ PyObject *namedtuple_names(PyObject *obj, Py_ssize_t n);
 PyObject *seq_snapshot(PyObject *seq);
 /* A dict's items() as a list of (key, value) 2-tuples. */
 PyObject *dict_pairs(PyObject *d);
+/* A dict's items as one tuple (k0, v0, k1, v1, ...); PyDict_Next for an
+ * exact dict, items() for a subclass. */
+PyObject *dict_flat(PyObject *d);
+/* An empty dict presized for n keys. */
+PyObject *dict_new_sized(Py_ssize_t n);
 
 /* ------------------------------------------------------------------ */
 /* tree_dims.c: in_dims / out_dims                                     */
@@ -194,8 +199,11 @@ int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
 void ctx_clear(scatter_ctx *c);
 /* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
 int scatter_kind(dp_state *st, PyObject *obj);
-/* The children of a container of kind S_* (tuple snapshot or list of pairs). */
+/* The children of a container of kind S_* (a tuple snapshot; for S_DICT
+ * the flat (k0, v0, k1, v1, ...) of dict_flat). */
 PyObject *container_items(PyObject *obj, int kind);
+/* The key of child i of an S_DICT walked through container_items (borrowed). */
+#define container_key(items, i) PyTuple_GET_ITEM((items), 2 * (i))
 /* Child i of a container walked through container_items (borrowed); sets *seg. */
 PyObject *container_child(int kind, PyObject *items, PyObject *names,
                           Py_ssize_t i, const path_seg *up, path_seg *seg);
