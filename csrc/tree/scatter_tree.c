@@ -116,7 +116,10 @@ int scatter_copy(scatter_ctx *c)
     /* Each leaf's pieces go back into its own library (torch in, torch
      * shards out), sharing the memory dpmini copied into (interop.c). */
     for (Py_ssize_t i = 0; r == 0 && i < c->nleaves; i++) {
-        const char *cpath = PyUnicode_AsUTF8(c->leaves[i].path);
+        if (c->leaves[i].origin == Py_None)
+            continue;   /* a NumPy or dpmini array: its chunks stay as they are */
+        PyObject *path = leaf_path(c, &c->leaves[i]);
+        const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
         if (cpath == NULL ||
             dp_convert_all(c->st, c->leaves[i].origin, c->chunks + i * c->k, c->k, cpath) < 0)
             r = -1;

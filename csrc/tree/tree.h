@@ -54,13 +54,28 @@ enum {
     S_DICT         /* non-empty dict: rebuild_mapping per replica         */
 };
 
+/* One step of a leaf's path kept by pass (a) (the path_seg chain lives on
+ * the C stack only while the walk is under it): the text is made only when
+ * a message or _plan needs it (leaf_path). */
+typedef struct {
+    int up;                     /* the parent node, -1 at the root          */
+    seg_kind kind;
+    const char *root;
+    Py_ssize_t index;
+    PyObject *name;             /* strong, or NULL                          */
+    const path_seg *seg;        /* the step on the stack: valid only while
+                                   its container is being walked           */
+} path_node;
+
 /* One array leaf found by pass (a). */
 typedef struct {
     PyObject *obj;        /* the leaf as found in the structure (strong)   */
     PyArrayObject *arr;   /* dp_as_array(obj): what is split (strong)      */
     PyObject *origin;     /* dp_array_origin(obj): the way back into obj's
                              library for its chunks, or None (strong)      */
-    PyObject *path;       /* str, e.g. "args[1]['img']"                    */
+    int node;             /* its path: c->nodes[node] and up               */
+    PyObject *path;       /* str, e.g. "args[1]['img']", made by leaf_path;
+                             NULL until then                               */
     int bcast;            /* 1: in_dims None: the whole array goes to every
                              replica (dim, count, sizes unused)            */
     int dim;              /* wrapped against arr's rank: 0 <= dim < ndim   */
@@ -87,6 +102,9 @@ typedef struct {
     PyObject **chunks;        /* nleaves * k new references from pass (c);
                                  a slot is NULL once pass (d) took it       */
     Py_ssize_t cursor;        /* pass (d): the next leaf to hand out        */
+    path_node *nodes;         /* PyMem: the leaves' path steps, nnodes used */
+    Py_ssize_t nnodes, ncap;
+    int node_top;             /* the node of the container being walked, -1 */
 } scatter_ctx;
 
 /* ------------------------------------------------------------------ */
@@ -209,6 +227,8 @@ PyObject *container_child(int kind, PyObject *items, PyObject *names,
                           Py_ssize_t i, const path_seg *up, path_seg *seg);
 /* How many children container_items gave. */
 Py_ssize_t items_len(int kind, PyObject *items);
+/* The path of leaf lf as a str (borrowed from lf, made on first use). */
+PyObject *leaf_path(scatter_ctx *c, scatter_leaf *lf);
 /* Plan mode: keep the first caller error as text (0); else leave it pending (-1). */
 int absorb_error(scatter_ctx *c);
 /* Pass (a): record the array leaves under obj; spec: its in_dims entry or NULL. */
