@@ -132,6 +132,53 @@ static int slab_piece(dp_device d, size_t nbytes)
     return d.kind != DP_CUDA && nbytes > 0 && nbytes <= DP_SLAB_PIECE_MAX;
 }
 
+/* A call that copies at most this many bytes between host memory (the host
+ * and virtual CPU devices) copies them at once, in the calling thread,
+ * without queueing jobs: the job list would run them there too (it copies
+ * inline below a larger bound, copy_jobs.c), and for small leaves queueing
+ * costs more than copying. */
+#define DP_DIRECT_BYTES ((size_t)64 << 10)
+
+/* dst[...] = src[...] for `shape` now, in this thread (strides in bytes;
+ * host memory on both sides). */
+static int copy_now(int nd, const npy_intp *shape, size_t itemsize, char *dst,
+                    const npy_intp *dst_strides, const char *src, const npy_intp *src_strides)
+{
+    int64_t run = (int64_t)itemsize;
+    int flat = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        if (shape[i] == 0) {
+            return 0;
+        }
+        if (shape[i] != 1) {
+            flat = flat && src_strides[i] == run && dst_strides[i] == run;
+            run *= (int64_t)shape[i];   /* no overflow: a small region */
+        }
+    }
+    if (itemsize == 0) {
+        return 0;
+    }
+    if (flat) {   /* contiguous on both sides: one run */
+        memcpy(dst, src, (size_t)run);
+        return 0;
+    }
+    int64_t sh[DP_MAXDIMS], ss[DP_MAXDIMS], ds[DP_MAXDIMS];
+    dp_copy_desc d;
+    for (int i = 0; i < nd && i < DP_MAXDIMS; i++) {
+        sh[i] = shape[i];
+        ss[i] = src_strides[i];
+        ds[i] = dst_strides[i];
+    }
+    if (dp_copy_init(&d, nd, itemsize, sh, ss, ds) < 0) {
+        PyErr_Format(PyExc_ValueError, "copy: %d dimensions is more than dpmini supports (%d)",
+                     nd, DP_MAXDIMS);
+        return -1;
+    }
+    dp_copy_simplify(&d);
+    dp_copy_run_mode(&d, dst, src, DP_COPY_AUTO);
+    return 0;
+}
+
 int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
 {
     job_list jobs = {0};
@@ -140,11 +187,11 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
     dp_slab slabs[DP_MAX_DEVICES];
     size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs */
     int pieces[DP_MAX_DEVICES];
+    size_t total = 0;              /* bytes copied between host memory */
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
-        njobs += items[i].nchunks;
         maxk = items[i].nchunks > maxk ? items[i].nchunks : maxk;
     }
     if (maxk > DP_MAX_DEVICES) {
@@ -155,23 +202,35 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
     memset(slabs, 0, (size_t)maxk * sizeof slabs[0]);
     memset(left, 0, (size_t)maxk * sizeof left[0]);
     memset(pieces, 0, (size_t)maxk * sizeof pieces[0]);
-    if (nitems > 1) {
-        for (i = 0; i < nitems; i++) {
-            dp_scatter_item *it = &items[i];
-            npy_intp shape[DP_MAXDIMS];
-            memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
-            dp_device home = dp_array_device(st, it->src);
-            for (j = 0; j < it->nchunks; j++) {
-                shape[it->dim] = (npy_intp)it->sizes[j];
-                size_t nb = region_bytes(it->src, shape);
-                if (!dp_device_eq(devs[j], home) && slab_piece(devs[j], nb)) {
-                    left[j] += DP_SLAB_ROUND(nb);
-                    pieces[j]++;
-                }
+    for (i = 0; i < nitems; i++) {
+        dp_scatter_item *it = &items[i];
+        npy_intp shape[DP_MAXDIMS];
+        memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
+        dp_device home = dp_array_device(st, it->src);
+        for (j = 0; j < it->nchunks; j++) {
+            if (dp_device_eq(devs[j], home)) {
+                continue;   /* a view */
+            }
+            shape[it->dim] = (npy_intp)it->sizes[j];
+            size_t nb = region_bytes(it->src, shape);
+            if (home.kind == DP_CUDA || devs[j].kind == DP_CUDA) {
+                njobs++;
+                continue;
+            }
+            total = total + nb >= total ? total + nb : SIZE_MAX;
+            if (slab_piece(devs[j], nb)) {
+                left[j] += DP_SLAB_ROUND(nb);
+                pieces[j]++;
             }
         }
     }
-    if (jobs_reserve(&jobs, njobs) < 0) {
+    int direct = total <= DP_DIRECT_BYTES;
+    if (!direct) {   /* then every copy is queued */
+        for (i = 0; i < nitems; i++) {
+            njobs += items[i].nchunks;
+        }
+    }
+    if (njobs > 0 && jobs_reserve(&jobs, njobs) < 0) {
         return -1;
     }
     for (i = 0; i < nitems; i++) {
@@ -196,7 +255,8 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
             }
             dp_slab *slab = NULL;
             size_t hint = 0;
-            if (pieces[j] >= 2) {
+            int host = home.kind != DP_CUDA && devs[j].kind != DP_CUDA;
+            if (host && pieces[j] >= 2) {
                 size_t nb = region_bytes(src, shape);
                 if (slab_piece(devs[j], nb)) {
                     slab = &slabs[j];
@@ -210,9 +270,13 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
                 goto fail;
             }
             it->out[j] = (PyObject *)dst;
-            if (jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
-                         PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
-                         PyArray_STRIDES(src), exec_device(home, devs[j])) < 0) {
+            int rc = direct && host
+                ? copy_now(nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
+                           PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
+                : jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
+                           PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
+                           PyArray_STRIDES(src), exec_device(home, devs[j]));
+            if (rc < 0) {
                 goto fail;
             }
         }
@@ -391,7 +455,8 @@ PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t 
             return NULL;
         }
     }
-    if (jobs_reserve(&jobs, n) < 0) {
+    int direct = dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(result) <= DP_DIRECT_BYTES;
+    if (!direct && jobs_reserve(&jobs, n) < 0) {
         goto fail;
     }
     npy_intp stride = PyArray_STRIDES(result)[dim];
@@ -401,9 +466,18 @@ PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t 
         char *dst = PyArray_BYTES(result) + offset * stride;
         offset += PyArray_DIM(p, dim);
         if (PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(result))) {
+            dp_device pdev = dp_array_device(st, p);
+            if (direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
+                if (copy_now(nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                             PyArray_STRIDES(result), PyArray_BYTES(p),
+                             PyArray_STRIDES(p)) < 0) {
+                    goto fail;
+                }
+                continue;
+            }
             if (jobs_add(&jobs, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
                          PyArray_STRIDES(result), PyArray_BYTES(p), PyArray_STRIDES(p),
-                         exec_device(dp_array_device(st, p), dest)) < 0) {
+                         exec_device(pdev, dest)) < 0) {
                 goto fail;
             }
             continue;

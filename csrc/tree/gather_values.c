@@ -43,6 +43,8 @@ int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
     PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)arrs[0]);
     for (Py_ssize_t i = 1; i < n; i++) {
         PyArray_Descr *di = PyArray_DESCR((PyArrayObject *)arrs[i]);
+        if (di == d0)
+            continue;   /* the same dtype object: nothing to cast */
         NPY_CASTING rule = strchr("SUV", d0->kind) != NULL || strchr("SUV", di->kind) != NULL
                                ? NPY_SAFE_CASTING : NPY_SAME_KIND_CASTING;
         int mixed_complex = (d0->kind == 'c') != (di->kind == 'c');

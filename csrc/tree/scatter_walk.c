@@ -138,6 +138,41 @@ Py_ssize_t items_len(int kind, PyObject *items)
 /* Paths of the leaves                                                 */
 /* ------------------------------------------------------------------ */
 
+/* Room for `nodes` more path steps and `leaves` more leaves (one
+ * allocation per container rather than a doubling per few leaves). */
+static int ctx_reserve(scatter_ctx *c, Py_ssize_t nodes, Py_ssize_t leaves)
+{
+    if (c->nnodes + nodes > c->ncap) {
+        Py_ssize_t cap = c->ncap ? 2 * c->ncap : 32;
+        while (cap < c->nnodes + nodes)
+            cap *= 2;
+        if (cap > INT_MAX) {
+            PyErr_SetString(PyExc_ValueError, "scatter: too many arrays");
+            return -1;
+        }
+        path_node *grown = PyMem_Realloc(c->nodes, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->nodes = grown;
+        c->ncap = cap;
+    }
+    if (c->nleaves + leaves > c->cap) {
+        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
+        while (cap < c->nleaves + leaves)
+            cap *= 2;
+        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
+        if (lv == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->leaves = lv;
+        c->cap = cap;
+    }
+    return 0;
+}
+
 /* The node of seg, kept in c->nodes: the steps from seg up to the
  * container being walked (c->node_top, whose step is live on the stack) are
  * added. Returns its index, or -1 with MemoryError. */
@@ -162,22 +197,8 @@ static int node_of(scatter_ctx *c, const path_seg *seg)
     int k = n;
     for (const path_seg *s = seg; k > 0; s = s->up)
         chain[--k] = s;   /* chain[0]: the step just below node_top */
-    if (c->nnodes + n > c->ncap) {
-        Py_ssize_t cap = c->ncap ? 2 * c->ncap : 32;
-        while (cap < c->nnodes + n)
-            cap *= 2;
-        if (cap > INT_MAX) {
-            PyErr_SetString(PyExc_ValueError, "scatter: too many arrays");
-            goto done;
-        }
-        path_node *grown = PyMem_Realloc(c->nodes, (size_t)cap * sizeof *grown);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        c->nodes = grown;
-        c->ncap = cap;
-    }
+    if (c->nnodes + n > c->ncap && ctx_reserve(c, n, 0) < 0)
+        goto done;
     int up = c->node_top;
     for (int i = 0; i < n; i++) {
         path_node *nd = &c->nodes[c->nnodes];
@@ -417,16 +438,8 @@ record:
     int node = node_of(c, seg);
     if (node < 0)
         goto fail;
-    if (c->nleaves == c->cap) {
-        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
-        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
-        if (lv == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        c->leaves = lv;
-        c->cap = cap;
-    }
+    if (c->nleaves == c->cap && ctx_reserve(c, 0, 1) < 0)
+        goto fail;
     scatter_leaf *lf = &c->leaves[c->nleaves++];
     lf->obj = Py_NewRef(obj);
     lf->arr = arr;
@@ -477,6 +490,9 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
         goto done;
     }
     Py_ssize_t n = items_len(kind, items);
+    /* every child may be a leaf: one step and one leaf each */
+    if (ctx_reserve(c, n, n) < 0)
+        goto done;
     if (kind == S_NAMEDTUPLE)
         names = namedtuple_names(obj, n);
     if (spec_is_container(spec)) {
