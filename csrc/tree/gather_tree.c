@@ -38,6 +38,8 @@ static int gather_kind(dp_state *st, PyObject *o)
 {
     if (o == Py_None)
         return G_NONE;
+    if (PyArray_CheckExact(o))
+        return G_ARRAY;   /* the usual leaf, first */
     if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
         return G_SEQ;
     if (PyDict_CheckExact(o))

@@ -74,6 +74,8 @@ void ctx_clear(scatter_ctx *c)
 /* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
 int scatter_kind(dp_state *st, PyObject *obj)
 {
+    if (PyArray_CheckExact(obj))
+        return S_ARRAY;   /* the usual leaf, first */
     if (PyTuple_CheckExact(obj))
         return PyTuple_GET_SIZE(obj) > 0 ? S_TUPLE : S_SHARED;
     if (PyList_CheckExact(obj))
