@@ -101,7 +101,8 @@ static PyArrayObject *region_in_slab(dp_state *st, dp_slab *s, size_t hint, dp_d
     }
     PyArray_Descr *descr = PyArray_DESCR(src);
     Py_INCREF(descr);
-    return dp_empty_slab(st, s, dev, descr, nd, shape, use, hint);
+    return s != NULL ? dp_empty_slab(st, s, dev, descr, nd, shape, use, hint)
+                     : dp_empty(st, dev, descr, nd, shape, use);
 }
 
 PyObject *devices_error(const char *argname)

@@ -170,7 +170,8 @@ typedef struct {
     PyObject *buf;      /* the buffer being filled, or NULL               */
     size_t used, cap;   /* bytes handed out of buf (64-aligned), its size */
     size_t next;        /* size of the next buffer when the caller gives
-                           no hint: 1 KiB, doubling up to DP_SLAB_MAX     */
+                           no hint: the first piece's own size, then
+                           1 KiB, doubling up to DP_SLAB_MAX              */
 } dp_slab;
 
 /* dp_empty, but when the array has 1..DP_SLAB_PIECE_MAX bytes and d is not

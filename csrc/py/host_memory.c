@@ -357,7 +357,7 @@ PyType_Spec dp_buffer_spec = {
 
 /* The byte count of an array of descr and shape; -1 with ValueError (and
  * descr released) when it is invalid or too big. */
-static int array_nbytes(PyArray_Descr *descr, int nd, const npy_intp *shape, size_t *out)
+static inline int array_nbytes(PyArray_Descr *descr, int nd, const npy_intp *shape, size_t *out)
 {
     size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
     for (int i = 0; i < nd; i++) {
@@ -387,7 +387,7 @@ static int array_nbytes(PyArray_Descr *descr, int nd, const npy_intp *shape, siz
 
 /* An ndarray over the memory at ptr, whose base becomes buf (stolen, also
  * on failure); descr stolen. */
-static PyArrayObject *array_over(PyObject *buf, char *ptr, PyArray_Descr *descr, int nd,
+static inline PyArrayObject *array_over(PyObject *buf, char *ptr, PyArray_Descr *descr, int nd,
                                  const npy_intp *shape, const npy_intp *strides)
 {
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, (npy_intp *)shape,
@@ -439,8 +439,12 @@ PyArrayObject *dp_empty_slab(dp_state *st, dp_slab *s, dp_device d, PyArray_Desc
     }
     if (s->buf == NULL || s->cap - s->used < piece) {
         size_t cap = hint;
-        if (cap == 0) {
-            cap = s->next ? s->next : 1024;
+        if (cap == 0 && s->next == 0) {
+            cap = piece;        /* the first: its own size, as dp_empty's */
+            s->next = 1024;
+        }
+        else if (cap == 0) {
+            cap = s->next;
             s->next = cap * 2 < DP_SLAB_MAX ? cap * 2 : DP_SLAB_MAX;
         }
         cap = cap < DP_SLAB_MAX ? cap : DP_SLAB_MAX;
