@@ -54,11 +54,24 @@ static PyObject *make_view(PyArrayObject *src, char *data, const npy_intp *shape
     return v;
 }
 
+static PyArrayObject *region_in_slab(dp_state *st, dp_slab *s, size_t hint, dp_device dev,
+                                     PyArrayObject *src, const npy_intp *shape,
+                                     const npy_intp *strides);
+
 /* A fresh array on dev for a copy of the strided region (data of `src`'s
  * dtype, `shape`, `strides`): a dense region keeps its layout (PyTorch's
  * memory_format=preserve), anything else becomes C-contiguous. */
 PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src,
                                  const npy_intp *shape, const npy_intp *strides)
+{
+    return region_in_slab(st, NULL, 0, dev, src, shape, strides);
+}
+
+/* empty_like_region carved from slab s (dp_empty_slab; NULL: its own
+ * buffer); hint as dp_empty_slab's. */
+static PyArrayObject *region_in_slab(dp_state *st, dp_slab *s, size_t hint, dp_device dev,
+                                     PyArrayObject *src, const npy_intp *shape,
+                                     const npy_intp *strides)
 {
     int nd = PyArray_NDIM(src);
     size_t itemsize = (size_t)PyArray_ITEMSIZE(src);
@@ -88,7 +101,8 @@ PyArrayObject *empty_like_region(dp_state *st, dp_device dev, PyArrayObject *src
     }
     PyArray_Descr *descr = PyArray_DESCR(src);
     Py_INCREF(descr);
-    return dp_empty(st, dev, descr, nd, shape, use);
+    return s != NULL ? dp_empty_slab(st, s, dev, descr, nd, shape, use, hint)
+                     : dp_empty(st, dev, descr, nd, shape, use);
 }
 
 PyObject *devices_error(const char *argname)
@@ -101,18 +115,123 @@ PyObject *devices_error(const char *argname)
 /* Scatter                                                             */
 /* ------------------------------------------------------------------ */
 
+/* Bytes of a chunk of src with `shape` (no overflow: a region of src). */
+static size_t region_bytes(PyArrayObject *src, const npy_intp *shape)
+{
+    size_t n = (size_t)PyArray_ITEMSIZE(src);
+    for (int d = 0; d < PyArray_NDIM(src); d++) {
+        n *= (size_t)shape[d];
+    }
+    return n;
+}
+
+/* Chunks no larger than this share buffers per device (dp_slab), when a
+ * device gets at least two of them in one call: a scatter of many small
+ * leaves then allocates a few buffers instead of one per chunk. */
+static int slab_piece(dp_device d, size_t nbytes)
+{
+    return d.kind != DP_CUDA && nbytes > 0 && nbytes <= DP_SLAB_PIECE_MAX;
+}
+
+/* A call that copies at most this many bytes between host memory (the host
+ * and virtual CPU devices) copies them at once, in the calling thread,
+ * without queueing jobs: the job list would run them there too (it copies
+ * inline below a larger bound, copy_jobs.c), and for small leaves queueing
+ * costs more than copying. */
+#define DP_DIRECT_BYTES ((size_t)64 << 10)
+
+/* dst[...] = src[...] for `shape` now, in this thread (strides in bytes;
+ * host memory on both sides). */
+static int copy_now(int nd, const npy_intp *shape, size_t itemsize, char *dst,
+                    const npy_intp *dst_strides, const char *src, const npy_intp *src_strides)
+{
+    int64_t run = (int64_t)itemsize;
+    int flat = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        if (shape[i] == 0) {
+            return 0;
+        }
+        if (shape[i] != 1) {
+            flat = flat && src_strides[i] == run && dst_strides[i] == run;
+            run *= (int64_t)shape[i];   /* no overflow: a small region */
+        }
+    }
+    if (itemsize == 0) {
+        return 0;
+    }
+    if (flat) {   /* contiguous on both sides: one run */
+        memcpy(dst, src, (size_t)run);
+        return 0;
+    }
+    int64_t sh[DP_MAXDIMS], ss[DP_MAXDIMS], ds[DP_MAXDIMS];
+    dp_copy_desc d;
+    for (int i = 0; i < nd && i < DP_MAXDIMS; i++) {
+        sh[i] = shape[i];
+        ss[i] = src_strides[i];
+        ds[i] = dst_strides[i];
+    }
+    if (dp_copy_init(&d, nd, itemsize, sh, ss, ds) < 0) {
+        PyErr_Format(PyExc_ValueError, "copy: %d dimensions is more than dpmini supports (%d)",
+                     nd, DP_MAXDIMS);
+        return -1;
+    }
+    dp_copy_simplify(&d);
+    dp_copy_run_mode(&d, dst, src, DP_COPY_AUTO);
+    return 0;
+}
+
 int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
 {
     job_list jobs = {0};
-    int i, j;
+    int i, j, maxk = 0;
     Py_ssize_t njobs = 0;
+    dp_slab slabs[DP_MAX_DEVICES];
+    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs */
+    int pieces[DP_MAX_DEVICES];
+    size_t total = 0;              /* bytes copied between host memory */
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
-        njobs += items[i].nchunks;
+        maxk = items[i].nchunks > maxk ? items[i].nchunks : maxk;
     }
-    if (jobs_reserve(&jobs, njobs) < 0) {
+    if (maxk > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", maxk,
+                     DP_MAX_DEVICES);
+        return -1;
+    }
+    memset(slabs, 0, (size_t)maxk * sizeof slabs[0]);
+    memset(left, 0, (size_t)maxk * sizeof left[0]);
+    memset(pieces, 0, (size_t)maxk * sizeof pieces[0]);
+    for (i = 0; i < nitems; i++) {
+        dp_scatter_item *it = &items[i];
+        npy_intp shape[DP_MAXDIMS];
+        memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
+        dp_device home = dp_array_device(st, it->src);
+        for (j = 0; j < it->nchunks; j++) {
+            if (dp_device_eq(devs[j], home)) {
+                continue;   /* a view */
+            }
+            shape[it->dim] = (npy_intp)it->sizes[j];
+            size_t nb = region_bytes(it->src, shape);
+            if (home.kind == DP_CUDA || devs[j].kind == DP_CUDA) {
+                njobs++;
+                continue;
+            }
+            total = total + nb >= total ? total + nb : SIZE_MAX;
+            if (slab_piece(devs[j], nb)) {
+                left[j] += DP_SLAB_ROUND(nb);
+                pieces[j]++;
+            }
+        }
+    }
+    int direct = total <= DP_DIRECT_BYTES;
+    if (!direct) {   /* then every copy is queued */
+        for (i = 0; i < nitems; i++) {
+            njobs += items[i].nchunks;
+        }
+    }
+    if (njobs > 0 && jobs_reserve(&jobs, njobs) < 0) {
         return -1;
     }
     for (i = 0; i < nitems; i++) {
@@ -135,34 +254,60 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
                 }
                 continue;
             }
-            PyArrayObject *dst = empty_like_region(st, devs[j], src, shape,
-                                                   PyArray_STRIDES(src));
+            dp_slab *slab = NULL;
+            size_t hint = 0;
+            int host = home.kind != DP_CUDA && devs[j].kind != DP_CUDA;
+            if (host && pieces[j] >= 2) {
+                size_t nb = region_bytes(src, shape);
+                if (slab_piece(devs[j], nb)) {
+                    slab = &slabs[j];
+                    hint = left[j];
+                    left[j] -= DP_SLAB_ROUND(nb);
+                }
+            }
+            PyArrayObject *dst = region_in_slab(st, slab, hint, devs[j], src, shape,
+                                                PyArray_STRIDES(src));
             if (dst == NULL) {
                 goto fail;
             }
             it->out[j] = (PyObject *)dst;
-            if (jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
-                         PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
-                         PyArray_STRIDES(src), exec_device(home, devs[j])) < 0) {
+            int rc = direct && host
+                ? copy_now(nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
+                           PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
+                : jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
+                           PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
+                           PyArray_STRIDES(src), exec_device(home, devs[j]));
+            if (rc < 0) {
                 goto fail;
             }
         }
+    }
+    for (j = 0; j < maxk; j++) {
+        dp_slab_clear(&slabs[j]);
     }
     if (jobs_run(&jobs) < 0) {
         goto fail;
     }
     jobs_free(&jobs);
-    for (i = 0; i < nitems; i++) { /* chunks on GPUs leave as dpmini.Array */
-        for (j = 0; j < items[i].nchunks; j++) {
-            items[i].out[j] = dp_export(st, items[i].out[j]);
-            if (items[i].out[j] == NULL) {
-                goto fail;
+    for (j = 0; j < maxk; j++) {   /* chunks on GPUs leave as dpmini.Array */
+        if (devs[j].kind != DP_CUDA) {
+            continue;   /* a view on the source's device or a host copy: as it is */
+        }
+        for (i = 0; i < nitems; i++) {
+            if (j < items[i].nchunks) {
+                items[i].out[j] = dp_export(st, items[i].out[j]);
+                if (items[i].out[j] == NULL) {
+                    goto fail;
+                }
             }
         }
     }
     return 0;
 fail:
     jobs_free(&jobs);
+    for (j = 0; j < maxk; j++) {
+        dp_slab_clear(&slabs[j]);
+    }
     for (i = 0; i < nitems; i++) {
         for (j = 0; j < items[i].nchunks; j++) {
             Py_CLEAR(items[i].out[j]);
@@ -216,6 +361,13 @@ static void shape_error(const char *argname, Py_ssize_t i, PyArrayObject *part,
 
 PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
                            dp_device dest, PyArrayObject *out, const char *argname)
+{
+    return dp_gather_arrays_slab(st, parts, n, dim, dest, out, argname, NULL);
+}
+
+PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
+                                dp_device dest, PyArrayObject *out, const char *argname,
+                                dp_slab *slab)
 {
     copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
     job_list jobs;
@@ -299,12 +451,13 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
     } else {
         PyArray_Descr *descr = PyArray_DESCR(parts[0]);
         Py_INCREF(descr);
-        result = dp_empty(st, dest, descr, nd, shape, NULL);
+        result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
         if (result == NULL) {
             return NULL;
         }
     }
-    if (jobs_reserve(&jobs, n) < 0) {
+    int direct = dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(result) <= DP_DIRECT_BYTES;
+    if (!direct && jobs_reserve(&jobs, n) < 0) {
         goto fail;
     }
     npy_intp stride = PyArray_STRIDES(result)[dim];
@@ -314,9 +467,18 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         char *dst = PyArray_BYTES(result) + offset * stride;
         offset += PyArray_DIM(p, dim);
         if (PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(result))) {
+            dp_device pdev = dp_array_device(st, p);
+            if (direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
+                if (copy_now(nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                             PyArray_STRIDES(result), PyArray_BYTES(p),
+                             PyArray_STRIDES(p)) < 0) {
+                    goto fail;
+                }
+                continue;
+            }
             if (jobs_add(&jobs, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
                          PyArray_STRIDES(result), PyArray_BYTES(p), PyArray_STRIDES(p),
-                         exec_device(dp_array_device(st, p), dest)) < 0) {
+                         exec_device(pdev, dest)) < 0) {
                 goto fail;
             }
             continue;
@@ -366,7 +528,7 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
         goto fail;
     }
     jobs_free(&jobs);
-    if (out != NULL) {
+    if (out != NULL || dest.kind != DP_CUDA) {
         return (PyObject *)result;
     }
     return dp_export(st, (PyObject *)result);

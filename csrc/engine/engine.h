@@ -38,6 +38,11 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems,
 PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
                            int dim, dp_device dest, PyArrayObject *out,
                            const char *argname);
+/* dp_gather_arrays with a fresh result carved from slab (dp_empty_slab:
+ * the small results of one gather share buffers; NULL: its own buffer). */
+PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                                int dim, dp_device dest, PyArrayObject *out,
+                                const char *argname, dp_slab *slab);
 
 /* comm.broadcast_coalesced on a list of arrays: returns a new list of ndev
  * lists; list 0 holds the inputs themselves where they already live on

@@ -162,6 +162,35 @@ PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes);
 PyArrayObject *dp_empty(dp_state *st, dp_device d, PyArray_Descr *descr, int nd,
                         const npy_intp *shape, const npy_intp *strides);
 
+/* Small arrays of one call carved out of shared buffers (dp_empty_slab):
+ * one allocation for many arrays instead of one each. A buffer lives until
+ * the last array in it is freed, so only small pieces share one, and a
+ * buffer holds at most DP_SLAB_MAX bytes. Zero-initialise; one per device;
+ * dp_slab_clear drops the caller's reference (the arrays keep theirs). */
+#define DP_SLAB_PIECE_MAX ((size_t)4096)  /* larger arrays get their own buffer */
+#define DP_SLAB_MAX ((size_t)65536)
+typedef struct {
+    PyObject *buf;      /* the buffer being filled, or NULL               */
+    size_t used, cap;   /* bytes handed out of buf (64-aligned), its size */
+    size_t next;        /* size of the next buffer when the caller gives
+                           no hint: the first piece's own size, then
+                           1 KiB, doubling up to DP_SLAB_MAX              */
+} dp_slab;
+
+/* dp_empty, but when the array has 1..DP_SLAB_PIECE_MAX bytes and d is not
+ * a CUDA device, its memory is carved out of s's buffer (a new one when it
+ * is full; 64-byte aligned pieces); its base is that buffer, so
+ * dp_array_device and the memory accounting see d. hint: bytes the caller
+ * still means to carve from s, this array's included (sizes the next
+ * buffer; 0 when unknown). s NULL: dp_empty. `descr` is stolen. */
+PyArrayObject *dp_empty_slab(dp_state *st, dp_slab *s, dp_device d, PyArray_Descr *descr,
+                             int nd, const npy_intp *shape, const npy_intp *strides,
+                             size_t hint);
+/* Drop s's reference to its buffer. */
+void dp_slab_clear(dp_slab *s);
+/* The bytes dp_empty_slab carves for nbytes (64-byte aligned). */
+#define DP_SLAB_ROUND(n) (((n) + 63) & ~(size_t)63)
+
 /* The device an ndarray's memory belongs to: the device of the dpmini
  * buffer at the end of its base chain, else the host. */
 dp_device dp_array_device(dp_state *st, PyArrayObject *a);

@@ -44,9 +44,10 @@ static PyObject *plan_bcast_leaf(scatter_ctx *c, scatter_leaf *lf, int ok)
     shape = PyArray_IntTupleFromIntp(PyArray_NDIM(lf->arr), PyArray_DIMS(lf->arr));
     nbytes = int_list(nb, c->ndev);
     lib = dp_array_describe(c->st, lf->obj, lf->arr);
-    if (shape != NULL && nbytes != NULL && lib != NULL)
+    PyObject *path = lib != NULL ? leaf_path(c, lf) : NULL;
+    if (shape != NULL && nbytes != NULL && path != NULL)
         res = Py_BuildValue("{s:O,s:O,s:O,s:O,s:n,s:O,s:O,s:O,s:O,s:O}",
-                            "path", lf->path, "library", lib, "shape", shape,
+                            "path", path, "library", lib, "shape", shape,
                             "dtype", (PyObject *)PyArray_DESCR(lf->arr),
                             "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
                             "dim", Py_None, "broadcast", Py_True, "sizes", Py_None,
@@ -87,9 +88,10 @@ static PyObject *plan_leaf(scatter_ctx *c, scatter_leaf *lf, int truncate)
     starts = int_list(st, c->ndev);
     nbytes = int_list(nb, c->ndev);
     lib = dp_array_describe(c->st, lf->obj, lf->arr);
-    if (shape != NULL && sizes != NULL && starts != NULL && nbytes != NULL && lib != NULL)
+    PyObject *path = lib != NULL ? leaf_path(c, lf) : NULL;
+    if (shape != NULL && sizes != NULL && starts != NULL && nbytes != NULL && path != NULL)
         res = Py_BuildValue("{s:O,s:O,s:O,s:O,s:n,s:i,s:O,s:O,s:O,s:O}",
-                            "path", lf->path, "library", lib, "shape", shape,
+                            "path", path, "library", lib, "shape", shape,
                             "dtype", (PyObject *)PyArray_DESCR(lf->arr),
                             "itemsize", (Py_ssize_t)PyArray_ITEMSIZE(lf->arr),
                             "dim", lf->dim, "broadcast", Py_False, "sizes", sizes,

@@ -27,6 +27,8 @@ typedef struct {
     dp_device target;   /* where arrays are gathered                      */
     int dim;            /* as given; wrapped per array position           */
     int mode;           /* OUT_*, from out_dims; OUT_CAT by default       */
+    dp_slab *slab;      /* the call's buffers for small results (shared by
+                           the copies of g made for out_dims entries)     */
 } gather_ctx;
 
 /* What gather does with the value at one position (outputs[0]'s kind picks

@@ -61,27 +61,46 @@ PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         Py_XDECREF(path);
         return NULL;
     }
-    keys = PyMapping_Keys(vals[0]);
+    /* An exact dict: its keys and values in one snapshot (dict_flat, no
+     * user code); a subclass: its keys(). */
+    keys = exact ? dict_flat(vals[0]) : PyMapping_Keys(vals[0]);
     if (keys == NULL) {
         name_mapping_error(g->st, vals[0], seg, "keys()", NULL);
         goto done;
     }
+    Py_ssize_t nkeys = exact ? PyTuple_GET_SIZE(keys) / 2 : PyList_GET_SIZE(keys);
     if (spec_is_container(spec) &&
         spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
         goto done;
     child = PyMem_Calloc((size_t)n, sizeof *child);
-    acc = exact ? PyDict_New() : PyList_New(0);
+    acc = exact ? dict_new_sized(nkeys) : PyList_New(0);
     if (child == NULL || acc == NULL) {
         if (child == NULL)
             PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t q = 0; q < PyList_GET_SIZE(keys); q++) {
-        PyObject *key = PyList_GET_ITEM(keys, q), *v;
+    for (Py_ssize_t q = 0; q < nkeys; q++) {
+        PyObject *key = exact ? PyTuple_GET_ITEM(keys, 2 * q) : PyList_GET_ITEM(keys, q), *v;
         path_seg cseg = seg_child(seg, SEG_KEY, 0, key);
         int ok = 1;
         for (Py_ssize_t i = 0; i < n && ok; i++) {
-            int has = PyDict_Contains(vals[i], key);
+            int has;
+            if (i == 0 && exact) {   /* replica 0's value, from the snapshot */
+                child[0] = Py_NewRef(PyTuple_GET_ITEM(keys, 2 * q + 1));
+                continue;
+            }
+            if (PyDict_CheckExact(vals[i])) {
+                /* one lookup; a str key's hash is cached */
+                PyObject *found = PyDict_GetItemWithError(vals[i], key);
+                if (found != NULL) {
+                    child[i] = Py_NewRef(found);
+                    continue;
+                }
+                has = PyErr_Occurred() ? -1 : 0;
+            }
+            else {
+                has = PyDict_Contains(vals[i], key);
+            }
             if (has == 0) {
                 PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
                 if (path != NULL && kr != NULL)

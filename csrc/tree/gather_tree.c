@@ -38,6 +38,8 @@ static int gather_kind(dp_state *st, PyObject *o)
 {
     if (o == Py_None)
         return G_NONE;
+    if (PyArray_CheckExact(o))
+        return G_ARRAY;   /* the usual leaf, first */
     if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
         return G_SEQ;
     if (PyDict_CheckExact(o))
@@ -285,9 +287,11 @@ PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target
                      Py_TYPE(outputs)->tp_name);
     }
     else {
-        gather_ctx g = {st, target, dim, OUT_CAT};
+        dp_slab slab = {0};
+        gather_ctx g = {st, target, dim, OUT_CAT, &slab};
         path_seg root = seg_root("out"), sroot = seg_root("out_dims");
         res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, spec, &sroot);
+        dp_slab_clear(&slab);
     }
     Py_DECREF(snap);
     Py_XDECREF(spec);

@@ -43,6 +43,8 @@ int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
     PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)arrs[0]);
     for (Py_ssize_t i = 1; i < n; i++) {
         PyArray_Descr *di = PyArray_DESCR((PyArrayObject *)arrs[i]);
+        if (di == d0)
+            continue;   /* the same dtype object: nothing to cast */
         NPY_CASTING rule = strchr("SUV", d0->kind) != NULL || strchr("SUV", di->kind) != NULL
                                ? NPY_SAFE_CASTING : NPY_SAME_KIND_CASTING;
         int mixed_complex = (d0->kind == 'c') != (di->kind == 'c');
@@ -73,10 +75,49 @@ int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
 /* Replica counts up to this gather a leaf with arrays on the stack. */
 #define GATHER_FEW 8
 
+/* The usual position: every replica returned a plain ndarray (not a
+ * subclass) of one dtype object and of one rank >= 1, with the same shape
+ * outside dim. Then no check below can fail with a message that names the
+ * position, so its path is not written. 1 with *wdim set, or 0. */
+static int plain_position(const gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                          int *wdim)
+{
+    if (!PyArray_CheckExact(vals[0]))
+        return 0;
+    PyArrayObject *a0 = (PyArrayObject *)vals[0];
+    PyArray_Descr *d0 = PyArray_DESCR(a0);
+    int nd = PyArray_NDIM(a0);
+    if (nd == 0 || g->dim < -nd || g->dim >= nd || PyDataType_REFCHK(d0))
+        return 0;
+    int d = g->dim < 0 ? g->dim + nd : g->dim;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyArray_CheckExact(vals[i]))
+            return 0;
+        PyArrayObject *a = (PyArrayObject *)vals[i];
+        if (PyArray_NDIM(a) != nd || PyArray_DESCR(a) != d0)
+            return 0;
+        for (int k = 0; k < nd; k++)
+            if (k != d && PyArray_DIM(a, k) != PyArray_DIM(a0, k))
+                return 0;
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(a, d), &total) ||
+            total > NPY_MAX_INTP)
+            return 0;
+    }
+    *wdim = d;
+    return 1;
+}
+
 /* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
 PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg)
 {
+    int plain_dim;
+    if (plain_position(g, vals, n, &plain_dim))
+        /* "out": never shown, plain_position checked what would name it */
+        return dp_gather_arrays_slab(g->st, (PyArrayObject **)vals, n, plain_dim, g->target,
+                                     NULL, "out", g->slab);
+
     PyArrayObject **parts = NULL, *parts_few[GATHER_FEW];
     PyObject **arrs = NULL, *arrs_few[GATHER_FEW];  /* new references: vals as arrays */
     PyObject *path = NULL, *res = NULL;
@@ -159,7 +200,7 @@ PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(parts[0]), cpath, &wdim) < 0)
             goto done;
     }
-    res = dp_gather_arrays(g->st, parts, n, wdim, g->target, NULL, cpath);
+    res = dp_gather_arrays_slab(g->st, parts, n, wdim, g->target, NULL, cpath, g->slab);
 done:
     if (parts != NULL && views)
         for (Py_ssize_t i = 0; i < n; i++)

@@ -62,11 +62,12 @@ PyObject *strict_message(scatter_ctx *c)
         scatter_leaf *lf = &c->leaves[i];
         if (lf->bcast)
             continue;
-        PyObject *shape = shape_repr(lf->arr);
+        PyObject *path = leaf_path(c, lf);
+        PyObject *shape = path != NULL ? shape_repr(lf->arr) : NULL;
         if (shape == NULL)
             goto done;
         PyObject *line = PyUnicode_FromFormat(
-            "  %U: shape %U, size %lld along dim %d -> %d chunk%s", lf->path, shape,
+            "  %U: shape %U, size %lld along dim %d -> %d chunk%s", path, shape,
             (long long)PyArray_DIM(lf->arr, lf->dim), lf->dim, lf->count,
             lf->count == 1 ? "" : "s");
         Py_DECREF(shape);
@@ -94,7 +95,10 @@ static PyObject *chunk_counts(scatter_ctx *c)
         scatter_leaf *lf = &c->leaves[i];
         if (lf->bcast)
             continue;
-        if (append_steal(parts, PyUnicode_FromFormat("%U: %d chunk%s", lf->path,
+        PyObject *path = leaf_path(c, lf);
+        if (path == NULL)
+            goto done;
+        if (append_steal(parts, PyUnicode_FromFormat("%U: %d chunk%s", path,
                                                      lf->count,
                                                      lf->count == 1 ? "" : "s")) < 0)
             goto done;
@@ -122,11 +126,14 @@ int truncation_message(scatter_ctx *c, PyObject **out)
         /* "rows" only along dim 0; "indices" along any other dim. */
         const char *one = lf->dim == 0 ? "row" : "index";
         const char *many = lf->dim == 0 ? "rows" : "indices";
+        PyObject *path = leaf_path(c, lf);
+        if (path == NULL)
+            goto done;
         PyObject *part = kept == n - 1
             ? PyUnicode_FromFormat("%U: %s %lld of %lld along dim %d is dropped",
-                                   lf->path, one, (long long)kept, (long long)n, lf->dim)
+                                   path, one, (long long)kept, (long long)n, lf->dim)
             : PyUnicode_FromFormat("%U: %s %lld..%lld of %lld along dim %d are dropped",
-                                   lf->path, many, (long long)kept, (long long)(n - 1),
+                                   path, many, (long long)kept, (long long)(n - 1),
                                    (long long)n, lf->dim);
         if (append_steal(parts, part) < 0)
             goto done;

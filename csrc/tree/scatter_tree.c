@@ -116,7 +116,10 @@ int scatter_copy(scatter_ctx *c)
     /* Each leaf's pieces go back into its own library (torch in, torch
      * shards out), sharing the memory dpmini copied into (interop.c). */
     for (Py_ssize_t i = 0; r == 0 && i < c->nleaves; i++) {
-        const char *cpath = PyUnicode_AsUTF8(c->leaves[i].path);
+        if (c->leaves[i].origin == Py_None)
+            continue;   /* a NumPy or dpmini array: its chunks stay as they are */
+        PyObject *path = leaf_path(c, &c->leaves[i]);
+        const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
         if (cpath == NULL ||
             dp_convert_all(c->st, c->leaves[i].origin, c->chunks + i * c->k, c->k, cpath) < 0)
             r = -1;
@@ -222,7 +225,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
         if (kind == S_TUPLE || kind == S_NAMEDTUPLE)
             res[j] = PyTuple_New(n);
         else if (exact_dict)
-            res[j] = PyDict_New();
+            res[j] = dict_new_sized(n);
         else /* S_LIST, or the pairs of a dict subclass */
             res[j] = PyList_New(n);
         if (res[j] == NULL)
@@ -233,7 +236,7 @@ static int build_container(scatter_ctx *c, PyObject *obj, int kind,
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
         if (scatter_build(c, child, &cseg, tmp) < 0)
             goto done;
-        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        PyObject *key = kind == S_DICT ? container_key(items, i) : NULL;
         if (place_child(kind, exact_dict, res, tmp, k, i, key) < 0)
             goto done;
     }
@@ -269,6 +272,10 @@ done:
  * failure). */
 int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res)
 {
+    /* The next leaf of pass (a), the same object: an array leaf (its kind
+     * was decided there). */
+    if (c->cursor < c->nleaves && c->leaves[c->cursor].obj == obj)
+        return take_chunks(c, obj, res);
     int kind = scatter_kind(c->st, obj);
     if (kind < 0)
         return -1;

@@ -11,6 +11,8 @@
 #include "walk.h"
 #include "plan.h"
 
+#include <limits.h>
+
 /* ------------------------------------------------------------------ */
 /* Pass (a): collect                                                   */
 /* ------------------------------------------------------------------ */
@@ -30,6 +32,7 @@ int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
     c->dim = dim;
     c->plan = plan;
     c->k = (int)ndev;
+    c->node_top = -1;
     if (plan) {
         c->shared = PyList_New(0);
         if (c->shared == NULL)
@@ -58,6 +61,12 @@ void ctx_clear(scatter_ctx *c)
     PyMem_Free(c->leaves);
     c->leaves = NULL;
     c->nleaves = c->cap = 0;
+    for (Py_ssize_t i = 0; i < c->nnodes; i++)
+        Py_CLEAR(c->nodes[i].name);
+    PyMem_Free(c->nodes);
+    c->nodes = NULL;
+    c->nnodes = c->ncap = 0;
+    c->node_top = -1;
     Py_CLEAR(c->shared);
     Py_CLEAR(c->error);
 }
@@ -65,6 +74,8 @@ void ctx_clear(scatter_ctx *c)
 /* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
 int scatter_kind(dp_state *st, PyObject *obj)
 {
+    if (PyArray_CheckExact(obj))
+        return S_ARRAY;   /* the usual leaf, first */
     if (PyTuple_CheckExact(obj))
         return PyTuple_GET_SIZE(obj) > 0 ? S_TUPLE : S_SHARED;
     if (PyList_CheckExact(obj))
@@ -97,10 +108,11 @@ int scatter_kind(dp_state *st, PyObject *obj)
 }
 
 /* The children of a container of kind S_TUPLE/S_LIST/S_NAMEDTUPLE (a tuple
- * snapshot) or S_DICT (a list of pairs), as a new reference. */
+ * snapshot) or S_DICT (dict_flat's (k0, v0, k1, v1, ...)), as a new
+ * reference. */
 PyObject *container_items(PyObject *obj, int kind)
 {
-    return kind == S_DICT ? dict_pairs(obj) : seq_snapshot(obj);
+    return kind == S_DICT ? dict_flat(obj) : seq_snapshot(obj);
 }
 
 /* Child i of a container walked through container_items: sets *seg and
@@ -109,9 +121,8 @@ PyObject *container_child(int kind, PyObject *items, PyObject *names,
                           Py_ssize_t i, const path_seg *up, path_seg *seg)
 {
     if (kind == S_DICT) {
-        PyObject *pair = PyList_GET_ITEM(items, i);
-        *seg = seg_child(up, SEG_KEY, 0, PyTuple_GET_ITEM(pair, 0));
-        return PyTuple_GET_ITEM(pair, 1);
+        *seg = seg_child(up, SEG_KEY, 0, container_key(items, i));
+        return PyTuple_GET_ITEM(items, 2 * i + 1);
     }
     if (names != NULL)
         *seg = seg_child(up, SEG_ATTR, 0, PyTuple_GET_ITEM(names, i));
@@ -122,7 +133,126 @@ PyObject *container_child(int kind, PyObject *items, PyObject *names,
 
 Py_ssize_t items_len(int kind, PyObject *items)
 {
-    return kind == S_DICT ? PyList_GET_SIZE(items) : PyTuple_GET_SIZE(items);
+    return kind == S_DICT ? PyTuple_GET_SIZE(items) / 2 : PyTuple_GET_SIZE(items);
+}
+
+/* ------------------------------------------------------------------ */
+/* Paths of the leaves                                                 */
+/* ------------------------------------------------------------------ */
+
+/* Room for `nodes` more path steps and `leaves` more leaves (one
+ * allocation per container rather than a doubling per few leaves). */
+static int ctx_reserve(scatter_ctx *c, Py_ssize_t nodes, Py_ssize_t leaves)
+{
+    if (c->nnodes + nodes > c->ncap) {
+        Py_ssize_t cap = c->ncap ? 2 * c->ncap : 32;
+        while (cap < c->nnodes + nodes)
+            cap *= 2;
+        if (cap > INT_MAX) {
+            PyErr_SetString(PyExc_ValueError, "scatter: too many arrays");
+            return -1;
+        }
+        path_node *grown = PyMem_Realloc(c->nodes, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->nodes = grown;
+        c->ncap = cap;
+    }
+    if (c->nleaves + leaves > c->cap) {
+        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
+        while (cap < c->nleaves + leaves)
+            cap *= 2;
+        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
+        if (lv == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->leaves = lv;
+        c->cap = cap;
+    }
+    return 0;
+}
+
+/* The node of seg, kept in c->nodes: the steps from seg up to the
+ * container being walked (c->node_top, whose step is live on the stack) are
+ * added. Returns its index, or -1 with MemoryError. */
+static int node_of(scatter_ctx *c, const path_seg *seg)
+{
+    const path_seg *few[8], **chain = few;
+    int n = 0, rc = -1;
+    for (const path_seg *s = seg; s != NULL; s = s->up) {
+        if (c->node_top >= 0 && c->nodes[c->node_top].seg == s)
+            break;
+        n++;
+    }
+    if (n == 0)
+        return c->node_top;
+    if (n > (int)(sizeof few / sizeof few[0])) {
+        chain = PyMem_Malloc((size_t)n * sizeof *chain);
+        if (chain == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    int k = n;
+    for (const path_seg *s = seg; k > 0; s = s->up)
+        chain[--k] = s;   /* chain[0]: the step just below node_top */
+    if (c->nnodes + n > c->ncap && ctx_reserve(c, n, 0) < 0)
+        goto done;
+    int up = c->node_top;
+    for (int i = 0; i < n; i++) {
+        path_node *nd = &c->nodes[c->nnodes];
+        nd->up = up;
+        nd->kind = chain[i]->kind;
+        nd->root = chain[i]->root;
+        nd->index = chain[i]->index;
+        nd->name = Py_XNewRef(chain[i]->name);
+        nd->seg = chain[i];
+        up = (int)c->nnodes++;
+    }
+    rc = up;
+done:
+    if (chain != few)
+        PyMem_Free(chain);
+    return rc;
+}
+
+PyObject *leaf_path(scatter_ctx *c, scatter_leaf *lf)
+{
+    if (lf->path != NULL)
+        return lf->path;
+    int n = 0;
+    for (int i = lf->node; i >= 0; i = c->nodes[i].up)
+        n++;
+    if (n == 0) {
+        PyErr_SetString(PyExc_SystemError, "scatter: a leaf without a path");
+        return NULL;
+    }
+    path_seg few[16], *segs = few;
+    if (n > (int)(sizeof few / sizeof few[0])) {
+        segs = PyMem_Malloc((size_t)n * sizeof *segs);
+        if (segs == NULL)
+            return PyErr_NoMemory();
+    }
+    int k = n;
+    for (int i = lf->node; i >= 0; i = c->nodes[i].up) {
+        path_node *nd = &c->nodes[i];
+        k--;
+        segs[k].kind = nd->kind;
+        segs[k].root = nd->root;
+        segs[k].index = nd->index;
+        segs[k].name = nd->name;
+    }
+    for (k = 0; k < n; k++) {
+        segs[k].up = k > 0 ? &segs[k - 1] : NULL;
+        segs[k].depth = k;
+    }
+    lf->path = path_str(&segs[n - 1]);
+    if (segs != few)
+        PyMem_Free(segs);
+    return lf->path;
 }
 
 /* Plan mode: keep the first caller error as text and go on; otherwise (or
@@ -220,16 +350,38 @@ static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *
 static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
                         PyObject *spec, const path_seg *sseg)
 {
-    PyObject *path = NULL, *origin = NULL;
+    PyObject *owned = NULL, *origin = NULL;
     PyArrayObject *arr = NULL;
     int64_t *sizes = NULL;
+    char buf[256];
     const char *cpath;
     int wdim = 0, count = 0, dim = c->dim, bcast = spec == Py_None;
 
-    path = path_str(seg);
-    if (path == NULL)
-        goto fail;
-    cpath = PyUnicode_AsUTF8(path);
+    /* The usual leaf: a plain ndarray of numbers split along the default
+     * dim into torch.chunk sizes. Nothing in it can fail with a message
+     * that names the path, so the path is not written. */
+    if (spec == NULL && c->chunk_sizes == NULL && c->weights == NULL &&
+        PyArray_CheckExact(obj) && !PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)obj))) {
+        int nd = PyArray_NDIM((PyArrayObject *)obj);
+        if (nd > 0 && dim >= -nd && dim < nd) {
+            wdim = dim < 0 ? dim + nd : dim;
+            sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
+            if (sizes == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            count = dp_chunk_sizes((int64_t)PyArray_DIM((PyArrayObject *)obj, wdim), c->ndev,
+                                   sizes);
+            if (count >= 1) {
+                arr = (PyArrayObject *)Py_NewRef(obj);
+                goto record;
+            }
+            PyMem_Free(sizes);   /* never: the general route reports it */
+            sizes = NULL;
+        }
+    }
+
+    cpath = path_text(seg, buf, sizeof buf, &owned);
     if (cpath == NULL)
         goto fail;
 
@@ -285,38 +437,35 @@ record:
     origin = dp_array_origin(c->st, obj);
     if (origin == NULL)
         goto fail;
-    if (c->nleaves == c->cap) {
-        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
-        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
-        if (lv == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        c->leaves = lv;
-        c->cap = cap;
-    }
+    int node = node_of(c, seg);
+    if (node < 0)
+        goto fail;
+    if (c->nleaves == c->cap && ctx_reserve(c, 0, 1) < 0)
+        goto fail;
     scatter_leaf *lf = &c->leaves[c->nleaves++];
     lf->obj = Py_NewRef(obj);
     lf->arr = arr;
     lf->origin = origin;
-    lf->path = path;
+    lf->node = node;
+    lf->path = NULL;
     lf->bcast = bcast;
     lf->dim = wdim;
     lf->count = count;
     lf->sizes = sizes;
+    Py_XDECREF(owned);
     return 0;
 
 leaf_error:
     if (absorb_error(c) == 0) {
         Py_XDECREF(arr);
-        Py_XDECREF(path);
+        Py_XDECREF(owned);
         return 0;
     }
 fail:
     PyMem_Free(sizes);
     Py_XDECREF(origin);
     Py_XDECREF(arr);
-    Py_XDECREF(path);
+    Py_XDECREF(owned);
     return -1;
 }
 
@@ -330,6 +479,10 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
 
     if (check_depth(seg, "inputs") < 0 || Py_EnterRecursiveCall(" while scattering inputs"))
         return -1;
+    int outer = c->node_top, me = node_of(c, seg);
+    if (me < 0)
+        goto done;
+    c->node_top = me;   /* the leaves below keep their paths from here */
     items = container_items(obj, kind);
     if (items == NULL) {
         /* a dict subclass's own items() failed: name its path */
@@ -339,6 +492,9 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
         goto done;
     }
     Py_ssize_t n = items_len(kind, items);
+    /* every child may be a leaf: one step and one leaf each */
+    if (ctx_reserve(c, n, n) < 0)
+        goto done;
     if (kind == S_NAMEDTUPLE)
         names = namedtuple_names(obj, n);
     if (spec_is_container(spec)) {
@@ -363,7 +519,7 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
         path_seg cseg, csseg;
         PyObject *cspec;
         PyObject *child = container_child(kind, items, names, i, seg, &cseg);
-        PyObject *key = kind == S_DICT ? PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0) : NULL;
+        PyObject *key = kind == S_DICT ? container_key(items, i) : NULL;
         if (spec_child(spec, sseg, i, key, &cspec, &csseg) < 0)
             goto done;
         if (collect(c, child, &cseg, cspec, &csseg) < 0)
@@ -376,6 +532,7 @@ spec_error:
     if (absorb_error(c) == 0)
         rc = 0;
 done:
+    c->node_top = outer;
     Py_XDECREF(items);
     Py_XDECREF(names);
     Py_XDECREF(fast);

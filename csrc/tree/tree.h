@@ -54,13 +54,28 @@ enum {
     S_DICT         /* non-empty dict: rebuild_mapping per replica         */
 };
 
+/* One step of a leaf's path kept by pass (a) (the path_seg chain lives on
+ * the C stack only while the walk is under it): the text is made only when
+ * a message or _plan needs it (leaf_path). */
+typedef struct {
+    int up;                     /* the parent node, -1 at the root          */
+    seg_kind kind;
+    const char *root;
+    Py_ssize_t index;
+    PyObject *name;             /* strong, or NULL                          */
+    const path_seg *seg;        /* the step on the stack: valid only while
+                                   its container is being walked           */
+} path_node;
+
 /* One array leaf found by pass (a). */
 typedef struct {
     PyObject *obj;        /* the leaf as found in the structure (strong)   */
     PyArrayObject *arr;   /* dp_as_array(obj): what is split (strong)      */
     PyObject *origin;     /* dp_array_origin(obj): the way back into obj's
                              library for its chunks, or None (strong)      */
-    PyObject *path;       /* str, e.g. "args[1]['img']"                    */
+    int node;             /* its path: c->nodes[node] and up               */
+    PyObject *path;       /* str, e.g. "args[1]['img']", made by leaf_path;
+                             NULL until then                               */
     int bcast;            /* 1: in_dims None: the whole array goes to every
                              replica (dim, count, sizes unused)            */
     int dim;              /* wrapped against arr's rank: 0 <= dim < ndim   */
@@ -87,6 +102,9 @@ typedef struct {
     PyObject **chunks;        /* nleaves * k new references from pass (c);
                                  a slot is NULL once pass (d) took it       */
     Py_ssize_t cursor;        /* pass (d): the next leaf to hand out        */
+    path_node *nodes;         /* PyMem: the leaves' path steps, nnodes used */
+    Py_ssize_t nnodes, ncap;
+    int node_top;             /* the node of the container being walked, -1 */
 } scatter_ctx;
 
 /* ------------------------------------------------------------------ */
@@ -145,6 +163,11 @@ PyObject *namedtuple_names(PyObject *obj, Py_ssize_t n);
 PyObject *seq_snapshot(PyObject *seq);
 /* A dict's items() as a list of (key, value) 2-tuples. */
 PyObject *dict_pairs(PyObject *d);
+/* A dict's items as one tuple (k0, v0, k1, v1, ...); PyDict_Next for an
+ * exact dict, items() for a subclass. */
+PyObject *dict_flat(PyObject *d);
+/* An empty dict presized for n keys. */
+PyObject *dict_new_sized(Py_ssize_t n);
 
 /* ------------------------------------------------------------------ */
 /* tree_dims.c: in_dims / out_dims                                     */
@@ -194,13 +217,18 @@ int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
 void ctx_clear(scatter_ctx *c);
 /* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
 int scatter_kind(dp_state *st, PyObject *obj);
-/* The children of a container of kind S_* (tuple snapshot or list of pairs). */
+/* The children of a container of kind S_* (a tuple snapshot; for S_DICT
+ * the flat (k0, v0, k1, v1, ...) of dict_flat). */
 PyObject *container_items(PyObject *obj, int kind);
+/* The key of child i of an S_DICT walked through container_items (borrowed). */
+#define container_key(items, i) PyTuple_GET_ITEM((items), 2 * (i))
 /* Child i of a container walked through container_items (borrowed); sets *seg. */
 PyObject *container_child(int kind, PyObject *items, PyObject *names,
                           Py_ssize_t i, const path_seg *up, path_seg *seg);
 /* How many children container_items gave. */
 Py_ssize_t items_len(int kind, PyObject *items);
+/* The path of leaf lf as a str (borrowed from lf, made on first use). */
+PyObject *leaf_path(scatter_ctx *c, scatter_leaf *lf);
 /* Plan mode: keep the first caller error as text (0); else leave it pending (-1). */
 int absorb_error(scatter_ctx *c);
 /* Pass (a): record the array leaves under obj; spec: its in_dims entry or NULL. */

@@ -120,3 +120,45 @@ PyObject *dict_pairs(PyObject *d)
     }
     return items;
 }
+
+/* A dict's items flattened into one tuple (k0, v0, k1, v1, ...): an exact
+ * dict read with PyDict_Next (no user code runs, one allocation), a dict
+ * subclass through its items() (dict_pairs). */
+PyObject *dict_flat(PyObject *d)
+{
+    if (PyDict_CheckExact(d)) {
+        Py_ssize_t n = PyDict_GET_SIZE(d), pos = 0, i = 0;
+        PyObject *flat = PyTuple_New(2 * n), *k, *v;
+        if (flat == NULL)
+            return NULL;
+        while (i < n && PyDict_Next(d, &pos, &k, &v)) {
+            PyTuple_SET_ITEM(flat, 2 * i, Py_NewRef(k));
+            PyTuple_SET_ITEM(flat, 2 * i + 1, Py_NewRef(v));
+            i++;
+        }
+        return flat;   /* i == n: nothing ran between the size and the walk */
+    }
+    PyObject *pairs = dict_pairs(d);
+    if (pairs == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    PyObject *flat = PyTuple_New(2 * n);
+    for (Py_ssize_t i = 0; flat != NULL && i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(pairs, i);
+        PyTuple_SET_ITEM(flat, 2 * i, Py_NewRef(PyTuple_GET_ITEM(p, 0)));
+        PyTuple_SET_ITEM(flat, 2 * i + 1, Py_NewRef(PyTuple_GET_ITEM(p, 1)));
+    }
+    Py_DECREF(pairs);
+    return flat;
+}
+
+/* A new empty dict with room for n keys (no resizing while it is filled). */
+PyObject *dict_new_sized(Py_ssize_t n)
+{
+#if PY_VERSION_HEX < 0x030D0000
+    return _PyDict_NewPresized(n);
+#else
+    (void)n;
+    return PyDict_New();
+#endif
+}
