@@ -180,9 +180,11 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     if (jobs_reserve(&jobs, n * ndev) < 0) {
         goto fail;
     }
-    /* Between virtual CPU devices, copies start in slices while the rest are
-     * still being set up (a module of many parameters): each worker gets
-     * DP_STREAM_MIN_JOB bytes or more a slice, so its copies still stream. */
+    /* Between virtual CPU devices, copies start while the rest are still
+     * being set up (a module of many parameters): once each device has
+     * DP_STREAM_MIN_JOB bytes queued (so that streaming stores pay), then
+     * the jobs queued since go to the copying workers every MiB
+     * (copy_feed.c). */
     int pipeline = 1;
     for (Py_ssize_t d = 0; d < ndev && pipeline; d++) {
         pipeline = devs[d].kind == DP_VCPU;
@@ -192,7 +194,8 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     }
     size_t slice = (size_t)ndev * DP_STREAM_MIN_JOB;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (pipeline && jobs.bytes - jobs.launched_bytes >= slice && jobs_launch(&jobs) < 0) {
+        if (pipeline && jobs.bytes - jobs.launched_bytes >=
+                (jobs.feed != NULL ? ((size_t)1 << 20) : slice) && jobs_launch(&jobs) < 0) {
             goto fail;
         }
         int r = nccl_broadcast_queue(st, src[i], devs, ndev, result, i, &batch);
