@@ -29,7 +29,9 @@ void jobs_free(job_list *l)
 {
     jobs_feed_end(l, 1);   /* an error path: the claimed copies still write */
     for (Py_ssize_t i = 0; i < l->n; i++) {
-        PyMem_Free(l->jobs[i].big);
+        if (l->jobs[i].big != NULL) {
+            PyMem_Free(l->jobs[i].big);
+        }
     }
     if (l->jobs != l->fixed) {
         PyMem_Free(l->jobs);
