@@ -1,5 +1,6 @@
 /* copy_engine.h - internal: the copy engine's jobs and helpers, shared by
- * the engine's files: copy_jobs.c (the jobs), copy_overlap.c (out= checks),
+ * the engine's files: copy_jobs.c (the jobs), copy_feed.c (jobs_launch),
+ * copy_overlap.c (out= checks),
  * copy_engine.c (scatter, gather), copy_broadcast.c, comm.c and
  * comm_broadcast.c (the dpmini.comm functions) and reduce.c.
  * The engine's public entry points (dp_scatter_run, dp_gather_arrays,

@@ -1,7 +1,8 @@
 /* copy_jobs.c - the copy engine's jobs: strided copies between host,
- * virtual CPU devices and GPUs, queued in a job list, grouped per executing
- * device and run on the device worker threads (pool.c), or inline when the
- * total is small (copy_engine.h).
+ * virtual CPU devices and GPUs, queued in a job list, grouped (per
+ * executing device; per core when only host and virtual CPU memory is
+ * touched) and run on the device worker threads (pool.c), or inline when
+ * the total is small (copy_engine.h).
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -498,10 +499,10 @@ static int make_groups(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_
     return group_jobs(jobs, njobs, order, groups, ng);
 }
 
-/* Run every queued job: each device's jobs on its worker, all devices at
- * once, the GIL released. Small totals, host-only jobs, and calls made from
- * inside a worker (a replica) run inline (the GIL released for CUDA jobs). */
-/* jobs_run for the jobs not launched yet. */
+/* jobs_run for the jobs not launched yet: each group (make_groups) on its
+ * worker, all at once, the GIL released. Small totals, host-only jobs, and
+ * calls made from inside a worker (a replica) run inline (the GIL released
+ * for CUDA jobs). */
 static int run_rest(job_list *l)
 {
     copy_job *jobs = l->jobs + l->launched;
