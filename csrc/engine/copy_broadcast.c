@@ -191,16 +191,17 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
      * being set up (a module of many parameters), when there is enough to
      * copy for streaming stores to pay (DP_STREAM_MIN_JOB a device): the
      * jobs go to the copying workers every MiB (copy_feed.c). */
-    int pipeline = 1;
+    int all_vcpu = 1, any_cuda = 0;
     uint64_t src_bytes = 0;
-    for (Py_ssize_t d = 0; d < ndev && pipeline; d++) {
-        pipeline = devs[d].kind == DP_VCPU;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        all_vcpu &= devs[d].kind == DP_VCPU;
+        any_cuda |= devs[d].kind == DP_CUDA;
     }
-    for (Py_ssize_t i = 0; i < n && pipeline; i++) {
-        pipeline = dp_array_device(st, src[i]).kind != DP_CUDA;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        any_cuda |= dp_array_device(st, src[i]).kind == DP_CUDA;
         src_bytes += (uint64_t)PyArray_NBYTES(src[i]);
     }
-    pipeline = pipeline && src_bytes >= DP_STREAM_MIN_JOB;
+    int pipeline = all_vcpu && !any_cuda && src_bytes >= DP_STREAM_MIN_JOB;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (pipeline && jobs.bytes - jobs.launched_bytes >= ((size_t)1 << 20) &&
             jobs_launch(&jobs) < 0) {
@@ -232,7 +233,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     jobs_free(&jobs);
     batch_free(&batch);
     arrays_free(src, n);
-    for (Py_ssize_t d = 0; d < ndev; d++) { /* GPU entries leave as dpmini.Array */
+    for (Py_ssize_t d = 0; d < ndev && any_cuda; d++) { /* GPU entries leave as dpmini.Array */
         PyObject *row = PyList_GET_ITEM(result, d);
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));
