@@ -110,6 +110,9 @@ void rep_walk_free(rep_walk *w);
 /* replicate_map.c: the node index of key, or -1 when it has none. */
 Py_ssize_t ptrmap_get(const ptrmap *m, PyObject *key);
 /* replicate_map.c: a new node for obj (borrowed) of kind; its index or -1. */
+/* Room for `more` nodes and edges beyond those added (one allocation for a
+ * list's or tuple's children instead of a doubling every few). */
+int rep_reserve(rep_walk *w, Py_ssize_t more);
 Py_ssize_t rep_add_node(rep_walk *w, PyObject *obj, int kind);
 /* replicate_map.c: an edge parent -> child; key: borrowed, or NULL for a position. */
 int rep_add_edge(rep_walk *w, Py_ssize_t parent, Py_ssize_t child,

@@ -146,6 +146,60 @@ static void *grow_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, siz
     return nb;
 }
 
+/* Grow a buffer that may still be the inline one to hold at least `need`
+ * (at least doubling it, so that many small reservations stay linear). */
+static void *reserve_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, Py_ssize_t need,
+                            size_t elsize)
+{
+    if (need < *cap * 2) {
+        need = *cap * 2;
+    }
+    if (need > PY_SSIZE_T_MAX / (Py_ssize_t)elsize) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    void *nb;
+    if (buf == inline_buf) {
+        nb = PyMem_Malloc((size_t)need * elsize);
+        if (nb != NULL) {
+            memcpy(nb, buf, (size_t)*cap * elsize);
+        }
+    } else {
+        nb = PyMem_Realloc(buf, (size_t)need * elsize);
+    }
+    if (nb == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *cap = need;
+    return nb;
+}
+
+int rep_reserve(rep_walk *w, Py_ssize_t more)
+{
+    if (more > PY_SSIZE_T_MAX / 2 - w->nnodes - w->nedges) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (w->nnodes + more > w->cap_nodes) {
+        rep_node *nb = reserve_buffer(w->nodes, w->inline_nodes, &w->cap_nodes,
+                                      w->nnodes + more, sizeof *nb);
+        if (nb == NULL) {
+            return -1;
+        }
+        w->nodes = nb;
+    }
+    if (w->nedges + more > w->cap_edges) {
+        rep_edge *nb = reserve_buffer(w->edges, w->inline_edges, &w->cap_edges,
+                                      w->nedges + more, sizeof *nb);
+        if (nb == NULL) {
+            return -1;
+        }
+        w->edges = nb;
+    }
+    return 0;
+}
+
 Py_ssize_t rep_add_node(rep_walk *w, PyObject *obj, int kind)
 {
     if (w->nnodes == w->cap_nodes) {

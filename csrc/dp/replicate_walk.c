@@ -285,6 +285,9 @@ static int rep_add_array(rep_walk *w, PyObject *o, int depth)
     return rc;
 }
 
+/* The most nodes a list or tuple reserves room for at once. */
+#define REP_RESERVE_MAX 4096
+
 Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
 {
     Py_ssize_t n = ptrmap_get(&w->map, o);
@@ -324,6 +327,12 @@ Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
         break;
     case RK_LIST:
     case RK_LIST_SUB:
+        /* a module's list of parameters: room for them at once (at most
+         * REP_RESERVE_MAX: a long list of plain numbers adds no nodes) */
+        if (rep_reserve(w, PyList_GET_SIZE(o) < REP_RESERVE_MAX ? PyList_GET_SIZE(o)
+                                                                : REP_RESERVE_MAX) < 0) {
+            return RK_ERROR;
+        }
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); i++) {
             if (rep_walk_child(w, n, PyList_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
                 return RK_ERROR;
@@ -332,6 +341,10 @@ Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
         break;
     case RK_TUPLE:
     case RK_NAMEDTUPLE:
+        if (rep_reserve(w, PyTuple_GET_SIZE(o) < REP_RESERVE_MAX ? PyTuple_GET_SIZE(o)
+                                                                 : REP_RESERVE_MAX) < 0) {
+            return RK_ERROR;
+        }
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++) {
             if (rep_walk_child(w, n, PyTuple_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
                 return RK_ERROR;

@@ -14,8 +14,9 @@
 /* Broadcast                                                           */
 /* ------------------------------------------------------------------ */
 
-/* Queue a copy of all of src into a fresh array on dev; new reference. */
-PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device dev)
+/* copy_to for a src that lives on `home`. */
+static PyObject *copy_from_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device home,
+                              dp_device dev)
 {
     PyArrayObject *dst = empty_like_region(st, dev, src, PyArray_SHAPE(src),
                                            PyArray_STRIDES(src));
@@ -24,11 +25,17 @@ PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device de
     }
     if (jobs_add(jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
                  PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
-                 PyArray_STRIDES(src), exec_device(dp_array_device(st, src), dev)) < 0) {
+                 PyArray_STRIDES(src), exec_device(home, dev)) < 0) {
         Py_DECREF(dst);
         return NULL;
     }
     return (PyObject *)dst;
+}
+
+/* Queue a copy of all of src into a fresh array on dev; new reference. */
+PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device dev)
+{
+    return copy_from_to(st, jobs, src, dp_array_device(st, src), dev);
 }
 
 PyObject *dp_copy_to_device(dp_state *st, PyArrayObject *src, dp_device dev)
@@ -180,33 +187,39 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     if (jobs_reserve(&jobs, n * ndev) < 0) {
         goto fail;
     }
-    /* Between virtual CPU devices, copies start in slices while the rest are
-     * still being set up (a module of many parameters): each worker gets
-     * DP_STREAM_MIN_JOB bytes or more a slice, so its copies still stream. */
-    int pipeline = 1;
-    for (Py_ssize_t d = 0; d < ndev && pipeline; d++) {
-        pipeline = devs[d].kind == DP_VCPU;
+    /* Between virtual CPU devices, copies start while the rest are still
+     * being set up (a module of many parameters), when there is enough to
+     * copy for streaming stores to pay (DP_STREAM_MIN_JOB a device): the
+     * jobs go to the copying workers every MiB (copy_feed.c). */
+    int all_vcpu = 1, any_cuda = 0;
+    uint64_t src_bytes = 0;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        all_vcpu &= devs[d].kind == DP_VCPU;
+        any_cuda |= devs[d].kind == DP_CUDA;
     }
-    for (Py_ssize_t i = 0; i < n && pipeline; i++) {
-        pipeline = dp_array_device(st, src[i]).kind != DP_CUDA;
-    }
-    size_t slice = (size_t)ndev * DP_STREAM_MIN_JOB;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (pipeline && jobs.bytes - jobs.launched_bytes >= slice && jobs_launch(&jobs) < 0) {
+        any_cuda |= dp_array_device(st, src[i]).kind == DP_CUDA;
+        src_bytes += (uint64_t)PyArray_NBYTES(src[i]);
+    }
+    int pipeline = all_vcpu && !any_cuda && src_bytes >= DP_STREAM_MIN_JOB;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (pipeline && jobs.bytes - jobs.launched_bytes >= ((size_t)1 << 20) &&
+            jobs_launch(&jobs) < 0) {
             goto fail;
         }
         int r = nccl_broadcast_queue(st, src[i], devs, ndev, result, i, &batch);
         if (r < 0) {
             goto fail;
         }
+        dp_device home = dp_array_device(st, src[i]);
         for (Py_ssize_t d = 0; r == 0 && d < ndev; d++) {
             PyObject *row = PyList_GET_ITEM(result, d);
             PyObject *item;
-            if (dp_device_eq(dp_array_device(st, src[i]), devs[d])) {
+            if (dp_device_eq(home, devs[d])) {
                 item = (PyObject *)src[i];
                 Py_INCREF(item);
             } else {
-                item = copy_to(st, &jobs, src[i], devs[d]);
+                item = copy_from_to(st, &jobs, src[i], home, devs[d]);
                 if (item == NULL) {
                     goto fail;
                 }
@@ -220,7 +233,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     jobs_free(&jobs);
     batch_free(&batch);
     arrays_free(src, n);
-    for (Py_ssize_t d = 0; d < ndev; d++) { /* GPU entries leave as dpmini.Array */
+    for (Py_ssize_t d = 0; d < ndev && any_cuda; d++) { /* GPU entries leave as dpmini.Array */
         PyObject *row = PyList_GET_ITEM(result, d);
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));

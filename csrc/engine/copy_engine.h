@@ -1,5 +1,6 @@
 /* copy_engine.h - internal: the copy engine's jobs and helpers, shared by
- * the engine's files: copy_jobs.c (the jobs), copy_overlap.c (out= checks),
+ * the engine's files: copy_jobs.c (the jobs), copy_feed.c (jobs_launch),
+ * copy_overlap.c (out= checks),
  * copy_engine.c (scatter, gather), copy_broadcast.c, comm.c and
  * comm_broadcast.c (the dpmini.comm functions) and reduce.c.
  * The engine's public entry points (dp_scatter_run, dp_gather_arrays,
@@ -56,7 +57,7 @@ typedef struct {
     Py_ssize_t launched;     /* jobs [0, launched) already handed to the
                                 workers by jobs_launch                      */
     size_t launched_bytes;   /* their bytes                                 */
-    struct job_launch *running; /* what jobs_launch started (PyMem), or NULL */
+    struct job_feed *feed;   /* the consumers jobs_launch started (copy_feed.c), or NULL */
 } job_list;
 
 /* ------------------------------------------------------------------ */
@@ -82,12 +83,22 @@ int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t
 int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n);
 /* copy_jobs.c: run every queued job on the device workers (GIL released; small totals inline). */
 int jobs_run(job_list *l);
-/* copy_jobs.c: start the jobs queued since the last launch on the device
- * workers now, while the caller goes on queuing (GIL held): virtual CPU
- * jobs only, and only in a list that will not move (jobs_reserve'd for all
- * its jobs). 1 when started, 0 when left for jobs_run, -1 on error.
- * jobs_run (or jobs_free, on an error path) waits for them. */
+/* copy_feed.c: start the jobs queued since the last launch on the device
+ * workers now, while the caller goes on queuing (GIL held): copies between
+ * host and virtual CPU memory only, and only in a list that will not move
+ * (jobs_reserve'd for all its jobs). The first call starts one consumer per
+ * core; later calls hand them the new jobs. 1 when started, 0 when left
+ * for jobs_run, -1 on error. jobs_run (or jobs_free, on an error path)
+ * waits for them. */
 int jobs_launch(job_list *l);
+/* copy_feed.c: close the feed jobs_launch started (if any), wait for its
+ * consumers (GIL released) and free it; drop: jobs not claimed yet are not
+ * copied (an error path). */
+void jobs_feed_end(job_list *l, int drop);
+/* copy_feed.c: the cores this process may run on (its affinity), >= 1. */
+int jobs_cores(void);
+/* copy_jobs.c: run one host copy job here (no GIL needed), with dp_copy_run_mode's mode. */
+void job_run_host(const copy_job *j, int mode);
 /* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */
 copy_route exec_device(dp_device src, dp_device dst);
 /* copy_engine.c: ValueError "<argname>: Expected at least one device to scatter to"; NULL. */

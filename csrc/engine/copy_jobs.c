@@ -1,7 +1,8 @@
 /* copy_jobs.c - the copy engine's jobs: strided copies between host,
- * virtual CPU devices and GPUs, queued in a job list, grouped per executing
- * device and run on the device worker threads (pool.c), or inline when the
- * total is small (copy_engine.h).
+ * virtual CPU devices and GPUs, queued in a job list, grouped (per
+ * executing device; per core when only host and virtual CPU memory is
+ * touched) and run on the device worker threads (pool.c), or inline when
+ * the total is small (copy_engine.h).
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -25,13 +26,13 @@ void jobs_init_fixed(job_list *l, copy_job *buf, Py_ssize_t cap)
     l->cap = cap;
 }
 
-static int launch_wait(job_list *l);
-
 void jobs_free(job_list *l)
 {
-    (void)launch_wait(l);   /* an error path: the launched copies still write */
+    jobs_feed_end(l, 1);   /* an error path: the claimed copies still write */
     for (Py_ssize_t i = 0; i < l->n; i++) {
-        PyMem_Free(l->jobs[i].big);
+        if (l->jobs[i].big != NULL) {
+            PyMem_Free(l->jobs[i].big);
+        }
     }
     if (l->jobs != l->fixed) {
         PyMem_Free(l->jobs);
@@ -52,7 +53,7 @@ int jobs_reserve(job_list *l, Py_ssize_t more)
     if (more <= l->cap - l->n) {
         return 0;
     }
-    if (l->running != NULL) {   /* workers are reading the jobs: never move them */
+    if (l->feed != NULL) {   /* workers are reading the jobs: never move them */
         PyErr_SetString(PyExc_SystemError, "copy jobs: list grown while its jobs run");
         return -1;
     }
@@ -170,9 +171,16 @@ static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
     return buf;
 }
 
+void job_run_host(const copy_job *j, int mode)
+{
+    dp_copy_desc buf;
+    dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, mode);
+}
+
 typedef struct {
     copy_job **jobs;    /* the group's jobs, in the order they were queued */
     Py_ssize_t n;
+    dp_device worker;   /* whose worker runs the group (host: the caller) */
     dpc_status status;  /* first failure of a GPU copy; code 0 when none */
     Py_ssize_t failed;  /* index of the failed job                       */
 } job_group;
@@ -321,6 +329,7 @@ static int group_jobs(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_g
         if (i == 0 || !dp_device_eq(o[i]->exec, o[i - 1]->exec)) {
             g[n].jobs = &o[i];
             g[n].n = 0;
+            g[n].worker = o[i]->exec;
             g[n].status = dpc_ok();
             g[n].failed = 0;
             n++;
@@ -333,104 +342,167 @@ static int group_jobs(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_g
     return 0;
 }
 
-/* Run every queued job: each device's jobs on its worker, all devices at
- * once, the GIL released. Small totals, host-only jobs, and calls made from
- * inside a worker (a replica) run inline (the GIL released for CUDA jobs). */
-/* What jobs_launch started: its groups, their jobs' order, the batch
- * they run in (one per list, made by the first launch). */
-struct job_launch {
-    struct job_launch *next;
-    copy_job **order;
-    job_group *groups;
-    dp_batch *batch;
-};
+/* ------------------------------------------------------------------ */
+/* Grouping by cores (host and virtual CPU memory only)                */
+/* ------------------------------------------------------------------ */
 
-static void launch_free(job_list *l)
+/* 1 when every job copies between host and virtual CPU memory on a virtual
+ * CPU device's worker: which worker runs it changes nothing but speed. */
+static int jobs_cpu_only(const copy_job *jobs, Py_ssize_t n)
 {
-    struct job_launch *r = l->running;
-    dp_batch *batch = NULL;
-    while (r != NULL) {
-        struct job_launch *next = r->next;
-        batch = r->batch;
-        PyMem_Free(r->order);
-        PyMem_Free(r->groups);
-        PyMem_Free(r);
-        r = next;
-    }
-    if (batch != NULL) {
-        dp_batch_destroy(batch);
-        PyMem_Free(batch);
-    }
-    l->running = NULL;
-}
-
-/* Wait for the launched jobs (the GIL released) and drop the bookkeeping.
- * Launched jobs are host copies, which do not fail. */
-static int launch_wait(job_list *l)
-{
-    if (l->running == NULL) {
-        return 0;
-    }
-    dp_batch *batch = l->running->batch;
-    Py_BEGIN_ALLOW_THREADS
-    dp_batch_wait(batch, -1);
-    Py_END_ALLOW_THREADS
-    launch_free(l);
-    return 0;
-}
-
-int jobs_launch(job_list *l)
-{
-    Py_ssize_t from = l->launched, n = l->n - from;
-    if (n == 0 || dp_pool_in_worker()) {
-        return 0;
-    }
-    for (Py_ssize_t i = from; i < l->n; i++) {
-        if (l->jobs[i].exec.kind != DP_VCPU || l->jobs[i].src_dev.kind == DP_CUDA) {
-            return 0;   /* GPU copies report errors: they run in jobs_run */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (jobs[i].exec.kind != DP_VCPU || jobs[i].src_dev.kind == DP_CUDA ||
+            jobs[i].dst_dev.kind == DP_CUDA) {
+            return 0;
         }
     }
-    struct job_launch *r = PyMem_Calloc(1, sizeof *r);
-    if (r == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (l->running != NULL) {
-        r->batch = l->running->batch;
-    } else {
-        r->batch = PyMem_Malloc(sizeof *r->batch);
-        int err = r->batch != NULL ? dp_batch_init(r->batch) : ENOMEM;
-        if (err != 0) {
-            PyMem_Free(r->batch);
-            PyMem_Free(r);
-            return 0;   /* jobs_run copies them */
-        }
-    }
-    Py_ssize_t ng;
-    if (group_jobs(l->jobs + from, n, &r->order, &r->groups, &ng) < 0) {
-        if (l->running == NULL) {
-            dp_batch_destroy(r->batch);
-            PyMem_Free(r->batch);
-        }
-        PyMem_Free(r);
-        return -1;
-    }
-    r->next = l->running;
-    l->running = r;
-    l->launched = l->n;
-    l->launched_bytes = l->bytes;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t g = 0; g < ng; g++) {
-        dp_device ex = r->groups[g].jobs[0]->exec;
-        if (dp_batch_submit(r->batch, ex.kind, ex.index, run_group, &r->groups[g]) != 0) {
-            run_group(&r->groups[g]);   /* no worker: the caller does it */
-        }
-    }
-    Py_END_ALLOW_THREADS
     return 1;
 }
 
-/* jobs_run for the jobs not launched yet. */
+/* Rows [r0, r1) of job j's outermost dim (simplified: every row the same
+ * bytes) as *piece. */
+static void job_rows(const copy_job *j, int64_t r0, int64_t r1, copy_job *piece)
+{
+    *piece = *j;
+    piece->shape[0] = r1 - r0;
+    piece->src = j->src + r0 * j->src_strides[0];
+    piece->dst = j->dst + r0 * j->dst_strides[0];
+    piece->bytes = j->bytes / (uint64_t)j->shape[0] * (uint64_t)(r1 - r0);
+}
+
+/* The row of job j (rows of row_bytes) nearest to byte `at` of it, rounded
+ * to a 4 KiB multiple of bytes where a row divides 4 KiB (a contiguous run
+ * cut into pages keeps the streaming stores aligned), within [0, rows]. */
+static int64_t cut_row(uint64_t at, uint64_t row_bytes, int64_t rows)
+{
+    uint64_t r = (at + row_bytes / 2) / row_bytes;
+    if (row_bytes < 4096 && 4096 % row_bytes == 0) {
+        uint64_t step = 4096 / row_bytes;
+        r = (r + step / 2) / step * step;
+    }
+    return r > (uint64_t)rows ? rows : (int64_t)r;
+}
+
+/* Group the jobs (jobs_cpu_only) into one group per core, at most one per
+ * virtual CPU device among their executing devices: the queue order is cut
+ * into `ngroups` runs of about equal bytes, a job that straddles a cut
+ * split by rows. Group k runs on the k-th of those devices (by index),
+ * whoever the copies' destinations are. Queue order keeps a broadcast's
+ * copies of one array together (replicate: the second copy reads the source
+ * from cache), and no more threads copy than the cores can run (4 devices
+ * on 2 cores). *order (PyMem) holds the pointers and the split pieces;
+ * *groups (PyMem); *ng groups, each with jobs. */
+static int group_cpu(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_group **groups,
+                     Py_ssize_t *ng)
+{
+    unsigned char seen[DP_POOL_MAX_INDEX] = {0};
+    int workers[DP_POOL_MAX_INDEX], nw = 0;
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < njobs; i++) {
+        int x = jobs[i].exec.index;
+        if (x >= 0 && x < DP_POOL_MAX_INDEX) {
+            seen[x] = 1;
+        }
+        total += jobs[i].bytes;
+    }
+    for (int x = 0; x < DP_POOL_MAX_INDEX; x++) {
+        if (seen[x]) {
+            workers[nw++] = x;
+        }
+    }
+    int cores = jobs_cores();
+    int G = nw < cores ? nw : cores;
+    if (G < 1) {
+        G = 1;
+        workers[0] = 0;
+    }
+    /* pointers, then the pieces: each cut adds at most two (its two sides) */
+    Py_ssize_t npieces = 2 * (Py_ssize_t)G;
+    size_t head = (size_t)(njobs + npieces) * sizeof(copy_job *);
+    char *block = PyMem_Malloc(head + (size_t)npieces * sizeof(copy_job));
+    job_group *g = block != NULL ? PyMem_Malloc((size_t)G * sizeof *g) : NULL;
+    if (g == NULL) {
+        PyMem_Free(block);
+        PyErr_NoMemory();
+        return -1;
+    }
+    copy_job **o = (copy_job **)block;
+    copy_job *pieces = (copy_job *)(block + head);
+    Py_ssize_t k = 0, np = 0, n = 0;
+    int cut = 1;              /* the next cut: at byte total * cut / G */
+    uint64_t pos = 0;         /* bytes of the jobs before the current one */
+    g[0].jobs = o;
+    g[0].n = 0;
+#define NEXT_GROUP()                                                   \
+    do {                                                               \
+        if (g[n].n > 0) {                                              \
+            n++;                                                       \
+            g[n].jobs = &o[k];                                         \
+            g[n].n = 0;                                                \
+        }                                                              \
+        cut++;                                                         \
+    } while (0)
+    for (Py_ssize_t i = 0; i < njobs; i++) {
+        copy_job *j = &jobs[i];
+        int split = j->big == NULL && j->ndim >= 1 && j->shape[0] > 1;
+        int64_t rows = split ? j->shape[0] : 1, done = 0;
+        uint64_t row_bytes = j->bytes / (uint64_t)rows;
+        while (cut < G) {
+            uint64_t c = (uint64_t)((unsigned __int128)total * (unsigned)cut / (unsigned)G);
+            if (c >= pos + j->bytes) {
+                break;    /* beyond this job (or at its end: the next job starts there) */
+            }
+            int64_t r = c <= pos ? 0 : cut_row(c - pos, row_bytes, rows);
+            if (r >= rows) {
+                break;    /* nearer the end: the next job takes the cut */
+            }
+            if (r > done) {
+                job_rows(j, done, r, &pieces[np]);
+                o[k++] = &pieces[np++];
+                g[n].n++;
+                done = r;
+            }
+            NEXT_GROUP();
+        }
+        if (done == 0) {
+            o[k++] = j;
+        } else {
+            job_rows(j, done, rows, &pieces[np]);
+            o[k++] = &pieces[np++];
+        }
+        g[n].n++;
+        pos += j->bytes;
+    }
+#undef NEXT_GROUP
+    if (g[n].n > 0) {
+        n++;
+    }
+    for (Py_ssize_t x = 0; x < n; x++) {
+        g[x].worker = (dp_device){DP_VCPU, workers[x]};
+        g[x].status = dpc_ok();
+        g[x].failed = 0;
+    }
+    *order = o;
+    *groups = g;
+    *ng = n;
+    return 0;
+}
+
+/* The groups jobs_launch and jobs_run hand to the workers: by cores for
+ * host and virtual CPU copies (group_cpu), else one per executing device. */
+static int make_groups(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_group **groups,
+                       Py_ssize_t *ng)
+{
+    if (njobs > 0 && jobs_cpu_only(jobs, njobs)) {
+        return group_cpu(jobs, njobs, order, groups, ng);
+    }
+    return group_jobs(jobs, njobs, order, groups, ng);
+}
+
+/* jobs_run for the jobs not launched yet: each group (make_groups) on its
+ * worker, all at once, the GIL released. Small totals, host-only jobs, and
+ * calls made from inside a worker (a replica) run inline (the GIL released
+ * for CUDA jobs). */
 static int run_rest(job_list *l)
 {
     copy_job *jobs = l->jobs + l->launched;
@@ -458,11 +530,13 @@ static int run_rest(job_list *l)
     copy_job **order;
     job_group *groups;
     Py_ssize_t ng;
-    if (group_jobs(jobs, n, &order, &groups, &ng) < 0) {
+    int here = small || dp_pool_in_worker();
+    if ((here ? group_jobs(jobs, n, &order, &groups, &ng)
+              : make_groups(jobs, n, &order, &groups, &ng)) < 0) {
         return -1;
     }
     int err = 0, rc = 0;
-    if (small || dp_pool_in_worker()) {
+    if (here) {
         /* one group per executing device, run here one after another */
         for (Py_ssize_t g = 0; g < ng && rc == 0; g++) {
             if (small && !group_has_cuda(&groups[g])) {
@@ -485,7 +559,7 @@ static int run_rest(job_list *l)
     err = dp_batch_init(&batch);
     if (err == 0) {
         for (Py_ssize_t g = 0; g < ng; g++) {
-            dp_device ex = groups[g].jobs[0]->exec;
+            dp_device ex = groups[g].worker;
             if (ex.kind == DP_HOST ||
                 dp_batch_submit(&batch, ex.kind, ex.index, run_group, &groups[g]) != 0) {
                 run_group(&groups[g]); /* no worker: the caller does it */
@@ -514,7 +588,9 @@ static int run_rest(job_list *l)
 
 int jobs_run(job_list *l)
 {
-    int rc = run_rest(l);
-    int w = launch_wait(l);
-    return rc < 0 ? rc : w;
+    if (l->feed != NULL) {
+        (void)jobs_launch(l);   /* the rest too, when the feed can take them */
+        jobs_feed_end(l, 0);
+    }
+    return run_rest(l);
 }
