@@ -42,9 +42,17 @@
 
 /* The jobs of one call and their batch, in memory that outlives the call
  * when the caller gives up on a stuck replica (PyMem_Raw: the last worker
- * frees it without the GIL). */
-typedef struct {
+ * frees it without the GIL). The chained jobs (pool nodes[i] for job i,
+ * in the same block) are woken in chain order: chain[p] is the job at
+ * position p, next_wake the position the next wake looks at, claim_from a
+ * position before which every chained job is claimed (a hint). */
+typedef struct apply_run {
     dp_batch batch;
+    dp_job_node *nodes;
+    Py_ssize_t *chain;
+    Py_ssize_t nchain;
+    Py_ssize_t next_wake;   /* atomic */
+    Py_ssize_t claim_from;  /* atomic; written with the GIL held */
     apply_job jobs[];
 } apply_run;
 
@@ -123,15 +131,88 @@ static void job_clear(apply_job *job)
     Py_CLEAR(job->exc);
 }
 
-/* Runs on the worker of job->dev (pool.c): takes the GIL, enters the
- * caller's context copy, calls the replica, records the outcome. */
+/* Chained jobs (virtual CPU devices). Waking 64 workers that each take the
+ * GIL for a replica of a microsecond costs 64 thread wake-ups and 64 GIL
+ * hand-offs, most of the call on two cores. So the caller queues these jobs
+ * quiet (pool.h) and wakes the first one's worker once it has released the
+ * GIL; each woken worker first wakes the next unclaimed job's worker (the
+ * chain), then claims its own job and takes the GIL. A worker that has run
+ * its own replica, still holding the GIL, claims and runs one by one the
+ * chained jobs whose workers have not been woken yet (their pool nodes are
+ * withdrawn, so those workers never wake); the chain skips claimed jobs. A
+ * call of 64 tiny replicas thus wakes about two workers. No replica waits
+ * for another: a worker claims more only after its own replica returned,
+ * and the chain reaches every unclaimed job's worker without needing the
+ * GIL, so replicas that wait on each other (a barrier) all still run at
+ * once. GPU jobs are never chained: they run on their GPU's own worker. */
+
+/* Wake the worker of the next chained job nobody has claimed (any thread,
+ * no GIL needed). The caller calls it once to start and each woken worker
+ * once, before its replica: so until every chained job is claimed or has
+ * its worker woken, one wake is on its way down the chain. */
+static void chain_wake(apply_run *run)
+{
+    for (;;) {
+        Py_ssize_t p = __atomic_fetch_add(&run->next_wake, 1, __ATOMIC_RELAXED);
+        if (p >= run->nchain) {
+            return;
+        }
+        Py_ssize_t i = run->chain[p];
+        if (__atomic_load_n(&run->jobs[i].claimed, __ATOMIC_ACQUIRE)) {
+            continue;   /* running or ran: its thread needs no wake */
+        }
+        if (dp_job_wake(&run->nodes[i]) == DP_NODE_QUIET) {
+            return;
+        }
+        /* withdrawn meanwhile by a worker that claimed it: go on */
+    }
+}
+
+/* A chained job whose worker has not been woken, now claimed by the caller
+ * (GIL held) and its pool node withdrawn; NULL when none is left. A job
+ * whose worker was woken is left to it: that worker is on its way (and
+ * passes the chain on), and nobody else may take a job it could claim. */
+static apply_job *claim_next(apply_run *run)
+{
+    Py_ssize_t p = __atomic_load_n(&run->claim_from, __ATOMIC_RELAXED);
+    Py_ssize_t first = -1;   /* the first position not claimed yet */
+    apply_job *got = NULL;
+    for (; p < run->nchain && got == NULL; p++) {
+        Py_ssize_t i = run->chain[p];
+        if (__atomic_load_n(&run->jobs[i].claimed, __ATOMIC_ACQUIRE)) {
+            continue;
+        }
+        if (dp_job_withdraw(&run->nodes[i]) == DP_NODE_QUIET) {
+            /* nobody else can reach it now: its node is gone */
+            __atomic_store_n(&run->jobs[i].claimed, 1, __ATOMIC_RELEASE);
+            got = &run->jobs[i];
+        } else if (first < 0) {
+            first = p;
+        }
+    }
+    __atomic_store_n(&run->claim_from, first >= 0 ? first : p, __ATOMIC_RELAXED);
+    return got;
+}
+
+static void run_job(apply_job *job, int *wl);
+
+/* Runs on a worker of job->dev (pool.c): takes the GIL, runs the job, and
+ * for a chained job the chained jobs nobody has claimed. */
 static void apply_job_main(void *arg)
 {
     apply_job *job = arg;
+    apply_run *run = job->run;
+    int chained = job->chained;
     int *wl = dp_pool_worker_local();
     int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
     if (wl == NULL) {
         wl = unpinned;
+    }
+    if (chained) {
+        /* Pass the chain on before anything that can wait. This worker was
+         * woken, so no other thread claims its job (claim_next). */
+        chain_wake(run);
+        __atomic_store_n(&job->claimed, 1, __ATOMIC_RELEASE);
     }
     if (!wl[WL_PINNED]) {
         /* The thread's first job: make its thread state here, where a
@@ -146,7 +227,22 @@ static void apply_job_main(void *arg)
         }
         wl[WL_PINNED] = 1;
     }
+    unsigned gen = dp_pool_fork_generation();
     PyGILState_STATE g = PyGILState_Ensure();
+    run_job(job, wl);
+    /* Not in a child that a replica forked: the parent's replicas are the
+     * parent's to run. */
+    for (apply_job *next; chained && dp_pool_fork_generation() == gen &&
+                          (next = claim_next(run)) != NULL;) {
+        run_job(next, wl);
+    }
+    PyGILState_Release(g);
+}
+
+/* Runs job in a worker thread (GIL held): enters the caller's context copy,
+ * calls the replica, records the outcome. */
+static void run_job(apply_job *job, int *wl)
+{
     if (!job->cancelled) {
         job->ident = PyThread_get_thread_ident();
         job->state = JOB_RUNNING;
@@ -200,7 +296,6 @@ static void apply_job_main(void *arg)
         /* The caller has returned (Ctrl-C): nobody reads the outcome. */
         job_clear(job);
     }
-    PyGILState_Release(g);
 }
 
 /* Runs job in the calling thread (GIL held). */
@@ -334,7 +429,13 @@ static void run_free(void *arg)
  * with MemoryError, or the run with its batch made. */
 static apply_run *run_new(apply_job *jobs, Py_ssize_t m)
 {
-    apply_run *run = PyMem_RawMalloc(sizeof *run + (size_t)m * sizeof *jobs);
+    size_t n = (size_t)m;
+    apply_run *run = NULL;
+    if (n <= (PY_SSIZE_T_MAX - sizeof *run) /
+                 (sizeof *jobs + sizeof *run->nodes + sizeof *run->chain)) {
+        run = PyMem_RawMalloc(sizeof *run +
+                              n * (sizeof *jobs + sizeof *run->nodes + sizeof *run->chain));
+    }
     if (run == NULL) {
         PyErr_NoMemory();
         return NULL;
@@ -346,7 +447,15 @@ static apply_run *run_new(apply_job *jobs, Py_ssize_t m)
                      strerror(rc));
         return NULL;
     }
-    memcpy(run->jobs, jobs, (size_t)m * sizeof *jobs);
+    memcpy(run->jobs, jobs, n * sizeof *jobs);
+    run->nodes = (dp_job_node *)(void *)&run->jobs[n];   /* sizes: multiples of pointers */
+    run->chain = (Py_ssize_t *)(void *)&run->nodes[n];
+    run->nchain = run->next_wake = run->claim_from = 0;
+    for (size_t i = 0; i < n; i++) {
+        run->jobs[i].run = run;
+        run->jobs[i].chained = 0;
+        run->jobs[i].claimed = 0;
+    }
     return run;
 }
 
@@ -382,7 +491,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
 {
     apply_run *run = NULL;
     apply_job *jobs = caller_jobs;   /* run->jobs once there is a run */
-    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0;
+    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0, kicked = 0;
     int grace = -1;           /* wait slices left after an interrupt, or -1 */
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
@@ -446,7 +555,19 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             abort = replica_take_exception();
             break;
         }
-        int rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
+        int rc;
+        if (job->dev.kind == DP_VCPU) {
+            job->chained = 1;
+            rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,
+                                       job, &run->nodes[i]);
+            if (rc == 0) {
+                run->chain[run->nchain++] = i;
+            } else {
+                job->chained = 0;
+            }
+        } else {
+            rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
+        }
         if (rc != 0) {
             dp_device_format(job->dev, devbuf, sizeof devbuf);
             if (rc == EAGAIN || rc == ENOMEM) {
@@ -480,6 +601,12 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         if (job->on_worker || job->cancelled) {
             continue;
         }
+        if (nsubmitted > 0 && !kicked) {
+            /* An inline replica may wait for a worker replica (a barrier):
+             * start the chain now. The woken worker waits for the GIL. */
+            chain_wake(run);
+            kicked = 1;
+        }
         if (abort != NULL) {
             job->cancelled = 1;
             continue;
@@ -499,6 +626,10 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     while (nsubmitted > 0) {
         int done;
         Py_BEGIN_ALLOW_THREADS
+        if (!kicked) {
+            chain_wake(run);   /* with the GIL released: the worker takes it at once */
+            kicked = 1;
+        }
         done = dp_batch_wait(&run->batch, DP_WAIT_SLICE_MS);
         Py_END_ALLOW_THREADS
         if (done) {

@@ -42,6 +42,13 @@ typedef struct {
                               the worker's call (interop.c)                   */
     PyObject *torch_autocast; /* owned: the caller's CPU autocast, entered
                               around the worker's call, or NULL               */
+    int chained;           /* a worker job on a virtual CPU device: queued
+                              quiet, its worker woken in a chain, and it may
+                              run on another chained job's worker (claimed) */
+    int claimed;           /* atomic: 1 once a thread has taken the job to run
+                              (its own worker, or one that finished its own
+                              while this job's worker was not woken yet)   */
+    struct apply_run *run; /* the call's run (worker jobs, parallel_apply.c) */
 } apply_job;
 
 /* parallel_apply_errors.c: the exception being raised, as an instance with
