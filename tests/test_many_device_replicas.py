@@ -188,3 +188,43 @@ def test_ctrl_c_stops_64_busy_replicas_and_the_next_call_is_exact():
         assert np.array_equal(out, X - k)
     print("OK")
     """, timeout=60)
+
+
+def test_ctrl_c_with_64_replicas_blocked_in_c_calls_then_they_return():
+    # every replica blocks in Event.wait (one C call), so all 64 must have
+    # started (the chain wakes each worker while the others wait); the call
+    # gives up after its grace and leaves them running; when they return
+    # (raising the KeyboardInterrupt sent to them), the devices serve the
+    # next calls
+    run("""
+    ev = threading.Event()
+    started, finished = [], []
+
+    def replica(x):
+        started.append(int(x[0, 0]))
+        try:
+            ev.wait()
+        finally:
+            finished.append(int(x[0, 0]))
+        return x
+
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        dpmini.DataParallel(replica, device_ids=D)(X)
+    except KeyboardInterrupt:
+        waited = time.monotonic() - t0
+    else:
+        raise AssertionError("no KeyboardInterrupt")
+    assert waited < 5, waited
+    assert sorted(started) == list(range(64)), sorted(started)
+    ev.set()
+    end = time.monotonic() + 30
+    while len(finished) < 64 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert sorted(finished) == list(range(64)), sorted(finished)
+    for k in range(3):
+        out = dpmini.DataParallel(lambda x: x + k, device_ids=D)(X)
+        assert np.array_equal(out, X + k)
+    print("OK")
+    """, timeout=90)

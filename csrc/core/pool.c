@@ -228,7 +228,7 @@ static job_node *take_loud(slot *s)
         j = j->next;
     }
     unlink_node(s, prev, j);
-    j->state = DP_NODE_TAKEN;
+    __atomic_store_n(&j->state, DP_NODE_TAKEN, __ATOMIC_RELAXED);
     return j;
 }
 
@@ -436,7 +436,7 @@ int dp_job_wake(dp_job_node *j)
     pthread_mutex_lock(&s->mu);
     int was = j->state;
     if (was == DP_NODE_QUIET) {
-        j->state = DP_NODE_LOUD;
+        __atomic_store_n(&j->state, DP_NODE_LOUD, __ATOMIC_RELAXED);
         __atomic_store_n(&s->nloud, s->nloud + 1, __ATOMIC_RELAXED);
         pthread_cond_signal(&s->cv);
     }
@@ -446,9 +446,13 @@ int dp_job_wake(dp_job_node *j)
 
 int dp_job_withdraw(dp_job_node *j)
 {
+    /* A node never becomes quiet again: one that is not quiet now needs no lock. */
+    int was = __atomic_load_n(&j->state, __ATOMIC_RELAXED);
+    if (was != DP_NODE_QUIET)
+        return was;
     slot *s = j->slot;
     pthread_mutex_lock(&s->mu);
-    int was = j->state;
+    was = j->state;
     if (was == DP_NODE_QUIET) {
         job_node *prev = NULL, *q = s->head;
         for (; q != NULL && q != j; q = q->next)
@@ -458,12 +462,16 @@ int dp_job_withdraw(dp_job_node *j)
             return DP_NODE_REMOVED;
         }
         unlink_node(s, prev, j);
-        j->state = DP_NODE_REMOVED;
+        __atomic_store_n(&j->state, DP_NODE_REMOVED, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&s->mu);
-    if (was == DP_NODE_QUIET)
-        finish_job(j->batch);   /* never the batch's last job (pool.h) */
     return was;
+}
+
+void dp_batch_finish(dp_batch *b, int n)
+{
+    while (n-- > 0)
+        finish_job(b);
 }
 
 int dp_batch_wait(dp_batch *b, long timeout_ms)

@@ -97,13 +97,17 @@ int dp_batch_submit_quiet(dp_batch *b, int kind, int index, dp_job_fn fn, void *
  * TAKEN, REMOVED, when there was nothing to do. */
 int dp_job_wake(dp_job_node *node);
 
-/* Take a quiet node out of its queue: its job will not run on the pool,
- * and it no longer counts in its batch (which must have another job
- * unfinished, e.g. the caller's own, so that this is never the batch's last
- * job). Returns the state it found; the node was withdrawn when that is
+/* Take a quiet node out of its queue: its job will not run on the pool.
+ * It still counts in its batch until the caller calls dp_batch_finish for
+ * it. Returns the state it found; the node was withdrawn when that is
  * QUIET, and is left as it is otherwise (a thread has been woken for it,
  * or runs it). */
 int dp_job_withdraw(dp_job_node *node);
+
+/* Count n withdrawn jobs of b as finished, as their threads would have;
+ * the last one may free an abandoned batch (dp_batch_abandon), so b must
+ * not be touched afterwards unless the caller still holds a job of b. */
+void dp_batch_finish(dp_batch *b, int n);
 
 /* Wait until every job of the batch has finished. timeout_ms < 0 waits
  * forever. Returns 1 when all are finished, 0 on timeout. */

@@ -169,7 +169,8 @@ static void chain_wake(apply_run *run)
 }
 
 /* A chained job whose worker has not been woken, now claimed by the caller
- * (GIL held) and its pool node withdrawn; NULL when none is left. A job
+ * (GIL held) and its pool node withdrawn (the caller counts it finished in
+ * the batch later, dp_batch_finish); NULL when none is left. A job
  * whose worker was woken is left to it: that worker is on its way (and
  * passes the chain on), and nobody else may take a job it could claim. */
 static apply_job *claim_next(apply_run *run)
@@ -232,11 +233,17 @@ static void apply_job_main(void *arg)
     run_job(job, wl);
     /* Not in a child that a replica forked: the parent's replicas are the
      * parent's to run. */
+    int withdrawn = 0;
     for (apply_job *next; chained && dp_pool_fork_generation() == gen &&
                           (next = claim_next(run)) != NULL;) {
+        withdrawn++;
         run_job(next, wl);
     }
     PyGILState_Release(g);
+    if (withdrawn > 0 && dp_pool_fork_generation() == gen) {
+        /* the pool still counts this thread's own job: the run stays alive */
+        dp_batch_finish(&run->batch, withdrawn);
+    }
 }
 
 /* Runs job in a worker thread (GIL held): enters the caller's context copy,

@@ -504,6 +504,8 @@ static void test_quiet_jobs(void)
     CHECK(dp_job_withdraw(&q1) == DP_NODE_QUIET);
     CHECK(dp_job_withdraw(&q1) == DP_NODE_REMOVED);
     CHECK(dp_job_wake(&q1) == DP_NODE_REMOVED);
+    CHECK(dp_batch_wait(&b, 0) == 0);                /* still counted */
+    dp_batch_finish(&b, 1);
     atomic_store(&quiet_gate, 1);
     CHECK(dp_batch_wait(&b, 5000) == 1);
     CHECK(atomic_load(&counter) == 0);
