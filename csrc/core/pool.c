@@ -444,16 +444,16 @@ int dp_job_wake(dp_job_node *j)
     return was;
 }
 
-int dp_job_withdraw(dp_job_node *j)
+int dp_job_withdraw(dp_job_node *j, int woken_too)
 {
-    /* A node never becomes quiet again: one that is not quiet now needs no lock. */
+    /* A node never goes back to quiet or loud: one that is neither needs no lock. */
     int was = __atomic_load_n(&j->state, __ATOMIC_RELAXED);
-    if (was != DP_NODE_QUIET)
+    if (was != DP_NODE_QUIET && (was != DP_NODE_LOUD || !woken_too))
         return was;
     slot *s = j->slot;
     pthread_mutex_lock(&s->mu);
     was = j->state;
-    if (was == DP_NODE_QUIET) {
+    if (was == DP_NODE_QUIET || (was == DP_NODE_LOUD && woken_too)) {
         job_node *prev = NULL, *q = s->head;
         for (; q != NULL && q != j; q = q->next)
             prev = q;

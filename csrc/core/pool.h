@@ -97,12 +97,13 @@ int dp_batch_submit_quiet(dp_batch *b, int kind, int index, dp_job_fn fn, void *
  * TAKEN, REMOVED, when there was nothing to do. */
 int dp_job_wake(dp_job_node *node);
 
-/* Take a quiet node out of its queue: its job will not run on the pool.
- * It still counts in its batch until the caller calls dp_batch_finish for
- * it. Returns the state it found; the node was withdrawn when that is
- * QUIET, and is left as it is otherwise (a thread has been woken for it,
- * or runs it). */
-int dp_job_withdraw(dp_job_node *node);
+/* Take a quiet node (with woken_too, also a woken one that no thread has
+ * taken yet: the thread woken for it goes back to wait) out of its queue:
+ * its job will not run on the pool. It still counts in its batch until the
+ * caller calls dp_batch_finish for it. Returns the state it found; the node
+ * was withdrawn when that is QUIET (or LOUD, with woken_too), and is left
+ * as it is otherwise. */
+int dp_job_withdraw(dp_job_node *node, int woken_too);
 
 /* Count n withdrawn jobs of b as finished, as their threads would have;
  * the last one may free an abandoned batch (dp_batch_abandon), so b must

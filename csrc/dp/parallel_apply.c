@@ -168,22 +168,26 @@ static void chain_wake(apply_run *run)
     }
 }
 
-/* A chained job whose worker has not been woken, now claimed by the caller
+/* A chained job whose worker has not started, now claimed by the caller
  * (GIL held) and its pool node withdrawn (the caller counts it finished in
- * the batch later, dp_batch_finish); NULL when none is left. A job
- * whose worker was woken is left to it: that worker is on its way (and
- * passes the chain on), and nobody else may take a job it could claim. */
+ * the batch later, dp_batch_finish); NULL when none is left. While the
+ * chain goes on, a job whose worker was woken is left to it: that worker
+ * passes the chain on when it starts. */
 static apply_job *claim_next(apply_run *run)
 {
     Py_ssize_t p = __atomic_load_n(&run->claim_from, __ATOMIC_RELAXED);
     Py_ssize_t first = -1;   /* the first position not claimed yet */
     apply_job *got = NULL;
+    /* Once the chain has passed the last job, a woken worker would pass
+     * nothing on: its job may be taken too, if it has not started yet. */
+    int woken_too = __atomic_load_n(&run->next_wake, __ATOMIC_RELAXED) >= run->nchain;
     for (; p < run->nchain && got == NULL; p++) {
         Py_ssize_t i = run->chain[p];
         if (__atomic_load_n(&run->jobs[i].claimed, __ATOMIC_ACQUIRE)) {
             continue;
         }
-        if (dp_job_withdraw(&run->nodes[i]) == DP_NODE_QUIET) {
+        int was = dp_job_withdraw(&run->nodes[i], woken_too);
+        if (was == DP_NODE_QUIET || (was == DP_NODE_LOUD && woken_too)) {
             /* nobody else can reach it now: its node is gone */
             __atomic_store_n(&run->jobs[i].claimed, 1, __ATOMIC_RELEASE);
             got = &run->jobs[i];

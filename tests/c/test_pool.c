@@ -501,8 +501,8 @@ static void test_quiet_jobs(void)
     CHECK(dp_batch_submit(&b, 1, 41, job_wait_gate, NULL) == 0);
     CHECK(dp_batch_submit_quiet(&b, 1, 40, job_inc, NULL, &q1) == 0);
     CHECK(dp_pool_threads(1, 40) == 1);              /* its thread is there */
-    CHECK(dp_job_withdraw(&q1) == DP_NODE_QUIET);
-    CHECK(dp_job_withdraw(&q1) == DP_NODE_REMOVED);
+    CHECK(dp_job_withdraw(&q1, 0) == DP_NODE_QUIET);
+    CHECK(dp_job_withdraw(&q1, 0) == DP_NODE_REMOVED);
     CHECK(dp_job_wake(&q1) == DP_NODE_REMOVED);
     CHECK(dp_batch_wait(&b, 0) == 0);                /* still counted */
     dp_batch_finish(&b, 1);
@@ -518,7 +518,7 @@ static void test_quiet_jobs(void)
     CHECK(dp_batch_wait(&b, 5000) == 1);
     CHECK(atomic_load(&counter) == 1);
     CHECK(dp_job_wake(&q2) == DP_NODE_TAKEN);
-    CHECK(dp_job_withdraw(&q2) == DP_NODE_TAKEN);
+    CHECK(dp_job_withdraw(&q2, 1) == DP_NODE_TAKEN);
     /* a quiet job ahead of another batch's job in the queue of a device
      * whose one thread is asleep: the other job still runs */
     CHECK(dp_batch_submit(&b, 1, 43, job_inc, NULL) == 0);
