@@ -7,13 +7,17 @@
  * most DP_POOL_MAX_THREADS); so a job never waits behind a running job
  * while the slot is under its cap, and a replica that waits on work it
  * handed to another thread cannot deadlock its own device. Threads take
- * jobs from the queue head; beyond DP_POOL_KEEP_THREADS, a thread idle for
- * IDLE_EXIT_MS exits, so a burst does not leave dozens of threads behind.
+ * the first loud job of the queue: a quiet job (dp_batch_submit_quiet) has
+ * its thread counted but waits for dp_job_wake, or leaves the queue by
+ * dp_job_withdraw, so that one thread may run several replicas' jobs
+ * without waking the others (parallel_apply_chain.c). Beyond
+ * DP_POOL_KEEP_THREADS, a thread idle for IDLE_EXIT_MS exits, so a burst
+ * does not leave dozens of threads behind.
  * In the common case (one job per device at a time) a slot has one thread.
  *
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
- * short while before blocking. The spin only *reads* the queue head / batch
+ * short while before blocking. The spin only *reads* the loud-job count / batch
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
@@ -41,26 +45,26 @@
 #define WAIT_SPIN_NS 50000L             /* dp_batch_wait polls this long */
 #define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
 
-typedef struct job_node {
-    struct job_node *next;
-    dp_job_fn fn;
-    void *arg;
-    dp_batch *batch;
-} job_node;
+typedef dp_job_node job_node;
 
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;       /* signalled when a job is queued (monotonic clock) */
-    job_node *head, *tail;   /* guarded by mu; head also read as a spin hint */
+    job_node *head, *tail;   /* guarded by mu */
     int nqueued;             /* jobs in the queue; guarded by mu */
+    int nloud;               /* of those, the ones a thread may take (not
+                                quiet, pool.h); guarded by mu, also read as
+                                the spin hint */
     int nthreads;            /* threads started and not exited; guarded by mu */
     int ntrim;               /* idle threads asked to exit (dp_pool_trim);
                                 guarded by mu */
     int nidle;               /* of those, the ones not running a job (spinning,
                                 waiting or about to take one); guarded by mu.
-                                Invariant: every idle thread takes a queued job
-                                before it blocks, so nqueued <= nidle means
-                                every queued job has a thread coming for it. */
+                                Invariant: every idle thread takes a loud job
+                                before it blocks, and nqueued <= nidle (an
+                                idle thread leaves only when it is spare), so
+                                every queued job has a thread for it once it
+                                is loud. */
     int kind, index;
 } slot;
 
@@ -139,6 +143,7 @@ static void reset_slots(void)
              * may have been halfway through changing the list. */
             s->head = s->tail = NULL;
             s->nqueued = 0;
+            s->nloud = 0;
             s->nthreads = 0;
             s->nidle = 0;
             s->ntrim = 0;
@@ -197,6 +202,37 @@ static void finish_job(dp_batch *b)
         orphan_free(orphan_arg);
 }
 
+/* Unlink node j from s's queue, whose node prev precedes it (NULL when j is
+ * the head). Called with s->mu held. */
+static void unlink_node(slot *s, job_node *prev, job_node *j)
+{
+    if (prev)
+        prev->next = j->next;
+    else
+        s->head = j->next;
+    if (s->tail == j)
+        s->tail = prev;
+    j->next = NULL;
+    s->nqueued--;
+    if (j->state == DP_NODE_LOUD)
+        __atomic_store_n(&s->nloud, s->nloud - 1, __ATOMIC_RELAXED);
+}
+
+/* The first loud node of s's queue, unlinked and marked taken; s->nloud > 0.
+ * Called with s->mu held. Quiet nodes are few (one per replica of a call
+ * whose worker is not woken yet), so the walk is short. */
+static job_node *take_loud(slot *s)
+{
+    job_node *prev = NULL, *j = s->head;
+    while (j->state != DP_NODE_LOUD) {
+        prev = j;
+        j = j->next;
+    }
+    unlink_node(s, prev, j);
+    __atomic_store_n(&j->state, DP_NODE_TAKEN, __ATOMIC_RELAXED);
+    return j;
+}
+
 static void *worker_main(void *p)
 {
     slot *s = p;
@@ -212,13 +248,13 @@ static void *worker_main(void *p)
     for (;;) {
         long long spin_end = now_ns() + WORKER_SPIN_NS;
         unsigned n = 0;
-        while (!__atomic_load_n(&s->head, __ATOMIC_RELAXED)) {
+        while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
             spin_pause(++n);
             if (n % 16 == 0 && now_ns() > spin_end)
                 break;
         }
         pthread_mutex_lock(&s->mu);
-        while (!s->head) {
+        while (!s->nloud) {
             if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
                 s->ntrim--;
                 s->nthreads--;
@@ -236,25 +272,25 @@ static void *worker_main(void *p)
             long long d = now_ns() + IDLE_EXIT_MS * 1000000LL;
             deadline.tv_sec = (time_t)(d / 1000000000LL);
             deadline.tv_nsec = (long)(d % 1000000000LL);
+            /* Not while quiet jobs count on this thread (nqueued <= nidle). */
             if (pthread_cond_timedwait(&s->cv, &s->mu, &deadline) == ETIMEDOUT &&
-                !s->head && s->nthreads > DP_POOL_KEEP_THREADS) {
+                !s->nloud && s->nthreads > DP_POOL_KEEP_THREADS && s->nidle > s->nqueued) {
                 s->nthreads--;
                 s->nidle--;
                 pthread_mutex_unlock(&s->mu);
                 goto leave;
             }
         }
-        job_node *j = s->head;
-        __atomic_store_n(&s->head, j->next, __ATOMIC_RELAXED);
-        if (!j->next)
-            s->tail = NULL;
-        s->nqueued--;
+        job_node *j = take_loud(s);
         s->nidle--;
         pthread_mutex_unlock(&s->mu);
 
+        /* A caller's node lives until its batch has finished, which is
+         * after finish_job below; a pool node is ours to free. */
         j->fn(j->arg);
         dp_batch *b = j->batch;
-        free(j);
+        if (j->owned)
+            free(j);
         if (gen != fork_gen)
             return NULL;
         /* Idle again before the batch can see the job finished: a caller
@@ -333,16 +369,12 @@ void dp_batch_destroy(dp_batch *b)
     pthread_mutex_destroy(&b->mu);
 }
 
-int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
+/* Queue node j (filled in but for next/slot/state) on s: loud, or quiet. */
+static int submit_node(slot *s, dp_batch *b, job_node *j, int loud)
 {
-    slot *s = get_slot(kind, index);
-    if (!s || !b || !fn)
-        return EINVAL;
-    job_node *j = malloc(sizeof *j);
-    if (!j)
-        return ENOMEM;
-    *j = (job_node){ .next = NULL, .fn = fn, .arg = arg, .batch = b };
-
+    j->next = NULL;
+    j->slot = s;
+    j->state = loud ? DP_NODE_LOUD : DP_NODE_QUIET;
     pthread_mutex_lock(&s->mu);
     /* Start a thread under the slot mutex when this job would otherwise
      * wait: more queued jobs (this one included) than idle threads. When the
@@ -352,7 +384,6 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
         int rc = start_worker(s);
         if (rc && s->nthreads == 0) {
             pthread_mutex_unlock(&s->mu);
-            free(j);
             return rc;
         }
     }
@@ -364,12 +395,84 @@ int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
     if (s->tail)
         s->tail->next = j;
     else
-        __atomic_store_n(&s->head, j, __ATOMIC_RELAXED);
+        s->head = j;
     s->tail = j;
     s->nqueued++;
-    pthread_cond_signal(&s->cv);   /* no syscall when no thread is blocked */
+    if (loud) {
+        __atomic_store_n(&s->nloud, s->nloud + 1, __ATOMIC_RELAXED);
+        pthread_cond_signal(&s->cv);   /* no syscall when no thread is blocked */
+    }
     pthread_mutex_unlock(&s->mu);
     return 0;
+}
+
+int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg)
+{
+    slot *s = get_slot(kind, index);
+    if (!s || !b || !fn)
+        return EINVAL;
+    job_node *j = malloc(sizeof *j);
+    if (!j)
+        return ENOMEM;
+    *j = (job_node){ .fn = fn, .arg = arg, .batch = b, .owned = 1 };
+    int rc = submit_node(s, b, j, 1);
+    if (rc)
+        free(j);
+    return rc;
+}
+
+int dp_batch_submit_quiet(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg,
+                          dp_job_node *node)
+{
+    slot *s = get_slot(kind, index);
+    if (!s || !b || !fn || !node)
+        return EINVAL;
+    *node = (job_node){ .fn = fn, .arg = arg, .batch = b, .owned = 0 };
+    return submit_node(s, b, node, 0);
+}
+
+int dp_job_wake(dp_job_node *j)
+{
+    slot *s = j->slot;
+    pthread_mutex_lock(&s->mu);
+    int was = j->state;
+    if (was == DP_NODE_QUIET) {
+        __atomic_store_n(&j->state, DP_NODE_LOUD, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->nloud, s->nloud + 1, __ATOMIC_RELAXED);
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return was;
+}
+
+int dp_job_withdraw(dp_job_node *j, int woken_too)
+{
+    /* A node never goes back to quiet or loud: one that is neither needs no lock. */
+    int was = __atomic_load_n(&j->state, __ATOMIC_RELAXED);
+    if (was != DP_NODE_QUIET && (was != DP_NODE_LOUD || !woken_too))
+        return was;
+    slot *s = j->slot;
+    pthread_mutex_lock(&s->mu);
+    was = j->state;
+    if (was == DP_NODE_QUIET || (was == DP_NODE_LOUD && woken_too)) {
+        job_node *prev = NULL, *q = s->head;
+        for (; q != NULL && q != j; q = q->next)
+            prev = q;
+        if (q == NULL) {   /* a fork child's fresh queue: the node is not there */
+            pthread_mutex_unlock(&s->mu);
+            return DP_NODE_REMOVED;
+        }
+        unlink_node(s, prev, j);
+        __atomic_store_n(&j->state, DP_NODE_REMOVED, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return was;
+}
+
+void dp_batch_finish(dp_batch *b, int n)
+{
+    while (n-- > 0)
+        finish_job(b);
 }
 
 int dp_batch_wait(dp_batch *b, long timeout_ms)
@@ -427,6 +530,11 @@ int dp_pool_on_worker(int kind, int index)
 {
     worker_self *w = self_of_thread();
     return w != NULL && w->s->kind == kind && w->s->index == index;
+}
+
+unsigned dp_pool_fork_generation(void)
+{
+    return __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 }
 
 int dp_pool_in_worker(void)

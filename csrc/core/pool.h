@@ -63,6 +63,53 @@ void dp_batch_destroy(dp_batch *b);
  * the job is not queued and the batch's count is unchanged. */
 int dp_batch_submit(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg);
 
+/* A job node that the caller keeps (dp_batch_submit_quiet), for jobs that
+ * may be run by someone else before a thread of their device is woken for
+ * them. The fields are pool.c's; the node must stay valid until the batch
+ * has finished (it lives with the batch, e.g. in the same heap block). */
+typedef struct dp_job_node {
+    struct dp_job_node *next;
+    dp_job_fn fn;
+    void *arg;
+    dp_batch *batch;
+    void *slot;     /* the device's slot */
+    int state;      /* DP_NODE_*; guarded by the slot's mutex */
+    int owned;      /* 1: malloc'd by dp_batch_submit, freed after its job */
+} dp_job_node;
+
+/* What dp_job_wake / dp_job_withdraw found: the node was still queued and
+ * no thread had been woken for it (QUIET), it was queued and a thread was
+ * woken for it (LOUD), a thread has taken it (TAKEN: its job runs or has
+ * run), it was withdrawn (REMOVED). */
+enum { DP_NODE_QUIET = 0, DP_NODE_LOUD = 1, DP_NODE_TAKEN = 2, DP_NODE_REMOVED = 3 };
+
+/* Like dp_batch_submit, with the caller's node, but quiet: the job is
+ * queued and counted in the batch, and the device has a thread for it
+ * (started here when needed, with the same errors as dp_batch_submit), but
+ * no thread takes it until dp_job_wake(node); dp_job_withdraw(node) takes
+ * it out of the queue instead. parallel_apply uses it to wake the replicas'
+ * workers in a chain after the GIL is released (parallel_apply_chain.c). */
+int dp_batch_submit_quiet(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg,
+                          dp_job_node *node);
+
+/* Let a thread of the node's device take it (QUIET -> LOUD). Returns the
+ * state it found: QUIET when this call woke a thread for it, or LOUD,
+ * TAKEN, REMOVED, when there was nothing to do. */
+int dp_job_wake(dp_job_node *node);
+
+/* Take a quiet node (with woken_too, also a woken one that no thread has
+ * taken yet: the thread woken for it goes back to wait) out of its queue:
+ * its job will not run on the pool. It still counts in its batch until the
+ * caller calls dp_batch_finish for it. Returns the state it found; the node
+ * was withdrawn when that is QUIET (or LOUD, with woken_too), and is left
+ * as it is otherwise. */
+int dp_job_withdraw(dp_job_node *node, int woken_too);
+
+/* Count n withdrawn jobs of b as finished, as their threads would have;
+ * the last one may free an abandoned batch (dp_batch_abandon), so b must
+ * not be touched afterwards unless the caller still holds a job of b. */
+void dp_batch_finish(dp_batch *b, int n);
+
 /* Wait until every job of the batch has finished. timeout_ms < 0 waits
  * forever. Returns 1 when all are finished, 0 on timeout. */
 int dp_batch_wait(dp_batch *b, long timeout_ms);
@@ -105,6 +152,12 @@ int *dp_pool_worker_local(void);
 
 /* True when the calling thread is a worker thread of (kind, index). */
 int dp_pool_on_worker(int kind, int index);
+
+/* Bumped in a fork() child (pthread_atfork). A job that runs more work
+ * after calling Python code compares it before and after, so that the
+ * thread that forked does not go on running the parent's work in the
+ * child. */
+unsigned dp_pool_fork_generation(void);
 
 /* True when the calling thread is any pool worker. dpmini runs the copies
  * and nested replicas of code that runs inside a job (a replica) inline in

@@ -40,14 +40,6 @@
 #define DP_GRACE_MS 1000                 /* after Ctrl-C, wait this long for
                                             the replicas before giving up */
 
-/* The jobs of one call and their batch, in memory that outlives the call
- * when the caller gives up on a stuck replica (PyMem_Raw: the last worker
- * frees it without the GIL). */
-typedef struct {
-    dp_batch batch;
-    apply_job jobs[];
-} apply_run;
-
 /* A new thread state for the calling thread, bound as its GILState state;
  * NULL when out of memory. CPython 3.11's PyThreadState_New dereferences
  * the state it failed to allocate (its _PyThreadState_SetCurrent has no NULL
@@ -124,15 +116,25 @@ static void job_clear(apply_job *job)
     Py_CLEAR(job->exc);
 }
 
-/* Runs on the worker of job->dev (pool.c): takes the GIL, enters the
- * caller's context copy, calls the replica, records the outcome. */
+static void run_job(apply_job *job, int *wl);
+
+/* Runs on a worker of job->dev (pool.c): takes the GIL, runs the job, and
+ * for a chained job the chained jobs nobody has claimed. */
 static void apply_job_main(void *arg)
 {
     apply_job *job = arg;
+    apply_run *run = job->run;
+    int chained = job->chained;
     int *wl = dp_pool_worker_local();
     int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
     if (wl == NULL) {
         wl = unpinned;
+    }
+    if (chained) {
+        /* Pass the chain on before anything that can wait. This worker was
+         * woken, so no other thread claims its job (claim_next). */
+        chain_wake(run);
+        __atomic_store_n(&job->claimed, 1, __ATOMIC_RELEASE);
     }
     if (!wl[WL_PINNED]) {
         /* The thread's first job: make its thread state here, where a
@@ -147,7 +149,28 @@ static void apply_job_main(void *arg)
         }
         wl[WL_PINNED] = 1;
     }
+    unsigned gen = dp_pool_fork_generation();
     PyGILState_STATE g = PyGILState_Ensure();
+    run_job(job, wl);
+    /* Not in a child that a replica forked: the parent's replicas are the
+     * parent's to run. */
+    int withdrawn = 0;
+    for (apply_job *next; chained && dp_pool_fork_generation() == gen &&
+                          (next = claim_next(run)) != NULL;) {
+        withdrawn++;
+        run_job(next, wl);
+    }
+    PyGILState_Release(g);
+    if (withdrawn > 0 && dp_pool_fork_generation() == gen) {
+        /* the pool still counts this thread's own job: the run stays alive */
+        dp_batch_finish(&run->batch, withdrawn);
+    }
+}
+
+/* Runs job in a worker thread (GIL held): enters the caller's context copy,
+ * calls the replica, records the outcome. */
+static void run_job(apply_job *job, int *wl)
+{
     if (!job->cancelled) {
         job->ident = PyThread_get_thread_ident();
         job->state = JOB_RUNNING;
@@ -204,7 +227,6 @@ static void apply_job_main(void *arg)
         /* The caller has returned (Ctrl-C): nobody reads the outcome. */
         job_clear(job);
     }
-    PyGILState_Release(g);
 }
 
 /* Runs job in the calling thread (GIL held). */
@@ -326,67 +348,11 @@ static void blas_restore(PyObject *token)
     Py_DECREF(token);
 }
 
-/* pool.c calls this after the last job of an abandoned run (no GIL). */
-static void run_free(void *arg)
-{
-    apply_run *run = arg;
-    dp_batch_destroy(&run->batch);
-    PyMem_RawFree(run);
-}
-
-/* The jobs move into a heap apply_run while workers may touch them: NULL
- * with MemoryError, or the run with its batch made. */
-static apply_run *run_new(apply_job *jobs, Py_ssize_t m)
-{
-    apply_run *run = PyMem_RawMalloc(sizeof *run + (size_t)m * sizeof *jobs);
-    if (run == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    int rc = dp_batch_init(&run->batch);
-    if (rc != 0) {
-        PyMem_RawFree(run);
-        PyErr_Format(PyExc_RuntimeError, "parallel_apply: cannot create a job batch (%s)",
-                     strerror(rc));
-        return NULL;
-    }
-    memcpy(run->jobs, jobs, (size_t)m * sizeof *jobs);
-    return run;
-}
-
-/* Every job has finished: the jobs go back to the caller's array. */
-static void run_end(apply_run *run, apply_job *jobs, Py_ssize_t m)
-{
-    memcpy(jobs, run->jobs, (size_t)m * sizeof *jobs);
-    run_free(run);
-}
-
-/* Give up waiting (GIL held): the finished jobs go back to the caller's
- * array; each unfinished worker job stays in the run, marked abandoned, and
- * its worker drops its references when the replica returns; the last
- * worker frees the run. The caller's copy of an abandoned job is zeroed, so
- * it owns nothing there. */
-static void run_abandon(apply_run *run, apply_job *jobs, Py_ssize_t m)
-{
-    for (Py_ssize_t i = 0; i < m; i++) {
-        apply_job *job = &run->jobs[i];
-        if (job->on_worker && job->state != JOB_DONE) {
-            job->abandoned = 1;
-            memset(&jobs[i], 0, sizeof jobs[i]);
-        } else {
-            jobs[i] = *job;
-        }
-    }
-    if (dp_batch_abandon(&run->batch, run_free, run)) {
-        run_free(run);   /* the last job finished meanwhile */
-    }
-}
-
 PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
 {
     apply_run *run = NULL;
     apply_job *jobs = caller_jobs;   /* run->jobs once there is a run */
-    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0;
+    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0, kicked = 0;
     int grace = -1;           /* wait slices left after an interrupt, or -1 */
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
@@ -445,19 +411,32 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
                 Py_CLEAR(job->ctx);
             }
         }
+        if (job->ctx == NULL) {
+            /* taken at once: the torch lookups below clear any error */
+            job->on_worker = 0;
+            job->cancelled = 1;
+            abort = replica_take_exception();
+            break;
+        }
         if (torch_no_grad < 0) {
             torch_no_grad = dp_torch_grad_enabled() == 0;
         }
         job->torch_no_grad = torch_no_grad;
         job->torch_autocast = torch_cast != 0 ? dp_torch_autocast_carry() : NULL;
         torch_cast = job->torch_autocast != NULL;
-        if (job->ctx == NULL) {
-            job->on_worker = 0;
-            job->cancelled = 1;
-            abort = replica_take_exception();
-            break;
+        int rc;
+        if (job->dev.kind == DP_VCPU) {
+            job->chained = 1;
+            rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,
+                                       job, &run->nodes[i]);
+            if (rc == 0) {
+                run->chain[run->nchain++] = i;
+            } else {
+                job->chained = 0;
+            }
+        } else {
+            rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
         }
-        int rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
         if (rc != 0) {
             dp_device_format(job->dev, devbuf, sizeof devbuf);
             if (rc == EAGAIN || rc == ENOMEM) {
@@ -491,6 +470,12 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         if (job->on_worker || job->cancelled) {
             continue;
         }
+        if (nsubmitted > 0 && !kicked) {
+            /* An inline replica may wait for a worker replica (a barrier):
+             * start the chain now. The woken worker waits for the GIL. */
+            chain_wake(run);
+            kicked = 1;
+        }
         if (abort != NULL) {
             job->cancelled = 1;
             continue;
@@ -510,6 +495,10 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     while (nsubmitted > 0) {
         int done;
         Py_BEGIN_ALLOW_THREADS
+        if (!kicked) {
+            chain_wake(run);   /* with the GIL released: the worker takes it at once */
+            kicked = 1;
+        }
         done = dp_batch_wait(&run->batch, DP_WAIT_SLICE_MS);
         Py_END_ALLOW_THREADS
         if (done) {

@@ -1,5 +1,6 @@
 /* parallel_apply.h - internal: what the parallel_apply files share:
  * parallel_apply.c (the worker threads and running a batch of replica calls),
+ * parallel_apply_chain.c (the call's shared memory and the wake chain),
  * parallel_apply_errors.c (taking and re-raising a replica's exception) and
  * parallel_apply_entry.c (arguments, devices and the Python entry point).
  * Not part of dpmini.h; include after it.
@@ -12,6 +13,7 @@
 #define DPMINI_PARALLEL_APPLY_H
 
 #include "dpmini.h"
+#include "pool.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -20,6 +22,8 @@
  * they run it, and back when they are done (or leaves it to a worker whose
  * replica ignores Ctrl-C: `abandoned`). */
 enum { JOB_QUEUED = 0, JOB_RUNNING = 1, JOB_DONE = 2 };
+
+typedef struct apply_run apply_run;
 
 typedef struct {
     PyObject *module;      /* owned: the replica to call                      */
@@ -44,7 +48,51 @@ typedef struct {
                               around the worker's call, or NULL               */
     PyObject *numpy_handler; /* owned: NumPy's allocator in the worker's call
                               (numpy_allocator.c; None: NumPy's own), or NULL */
+    int chained;           /* a worker job on a virtual CPU device: queued
+                              quiet, its worker woken in a chain, and it may
+                              run on another chained job's worker (claimed) */
+    int claimed;           /* atomic: 1 once a thread has taken the job to run
+                              (its own worker, or one that finished its own
+                              while this job's worker was not woken yet)   */
+    apply_run *run;        /* the call's run (worker jobs, parallel_apply_chain.c) */
 } apply_job;
+
+/* The jobs of one call and their batch, in memory that outlives the call
+ * when the caller gives up on a stuck replica (PyMem_Raw: the last worker
+ * frees it without the GIL). The chained jobs (pool nodes[i] for job i,
+ * in the same block) are woken in chain order: chain[p] is the job at
+ * position p, next_wake the position the next wake looks at, claim_from a
+ * position before which every chained job is claimed (a hint). */
+struct apply_run {
+    dp_batch batch;
+    dp_job_node *nodes;
+    Py_ssize_t *chain;
+    Py_ssize_t nchain;
+    Py_ssize_t next_wake;   /* atomic */
+    Py_ssize_t claim_from;  /* atomic; written with the GIL held */
+    apply_job jobs[];
+};
+
+/* parallel_apply_chain.c: the run of jobs[0..m) (a copy, each job's `run`
+ * set, none chained), with its batch made; NULL with MemoryError or
+ * RuntimeError. */
+apply_run *run_new(apply_job *jobs, Py_ssize_t m);
+/* parallel_apply_chain.c: every job has finished: the jobs go back to the
+ * caller's array and the run is freed. */
+void run_end(apply_run *run, apply_job *jobs, Py_ssize_t m);
+/* parallel_apply_chain.c: give up waiting (GIL held, Ctrl-C): finished jobs
+ * go back to the caller's array, unfinished ones stay, marked abandoned, and
+ * the last worker frees the run. */
+void run_abandon(apply_run *run, apply_job *jobs, Py_ssize_t m);
+/* parallel_apply_chain.c: free a run (no GIL needed). */
+void run_free(void *run);
+/* parallel_apply_chain.c: wake the worker of the next chained job nobody
+ * has claimed (any thread, no GIL). */
+void chain_wake(apply_run *run);
+/* parallel_apply_chain.c: claim a chained job whose worker has not started
+ * (GIL held); its pool node is withdrawn, and the caller counts it finished
+ * in the batch later (dp_batch_finish). NULL when none is left. */
+apply_job *claim_next(apply_run *run);
 
 /* parallel_apply_errors.c: the exception being raised, as an instance with
  * its traceback attached (new reference); the error indicator is cleared.

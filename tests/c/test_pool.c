@@ -480,6 +480,61 @@ static void test_abandon(void)
     dp_batch_destroy(&again);
 }
 
+/* ---- quiet jobs: counted and given a thread, run only once woken ---- */
+static atomic_int quiet_gate;
+static void job_wait_gate(void *arg)
+{
+    (void)arg;
+    while (!atomic_load(&quiet_gate))
+        sleep_ms(1);
+}
+
+static void test_quiet_jobs(void)
+{
+    dp_batch b, other;
+    dp_job_node q1, q2, q3;
+    CHECK(dp_batch_init(&b) == 0);
+    CHECK(dp_batch_init(&other) == 0);
+    atomic_store(&counter, 0);
+    atomic_store(&quiet_gate, 0);
+    /* withdrawn while another job of the batch runs: never runs */
+    CHECK(dp_batch_submit(&b, 1, 41, job_wait_gate, NULL) == 0);
+    CHECK(dp_batch_submit_quiet(&b, 1, 40, job_inc, NULL, &q1) == 0);
+    CHECK(dp_pool_threads(1, 40) == 1);              /* its thread is there */
+    CHECK(dp_job_withdraw(&q1, 0) == DP_NODE_QUIET);
+    CHECK(dp_job_withdraw(&q1, 0) == DP_NODE_REMOVED);
+    CHECK(dp_job_wake(&q1) == DP_NODE_REMOVED);
+    CHECK(dp_batch_wait(&b, 0) == 0);                /* still counted */
+    dp_batch_finish(&b, 1);
+    atomic_store(&quiet_gate, 1);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(atomic_load(&counter) == 0);
+    /* not taken while quiet; runs once woken, once */
+    CHECK(dp_batch_submit_quiet(&b, 1, 42, job_inc, NULL, &q2) == 0);
+    sleep_ms(20);
+    CHECK(atomic_load(&counter) == 0);
+    CHECK(dp_batch_wait(&b, 0) == 0);
+    CHECK(dp_job_wake(&q2) == DP_NODE_QUIET);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(atomic_load(&counter) == 1);
+    CHECK(dp_job_wake(&q2) == DP_NODE_TAKEN);
+    CHECK(dp_job_withdraw(&q2, 1) == DP_NODE_TAKEN);
+    /* a quiet job ahead of another batch's job in the queue of a device
+     * whose one thread is asleep: the other job still runs */
+    CHECK(dp_batch_submit(&b, 1, 43, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    sleep_ms(20);                                    /* its thread blocks */
+    CHECK(dp_batch_submit_quiet(&b, 1, 43, job_inc, NULL, &q3) == 0);
+    CHECK(dp_batch_submit(&other, 1, 43, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&other, 5000) == 1);
+    CHECK(atomic_load(&counter) == 3);
+    CHECK(dp_job_wake(&q3) == DP_NODE_QUIET);
+    CHECK(dp_batch_wait(&b, 5000) == 1);
+    CHECK(atomic_load(&counter) == 4);
+    dp_batch_destroy(&other);
+    dp_batch_destroy(&b);
+}
+
 int main(void)
 {
     test_many_on_one_device();
@@ -497,6 +552,7 @@ int main(void)
     test_fork();
     test_fork_in_job();
     test_abandon();
+    test_quiet_jobs();
     test_latency();
     if (failures) {
         printf("test_pool: %d failure(s)\n", failures);
