@@ -1,8 +1,11 @@
 """NumPy arrays made inside a replica on a virtual CPU device take their memory
-from that device's caching allocator (csrc/py/numpy_allocator.c); the
-caller's own arrays do not; DPMINI_NUMPY_ALLOCATOR=0 turns it off; arrays
-that outlive the call (kept, returned, grown, freed on another thread or at
-exit) stay valid."""
+from that device's caching allocator (csrc/py/numpy_allocator.c) from
+256 KiB up, counted exactly by memory_allocated; smaller ones and np.zeros
+keep NumPy's own memory; the caller's arrays are not touched;
+DPMINI_NUMPY_ALLOCATOR=0 turns it off; arrays that outlive the call (kept,
+returned, grown, freed on another thread or at exit) stay valid; memory
+cached for one device does not make another run out."""
+import os
 import threading
 
 import numpy as np
@@ -17,7 +20,8 @@ except ImportError:  # NumPy 1.x
     from numpy.core.multiarray import get_handler_name
 
 BIG = 1 << 18      # float64 elements: 2 MiB, from the device's cache
-SMALL = 16         # 128 bytes: malloc'ed behind the same handler
+SMALL = 16         # 128 bytes: NumPy's own memory behind the same handler
+SANITIZED = bool(os.environ.get("DPMINI_SANITIZER"))
 
 
 class NameOfNewArrays:
@@ -144,5 +148,69 @@ def test_arrays_kept_past_interpreter_exit():
             return x
         dpmini.DataParallel(keep, device_ids=["cpu:0", "cpu:1"])(np.ones((2, 2)))
         assert len(KEPT) == 2 and all(float(a.sum()) == 1 << 20 for a in KEPT)
+        print("OK")
+    """)
+
+
+@pytest.mark.parametrize("nbytes", [256 << 10, 8 << 20, (8 << 20) + 8, 10 << 20])
+def test_big_arrays_are_counted_at_their_size_class(monkeypatch, nbytes):
+    """An 8 MiB array holds an 8 MiB block (no header pushing it a class up)."""
+    monkeypatch.delenv("DPMINI_NUMPY_ALLOCATOR", raising=False)
+    kept = []
+
+    def keep(x):
+        kept.append(np.empty(nbytes, dtype=np.uint8))
+        return x
+
+    dp = dpmini.DataParallel(keep, device_ids=["cpu:0", "cpu:1"])
+    before = dpmini.memory_allocated("cpu:1")
+    dp(np.zeros((2, 1)))
+    grown = dpmini.memory_allocated("cpu:1") - before
+    expected = {256 << 10: 256 << 10, 8 << 20: 8 << 20, (8 << 20) + 8: 10 << 20,
+                10 << 20: 10 << 20}[nbytes]
+    assert grown == expected
+    kept.clear()
+    assert dpmini.memory_allocated("cpu:1") == before
+
+
+def test_small_arrays_and_zeros_keep_numpys_memory(monkeypatch):
+    monkeypatch.delenv("DPMINI_NUMPY_ALLOCATOR", raising=False)
+    kept = {}
+
+    def keep(x):
+        kept[int(x[0, 0])] = (np.ones(1000),                 # 8 KB: NumPy's own
+                              np.zeros(1 << 20),             # 8 MiB of lazily zeroed pages
+                              np.ones(SMALL).repeat(1 << 16))  # 8 MiB: the device's cache
+        return x
+
+    dp = dpmini.DataParallel(keep, device_ids=["cpu:0", "cpu:1"])
+    before = dpmini.memory_allocated("cpu:0")
+    dp(np.array([[0.0], [1.0]]))
+    assert dpmini.memory_allocated("cpu:0") - before == 8 << 20
+    small, zeros, big = kept[0]
+    assert float(small.sum()) == 1000 and not zeros.any() and float(big.sum()) == 1 << 20
+    del small, zeros, big
+    kept.clear()
+    assert dpmini.memory_allocated("cpu:0") == before
+
+
+@pytest.mark.skipif(SANITIZED, reason="an address-space limit cannot hold a sanitizer's shadow")
+def test_memory_cached_for_other_devices_is_given_back_when_short():
+    """Blocks cached for cpu:0-3 are freed when cpu:4 runs out of address space."""
+    run_script("""
+        import resource, numpy as np, dpmini
+        def make(mib):
+            def step(x):
+                t = np.ones(mib << 17)   # mib MiB of float64, freed at return
+                return x + t[0]
+            return step
+        limit = 3500 << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        dpmini.DataParallel(make(400), device_ids=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])(
+            np.zeros((4, 1)))
+        held = sum(dpmini.memory_reserved(f"cpu:{i}") for i in range(4))
+        assert held >= 4 * (400 << 20), held
+        out = dpmini.DataParallel(make(900), device_ids=["cpu:4", "cpu:5"])(np.zeros((2, 1)))
+        assert out.tolist() == [[1.0], [1.0]]
         print("OK")
     """)

@@ -138,19 +138,34 @@ static int fail_alloc_now(void)
     return 0;
 }
 
+/* A block of h; when the system is out of memory (dp_cache_alloc has
+ * already emptied h and tried again), every host and virtual CPU cache is
+ * emptied and it tries once more: they all hold the same RAM, so blocks
+ * cached for another device may be what is missing. NULL if still out. */
+static void *heap_alloc(dp_cache *h, size_t nbytes, size_t *rounded)
+{
+    void *p = NULL;
+    if (dp_cache_alloc(h, nbytes, &p, rounded, NULL) == DP_ALLOC_OK) {
+        return p;
+    }
+    for (size_t i = 0; i < sizeof heaps / sizeof heaps[0]; i++) {
+        dp_cache_empty(&heaps[i]);
+    }
+    if (dp_cache_alloc(h, nbytes, &p, rounded, NULL) == DP_ALLOC_OK) {
+        return p;
+    }
+    return NULL;
+}
+
 /* Allocate nbytes on d; NULL when the system is out of memory (no Python
  * error is set, callers raise MemoryError). */
 static void *raw_alloc(dp_device d, size_t nbytes, size_t *rounded)
 {
     dp_cache *h = heap_of(d);
-    void *p = NULL;
     if (h == NULL || fail_alloc_now()) {
         return NULL;
     }
-    if (dp_cache_alloc(h, nbytes, &p, rounded, NULL) != DP_ALLOC_OK) {
-        return NULL;
-    }
-    return p;
+    return heap_alloc(h, nbytes, rounded);
 }
 
 static void raw_free(dp_device d, void *p, size_t size)
@@ -162,11 +177,7 @@ void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded)
 {
     dp_device d = {DP_VCPU, index};
     dp_cache *h = heap_of(d);
-    void *p = NULL;
-    if (h == NULL || dp_cache_alloc(h, nbytes, &p, rounded, NULL) != DP_ALLOC_OK) {
-        return NULL;
-    }
-    return p;
+    return h != NULL ? heap_alloc(h, nbytes, rounded) : NULL;
 }
 
 void dp_vcpu_heap_free(int index, void *p, size_t rounded)

@@ -1,6 +1,6 @@
 /* numpy_allocator.c - NumPy's data allocator for replicas on virtual CPU
- * devices: while replica i runs on its worker (parallel_apply.c), the arrays
- * NumPy creates there take their memory from device cpu:i's caching
+ * devices: while replica i runs on its worker (parallel_apply.c), the large
+ * arrays NumPy creates there take their memory from device cpu:i's caching
  * allocator (host_memory.c, alloc.h), as a PyTorch replica on a GPU takes
  * its tensors from the CUDA caching allocator.
  *
@@ -14,11 +14,17 @@
  *
  * The handler is NumPy's PyDataMem_Handler (NEP 49), set with
  * PyDataMem_SetHandler in the replica's own context copy, so it never
- * reaches the caller's context. Every block carries a 64-byte header (its
- * device, its size), so free and realloc need nothing from NumPy and a
- * block may be freed on any thread, with or without the GIL, long after the
- * call (an array kept by the replica, or returned). Blocks below
- * NPALLOC_CACHE_MIN come from malloc (glibc's thread arenas are quick there).
+ * reaches the caller's context. What it does:
+ *   - malloc of NPALLOC_CACHE_MIN bytes or more: a block of the device's
+ *     cache, recorded in a table (pointer -> device, block size), so free
+ *     and realloc need nothing from NumPy (its size argument is not always
+ *     the size it asked for) and the block keeps its exact size class;
+ *   - smaller mallocs, every calloc (np.zeros: the kernel's lazily zeroed
+ *     pages beat writing zeros over a cached block) and the blocks that
+ *     are not in the table: NumPy's own default handler, as if this one
+ *     were not set.
+ * A cached block may be freed on any thread, long after the call (an array
+ * kept by the replica, or returned).
  *
  * Off: DPMINI_NUMPY_ALLOCATOR=0 in the environment (read at every call).
  */
@@ -27,6 +33,7 @@
 #include "host_memory.h"
 #include "pool.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,102 +44,177 @@
 #define NPALLOC_AVAILABLE 0
 #endif
 
-#define NPALLOC_HEADER 64                      /* keeps the data 64-byte aligned */
-#define NPALLOC_CACHE_MIN ((size_t)256 << 10)  /* smaller blocks: malloc */
-#define NPALLOC_MAGIC 0x6470616cu              /* "dpal": a header of ours */
-
-typedef struct {
-    size_t rounded;   /* the block's size (header included); 0: from malloc */
-    size_t capacity;  /* bytes usable after the header                      */
-    int32_t device;   /* virtual CPU device index (cached blocks)           */
-    uint32_t magic;
-} npalloc_header;
-
-_Static_assert(sizeof(npalloc_header) <= NPALLOC_HEADER, "header fits its slot");
+#define NPALLOC_CACHE_MIN ((size_t)256 << 10)  /* smaller: NumPy's default handler */
 
 #if NPALLOC_AVAILABLE
+
+/* ------------------------------------------------------------------ */
+/* The table of cached blocks handed out                               */
+/* ------------------------------------------------------------------ */
+
+/* Open addressing with linear probing, at most half full; deletion moves
+ * later entries of the probe run back (no tombstones). */
+typedef struct {
+    void *ptr;          /* NULL: empty slot */
+    size_t rounded;     /* the block's size in the device's cache */
+    int device;
+} block_entry;
+
+static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
+static block_entry *table;
+static size_t table_cap;     /* a power of two, or 0 */
+static size_t table_count;
+
+static size_t slot_of(const void *p, size_t cap)
+{
+    uint64_t h = (uint64_t)(uintptr_t)p >> 6;   /* blocks are 64-byte aligned */
+    h *= 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 17) & (cap - 1);
+}
+
+static void table_put(block_entry *t, size_t cap, block_entry e)
+{
+    size_t i = slot_of(e.ptr, cap);
+    while (t[i].ptr != NULL) {
+        i = (i + 1) & (cap - 1);
+    }
+    t[i] = e;
+}
+
+/* Record e; 0, or -1 when the table cannot grow (out of memory). */
+static int table_add(block_entry e)
+{
+    pthread_mutex_lock(&table_mu);
+    if (2 * (table_count + 1) > table_cap) {
+        size_t cap = table_cap ? 2 * table_cap : 256;
+        block_entry *t = calloc(cap, sizeof *t);
+        if (t == NULL) {
+            pthread_mutex_unlock(&table_mu);
+            return -1;
+        }
+        for (size_t i = 0; i < table_cap; i++) {
+            if (table[i].ptr != NULL) {
+                table_put(t, cap, table[i]);
+            }
+        }
+        free(table);
+        table = t;
+        table_cap = cap;
+    }
+    table_put(table, table_cap, e);
+    table_count++;
+    pthread_mutex_unlock(&table_mu);
+    return 0;
+}
+
+/* Find p: its entry in *out, removed from the table when take is set; 1 if
+ * found, 0 if p is not a block of ours. */
+static int table_find(const void *p, int take, block_entry *out)
+{
+    pthread_mutex_lock(&table_mu);
+    if (table_cap == 0) {
+        pthread_mutex_unlock(&table_mu);
+        return 0;
+    }
+    size_t i = slot_of(p, table_cap);
+    while (table[i].ptr != NULL && table[i].ptr != p) {
+        i = (i + 1) & (table_cap - 1);
+    }
+    if (table[i].ptr == NULL) {
+        pthread_mutex_unlock(&table_mu);
+        return 0;
+    }
+    *out = table[i];
+    if (take) {
+        /* Backward-shift deletion: move up each later entry of the run
+         * whose home slot is not between the hole and it (cyclically). */
+        size_t hole = i, j = i;
+        for (;;) {
+            j = (j + 1) & (table_cap - 1);
+            if (table[j].ptr == NULL) {
+                break;
+            }
+            size_t home = slot_of(table[j].ptr, table_cap);
+            int stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+            if (!stays) {
+                table[hole] = table[j];
+                hole = j;
+            }
+        }
+        table[hole].ptr = NULL;
+        table_count--;
+    }
+    pthread_mutex_unlock(&table_mu);
+    return 1;
+}
+
+/* ------------------------------------------------------------------ */
+/* The handler                                                         */
+/* ------------------------------------------------------------------ */
+
+/* NumPy's default handler, read once (GIL held) before any handler of ours
+ * is handed out. */
+static PyDataMemAllocator numpy_default;
 
 /* One handler per device, never freed: an array holds a reference to its
  * handler's capsule, and the capsule points here. */
 static PyDataMem_Handler handlers[DP_POOL_MAX_INDEX];
 
-static npalloc_header *header_of(void *data)
-{
-    return (npalloc_header *)((char *)data - NPALLOC_HEADER);
-}
-
 static void *npalloc_malloc(void *ctx, size_t size)
 {
+    if (size < NPALLOC_CACHE_MIN) {
+        return numpy_default.malloc(numpy_default.ctx, size);
+    }
     int device = (int)(intptr_t)ctx;
-    if (size > SIZE_MAX - NPALLOC_HEADER) {
+    size_t rounded = 0;
+    void *p = dp_vcpu_heap_alloc(device, size, &rounded);
+    if (p == NULL) {
         return NULL;
     }
-    size_t total = size + NPALLOC_HEADER;
-    void *block = NULL;
-    size_t rounded = 0;
-    if (total < NPALLOC_CACHE_MIN) {
-        if (posix_memalign(&block, NPALLOC_HEADER, total) != 0) {
-            return NULL;
-        }
-        rounded = 0;
-    } else {
-        block = dp_vcpu_heap_alloc(device, total, &rounded);
-        if (block == NULL) {
-            return NULL;
-        }
+    block_entry e = {p, rounded, device};
+    if (table_add(e) < 0) {
+        dp_vcpu_heap_free(device, p, rounded);
+        return NULL;
     }
-    npalloc_header *h = block;
-    h->rounded = rounded;
-    h->capacity = rounded != 0 ? rounded - NPALLOC_HEADER : size;
-    h->device = device;
-    h->magic = NPALLOC_MAGIC;
-    return (char *)block + NPALLOC_HEADER;
+    return p;
 }
 
-static void npalloc_free(void *ctx, void *data, size_t size)
+static void npalloc_free(void *ctx, void *p, size_t size)
 {
     (void)ctx;
-    (void)size;   /* the header knows: after a realloc NumPy's figure may differ */
-    if (data == NULL) {
-        return;
-    }
-    npalloc_header *h = header_of(data);
-    if (h->rounded == 0) {
-        free(h);
+    block_entry e;
+    if (p != NULL && table_find(p, 1, &e)) {
+        dp_vcpu_heap_free(e.device, p, e.rounded);
     } else {
-        dp_vcpu_heap_free(h->device, h, h->rounded);
+        numpy_default.free(numpy_default.ctx, p, size);
     }
 }
 
 static void *npalloc_calloc(void *ctx, size_t nelem, size_t elsize)
 {
-    if (elsize != 0 && nelem > SIZE_MAX / elsize) {
-        return NULL;
-    }
-    size_t size = nelem * elsize;
-    void *data = npalloc_malloc(ctx, size);
-    if (data != NULL) {
-        memset(data, 0, size);   /* a cached block holds its last user's bytes */
-    }
-    return data;
+    (void)ctx;
+    return numpy_default.calloc(numpy_default.ctx, nelem, elsize);
 }
 
-static void *npalloc_realloc(void *ctx, void *data, size_t size)
+static void *npalloc_realloc(void *ctx, void *p, size_t size)
 {
-    if (data == NULL) {
+    block_entry e;
+    if (p == NULL) {
         return npalloc_malloc(ctx, size);
     }
-    npalloc_header *h = header_of(data);
-    if (size <= h->capacity && size >= h->capacity / 2) {
-        return data;   /* fits the block it has; a large shrink moves */
+    if (!table_find(p, 0, &e)) {
+        /* NumPy's block: it stays NumPy's (its size is not known here) */
+        return numpy_default.realloc(numpy_default.ctx, p, size);
+    }
+    if (size <= e.rounded && size >= e.rounded / 2) {
+        return p;   /* fits the block it has; a large shrink moves */
     }
     void *moved = npalloc_malloc(ctx, size);
     if (moved == NULL) {
         return NULL;   /* the old block stays valid, as realloc's contract says */
     }
-    size_t keep = h->capacity < size ? h->capacity : size;
-    memcpy(moved, data, keep);
-    npalloc_free(ctx, data, 0);
+    memcpy(moved, p, e.rounded < size ? e.rounded : size);
+    npalloc_free(ctx, p, 0);
     return moved;
 }
 
@@ -140,6 +222,13 @@ static void *npalloc_realloc(void *ctx, void *data, size_t size)
  * st->numpy_handlers (a list indexed by device). Borrowed; NULL on error. */
 static PyObject *handler_capsule(dp_state *st, int index)
 {
+    if (numpy_default.malloc == NULL) {
+        PyDataMem_Handler *def = PyCapsule_GetPointer(PyDataMem_DefaultHandler, "mem_handler");
+        if (def == NULL) {
+            return NULL;
+        }
+        numpy_default = def->allocator;
+    }
     if (st->numpy_handlers == NULL) {
         st->numpy_handlers = PyList_New(DP_POOL_MAX_INDEX);
         if (st->numpy_handlers == NULL) {
