@@ -214,3 +214,24 @@ def test_memory_cached_for_other_devices_is_given_back_when_short():
         assert out.tolist() == [[1.0], [1.0]]
         print("OK")
     """)
+
+
+def test_an_error_while_preparing_the_allocator_is_raised_as_itself():
+    """An invalid $DPMINI_CACHE_LIMIT under -W error: the warning, raised where
+    the allocator is first prepared (no array to scatter), reaches the caller."""
+    run_script("""
+        import os
+        os.environ["DPMINI_CACHE_LIMIT"] = "abc"
+        import numpy as np, dpmini
+        def f(x):
+            return np.full((1, 2), x)
+        dp = dpmini.DataParallel(f, device_ids=["cpu:0", "cpu:1"])
+        try:
+            dp(5.0)
+        except RuntimeWarning as e:
+            assert "DPMINI_CACHE_LIMIT=abc" in str(e), e
+        else:
+            raise AssertionError("no RuntimeWarning")
+        assert dp(5.0).tolist() == [[5.0, 5.0], [5.0, 5.0]]   # read once: works after
+        print("OK")
+    """, "-W", "error::RuntimeWarning")
