@@ -105,10 +105,10 @@ copy_route exec_device(dp_device src, dp_device dst);
 PyObject *devices_error(const char *argname);
 /* copy_engine.c: "[5, 3]"-style str of a shape, for messages. */
 PyObject *shape_str(int nd, const npy_intp *shape);
-/* copy_engine.c: a sequence of arrays as a PyMem array of new references (*out, *n). */
+/* copy_arrays.c: a sequence of arrays as a PyMem array of new references (*out, *n). */
 int arrays_from_sequence(dp_state *st, PyObject *obj, const char *argname,
                          int min_ndim, PyArrayObject ***out, Py_ssize_t *n);
-/* copy_engine.c: release what arrays_from_sequence returned. */
+/* copy_arrays.c: release what arrays_from_sequence returned. */
 void arrays_free(PyArrayObject **arrs, Py_ssize_t n);
 /* copy_broadcast.c: queue a copy of all of src into a fresh array on dev; new reference. */
 PyObject *copy_to(dp_state *st, job_list *jobs, PyArrayObject *src, dp_device dev);
