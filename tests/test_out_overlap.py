@@ -60,3 +60,13 @@ def test_sliced_and_transposed_out_still_accepted():
     assert np.array_equal(out, x)
     outT = np.zeros((6, 4)).T
     assert np.array_equal(dpmini.comm.gather([x[:2], x[2:]], out=outT), x)
+
+
+@pytest.mark.parametrize("shape,sizes", [((3, 0), (2, 1)), ((0, 4), (0, 0)), ((4, 0, 2), (3, 1))])
+def test_zero_size_out_arrays_are_accepted(shape, sizes):
+    """Outputs without elements cannot overlap, whatever their strides (np.empty((2, 0))
+    has strides (0, 0)): comm.scatter writes nothing and returns them."""
+    a = np.zeros(shape)
+    outs = [np.empty((n,) + shape[1:]) for n in sizes]
+    got = dpmini.comm.scatter(a, out=outs)
+    assert [g.shape for g in got] == [o.shape for o in outs]

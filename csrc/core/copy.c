@@ -493,7 +493,9 @@ int dp_layout_has_internal_overlap(int ndim, const int64_t *shape,
         return 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] == 0)
-            return 0;   /* no element at all */
+            return 0;   /* no element at all, whatever the other dims' strides */
+    }
+    for (int i = 0; i < ndim; i++) {
         if (shape[i] <= 1)
             continue;
         if (strides[i] == 0)

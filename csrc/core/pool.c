@@ -255,6 +255,13 @@ static void *worker_main(void *p)
         }
         pthread_mutex_lock(&s->mu);
         while (!s->nloud) {
+            if (s->ntrim > 0 && s->nidle <= s->nqueued) {
+                /* Quiet jobs queued since dp_pool_trim counted this thread
+                 * spare count on it: the trim is called off, not the job. */
+                s->ntrim--;
+                __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
+                continue;
+            }
             if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
                 s->ntrim--;
                 s->nthreads--;
