@@ -397,7 +397,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
      * caller's torch grad mode and autocast are read once (they cannot
      * change while this loop holds the GIL); each job gets its own autocast
      * object, entered in its own thread. */
-    int torch_no_grad = -1, torch_cast = -1;
+    int torch_no_grad = -1, torch_cast = -1, numpy_alloc = -1;
     for (Py_ssize_t i = 0; i < m && abort == NULL; i++) {
         apply_job *job = &jobs[i];
         if (!job->on_worker) {
@@ -406,7 +406,11 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         job->ctx = PyContext_CopyCurrent();
         if (job->ctx != NULL) {
             /* set in the context copy: the caller's context keeps its own */
-            job->numpy_handler = dp_numpy_allocator(st, job->dev);
+            if (numpy_alloc < 0) {
+                numpy_alloc = dp_numpy_allocator_enabled();
+            }
+            job->numpy_handler = numpy_alloc ? dp_numpy_allocator(st, job->dev)
+                                             : Py_NewRef(Py_None);
             if (job->numpy_handler == NULL) {
                 Py_CLEAR(job->ctx);
             }

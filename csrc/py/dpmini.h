@@ -416,10 +416,13 @@ PyObject *dp_buffer_wrap(dp_state *st, dp_device d, void *ptr, size_t nbytes,
 /* nbytes of page-locked host memory as a host buffer (pin_memory=True). */
 PyObject *dp_buffer_new_pinned(dp_state *st, size_t nbytes);
 
+/* numpy_allocator.c: 1 unless $DPMINI_NUMPY_ALLOCATOR is 0 (or NumPy's
+ * headers predate NEP 49's API): read once a call, not once a replica
+ * (getenv scans the environment). */
+int dp_numpy_allocator_enabled(void);
 /* numpy_allocator.c: the NumPy data allocator (NEP 49 handler capsule) for
  * replicas on dev, new reference: device dev's caching allocator when dev is
- * a virtual CPU device and $DPMINI_NUMPY_ALLOCATOR is not 0, else None. NULL
- * with an exception. GIL held. */
+ * a virtual CPU device, else None. NULL with an exception. GIL held. */
 PyObject *dp_numpy_allocator(dp_state *st, dp_device dev);
 /* numpy_allocator.c: make handler (from dp_numpy_allocator; None: nothing)
  * NumPy's allocator in the current context. 0, or -1 with an exception. */

@@ -262,17 +262,23 @@ static PyObject *handler_capsule(dp_state *st, int index)
 
 #endif /* NPALLOC_AVAILABLE */
 
-PyObject *dp_numpy_allocator(dp_state *st, dp_device dev)
+int dp_numpy_allocator_enabled(void)
 {
 #if NPALLOC_AVAILABLE
-    if (dev.kind != DP_VCPU || dev.index < 0 || dev.index >= DP_POOL_MAX_INDEX) {
-        return Py_NewRef(Py_None);
-    }
     unsigned long long on = 1;
     if (dp_env_uint("DPMINI_NUMPY_ALLOCATOR", 0, 1, &on) == DP_ENV_INVALID) {
         on = 1;   /* as DPMINI_BLAS_LIMIT: only 0 turns it off */
     }
-    if (!on) {
+    return on != 0;
+#else
+    return 0;
+#endif
+}
+
+PyObject *dp_numpy_allocator(dp_state *st, dp_device dev)
+{
+#if NPALLOC_AVAILABLE
+    if (dev.kind != DP_VCPU || dev.index < 0 || dev.index >= DP_POOL_MAX_INDEX) {
         return Py_NewRef(Py_None);
     }
     if (dp_host_memory_ready() < 0) {
