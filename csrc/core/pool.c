@@ -601,3 +601,14 @@ int dp_pool_trim_wait(long timeout_ms)
     }
     return 1;
 }
+
+int dp_pool_cores(void)
+{
+    int n = 0;
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+        n = CPU_COUNT(&set);
+#endif
+    return n < 1 ? 1 : n;
+}

@@ -170,4 +170,8 @@ int dp_pool_in_worker(void);
  * for a bad kind/index. For tests and diagnostics. */
 int dp_pool_threads(int kind, int index);
 
+/* The cores this process may run on (its affinity mask), at least 1: how
+ * many workers copying at once can run side by side. */
+int dp_pool_cores(void);
+
 #endif

@@ -103,8 +103,7 @@ static void worker_exit(void)
     PyGILState_Release(PyGILState_UNLOCKED);
 }
 
-/* Drop the references a job owns (GIL held). */
-static void job_clear(apply_job *job)
+void job_clear(apply_job *job)
 {
     Py_CLEAR(job->module);
     Py_CLEAR(job->args);

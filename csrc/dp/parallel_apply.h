@@ -94,6 +94,8 @@ void chain_wake(apply_run *run);
  * in the batch later (dp_batch_finish). NULL when none is left. */
 apply_job *claim_next(apply_run *run);
 
+/* parallel_apply.c: drop the references a job owns (GIL held). */
+void job_clear(apply_job *job);
 /* parallel_apply_errors.c: the exception being raised, as an instance with
  * its traceback attached (new reference); the error indicator is cleared.
  * Never NULL. */

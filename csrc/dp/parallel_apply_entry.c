@@ -194,14 +194,7 @@ PyObject *parallel_apply_run(dp_state *st, PyObject *modules, PyObject *inputs,
     result = run_jobs(st, jobs, m);
 fail:
     for (Py_ssize_t i = 0; i < m; i++) {
-        Py_XDECREF(jobs[i].module);
-        Py_XDECREF(jobs[i].args);
-        Py_XDECREF(jobs[i].kwargs);
-        Py_XDECREF(jobs[i].ctx);
-        Py_XDECREF(jobs[i].torch_autocast);
-        Py_XDECREF(jobs[i].numpy_handler);
-        Py_XDECREF(jobs[i].result);
-        Py_XDECREF(jobs[i].exc);
+        job_clear(&jobs[i]);
     }
     if (jobs != small) {
         PyMem_Free(jobs);

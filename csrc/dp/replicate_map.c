@@ -125,27 +125,6 @@ void rep_walk_free(rep_walk *w)
     ptrmap_free(&w->map);
 }
 
-/* Double a buffer that may still be the inline one. */
-static void *grow_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, size_t elsize)
-{
-    Py_ssize_t ncap = *cap * 2;
-    void *nb;
-    if (buf == inline_buf) {
-        nb = PyMem_Malloc((size_t)ncap * elsize);
-        if (nb != NULL) {
-            memcpy(nb, buf, (size_t)*cap * elsize);
-        }
-    } else {
-        nb = PyMem_Realloc(buf, (size_t)ncap * elsize);
-    }
-    if (nb == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    *cap = ncap;
-    return nb;
-}
-
 /* Grow a buffer that may still be the inline one to hold at least `need`
  * (at least doubling it, so that many small reservations stay linear). */
 static void *reserve_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, Py_ssize_t need,
@@ -173,6 +152,12 @@ static void *reserve_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, 
     }
     *cap = need;
     return nb;
+}
+
+/* Double a buffer that may still be the inline one. */
+static void *grow_buffer(void *buf, const void *inline_buf, Py_ssize_t *cap, size_t elsize)
+{
+    return reserve_buffer(buf, inline_buf, cap, *cap + 1, elsize);
 }
 
 int rep_reserve(rep_walk *w, Py_ssize_t more)

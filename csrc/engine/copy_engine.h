@@ -95,8 +95,6 @@ int jobs_launch(job_list *l);
  * consumers (GIL released) and free it; drop: jobs not claimed yet are not
  * copied (an error path). */
 void jobs_feed_end(job_list *l, int drop);
-/* copy_feed.c: the cores this process may run on (its affinity), >= 1. */
-int jobs_cores(void);
 /* copy_jobs.c: run one host copy job here (no GIL needed), with dp_copy_run_mode's mode. */
 void job_run_host(const copy_job *j, int mode);
 /* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */

@@ -11,14 +11,12 @@
  * threads (pool.c starts one when a device's threads are all busy), and the
  * copies of 2 devices would run on many threads over 2 cores.
  */
-#define _GNU_SOURCE 1 /* sched_getaffinity; the same spelling as pyconfig.h */
 #include "dpmini.h"
 #include "copy_engine.h"
 #include "pool.h"
 
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <string.h>
 
 /* Bytes a consumer claims at a time: enough to make a claim's lock cheap
@@ -34,18 +32,6 @@ struct job_feed {
     int closed;             /* no more jobs come; guarded by mu */
     dp_batch batch;         /* the consumers */
 };
-
-int jobs_cores(void)
-{
-    int n = 0;
-#ifdef CPU_COUNT
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        n = CPU_COUNT(&set);
-    }
-#endif
-    return n < 1 ? 1 : n;
-}
 
 /* A consumer (a device worker, no GIL): claims and copies runs of jobs until
  * the feed is closed and empty. A run ends at a job boundary past
@@ -130,36 +116,46 @@ static int feed_start(job_list *l)
         return -1;
     }
     if (pthread_mutex_init(&f->mu, NULL) != 0) {
-        PyMem_Free(f);
-        return 0;
+        goto no_mutex;
     }
     if (pthread_cond_init(&f->cv, NULL) != 0) {
-        pthread_mutex_destroy(&f->mu);
-        PyMem_Free(f);
-        return 0;
+        goto no_cond;
     }
     if (dp_batch_init(&f->batch) != 0) {
-        pthread_cond_destroy(&f->cv);
-        pthread_mutex_destroy(&f->mu);
-        PyMem_Free(f);
-        return 0;
+        goto no_batch;
     }
     f->jobs = l->jobs;
     f->published = l->n;
-    int want = jobs_cores(), started = 0;
+    int want = dp_pool_cores(), started = 0;
     for (int x = 0; x < DP_POOL_MAX_INDEX && started < want; x++) {
         if (seen[x] && dp_batch_submit(&f->batch, DP_VCPU, x, feed_consume, f) == 0) {
             started++;
         }
     }
-    if (started == 0) {
-        dp_batch_destroy(&f->batch);
-        pthread_cond_destroy(&f->cv);
-        pthread_mutex_destroy(&f->mu);
-        PyMem_Free(f);
-        return 0;
+    if (started > 0) {
+        l->feed = f;
+        return 1;
     }
-    l->feed = f;
+    dp_batch_destroy(&f->batch);   /* none started: jobs_run copies instead */
+no_batch:
+    pthread_cond_destroy(&f->cv);
+no_cond:
+    pthread_mutex_destroy(&f->mu);
+no_mutex:
+    PyMem_Free(f);
+    return 0;
+}
+
+/* 1 when jobs [from, l->n) only touch host and virtual CPU memory (the
+ * feed's kind: GPU copies report errors, so they run in jobs_run). */
+static int host_only(const job_list *l, Py_ssize_t from)
+{
+    for (Py_ssize_t i = from; i < l->n; i++) {
+        if (l->jobs[i].exec.kind != DP_VCPU || l->jobs[i].src_dev.kind == DP_CUDA ||
+            l->jobs[i].dst_dev.kind == DP_CUDA) {
+            return 0;
+        }
+    }
     return 1;
 }
 
@@ -169,25 +165,16 @@ int jobs_launch(job_list *l)
         return l->feed != NULL;
     }
     if (l->feed == NULL) {
-        if (dp_pool_in_worker()) {
+        if (dp_pool_in_worker() || !host_only(l, 0)) {
             return 0;
-        }
-        for (Py_ssize_t i = 0; i < l->n; i++) {
-            if (l->jobs[i].exec.kind != DP_VCPU || l->jobs[i].src_dev.kind == DP_CUDA ||
-                l->jobs[i].dst_dev.kind == DP_CUDA) {
-                return 0;   /* GPU copies report errors: they run in jobs_run */
-            }
         }
         int r = feed_start(l);
         if (r <= 0) {
             return r;
         }
     } else {
-        for (Py_ssize_t i = l->launched; i < l->n; i++) {
-            if (l->jobs[i].exec.kind != DP_VCPU || l->jobs[i].src_dev.kind == DP_CUDA ||
-                l->jobs[i].dst_dev.kind == DP_CUDA) {
-                return 0;   /* left for jobs_run, after the feed ends */
-            }
+        if (!host_only(l, l->launched)) {
+            return 0;   /* left for jobs_run, after the feed ends */
         }
         feed_publish(l->feed, l->n, 0);
     }

@@ -410,7 +410,7 @@ static int group_cpu(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_gr
             workers[nw++] = x;
         }
     }
-    int cores = jobs_cores();
+    int cores = dp_pool_cores();
     int G = nw < cores ? nw : cores;
     if (G < 1) {
         G = 1;

@@ -11,7 +11,6 @@
 #include "env.h"
 
 #include <errno.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -37,13 +36,7 @@ int dp_cpu_device_count(void)
     if (dp_env_uint("DPMINI_CPU_DEVICES", 1, DP_POOL_MAX_INDEX, &v) == DP_ENV_OK) {
         return (int)v;   /* env.h's rule, as for every DPMINI_ number */
     }
-    int n = 0;
-#ifdef CPU_COUNT
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        n = CPU_COUNT(&set);
-    }
-#endif
+    int n = dp_pool_cores();
     return n < 2 ? 2 : (n > DP_POOL_MAX_INDEX ? DP_POOL_MAX_INDEX : n);
 }
 

@@ -102,7 +102,7 @@ static int table_add(block_entry e)
         table_cap = cap;
     }
     table_put(table, table_cap, e);
-    table_count++;
+    __atomic_store_n(&table_count, table_count + 1, __ATOMIC_RELEASE);  /* read unlocked */
     pthread_mutex_unlock(&table_mu);
     return 0;
 }
@@ -111,6 +111,9 @@ static int table_add(block_entry e)
  * found, 0 if p is not a block of ours. */
 static int table_find(const void *p, int take, block_entry *out)
 {
+    if (__atomic_load_n(&table_count, __ATOMIC_ACQUIRE) == 0) {
+        return 0;   /* the common case of a small array's free: no lock */
+    }
     pthread_mutex_lock(&table_mu);
     if (table_cap == 0) {
         pthread_mutex_unlock(&table_mu);
@@ -142,7 +145,7 @@ static int table_find(const void *p, int take, block_entry *out)
             }
         }
         table[hole].ptr = NULL;
-        table_count--;
+        __atomic_store_n(&table_count, table_count - 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&table_mu);
     return 1;
