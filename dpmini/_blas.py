@@ -17,6 +17,12 @@ here would not reach the replicas' worker threads. ``DPMINI_BLAS_LIMIT=0`` in th
 every call) turns the limit off. The setting is process-wide: threads outside
 the parallel section that call BLAS meanwhile see the limit too.
 
+Not handled here: after a call on several threads, OpenBLAS's idle helper
+threads spin for 2**28 clock ticks (~0.1 s) before they sleep, and OpenBLAS
+has no call that ends that; replicas started in that window share a core with
+the spinner (README, "Switching between NumPy's own products and
+DataParallel"; OPENBLAS_THREAD_TIMEOUT shortens it).
+
 An OpenBLAS with its own threads (NumPy's wheels) is read and set through its
 ``openblas_get_num_threads`` / ``openblas_set_num_threads`` directly (found
 once, through threadpoolctl), not through threadpoolctl's methods at every
