@@ -78,8 +78,9 @@ STEPS_IN_A_RUN = 5           # item 5: calls in a row, as a training loop makes 
 # ~0.12 s at 2.3 GHz. A DataParallel call that starts in that window, right after
 # NumPy's 2-thread products, shares a core with the spinner (measured here: ~75 ms
 # against ~37 ms); a NumPy call after the helper went to sleep wakes it. Item 5
-# times each route as a loop of that route alone is: after this long of untimed
-# calls of the same route, longer than the window on any clock of 0.9 GHz or more.
+# times each route as it runs in a loop of that route alone: after this long of
+# untimed calls of the same route, longer than the window on any TSC of 0.9 GHz
+# or more.
 BLAS_SETTLE_S = 0.3
 ELEMENTWISE_TARGET = 1.7
 
