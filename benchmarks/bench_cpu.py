@@ -72,15 +72,16 @@ REPLICATE_TARGET_GBPS = 15.0
 MLP_TARGET = 1.0             # DataParallel speed / NumPy speed
 STEPS_IN_A_RUN = 5           # item 5: calls in a row, as a training loop makes them
 # After each call that used more than one thread, OpenBLAS's idle helper threads
-# spin (sched_yield in a loop) for 2**THREAD_TIMEOUT TSC cycles before they sleep:
-# THREAD_TIMEOUT is 28 in OpenBLAS's driver/others/blas_server.c (the environment
-# variable OPENBLAS_THREAD_TIMEOUT=n, read when OpenBLAS loads, makes it 2**n), so
-# ~0.12 s at 2.3 GHz. A DataParallel call that starts in that window, right after
-# NumPy's 2-thread products, shares a core with the spinner (measured here: ~75 ms
-# against ~37 ms); a NumPy call after the helper went to sleep wakes it. Item 5
+# spin (since 0.3.27 on x86-64 a loop of nops that never yields the core) for
+# 2**THREAD_TIMEOUT TSC ticks before they sleep: THREAD_TIMEOUT is 28 in OpenBLAS's
+# driver/others/blas_server.c (the environment variable OPENBLAS_THREAD_TIMEOUT=n,
+# read when OpenBLAS loads, makes it 2**n, n clamped to 4..30), so ~0.12 s at
+# 2.3 GHz. A DataParallel call that starts in that window, right after NumPy's
+# 2-thread products, shares a core with the spinner (measured here: ~55-70 ms
+# against ~30-40 ms); a NumPy call after the helper went to sleep wakes it. Item 5
 # times each route as it runs in a loop of that route alone: after this long of
-# untimed calls of the same route, longer than the window on any TSC of 0.9 GHz
-# or more.
+# untimed calls of the same route, longer than the window for n <= 28 on any TSC
+# of 0.9 GHz or more.
 BLAS_SETTLE_S = 0.3
 ELEMENTWISE_TARGET = 1.7
 
