@@ -325,32 +325,43 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     return 1;
 }
 
-/* A torch tensor with the negative bit set (a lazy view such as
- * x.conj().imag): torch's DLPack export hands over the unnegated memory
- * without saying so (NumPy's from_dlpack reads the wrong sign too), so it is
- * refused: 1 with TypeError naming argname, 0 when obj is not such a tensor,
- * -1 when asking raised. (Tensors with the conjugate bit torch refuses to
- * export itself.) */
-static int refuse_negative_bit(PyObject *obj, const char *argname)
+/* A torch tensor with a lazy bit set: the negative bit (a view such as
+ * x.conj().imag), whose DLPack export hands over the unnegated memory without
+ * saying so (NumPy's from_dlpack reads the wrong sign too), or the conjugate
+ * bit (x.conj()), which torch refuses to export with its own BufferError that
+ * names no way out. Both are refused with the call that resolves them: 1 with
+ * TypeError naming argname, 0 when obj is not such a tensor, -1 when asking
+ * raised. */
+static int refuse_lazy_bit(PyObject *obj, const char *argname)
 {
-    PyObject *m = PyObject_GetAttrString(obj, "is_neg");
-    if (m == NULL) {
-        PyErr_Clear();
-        return 0;
+    static const struct { const char *ask, *what, *example, *reason, *fix; } bits[] = {
+        {"is_conj", "conjugate", "x.conj()",
+         "torch does not export it through DLPack", "x.resolve_conj()"},
+        {"is_neg", "negative", "x.conj().imag",
+         "its DLPack export would hand over the values with the wrong sign",
+         "x.resolve_neg()"},
+    };
+    for (size_t i = 0; i < sizeof bits / sizeof bits[0]; i++) {
+        PyObject *m = PyObject_GetAttrString(obj, bits[i].ask);
+        if (m == NULL) {
+            PyErr_Clear();
+            return 0;   /* not a torch tensor: it has neither */
+        }
+        PyObject *r = PyCallable_Check(m) ? PyObject_CallNoArgs(m) : Py_NewRef(Py_False);
+        Py_DECREF(m);
+        if (r == NULL)
+            return -1;
+        int yes = r == Py_True;
+        Py_DECREF(r);
+        if (yes) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: a tensor with the %s bit set (a lazy view such as %s): %s; "
+                         "pass %s", argname, bits[i].what, bits[i].example, bits[i].reason,
+                         bits[i].fix);
+            return 1;
+        }
     }
-    PyObject *r = PyCallable_Check(m) ? PyObject_CallNoArgs(m) : Py_NewRef(Py_False);
-    Py_DECREF(m);
-    if (r == NULL)
-        return -1;
-    int yes = r == Py_True;
-    Py_DECREF(r);
-    if (!yes)
-        return 0;
-    PyErr_Format(PyExc_TypeError,
-                 "%s: a tensor with the negative bit set (a lazy view such as x.conj().imag): "
-                 "its DLPack export would hand over the values with the wrong sign; pass "
-                 "x.resolve_neg()", argname);
-    return 1;
+    return 0;
 }
 
 /* The pending error as "argname: cannot read <type> as an array (<what>: <error>)". */
@@ -449,7 +460,7 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
         return NULL;
     }
     int rg = requires_grad(st, obj, argname);
-    if (rg == 1 || rg < 0 || refuse_negative_bit(obj, argname))
+    if (rg == 1 || rg < 0 || refuse_lazy_bit(obj, argname))
         return NULL;
     if (rg == 0)
         return import_foreign(st, obj, argname);

@@ -304,3 +304,16 @@ def test_tensor_with_the_negative_bit_is_refused_not_read_with_the_wrong_sign(to
         dpmini.comm.scatter(c, DEVS)
     got = dpmini.DataParallel(lambda a: a, DEVS)(c.resolve_neg())
     assert torch.equal(got, torch.tensor([[-2.0], [-4.0]], dtype=torch.float64))
+
+
+def test_tensor_with_the_conjugate_bit_is_refused_naming_resolve_conj(torch):
+    t = torch.tensor([[1 + 2j], [3 + 4j]], dtype=torch.complex64)
+    c = t.conj()
+    assert c.is_conj()
+    with pytest.raises(TypeError, match=r"args\[0\]\['x'\]: a tensor with the conjugate bit set"
+                                        r".*resolve_conj\(\)"):
+        dpmini.DataParallel(lambda x: x, DEVS)({"x": c})
+    with pytest.raises(TypeError, match="conjugate bit"):
+        dpmini.comm.scatter(c, DEVS)
+    got = dpmini.DataParallel(lambda a: a, DEVS)(c.resolve_conj())
+    assert torch.equal(got, torch.tensor([[1 - 2j], [3 - 4j]], dtype=torch.complex64))
