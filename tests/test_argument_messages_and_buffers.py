@@ -20,6 +20,24 @@ def test_reduce_add_refuses_mixed_and_structured_dtypes():
     assert np.array_equal(dpmini.comm.reduce_add([np.arange(3)] * 2), [0, 2, 4])
 
 
+def test_sum_paths_say_when_only_the_byte_order_differs():
+    native, swapped = np.arange(3.0), np.arange(3.0).astype(">f8" if np.little_endian else "<f8")
+    note = r"the same type in the other byte order.*newbyteorder"
+    with pytest.raises(TypeError, match=r"^arrays\[1\]: expected dtype float64 .*" + note):
+        dpmini.comm.reduce_add([native, swapped])
+    with pytest.raises(TypeError, match=r"^out\[1\]: expected dtype float64, got .*" + note):
+        dpmini.comm.scatter(np.ones(4), out=[np.zeros(2), np.zeros(2, swapped.dtype)])
+    dp = dpmini.DataParallel(lambda a: a.astype(swapped.dtype) if a[0] > 0 else a, D2,
+                             out_dims="sum")
+    with pytest.raises(TypeError, match=r"replica 1's value at out has dtype .*" + note):
+        dp(np.arange(4.0))
+    # a real dtype difference gets no byte-order note; one byte order throughout sums
+    with pytest.raises(TypeError) as e:
+        dpmini.comm.reduce_add([native, swapped.astype(np.float32)])
+    assert "byte order" not in str(e.value)
+    assert np.array_equal(dpmini.comm.reduce_add([swapped, swapped]), [0.0, 2.0, 4.0])
+
+
 def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^chunk_sizes\[0\]: .* out of range"):
         dpmini.comm.scatter(np.ones(5), D2, chunk_sizes=[2**70, 3])

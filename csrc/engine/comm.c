@@ -138,8 +138,9 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
             }
         }
         if (!PyArray_EquivTypes(PyArray_DESCR(outs[i]), PyArray_DESCR(src))) {
-            PyErr_Format(PyExc_TypeError, "out[%zd]: expected dtype %S, got %S", i,
-                         (PyObject *)PyArray_DESCR(src), (PyObject *)PyArray_DESCR(outs[i]));
+            PyErr_Format(PyExc_TypeError, "out[%zd]: expected dtype %S, got %S%s", i,
+                         (PyObject *)PyArray_DESCR(src), (PyObject *)PyArray_DESCR(outs[i]),
+                         dp_byteorder_note(PyArray_DESCR(src), PyArray_DESCR(outs[i])));
             goto done;
         }
         if (!PyArray_ISWRITEABLE(outs[i])) {

@@ -180,10 +180,11 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         if (!PyArray_EquivTypes(PyArray_DESCR(parts[i]), PyArray_DESCR(parts[0]))) {
             /* PyTorch's reduce_add needs one dtype; no silent casting. */
             PyErr_Format(PyExc_TypeError,
-                         "%s[%zd]: expected dtype %S (the dtype of %s[0]), got %S; convert "
-                         "the arrays to one dtype first", argname, i,
+                         "%s[%zd]: expected dtype %S (the dtype of %s[0]), got %S%s; "
+                         "convert the arrays to one dtype first", argname, i,
                          (PyObject *)PyArray_DESCR(parts[0]), argname,
-                         (PyObject *)PyArray_DESCR(parts[i]));
+                         (PyObject *)PyArray_DESCR(parts[i]),
+                         dp_byteorder_note(PyArray_DESCR(parts[0]), PyArray_DESCR(parts[i])));
             goto done;
         }
     }

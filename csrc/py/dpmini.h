@@ -298,6 +298,11 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
  * __dlpack__() fails). Never leaves an exception (interop_dtype.c). */
 const char *dp_dlpack_dtype_missing(PyObject *obj, char *buf, size_t n);
 
+/* For a dtype mismatch message: a note (static text) saying that got is want
+ * in the other byte order, or "" when the two differ otherwise or are
+ * equivalent. Never leaves an exception (interop_dtype.c). */
+const char *dp_byteorder_note(PyArray_Descr *want, PyArray_Descr *got);
+
 /* The converter back into obj's library (new reference): that library's
  * from_dlpack (torch, jax.numpy, cupy, else array_api_compat's namespace or
  * the type's package), or Py_None for NumPy, dpmini.Array and libraries with

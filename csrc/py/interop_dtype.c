@@ -84,3 +84,19 @@ const char *dp_dlpack_dtype_missing(PyObject *obj, char *buf, size_t n)
     DLDataType t;
     return dlpack_dtype(obj, &t) ? missing_in_numpy(t, buf, n) : NULL;
 }
+
+const char *dp_byteorder_note(PyArray_Descr *want, PyArray_Descr *got)
+{
+    static const char note[] =
+        " (the same type in the other byte order; x.astype(x.dtype.newbyteorder('=')) "
+        "makes it native)";
+    if (PyArray_EquivTypes(want, got))
+        return "";
+    PyArray_Descr *w = PyArray_DescrNewByteorder(want, NPY_NATIVE);
+    PyArray_Descr *g = w ? PyArray_DescrNewByteorder(got, NPY_NATIVE) : NULL;
+    int same = g != NULL && PyArray_EquivTypes(w, g);
+    Py_XDECREF(w);
+    Py_XDECREF(g);
+    PyErr_Clear();   /* only a note: a failure to build it means "no note" */
+    return same ? note : "";
+}

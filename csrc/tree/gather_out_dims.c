@@ -174,9 +174,10 @@ static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssiz
              * replica apart from the path. */
             PyErr_Format(PyExc_TypeError,
                          "%s: out_dims gives \"sum\" here, but replica %zd's value at %s "
-                         "has dtype %S and replica 0's %S (a Python float is float64); "
+                         "has dtype %S%s and replica 0's %S (a Python float is float64); "
                          "\"sum\" adds in one dtype: return one dtype from every replica",
-                         cpath, i, cpath, (PyObject *)di, (PyObject *)d0);
+                         cpath, i, cpath, (PyObject *)di, dp_byteorder_note(d0, di),
+                         (PyObject *)d0);
             goto done;
         }
     }
