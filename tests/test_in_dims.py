@@ -170,6 +170,23 @@ def test_nested_structure_errors_name_the_path():
         dpmini.scatter(({"x": np.zeros(4)},), D2, in_dims=(0, {"x": "bad"}))
 
 
+def test_scatter_in_dims_mirrors_inputs_and_says_how_to_address_a_tuple():
+    """scatter's in_dims mirrors `inputs` itself: a tuple is addressed by a tuple;
+    the int-key dict form belongs to the argument lists of DataParallel,
+    scatter_kwargs and explain, whose results it must match."""
+    args = (np.ones((4, 6)), np.ones((4, 6)))
+    with pytest.raises(TypeError, match=r"^in_dims: a dict .* inputs is a sequence; give a tuple "
+                                        r"or list instead .*int keys address positional"):
+        dpmini.scatter(args, D2, in_dims={1: 1})
+    with pytest.raises(TypeError, match=r"^in_dims: a tuple .* inputs is a dict; give a dict "
+                                        r"instead"):
+        dpmini.scatter({"a": np.ones(4)}, D2, in_dims=(1,))
+    by_tuple = dpmini.scatter(args, D2, in_dims=(0, 1))   # {1: 1}: args[0] keeps dim 0
+    by_kwargs, _ = dpmini.scatter_kwargs(args, {}, D2, in_dims={1: 1})
+    assert [[a.shape for a in r] for r in by_tuple] == [[a.shape for a in r] for r in by_kwargs] \
+        == [[(2, 6), (4, 3)], [(2, 6), (4, 3)]]
+
+
 def test_in_dims_on_shared_value_with_children_is_an_error():
     with pytest.raises(TypeError, match=r"in_dims\[1\].*args\[1\].*shared"):
         dpmini.scatter_kwargs((np.zeros(4), "tag"), None, D2, in_dims=(0, (0,)))

@@ -212,7 +212,7 @@ PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         int fits = dict_spec ? (kind == G_DICT || kind == G_DATACLASS)
                              : (kind == G_SEQ || kind == G_NAMEDTUPLE);
         if (!fits) {
-            spec_mismatch(sseg, spec, seg, gather_kind_names[kind]);
+            spec_mismatch(sseg, spec, seg, gather_kind_names[kind], NULL);
             return NULL;
         }
     }

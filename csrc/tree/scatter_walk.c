@@ -386,7 +386,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
         goto fail;
 
     if (spec_is_container(spec)) {
-        spec_mismatch(sseg, spec, seg, "an array");
+        spec_mismatch(sseg, spec, seg, "an array", NULL);
         goto leaf_error;
     }
     if (spec != NULL && spec != Py_None) {
@@ -502,8 +502,13 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
          * dict mirrors a dict by key. */
         int dict_spec = PyDict_Check(spec);
         if (dict_spec != (kind == S_DICT)) {
-            spec_mismatch(sseg, spec, seg, kind == S_DICT ? "a dict (give a dict)"
-                                                          : "a sequence (give a tuple or list)");
+            spec_mismatch(sseg, spec, seg, kind == S_DICT ? "a dict" : "a sequence",
+                          kind == S_DICT
+                              ? "a dict instead (by key), or an int or None for it"
+                              : "a tuple or list instead (by position, e.g. (None, 1)), or "
+                                "an int or None for it; a dict's int keys address positional "
+                                "arguments only at the top of the in_dims of DataParallel, "
+                                "scatter_kwargs and explain");
             goto spec_error;
         }
         if (!dict_spec) {
@@ -559,7 +564,7 @@ int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
         /* Shared values are never split; an int or None for them is fine,
          * but a non-empty structure addresses children that are not there. */
         if (spec_is_container(spec) && PyObject_Length(spec) > 0) {
-            spec_mismatch(sseg, spec, seg, "not split (a value shared by every replica)");
+            spec_mismatch(sseg, spec, seg, "not split (a value shared by every replica)", NULL);
             return absorb_error(c);
         }
         return c->plan ? append_steal(c->shared, path_str(seg)) : 0;

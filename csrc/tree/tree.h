@@ -180,7 +180,7 @@ int spec_child(PyObject *spec, const path_seg *up, Py_ssize_t i, PyObject *key,
                PyObject **child, path_seg *sseg);
 /* A container spec where the value is not a matching container: TypeError. */
 int spec_mismatch(const path_seg *sseg, PyObject *spec, const path_seg *seg,
-                  const char *what);
+                  const char *what, const char *fix);
 /* Check that a container spec addresses only children that exist. */
 int spec_check_children(PyObject *spec, const path_seg *sseg, const path_seg *seg,
                         Py_ssize_t n, PyObject *keys_of, PyObject *names);

@@ -54,15 +54,15 @@ static PyObject *spec_what(PyObject *spec)
 }
 
 /* A container spec at a position that is not a container of the matching
- * kind: TypeError naming both paths. what: how the value is described. */
+ * kind: TypeError naming both paths. what: how the value is described; fix:
+ * what to give instead (NULL: "an int or None for it instead"). */
 int spec_mismatch(const path_seg *sseg, PyObject *spec, const path_seg *seg,
-                  const char *what)
+                  const char *what, const char *fix)
 {
     PyObject *vp = path_str(seg), *sw = vp != NULL ? spec_what(spec) : NULL;
     if (sw != NULL)
-        raise_at(PyExc_TypeError, sseg,
-                 "%U mirrors the children of %U, but %U is %s; give an int or None "
-                 "for it instead", sw, vp, vp, what);
+        raise_at(PyExc_TypeError, sseg, "%U mirrors the children of %U, but %U is %s; "
+                 "give %s", sw, vp, vp, what, fix ? fix : "an int or None for it instead");
     Py_XDECREF(vp);
     Py_XDECREF(sw);
     return -1;
