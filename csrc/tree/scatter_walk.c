@@ -505,7 +505,7 @@ static int collect_container(scatter_ctx *c, PyObject *obj, int kind,
             spec_mismatch(sseg, spec, seg, kind == S_DICT ? "a dict" : "a sequence",
                           kind == S_DICT
                               ? "a dict instead (by key), or an int or None for it"
-                              : "a tuple or list instead (by position, e.g. (None, 1)), or "
+                              : "a tuple or list instead (by position, e.g. (0, 1)), or "
                                 "an int or None for it; a dict's int keys address positional "
                                 "arguments only at the top of the in_dims of DataParallel, "
                                 "scatter_kwargs and explain");
