@@ -1,8 +1,9 @@
 """BLAS thread limits for replicas on virtual CPU devices.
 
-parallel_apply (csrc/parallel_apply.c) calls :func:`limit` before it starts
-two or more replicas on virtual CPU devices and :func:`restore` once they have
-all finished. NumPy's BLAS (OpenBLAS, MKL, BLIS) and OpenMP runtimes start one
+parallel_apply (csrc/dp/parallel_apply.c) calls :func:`limit` before it
+starts two or more replicas on virtual CPU devices and, once they have all
+finished, sets back the counts limit() returned itself, in C (blas_restore), so
+that a Ctrl-C cannot stop that half-way. NumPy's BLAS (OpenBLAS, MKL, BLIS) and OpenMP runtimes start one
 thread per core by default; two replicas running matrix products at once would
 then run 2 x cores threads on cores cores and slow each other down (measured:
 an MLP step on 2 virtual devices at 0.85x plain NumPy). During the call every
@@ -84,9 +85,11 @@ def limit(replicas):
     """Cut every BLAS pool to max(1, cores // replicas) threads.
 
     replicas: the number of replicas about to run on virtual CPU devices (>= 2).
-    Returns a list of (the pool's set_num_threads, previous thread count) to
-    hand to :func:`restore`, or None when nothing was changed (limit off,
-    threadpoolctl missing, pools already small enough).
+    Returns a list of (the pool's set_num_threads, previous thread count),
+    which parallel_apply's blas_restore calls in C once the replicas are done,
+    or None when nothing was changed (limit off, threadpoolctl missing, pools
+    already small enough). An exception half-way (a Ctrl-C) sets back what was
+    cut before it propagates.
     """
     if os.environ.get("DPMINI_BLAS_LIMIT", "1").strip() == "0":
         return None
@@ -95,23 +98,20 @@ def limit(replicas):
         return None
     per = max(1, _state["cores"] // int(replicas))
     changed = []
-    for lib, direct in _state["pools"]:
-        if direct is not None:
-            n = direct[0]()
+    try:
+        for lib, direct in _state["pools"]:
+            get, put = direct if direct is not None else (None, lib.set_num_threads)
+            n = get() if get is not None else lib.num_threads
             if n > per:
-                direct[1](per)
-                changed.append((direct[1], n))
-            continue
-        n = lib.num_threads
-        if n > per:
-            lib.set_num_threads(per)
-            changed.append((lib.set_num_threads, n))
+                # recorded before it is set: a Ctrl-C between the two still undoes it
+                changed.append((put, n))
+                put(per)
+    except BaseException:
+        # a Ctrl-C (or a failing pool) half-way: set back what was cut, then raise
+        for put, n in changed:
+            try:
+                put(n)
+            except Exception:
+                pass
+        raise
     return changed or None
-
-
-def restore(changed):
-    """Set the pools :func:`limit` changed back to their previous thread counts.
-    parallel_apply reports an error raised here through sys.unraisablehook
-    (the replicas' results stand)."""
-    for set_num_threads, n in changed:
-        set_num_threads(n)

@@ -115,3 +115,66 @@ def test_one_replica_and_nested_calls_change_nothing_inside(many_threads, monkey
     assert inner.seen and all(s == {p: min(k, per) for p, k in many_threads.items()}
                               for s in inner.seen)
     assert blas_threads() == many_threads
+
+
+class Setter:
+    """A pool's set_num_threads that records its counts and raises `fail` on
+    its first call."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+
+    def __call__(self, n):
+        self.calls.append(n)
+        if self.fail is not None and len(self.calls) == 1:
+            raise self.fail
+
+
+def run_two_replicas():
+    x = np.arange(8.0).reshape(4, 2)
+    return dpmini.DataParallel(lambda a: a * 2, device_ids=DEVS)(x)
+
+
+def test_restore_finishes_through_a_ctrl_c_and_hands_it_on(monkeypatch):
+    first, second = Setter(KeyboardInterrupt()), Setter()
+    monkeypatch.setattr(dpmini._blas, "limit", lambda replicas: [(first, 8), (second, 4)])
+    with pytest.raises(KeyboardInterrupt):
+        run_two_replicas()
+        for _ in range(1000):   # the re-armed interrupt arrives at a check in Python
+            pass
+    assert first.calls == [8, 8] and second.calls == [4]
+
+
+def test_restore_reports_a_failing_pool_and_restores_the_others(monkeypatch):
+    first, second = Setter(ValueError("pool gone")), Setter()
+    monkeypatch.setattr(dpmini._blas, "limit", lambda replicas: [(first, 8), (second, 4)])
+    seen = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: seen.append(u.exc_value))
+    np.testing.assert_array_equal(run_two_replicas(), np.arange(8.0).reshape(4, 2) * 2)
+    assert first.calls == [8] and second.calls == [4]
+    assert [str(e) for e in seen] == ["pool gone"]
+
+
+class FakePool:
+    def __init__(self, threads, fail_get=None):
+        self.threads, self.sets, self.fail_get = threads, [], fail_get
+
+    def get(self):
+        if self.fail_get is not None:
+            raise self.fail_get
+        return self.threads
+
+    def put(self, n):
+        self.sets.append(n)
+        self.threads = n
+
+
+def test_limit_interrupted_half_way_sets_back_what_it_cut(monkeypatch):
+    monkeypatch.delenv("DPMINI_BLAS_LIMIT", raising=False)
+    cut, broken = FakePool(8), FakePool(8, fail_get=KeyboardInterrupt())
+    pools = tuple((None, (p.get, p.put)) for p in (cut, broken))
+    monkeypatch.setattr(dpmini._blas, "_state",
+                        {"controller": object(), "missing": False, "cores": 2, "pools": pools})
+    with pytest.raises(KeyboardInterrupt):
+        run_two_replicas()
+    assert cut.sets == [1, 8] and cut.threads == 8 and broken.sets == []

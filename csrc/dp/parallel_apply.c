@@ -329,21 +329,48 @@ static PyObject *blas_limit(const apply_job *jobs, Py_ssize_t m, int nested)
     return token;
 }
 
-/* Undo blas_limit (steals token). dpmini._blas.restore does not raise; if
- * it still fails, the error is reported as unraisable, not lost silently. */
+/* Undo blas_limit (steals token: None, or dpmini._blas.limit's list of
+ * (set_num_threads, previous count) pairs). The pairs are called from C, not
+ * from a Python loop, so a Ctrl-C cannot stop the restoring half-way and
+ * leave pools capped: a KeyboardInterrupt raised inside a setter written in
+ * Python (threadpoolctl's) is retried once (setting a count twice is
+ * harmless) and then re-armed with PyErr_SetInterrupt, so the caller still
+ * gets it at its next check. Any other error is reported as unraisable, not
+ * lost silently, and the remaining pools are still restored. */
 static void blas_restore(PyObject *token)
 {
-    if (token == Py_None) {
-        Py_DECREF(token);
-        return;
-    }
-    PyObject *mod = PyImport_ImportModule("dpmini._blas");
-    PyObject *r = mod ? PyObject_CallMethod(mod, "restore", "O", token) : NULL;
-    if (r == NULL) {
+    int interrupted = 0;
+    Py_ssize_t n = PyList_Check(token) ? PyList_GET_SIZE(token) : 0;
+    if (token != Py_None && !PyList_Check(token)) {
+        PyErr_SetString(PyExc_TypeError, "dpmini._blas.limit: expected None or a list");
         PyErr_WriteUnraisable(token);
     }
-    Py_XDECREF(r);
-    Py_XDECREF(mod);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(token, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "dpmini._blas.limit: expected (setter, count) "
+                            "pairs");
+            PyErr_WriteUnraisable(token);
+            continue;
+        }
+        for (int tries = 0; tries < 2; tries++) {
+            PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(pair, 0),
+                                              PyTuple_GET_ITEM(pair, 1));
+            if (r != NULL) {
+                Py_DECREF(r);
+                break;
+            }
+            if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+                PyErr_WriteUnraisable(pair);
+                break;
+            }
+            PyErr_Clear();
+            interrupted = 1;
+        }
+    }
+    if (interrupted) {
+        PyErr_SetInterrupt();
+    }
     Py_DECREF(token);
 }
 
