@@ -164,6 +164,11 @@ def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, 
     ("unpicklable", 0, "TypeError: x: cannot pickle function"),
     ("root_none", 0, "TypeError: x: rank 0 is scatter's root (root=0) and passed None; root "
                      "passes the array to split"),
+    ("type_op", 0, "TypeError: op: expected 'sum', 'mean', 'max' or 'min', got NoneType"),
+    ("type_root", 1, "TypeError: root: expected an int, got float"),
+    ("type_dim", 3, "TypeError: dim: expected an int, got str"),
+    ("huge_root", 2, "ValueError: root: 1180591620717411303424 is out of range"),
+    ("masked", 1, "TypeError: x: numpy.ma.MaskedArray is not supported by dpmini.distributed"),
 ])
 def test_bad_argument_on_one_rank_raises_on_every_rank(mismatch_run, case, bad_rank, own):
     rc, lines, out, _ = mismatch_run

@@ -116,6 +116,17 @@ void dist_meta_fail(dist_meta *mine, PyObject **saved);
 int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline);
 /* Fill shape/dtype fields of `m` from an ndarray. */
 void dist_meta_array(dist_meta *m, PyObject *arr);
+/* dist_args.c: root / dim / op of a collective. A bad one does not fail
+ * here: its exception goes to *argerr (the first one kept; obj NULL: *out
+ * unchanged), and the collective raises it at its guard with
+ * dist_arg_error, so that every rank raises. */
+void dist_int_arg(PyObject *obj, const char *name, int *out, PyObject **argerr);
+void dist_op_arg(PyObject *obj, const char **out, PyObject **argerr);
+/* Set *argerr as the pending exception and clear it: 1, or 0 when none. */
+int dist_arg_error(PyObject **argerr);
+/* numpy.ma.MaskedArray and numpy.matrix: -1 with TypeError naming `name`
+ * (a mask would be dropped, * would change meaning), else 0. */
+int dist_refuse_subclass(PyObject *x, const char *name);
 /* Refuse a call on a broken or busy communicator; takes the lock. */
 int dist_enter(dist_comm *c);
 void dist_leave(dist_comm *c);

@@ -19,6 +19,8 @@
 PyObject *dist_as_array(PyObject *x, const char *name, int native)
 {
     int flags = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (native ? NPY_ARRAY_NOTSWAPPED : 0);
+    if (dist_refuse_subclass(x, name) < 0)
+        return NULL;
     PyObject *arr = PyArray_FromAny(x, NULL, 0, 0, flags, NULL);
     if (arr == NULL)
         return NULL;
@@ -199,12 +201,17 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu", NULL};
     PyObject *x = Py_None, *cs = Py_None, *w = Py_None, *gpu = Py_None;
+    PyObject *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
     int root = 0, dim = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiOOO:scatter", kwlist, &x, &root, &dim, &cs,
-                                     &w, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOOO:scatter", kwlist, &x, &rootobj, &dimobj,
+                                     &cs, &w, &gpu))
         return NULL;
-    if (dist_enter(c) < 0)
+    dist_int_arg(rootobj, "root", &root, &argerr);
+    dist_int_arg(dimobj, "dim", &dim, &argerr);
+    if (dist_enter(c) < 0) {
+        Py_XDECREF(argerr);
         return NULL;
+    }
     double deadline = dist_now() + c->timeout;
     PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
     MPI_Datatype *types = NULL;
@@ -226,7 +233,8 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
         goto fail_local;
     }
     s.sizes = sizes + P;
-    int ok = check_root(root, P) == 0 && dist_read_split(cs, w, P, &s, &mine) == 0;
+    int ok = !dist_arg_error(&argerr) && check_root(root, P) == 0 &&
+             dist_read_split(cs, w, P, &s, &mine) == 0;
     if (ok && me == root && gpu != Py_None) {   /* NCCL (dist_gpu_move.c) */
         int d = dist_gpu_read(c, x, gpu, 0, &mine, &ga) == 0 ? wrap_dim(dim, (int)mine.ndim, "x")
                                                               : -1;
@@ -316,6 +324,7 @@ done:
     PyMem_Free(wts);
     Py_XDECREF(stage);
     Py_XDECREF(arr);
+    Py_XDECREF(argerr);   /* set only when the call failed before reading it */
     dist_leave(c);
     return out;
 }
@@ -324,12 +333,15 @@ done:
 /* gather / all_gather                                                 */
 /* ------------------------------------------------------------------ */
 
+/* argerr: a bad root or dim (dist_args.c), raised at the guard; stolen. */
 static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind,
-                               PyObject *gpu)
+                               PyObject *gpu, PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_GATHER;
-    if (dist_enter(c) < 0)
+    if (dist_enter(c) < 0) {
+        Py_XDECREF(argerr);
         return NULL;
+    }
     double deadline = dist_now() + c->timeout;
     PyObject *arr = NULL, *out = NULL, *saved = NULL, *stage = NULL;
     MPI_Datatype *types = NULL;
@@ -344,7 +356,7 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     mine.root = all ? -1 : root;
     mine.dim = dim;
     mine.ndim = -1;
-    if (!all && check_root(root, P) < 0) {
+    if (dist_arg_error(&argerr) || (!all && check_root(root, P) < 0)) {
         /* the error goes to the guard below */
     } else if (PyTuple_Check(gpu)) {   /* NCCL (dist_gpu_move.c) */
         if (dist_gpu_read(c, x, gpu, 0, &mine, &ga) == 0)
@@ -443,6 +455,7 @@ done:
     PyMem_Free(rows_of);
     Py_XDECREF(stage);
     Py_XDECREF(arr);
+    Py_XDECREF(argerr);   /* already raised (NULL) unless the call failed before */
     dist_leave(c);
     return out;
 }
@@ -450,21 +463,25 @@ done:
 PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "root", "dim", "gpu", NULL};
-    PyObject *x, *gpu = Py_None;
+    PyObject *x, *gpu = Py_None, *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
     int root = 0, dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iiO:gather", kwlist, &x, &root, &dim, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:gather", kwlist, &x, &rootobj, &dimobj,
+                                     &gpu))
         return NULL;
-    return gather_common(c, x, root, dim, DIST_GATHER, gpu);
+    dist_int_arg(rootobj, "root", &root, &argerr);
+    dist_int_arg(dimobj, "dim", &dim, &argerr);
+    return gather_common(c, x, root, dim, DIST_GATHER, gpu, argerr);
 }
 
 PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "dim", "gpu", NULL};
-    PyObject *x, *gpu = Py_None;
+    PyObject *x, *gpu = Py_None, *dimobj = NULL, *argerr = NULL;
     int dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|iO:all_gather", kwlist, &x, &dim, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_gather", kwlist, &x, &dimobj, &gpu))
         return NULL;
-    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu);
+    dist_int_arg(dimobj, "dim", &dim, &argerr);
+    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu, argerr);
 }
 
 /* ------------------------------------------------------------------ */
@@ -478,17 +495,20 @@ PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
 PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", NULL};
-    PyObject *x = Py_None, *error = Py_None, *gpu = Py_None;
+    PyObject *x = Py_None, *error = Py_None, *gpu = Py_None, *rootobj = NULL, *argerr = NULL;
     int root = 0, pickled = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ipOO:broadcast", kwlist, &x, &root, &pickled,
-                                     &error, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpOO:broadcast", kwlist, &x, &rootobj,
+                                     &pickled, &error, &gpu))
         return NULL;
     if (error != Py_None && !PyExceptionInstance_Check(error)) {
         PyErr_SetString(PyExc_TypeError, "error: expected an exception instance or None");
         return NULL;
     }
-    if (dist_enter(c) < 0)
+    dist_int_arg(rootobj, "root", &root, &argerr);
+    if (dist_enter(c) < 0) {
+        Py_XDECREF(argerr);
         return NULL;
+    }
     double deadline = dist_now() + c->timeout;
     PyObject *arr = NULL, *out = NULL, *saved = NULL, *res = NULL;
     MPI_Datatype unit = MPI_DATATYPE_NULL;
@@ -504,7 +524,7 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     mine.is_object = pickled;
     if (error != Py_None)   /* the wrapper's own failure (pickling), raised everywhere */
         PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    else if (check_root(root, P) < 0) {
+    else if (dist_arg_error(&argerr) || check_root(root, P) < 0) {
         /* the error goes to the guard below */
     }
     else if (me == root && gpu != Py_None)
@@ -557,6 +577,7 @@ fail:
     dist_gpu_arg_clear(&g);
     Py_XDECREF(out);
     Py_XDECREF(arr);
+    Py_XDECREF(argerr);   /* not raised when the wrapper's own error came first */
     dist_leave(c);
     return res;
 }

@@ -106,14 +106,57 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
     return too_many(PyArray_SIZE(a));
 }
 
+/* arr in native byte order (steals arr): itself, or a native copy. MPI adds
+ * native numbers, so a '>f8' array summed as it is gave garbage; the guard
+ * then also compares '>f8' and '<f8' as the float64 they both are. */
+static PyObject *native_order(PyObject *arr)
+{
+    if (arr == NULL || !PyArray_ISBYTESWAPPED((PyArrayObject *)arr))
+        return arr;
+    PyArray_Descr *d = PyArray_DescrNewByteorder(PyArray_DESCR((PyArrayObject *)arr),
+                                                 NPY_NATIVE);
+    PyObject *n = d ? PyArray_FromArray((PyArrayObject *)arr, d, NPY_ARRAY_CARRAY) : NULL;
+    Py_DECREF(arr);
+    return n;
+}
+
+/* Open MPI 4.1's sum of 8- and 16-bit integers (its AVX op component)
+ * saturates: two int8 127 gave 127 where NumPy wraps to -2 (measured on
+ * this machine, 16 elements and more). Such sums run on 32-bit integers
+ * (exact below 2**24 ranks) and are cast back at the end, which wraps as
+ * NumPy does. Replaces *arr and *t; returns the narrow dtype to cast back to
+ * (new reference), or NULL: nothing to do, or an error (PyErr_Occurred). */
+static PyArray_Descr *widen_small_int_sum(PyObject **arr, int op, MPI_Datatype *t,
+                                          MPI_Op *o)
+{
+    PyArray_Descr *d = PyArray_DESCR((PyArrayObject *)*arr);
+    if (op != DIST_OP_SUM || (d->kind != 'i' && d->kind != 'u') ||
+        PyArray_ITEMSIZE((PyArrayObject *)*arr) >= 4)
+        return NULL;
+    PyObject *wide = PyArray_Cast((PyArrayObject *)*arr, d->kind == 'i' ? NPY_INT32 : NPY_UINT32);
+    if (wide == NULL)
+        return NULL;
+    Py_INCREF(d);
+    Py_SETREF(*arr, wide);
+    if (mpi_op_for((PyArrayObject *)wide, op, t, o) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+/* argerr: a bad root or op (dist_args.c), raised at the guard; stolen. */
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
-                               int64_t kind, PyObject *gpu)
+                               int64_t kind, PyObject *gpu, PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
-    if (dist_enter(c) < 0)
+    if (dist_enter(c) < 0) {
+        Py_XDECREF(argerr);
         return NULL;
+    }
     double deadline = dist_now() + c->timeout;
     PyObject *arr = NULL, *out = NULL, *saved = NULL;
+    PyArray_Descr *narrow = NULL;   /* a small-integer sum's own dtype */
     MPI_Datatype t = MPI_DATATYPE_NULL;
     MPI_Op o = MPI_OP_NULL;
     MPI_Request req = MPI_REQUEST_NULL;
@@ -125,7 +168,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     mine.kind = kind;
     mine.root = all ? -1 : root;
     mine.ndim = -1;
-    int op = parse_op(opname);
+    int op = dist_arg_error(&argerr) ? -1 : parse_op(opname);
     mine.op = op < 0 ? DIST_OP_NONE : op;
     if (op >= 0 && !all && (root < 0 || root >= P))
         PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
@@ -134,7 +177,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
     } else if (op >= 0 && (!PyArray_Check(x) || too_many(PyArray_SIZE((PyArrayObject *)x)) == 0)
-               && (arr = dist_as_array(x, "x", 1)) != NULL
+               && (arr = native_order(dist_as_array(x, "x", 1))) != NULL
                && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())
@@ -146,6 +189,9 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         goto done;
     }
 
+    narrow = widen_small_int_sum(&arr, op, &t, &o);
+    if (narrow == NULL && PyErr_Occurred())
+        goto fail;
     int count = (int)PyArray_SIZE((PyArrayObject *)arr);
     int rc;
     if (all || me == root) {
@@ -170,6 +216,12 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         goto fail;
     if (out == NULL) {
         out = Py_NewRef(Py_None);
+    } else if (narrow != NULL) {   /* back to 8 or 16 bits, wrapping */
+        PyObject *back = PyArray_CastToType((PyArrayObject *)out, narrow, 0);
+        narrow = NULL;   /* stolen */
+        Py_SETREF(out, back);
+        if (out == NULL)
+            goto fail;
     } else if (op == DIST_OP_MEAN) {
         PyObject *k = PyLong_FromLong(P);
         PyObject *q = k ? PyNumber_InPlaceTrueDivide(out, k) : NULL;
@@ -184,6 +236,8 @@ fail:
 done:
     dist_gpu_arg_clear(&g);
     Py_XDECREF(arr);
+    Py_XDECREF(narrow);
+    Py_XDECREF(argerr);   /* already raised (NULL) unless the call failed before */
     dist_leave(c);
     return out;
 }
@@ -191,20 +245,24 @@ done:
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "op", "gpu", NULL};
-    PyObject *x, *gpu = Py_None;
+    PyObject *x, *gpu = Py_None, *opobj = NULL, *argerr = NULL;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|sO:all_reduce", kwlist, &x, &op, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_reduce", kwlist, &x, &opobj, &gpu))
         return NULL;
-    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu);
+    dist_op_arg(opobj, &op, &argerr);
+    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu, argerr);
 }
 
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"x", "root", "op", "gpu", NULL};
-    PyObject *x, *gpu = Py_None;
+    PyObject *x, *gpu = Py_None, *rootobj = NULL, *opobj = NULL, *argerr = NULL;
     int root = 0;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|isO:reduce", kwlist, &x, &root, &op, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:reduce", kwlist, &x, &rootobj, &opobj,
+                                     &gpu))
         return NULL;
-    return reduce_common(c, x, root, op, DIST_REDUCE, gpu);
+    dist_int_arg(rootobj, "root", &root, &argerr);
+    dist_op_arg(opobj, &op, &argerr);
+    return reduce_common(c, x, root, op, DIST_REDUCE, gpu, argerr);
 }

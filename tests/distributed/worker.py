@@ -125,6 +125,20 @@ def case_values():
     r = dist.reduce(v, root=P - 1)
     assert (RANK == P - 1 and np.array_equal(r, np.arange(6).reshape(2, 3) * P + ranks.sum())) \
         or (RANK != P - 1 and r is None)
+    # either byte order on any rank: summed as the numbers they are, returned native
+    swapped = np.arange(3.0).astype(">f8" if RANK % 2 == 0 else "<f8")
+    s = dist.all_reduce(swapped)
+    assert s.dtype == np.float64 and s.dtype.isnative and s.tolist() == [0.0, P, 2.0 * P]
+    # 8- and 16-bit integer sums wrap as NumPy's do (Open MPI 4.1's AVX sum saturates
+    # from 16 elements up), in the input's dtype
+    for dt in (np.int8, np.uint8, np.int16, np.uint16):
+        top = np.full(64, np.iinfo(dt).max - RANK, dt)
+        want = np.sum(np.stack([np.full(64, np.iinfo(dt).max - k, dt) for k in range(P)]),
+                      axis=0, dtype=dt)
+        got = dist.all_reduce(top)
+        assert got.dtype == dt and np.array_equal(got, want), (dt, got[:3], want[:3])
+        red = dist.reduce(top, root=0)
+        assert (RANK == 0 and np.array_equal(red, want)) or (RANK != 0 and red is None)
     say("OK reduce")
     # broadcast arrays and objects
     a = dist.broadcast(make((3, 4), ">f8") if RANK == P - 1 else None, root=P - 1)
@@ -155,6 +169,14 @@ def case_mismatch():
         ("bad_op", lambda: dist.all_reduce(np.zeros(2, np.int64), "mean")),
         ("unpicklable", lambda: dist.broadcast((lambda: 0) if RANK == 0 else None)),
         ("root_none", lambda: dist.scatter(None)),
+        # arguments of the wrong type or size on one rank go through the guard too
+        ("type_op", lambda: dist.all_reduce(np.zeros(2), None if RANK == 0 else "sum")),
+        ("type_root", lambda: dist.scatter(np.zeros(8) if RANK == 0 else None,
+                                           root=0.0 if RANK == 1 else 0)),
+        ("type_dim", lambda: dist.gather(np.zeros((2, 2)), dim="0" if RANK == 3 else 0)),
+        ("huge_root", lambda: dist.broadcast(np.zeros(2), root=2**70 if RANK == 2 else 0)),
+        ("masked", lambda: dist.all_reduce(np.ma.masked_array(np.zeros(2), [0, 1])
+                                           if RANK == 1 else np.zeros(2))),
     ]
     for name, call in calls:
         try:

@@ -1,0 +1,107 @@
+/* dist_args.c - the scalar arguments of a collective (root, dim, op), read
+ * so that a bad one fails the call on every rank, not on this rank alone.
+ *
+ * Why not PyArg_ParseTuple's "i" and "s": their errors come before the
+ * guard (dist_guard.c), so the bad rank raised at once, unnamed ("'str'
+ * object cannot be interpreted as an integer"), its call number was not
+ * used, and the other ranks waited into a TimeoutError, or worse, paired
+ * their next call with this one. Here the first bad argument's exception is
+ * kept in *argerr, the call goes on with the default, and the collective
+ * raises it at its guard (dist_arg_error), so the others get a ValueError
+ * quoting it.
+ */
+#include "dist.h"
+
+#include <limits.h>
+#include <string.h>
+
+static void keep_error(PyObject **argerr)
+{
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    if (*argerr == NULL)
+        *argerr = exc;
+    else
+        Py_XDECREF(exc);
+}
+
+void dist_int_arg(PyObject *obj, const char *name, int *out, PyObject **argerr)
+{
+    if (obj == NULL)
+        return;
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        keep_error(argerr);
+        return;
+    }
+    PyObject *i = PyNumber_Index(obj);
+    int overflow = 0;
+    long long v = i != NULL ? PyLong_AsLongLongAndOverflow(i, &overflow) : -1;
+    Py_XDECREF(i);
+    if (i != NULL && !PyErr_Occurred() && (overflow || v < INT_MIN || v > INT_MAX))
+        PyErr_Format(PyExc_ValueError, "%s: %R is out of range", name, obj);
+    if (PyErr_Occurred()) {
+        keep_error(argerr);
+        return;
+    }
+    *out = (int)v;
+}
+
+void dist_op_arg(PyObject *obj, const char **out, PyObject **argerr)
+{
+    if (obj == NULL)
+        return;
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (s == NULL || strlen(s) != (size_t)PyUnicode_GET_LENGTH(obj)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "op: expected 'sum', 'mean', 'max' or 'min', got %.100s",
+                     PyUnicode_Check(obj) ? "a str with a NUL" : Py_TYPE(obj)->tp_name);
+        keep_error(argerr);
+        return;
+    }
+    *out = s;   /* borrowed from obj, which the call's arguments keep alive */
+}
+
+int dist_arg_error(PyObject **argerr)
+{
+    if (*argerr == NULL)
+        return 0;
+    PyErr_SetObject((PyObject *)Py_TYPE(*argerr), *argerr);
+    Py_CLEAR(*argerr);
+    return 1;
+}
+
+int dist_refuse_subclass(PyObject *x, const char *name)
+{
+    static const struct { const char *module, *cls, *fix; } refused[] = {
+        {"numpy.ma", "MaskedArray", "its mask would be lost; pass a.filled(fill_value), or "
+                                    "np.asarray(a) to drop the mask knowingly"},
+        {"numpy", "matrix", "pass np.asarray(m)"},
+    };
+    if (!PyArray_Check(x) || PyArray_CheckExact(x))
+        return 0;
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        PyObject *modname = PyUnicode_FromString(refused[i].module);
+        PyObject *mod = modname ? PyImport_GetModule(modname) : NULL;   /* no import */
+        Py_XDECREF(modname);
+        PyObject *cls = mod ? PyObject_GetAttrString(mod, refused[i].cls) : NULL;
+        Py_XDECREF(mod);
+        if (cls == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        int is = PyType_Check(cls) && PyType_IsSubtype(Py_TYPE(x), (PyTypeObject *)cls);
+        Py_DECREF(cls);
+        if (is) {
+            PyErr_Format(PyExc_TypeError, "%s: %s.%s is not supported by dpmini.distributed "
+                         "(results are plain arrays): %s", name, refused[i].module,
+                         refused[i].cls, refused[i].fix);
+            return -1;
+        }
+    }
+    return 0;
+}
