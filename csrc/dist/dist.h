@@ -55,6 +55,7 @@ typedef struct {
     int64_t itemsize;
     int64_t is_object;     /* broadcast of a pickled object                 */
     uint64_t split_hash;   /* chunk_sizes / weights, 0 when neither         */
+    uint64_t fields_hash;  /* a structured dtype's names, formats, offsets   */
     int64_t dev_kind;      /* DIST_DEV_*: where this rank's array lives     */
     int64_t dev_id;        /* the CUDA device of a GPU array, else -1       */
     int64_t nccl_state;    /* 0 no NCCL communicator, 1 one, 2 aborted      */

@@ -159,6 +159,23 @@ void dist_meta_array(dist_meta *m, PyObject *arr)
     m->itemsize = PyArray_ITEMSIZE(a);
     copy_attr_str((PyObject *)PyArray_DESCR(a), "str", m->dtype, sizeof m->dtype);
     copy_attr_str((PyObject *)PyArray_DESCR(a), "name", m->dtype_name, sizeof m->dtype_name);
+    /* A structured dtype's str is only "|V12": 'i4,f8' and 'f4,i8' would
+     * agree. Its repr (names, formats, offsets) is hashed (FNV-1a) into the
+     * record and named in messages. */
+    m->fields_hash = 0;
+    if (PyDataType_HASFIELDS(PyArray_DESCR(a))) {
+        PyObject *r = PyObject_Repr((PyObject *)PyArray_DESCR(a));
+        const char *t = r ? PyUnicode_AsUTF8(r) : NULL;
+        uint64_t h = 1469598103934665603ULL;
+        for (; t != NULL && *t; t++)
+            h = (h ^ (unsigned char)*t) * 1099511628211ULL;
+        if (t == NULL)
+            PyErr_Clear();
+        Py_XDECREF(r);
+        m->fields_hash = h;
+        snprintf(m->dtype_name, sizeof m->dtype_name, "%.8s fields#%06x", m->dtype,
+                 (unsigned)(h & 0xffffff));
+    }
 }
 
 int dist_enter(dist_comm *c)
@@ -329,7 +346,10 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
         return NULL;
     if (a->dev_kind != b->dev_kind)
         return "the device kind (a host array on some ranks, a GPU array on others)";
-    if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize)
+    /* Fields are compared when both ranks have them: scatter hands the other
+     * ranks a structured dtype as raw void of its size, which gathers back. */
+    if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize ||
+        (a->fields_hash && b->fields_hash && a->fields_hash != b->fields_hash))
         return "dtype";
     if (a->ndim != b->ndim)
         return "the number of dimensions";

@@ -177,6 +177,7 @@ def case_mismatch():
         ("huge_root", lambda: dist.broadcast(np.zeros(2), root=2**70 if RANK == 2 else 0)),
         ("masked", lambda: dist.all_reduce(np.ma.masked_array(np.zeros(2), [0, 1])
                                            if RANK == 1 else np.zeros(2))),
+        ("fields", lambda: dist.gather(np.zeros(1, "f4,i8" if RANK == 1 else "i4,f8"))),
     ]
     for name, call in calls:
         try:
