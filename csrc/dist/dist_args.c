@@ -55,8 +55,9 @@ void dist_op_arg(PyObject *obj, const char **out, PyObject **argerr)
 {
     if (obj == NULL)
         return;
-    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (s == NULL || strlen(s) != (size_t)PyUnicode_GET_LENGTH(obj)) {
+    Py_ssize_t len = 0;
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, &len) : NULL;
+    if (s == NULL || strlen(s) != (size_t)len) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "op: expected 'sum', 'mean', 'max' or 'min', got %.100s",
                      PyUnicode_Check(obj) ? "a str with a NUL" : Py_TYPE(obj)->tp_name);
