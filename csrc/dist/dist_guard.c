@@ -159,6 +159,11 @@ void dist_meta_array(dist_meta *m, PyObject *arr)
     m->itemsize = PyArray_ITEMSIZE(a);
     copy_attr_str((PyObject *)PyArray_DESCR(a), "str", m->dtype, sizeof m->dtype);
     copy_attr_str((PyObject *)PyArray_DESCR(a), "name", m->dtype_name, sizeof m->dtype_name);
+    if (PyArray_ISBYTESWAPPED(a)) {   /* '>f8' is named float64 too: show the byte order */
+        char name[24];
+        snprintf(name, sizeof name, "%s", m->dtype_name);
+        snprintf(m->dtype_name, sizeof m->dtype_name, "%.12s (%.8s)", name, m->dtype);
+    }
     /* A structured dtype's str is only "|V12": 'i4,f8' and 'f4,i8' would
      * agree. Its repr (names, formats, offsets) is hashed (FNV-1a) into the
      * record and named in messages. */
