@@ -146,6 +146,7 @@ def mismatch_run():
     ("kind", ["disagree on the collective", "all_gather", "all_reduce"]),
     ("split", ["disagree on chunk_sizes/weights", "chunk_sizes=[5, 1, 1, 1]"]),
     ("fields", ["disagree on dtype", "rank 1: gather", "dtype |V12 fields#", "rank 0,2,3:"]),
+    ("byteorder", ["disagree on dtype", "rank 2: gather", "dtype float64 (", "rank 0,1,3:"]),
 ])
 def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, words):
     rc, lines, out, _ = mismatch_run

@@ -178,6 +178,8 @@ def case_mismatch():
         ("masked", lambda: dist.all_reduce(np.ma.masked_array(np.zeros(2), [0, 1])
                                            if RANK == 1 else np.zeros(2))),
         ("fields", lambda: dist.gather(np.zeros(1, "f4,i8" if RANK == 1 else "i4,f8"))),
+        ("byteorder", lambda: dist.gather(np.zeros(2, (">f8" if np.little_endian else "<f8")
+                                                    if RANK == 2 else "=f8"))),
     ]
     for name, call in calls:
         try:
