@@ -151,7 +151,7 @@ int dist_plan_rows(const split_args *s, int64_t n, int P, int64_t *sizes);
 int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double deadline,
                    int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
                    PyObject *keep3);
-/* x as a C-contiguous aligned ndarray (NOTSWAPPED too when `native`);
+/* x as a C-contiguous aligned ndarray (in native byte order too when `native`);
  * refuses object dtypes and more than DIST_MAX_NDIM dimensions. */
 PyObject *dist_as_array(PyObject *x, const char *name, int native);
 /* An empty ndarray shaped like the record's array with shape[dim] = rows

@@ -18,10 +18,18 @@
 
 PyObject *dist_as_array(PyObject *x, const char *name, int native)
 {
-    int flags = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (native ? NPY_ARRAY_NOTSWAPPED : 0);
     if (dist_refuse_subclass(x, name) < 0)
         return NULL;
-    PyObject *arr = PyArray_FromAny(x, NULL, 0, 0, flags, NULL);
+    PyObject *arr = PyArray_FromAny(x, NULL, 0, 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED,
+                                    NULL);
+    /* NPY_ARRAY_NOTSWAPPED does nothing without a dtype to convert to (a
+     * '>f8' array came through as it was and MPI summed its bytes as native
+     * numbers): ask for the native twin of its own dtype. */
+    if (native && arr != NULL && PyArray_ISBYTESWAPPED((PyArrayObject *)arr)) {
+        PyArray_Descr *d = PyArray_DescrNewByteorder(PyArray_DESCR((PyArrayObject *)arr),
+                                                     NPY_NATIVE);
+        Py_SETREF(arr, d ? PyArray_FromArray((PyArrayObject *)arr, d, NPY_ARRAY_CARRAY) : NULL);
+    }
     if (arr == NULL)
         return NULL;
     if (PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)arr))) {

@@ -106,20 +106,6 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
     return too_many(PyArray_SIZE(a));
 }
 
-/* arr in native byte order (steals arr): itself, or a native copy. MPI adds
- * native numbers, so a '>f8' array summed as it is gave garbage; the guard
- * then also compares '>f8' and '<f8' as the float64 they both are. */
-static PyObject *native_order(PyObject *arr)
-{
-    if (arr == NULL || !PyArray_ISBYTESWAPPED((PyArrayObject *)arr))
-        return arr;
-    PyArray_Descr *d = PyArray_DescrNewByteorder(PyArray_DESCR((PyArrayObject *)arr),
-                                                 NPY_NATIVE);
-    PyObject *n = d ? PyArray_FromArray((PyArrayObject *)arr, d, NPY_ARRAY_CARRAY) : NULL;
-    Py_DECREF(arr);
-    return n;
-}
-
 /* Open MPI 4.1's sum of 8- and 16-bit integers (its AVX op component)
  * saturates: two int8 127 gave 127 where NumPy wraps to -2 (measured on
  * this machine, 16 elements and more). Such sums run on 32-bit integers
@@ -177,7 +163,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
     } else if (op >= 0 && (!PyArray_Check(x) || too_many(PyArray_SIZE((PyArrayObject *)x)) == 0)
-               && (arr = native_order(dist_as_array(x, "x", 1))) != NULL
+               && (arr = dist_as_array(x, "x", 1)) != NULL
                && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())
@@ -194,8 +180,8 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         goto fail;
     int count = (int)PyArray_SIZE((PyArrayObject *)arr);
     int rc;
-    if (all || me == root) {
-        out = PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER);
+    if (all || me == root) {   /* a widened arr is already this call's own copy */
+        out = narrow != NULL ? Py_NewRef(arr) : PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER);
         if (out == NULL)
             goto fail;
     }

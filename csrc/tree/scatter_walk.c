@@ -140,39 +140,41 @@ Py_ssize_t items_len(int kind, PyObject *items)
 /* Paths of the leaves                                                 */
 /* ------------------------------------------------------------------ */
 
+/* Grow *buf (elsize-byte items, *cap of them) to hold `need`, doubling from
+ * `first`; at most INT_MAX items (their indexes are ints). */
+static int grow_items(void **buf, Py_ssize_t *cap, Py_ssize_t need, Py_ssize_t first,
+                      size_t elsize)
+{
+    if (need <= *cap)
+        return 0;
+    Py_ssize_t n = *cap ? 2 * *cap : first;
+    while (n < need)
+        n *= 2;
+    if (n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "scatter: too many arrays");
+        return -1;
+    }
+    void *grown = PyMem_Realloc(*buf, (size_t)n * elsize);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buf = grown;
+    *cap = n;
+    return 0;
+}
+
 /* Room for `nodes` more path steps and `leaves` more leaves (one
  * allocation per container rather than a doubling per few leaves). */
 static int ctx_reserve(scatter_ctx *c, Py_ssize_t nodes, Py_ssize_t leaves)
 {
-    if (c->nnodes + nodes > c->ncap) {
-        Py_ssize_t cap = c->ncap ? 2 * c->ncap : 32;
-        while (cap < c->nnodes + nodes)
-            cap *= 2;
-        if (cap > INT_MAX) {
-            PyErr_SetString(PyExc_ValueError, "scatter: too many arrays");
-            return -1;
-        }
-        path_node *grown = PyMem_Realloc(c->nodes, (size_t)cap * sizeof *grown);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        c->nodes = grown;
-        c->ncap = cap;
-    }
-    if (c->nleaves + leaves > c->cap) {
-        Py_ssize_t cap = c->cap ? 2 * c->cap : 8;
-        while (cap < c->nleaves + leaves)
-            cap *= 2;
-        scatter_leaf *lv = PyMem_Realloc(c->leaves, (size_t)cap * sizeof *lv);
-        if (lv == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        c->leaves = lv;
-        c->cap = cap;
-    }
-    return 0;
+    void *nb = c->nodes, *lb = c->leaves;
+    int rc = grow_items(&nb, &c->ncap, c->nnodes + nodes, 32, sizeof *c->nodes);
+    c->nodes = nb;
+    if (rc == 0)
+        rc = grow_items(&lb, &c->cap, c->nleaves + leaves, 8, sizeof *c->leaves);
+    c->leaves = lb;
+    return rc;
 }
 
 /* The node of seg, kept in c->nodes: the steps from seg up to the
