@@ -46,6 +46,7 @@ system MPI (``apt-get install openmpi-bin libopenmpi-dev`` or MPICH), then
 rebuild dpmini so that ``dpmini._dist`` is compiled.
 """
 import atexit
+import operator
 import os
 import pickle
 import sys
@@ -205,6 +206,16 @@ def finalize():
         sys.excepthook, _state.prev_hook = _state.prev_hook, None
 
 
+def _is_rank(c, root):
+    """Whether this rank is `root`, without raising: a root that is no int (an
+    array, a float) is for the C call to refuse at its guard, so that every
+    rank raises, not this one alone before the others' call."""
+    try:
+        return c.rank == operator.index(root)
+    except Exception:
+        return False
+
+
 def _comm():
     if _state.comm is None:
         raise RuntimeError("dpmini.distributed is not initialized: call "
@@ -272,7 +283,7 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
     gpu = _gpu_args(x)
     if gpu is not None:   # NCCL; off root x only names the device
         return c.scatter(x, root, dim, chunk_sizes, weights, gpu)
-    x, back = _to_numpy(x) if c.rank == root else (x, None)
+    x, back = _to_numpy(x) if _is_rank(c, root) else (x, None)
     return _back(back, c.scatter(x, root, dim, chunk_sizes, weights))
 
 
@@ -322,7 +333,7 @@ def broadcast(x, root=0):
     if gpu is not None:
         return c.broadcast(x, root, False, None, gpu)[0]
     pickled, error = False, None
-    if c.rank == root and not isinstance(x, (np.ndarray, np.generic)):
+    if _is_rank(c, root) and not isinstance(x, (np.ndarray, np.generic)):
         try:
             x = np.frombuffer(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             pickled = True

@@ -147,6 +147,7 @@ def mismatch_run():
     ("split", ["disagree on chunk_sizes/weights", "chunk_sizes=[5, 1, 1, 1]"]),
     ("fields", ["disagree on dtype", "rank 1: gather", "dtype |V12 fields#", "rank 0,2,3:"]),
     ("byteorder", ["disagree on dtype", "rank 2: gather", "dtype float64 (", "rank 0,1,3:"]),
+    ("fields_void", ["disagree on dtype", "rank 3: gather", "fields#"]),
 ])
 def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, words):
     rc, lines, out, _ = mismatch_run
@@ -171,6 +172,7 @@ def test_disagreement_is_the_same_value_error_on_every_rank(mismatch_run, case, 
     ("type_dim", 3, "TypeError: dim: expected an int, got str"),
     ("huge_root", 2, "ValueError: root: 1180591620717411303424 is out of range"),
     ("masked", 1, "TypeError: x: numpy.ma.MaskedArray is not supported by dpmini.distributed"),
+    ("array_root", 1, "TypeError: root: expected an int, got numpy.ndarray"),
 ])
 def test_bad_argument_on_one_rank_raises_on_every_rank(mismatch_run, case, bad_rank, own):
     rc, lines, out, _ = mismatch_run

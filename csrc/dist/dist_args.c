@@ -39,10 +39,23 @@ void dist_int_arg(PyObject *obj, const char *name, int *out, PyObject **argerr)
         return;
     }
     PyObject *i = PyNumber_Index(obj);
+    if (i == NULL) {   /* an __index__ that raised: name the argument */
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.100s (its __index__ raised "
+                     "%.100s: %S)", name, Py_TYPE(obj)->tp_name,
+                     exc ? Py_TYPE(exc)->tp_name : "?", exc ? exc : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+        keep_error(argerr);
+        return;
+    }
     int overflow = 0;
-    long long v = i != NULL ? PyLong_AsLongLongAndOverflow(i, &overflow) : -1;
-    Py_XDECREF(i);
-    if (i != NULL && !PyErr_Occurred() && (overflow || v < INT_MIN || v > INT_MAX))
+    long long v = PyLong_AsLongLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (!PyErr_Occurred() && (overflow || v < INT_MIN || v > INT_MAX))
         PyErr_Format(PyExc_ValueError, "%s: %R is out of range", name, obj);
     if (PyErr_Occurred()) {
         keep_error(argerr);

@@ -351,10 +351,7 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
         return NULL;
     if (a->dev_kind != b->dev_kind)
         return "the device kind (a host array on some ranks, a GPU array on others)";
-    /* Fields are compared when both ranks have them: scatter hands the other
-     * ranks a structured dtype as raw void of its size, which gathers back. */
-    if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize ||
-        (a->fields_hash && b->fields_hash && a->fields_hash != b->fields_hash))
+    if (strcmp(a->dtype, b->dtype) != 0 || a->itemsize != b->itemsize)
         return "dtype";
     if (a->ndim != b->ndim)
         return "the number of dimensions";
@@ -408,6 +405,18 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         const char *what = first_difference(&c->peers[0], &c->peers[r]);
         if (what != NULL)
             return raise_mismatch(c, mine, what);
+    }
+    /* A structured dtype's fields, among the ranks that have them, against
+     * the first such rank (not rank 0's: scatter hands the other ranks raw
+     * void of the same size, which has none and gathers back). */
+    const dist_meta *fields = NULL;
+    for (int r = 0; r < P && kind_compares_arrays(mine->kind); r++) {
+        if (c->peers[r].fields_hash == 0)
+            continue;
+        if (fields == NULL)
+            fields = &c->peers[r];
+        else if (c->peers[r].fields_hash != fields->fields_hash)
+            return raise_mismatch(c, mine, "dtype");
     }
     /* 4. A GPU collective needs an NCCL communicator on every rank or on
      * none (made together), and none aborted. */

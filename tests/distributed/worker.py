@@ -180,6 +180,12 @@ def case_mismatch():
         ("fields", lambda: dist.gather(np.zeros(1, "f4,i8" if RANK == 1 else "i4,f8"))),
         ("byteorder", lambda: dist.gather(np.zeros(2, (">f8" if np.little_endian else "<f8")
                                                     if RANK == 2 else "=f8"))),
+        # raw void (what scatter hands a non-root rank) on rank 0: the fields of the
+        # ranks that have them are still compared with each other
+        ("fields_void", lambda: dist.gather(np.zeros(1, "V12" if RANK == 0 else
+                                                     "f4,i8" if RANK == 3 else "i4,f8"))),
+        ("array_root", lambda: dist.scatter(np.zeros(8) if RANK == 0 else None,
+                                            root=np.array([0, 0]) if RANK == 1 else 0)),
     ]
     for name, call in calls:
         try:
