@@ -10,6 +10,10 @@ PY     := $(VENV)/bin/python
 # with two fake GPUs. `make test` runs both suites.
 EMU := build/emulated
 
+# Every build here also compiles the test-only extension dpmini._testing
+# (csrc/testing/: the tests' hooks into _dpmini; setup.py leaves it out otherwise).
+export DPMINI_TESTING := 1
+
 .PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind \
 	deps-mpi demo-distributed test-distributed bench-distributed test-interop
 

@@ -14,6 +14,9 @@ Environment switches (read when building):
   CUDA_HOME / CUDA_PATH  where the toolkit is (else nvcc on PATH, else
                          /usr/local/cuda).
   DPMINI_MPI=0           skip the optional MPI extension dpmini._dist.
+  DPMINI_TESTING=1       also build dpmini._testing (csrc/testing/), the test-only
+                         extension of hooks into _dpmini that the tests import; the
+                         Makefile's builds set it, a wheel leaves it out.
   MPICC                  the MPI compiler wrapper to ask for flags (else mpicc).
 
 The optional extension dpmini._dist (csrc/dist/*.c plus csrc/core/plan.c, the
@@ -22,11 +25,17 @@ or pkg-config names mpi.h and mpi4py's headers are importable; otherwise it
 is skipped with a message saying what is missing, and dpmini works without it.
 The CUDA runtime is linked statically (cudart_static), so the module imports
 on machines with no GPU, no driver and no CUDA libraries.
+
+Every extension exports only its PyInit_* function: the C files are compiled
+with -fvisibility=hidden (nvcc's host code too) and, on Linux, linked with a
+version script that makes every other symbol local, those of the static CUDA
+runtime included (tests/test_exports.py checks it with nm -D).
 """
 import glob
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -84,13 +93,27 @@ class BuildExt(build_ext):
         emulate = os.environ.get("DPMINI_CUDA_EMULATE") == "1"
         nvcc = None if (emulate or os.environ.get("DPMINI_CUDA") == "0") else find_nvcc()
         for ext in self.extensions:
-            if ext.name == "dpmini._dist":
+            if ext.name != "dpmini._dpmini":
                 continue
             if emulate:
                 ext.define_macros.append(("DPMINI_CUDA_EMULATE", "1"))
             elif nvcc:
                 self._add_cuda(ext, nvcc)
         super().build_extensions()
+
+    def build_extension(self, ext):
+        if sys.platform.startswith("linux"):
+            ext.extra_link_args.append("-Wl,--version-script=" + self._export_map(ext))
+        super().build_extension(ext)
+
+    def _export_map(self, ext):
+        """A linker version script that keeps only ext's PyInit_* global."""
+        os.makedirs(self.build_temp, exist_ok=True)
+        init = "PyInit_" + ext.name.rsplit(".", 1)[-1]
+        path = os.path.join(self.build_temp, init + ".map")
+        with open(path, "w") as f:
+            f.write("{ global: %s; local: *; };\n" % init)
+        return path
 
     def _add_mpi(self, ext):
         """Add MPI's and mpi4py's flags to ext; returns why not, or None."""
@@ -127,6 +150,7 @@ class BuildExt(build_ext):
                 os.path.getmtime(d) > os.path.getmtime(obj) for d in deps
             ):
                 cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+                       "-Xcompiler", "-fvisibility=hidden",
                        "--cudart", "static", "-Icsrc/backend"] + gencode_flags()
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
@@ -180,11 +204,28 @@ def c_sources():
                   for src in glob.glob(os.path.join("csrc", layer, "*.c")))
 
 
-extra_compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+extra_compile_args = ["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra",
+                      "-Wno-unused-parameter",
                       "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
 if os.environ.get("DPMINI_WERROR") == "1":
     extra_compile_args.append("-Werror")
 extra_compile_args += os.environ.get("DPMINI_CFLAGS", "").split()
+
+
+def testing_extensions():
+    """dpmini._testing when DPMINI_TESTING=1, else none: the test hooks
+    (csrc/testing/testing.c) reach _dpmini through its capsule _test_api
+    (csrc/py/test_api.h), so they are never part of the shipped module."""
+    if os.environ.get("DPMINI_TESTING") != "1":
+        return []
+    return [Extension(
+        "dpmini._testing",
+        sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))),
+        include_dirs=["csrc/core", "csrc/backend", "csrc/py", "csrc/testing"],
+        extra_compile_args=extra_compile_args,
+        extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),
+    )]
+
 
 setup(
     ext_modules=[
@@ -203,6 +244,6 @@ setup(
             extra_compile_args=extra_compile_args,
             extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),
         ),
-    ],
+    ] + testing_extensions(),
     cmdclass={"build_ext": BuildExt},
 )

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import dpmini
+from dpmini import _testing
 
 NGPU = dpmini.device_count()
 BACKEND = dpmini._dpmini.cuda_backend
@@ -78,4 +79,4 @@ def need_cupy():
 
 def cuda_debug():
     """dpmini's private counters (current device, syncs, NCCL)."""
-    return dpmini._dpmini._cuda_debug()
+    return _testing.cuda_debug()

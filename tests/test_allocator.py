@@ -2,7 +2,7 @@
 blocks across nearby sizes, the cache holds at most min($DPMINI_CACHE_LIMIT,
 peak allocated bytes + 32 MiB) per device, so memory_reserved stays within
 twice the peak plus 32 MiB on a variable-size workload, and empty_cache()
-gives the memory back to the system (RSS falls). Counters come from dpmini._dpmini._cache_stats.
+gives the memory back to the system (RSS falls). Counters come from _testing.cache_stats.
 Checks that read RSS or set the environment run in a subprocess."""
 import os
 import subprocess
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dpmini
-from dpmini import _dpmini, comm
+from dpmini import _testing, comm
 
 SANITIZED = bool(os.environ.get("DPMINI_SANITIZER"))
 
@@ -27,11 +27,11 @@ def run_script(body, env=None):
 
 def test_nearby_sizes_reuse_one_block():
     dpmini.empty_cache()
-    before = _dpmini._cache_stats("cpu:5")
+    before = _testing.cache_stats("cpu:5")
     a = comm.broadcast(np.zeros(1000), ["cpu:5"])[0]     # 8000 bytes: the 8192 class
     del a
     b = comm.broadcast(np.zeros(950), ["cpu:5"])[0]      # 7600 bytes: the same class
-    after = _dpmini._cache_stats("cpu:5")
+    after = _testing.cache_stats("cpu:5")
     assert after["hits"] - before["hits"] == 1
     assert after["misses"] - before["misses"] == 1
     assert dpmini.memory_allocated("cpu:5") - before["allocated"] == 8192
@@ -48,11 +48,11 @@ def test_variable_size_batches_keep_reserved_within_twice_the_peak():
         parts = comm.scatter(np.ones((rows, 256), np.float32), dev)
         assert parts[0].shape[0] + parts[1].shape[0] == rows
         del parts
-        s = _dpmini._cache_stats("cpu:6")
+        s = _testing.cache_stats("cpu:6")
         assert s["slack"] == 32 << 20 and s["cached"] <= s["peak"] + s["slack"]
         worst = max(worst, dpmini.memory_reserved("cpu:6") - (2 * s["peak"] + s["slack"]))
     assert worst <= 0
-    s = _dpmini._cache_stats("cpu:6")
+    s = _testing.cache_stats("cpu:6")
     assert s["hits"] > 4 * s["misses"]    # the cache still does its job
 
 
@@ -70,10 +70,10 @@ def test_cache_limit_zero_caches_nothing():
 def test_cache_limit_bounds_what_is_cached():
     out = run_script("""
         import numpy as np, dpmini
-        from dpmini import comm, _dpmini
+        from dpmini import comm, _testing
         keep = [comm.broadcast(np.ones(n), ["cpu:1"])[0] for n in (1000, 20000, 200000)]
         del keep
-        s = _dpmini._cache_stats("cpu:1")
+        s = _testing.cache_stats("cpu:1")
         print(s["cached"] <= 200000, s["cached"] > 0, s["allocated"])
     """, env={"DPMINI_CACHE_LIMIT": "200000"})
     assert out == ["True", "True", "0"]
@@ -83,7 +83,7 @@ def test_cache_limit_bounds_what_is_cached():
 def test_empty_cache_returns_memory_to_the_system():
     out = run_script("""
         import numpy as np, dpmini
-        from dpmini import comm, _dpmini
+        from dpmini import comm, _testing
 
         def rss():
             return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -91,7 +91,7 @@ def test_empty_cache_returns_memory_to_the_system():
         src = np.ones(3 << 20)                    # 24 MiB
         blocks = [comm.broadcast(src[: (3 << 20) - k * 4096], ["cpu:2"])[0] for k in range(16)]
         del blocks                                # ~380 MiB now cached (peak bound)
-        cached = _dpmini._cache_stats("cpu:2")["cached"]
+        cached = _testing.cache_stats("cpu:2")["cached"]
         before = rss()
         dpmini.empty_cache()
         after = rss()

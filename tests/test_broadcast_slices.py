@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dpmini
-from dpmini import _dpmini, comm
+from dpmini import _testing, comm
 
 D2 = ["cpu:0", "cpu:1"]
 D3 = ["cpu:1", "cpu:2", "cpu:3"]
@@ -21,9 +21,9 @@ ALL = ["cpu"] + [f"cpu:{i}" for i in range(4)]
 
 @pytest.fixture(autouse=True)
 def hook_off():
-    _dpmini._fail_alloc_after(-1)
+    _testing.fail_alloc_after(-1)
     yield
-    _dpmini._fail_alloc_after(-1)
+    _testing.fail_alloc_after(-1)
 
 
 def many_arrays(n=300, seed=0):
@@ -100,10 +100,10 @@ def test_allocation_failure_part_way_through_the_slices_leaks_nothing():
     # 400 allocations in all (200 arrays x 2 devices); fail early, in the
     # middle (slices started) and near the end.
     for n in (0, 1, 150, 255, 256, 300, 399):
-        _dpmini._fail_alloc_after(n)
+        _testing.fail_alloc_after(n)
         with pytest.raises(MemoryError, match="cannot allocate"):
             comm.broadcast_coalesced(arrays, D2)
-        assert _dpmini._fail_alloc_after(-1) == -1
+        assert _testing.fail_alloc_after(-1) == -1
         gc.collect()
         assert device_bytes() == base, f"allocation {n}: device memory leaked"
         assert [sys.getrefcount(a) for a in arrays] == refs

@@ -7,7 +7,7 @@ its baseline, reference counts unchanged) and the next call works and is
 exact. tests/test_exceptions.py checks the exception text itself;
 tests/test_threads.py the first KeyboardInterrupt case.
 
-The allocation hook is dpmini._dpmini._fail_alloc_after(n): n more device
+The allocation hook is _testing.fail_alloc_after(n): n more device
 allocations succeed, the next one fails as if the system were out of memory
 (csrc/py/host_memory.c raw_alloc; docs/reliability.md).
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import dpmini
-from dpmini import _dpmini, comm
+from dpmini import _testing, comm
 
 D4 = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 D8 = [f"cpu:{i}" for i in range(8)]
@@ -35,9 +35,9 @@ def device_bytes():
 
 @pytest.fixture(autouse=True)
 def hook_off():
-    _dpmini._fail_alloc_after(-1)
+    _testing.fail_alloc_after(-1)
     yield
-    _dpmini._fail_alloc_after(-1)
+    _testing.fail_alloc_after(-1)
 
 
 # ------------------------------------------------------- replicas that raise
@@ -184,19 +184,19 @@ def every_allocation_fails_once(call, check, watched, limit=200):
     base = device_bytes()
     refs = [sys.getrefcount(o) for o in watched]
     for n in range(limit):
-        _dpmini._fail_alloc_after(n)
+        _testing.fail_alloc_after(n)
         try:
             result = call()
         except MemoryError as e:
             assert "cannot allocate" in str(e)
-            assert _dpmini._fail_alloc_after(-1) == -1   # the injected failure is what fired
+            assert _testing.fail_alloc_after(-1) == -1   # the injected failure is what fired
             gc.collect()
             assert device_bytes() == base, f"allocation {n}: device memory leaked"
             refs_now = [sys.getrefcount(o) for o in watched]
             assert refs_now == refs, f"allocation {n}: reference counts changed"
             check(call())   # the next call works
             continue
-        assert _dpmini._fail_alloc_after(-1) >= 0   # finished before reaching the failure
+        assert _testing.fail_alloc_after(-1) >= 0   # finished before reaching the failure
         check(result)
         del result
         gc.collect()
@@ -248,10 +248,10 @@ def test_allocation_failure_at_every_point_of_a_comm_call(name):
 
 
 def test_alloc_hook_reports_and_turns_off():
-    assert _dpmini._fail_alloc_after(3) == -1
-    assert _dpmini._fail_alloc_after(-5) == 3
-    assert _dpmini._fail_alloc_after(-1) == -1
-    _dpmini._fail_alloc_after(0)
+    assert _testing.fail_alloc_after(3) == -1
+    assert _testing.fail_alloc_after(-5) == 3
+    assert _testing.fail_alloc_after(-1) == -1
+    _testing.fail_alloc_after(0)
     with pytest.raises(MemoryError, match="cannot allocate 8 bytes on device cpu:1"):
         dpmini.asarray(np.ones(1), "cpu:1")
     np.testing.assert_array_equal(dpmini.asarray(np.ones(1), "cpu:1"), np.ones(1))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import dpmini
+from dpmini import _testing
 from gpu_helpers import (DTYPES, EMULATED, cuda_debug, gpu, host, need_cupy, need_torch_cuda,
                          real_gpu, sample, two_gpus)
 
@@ -458,11 +459,11 @@ def test_dlpack_only_objects_are_array_leaves():
 @pytest.mark.skipif(not EMULATED, reason="injects a fault into the emulator")
 def test_sticky_errors_say_the_process_must_restart():
     x = np.arange(10.0)
-    dpmini._dpmini._emulate_fault(700)  # cudaErrorIllegalAddress
+    _testing.emulate_fault(700)  # cudaErrorIllegalAddress
     with pytest.raises(dpmini.CudaError, match="sticky.*must be restarted") as e:
         dpmini.asarray(x, 0)
     assert e.value.status == 700
-    dpmini._dpmini._emulate_fault(1)  # cudaErrorInvalidValue: recoverable
+    _testing.emulate_fault(1)  # cudaErrorInvalidValue: recoverable
     with pytest.raises(dpmini.CudaError) as e:
         dpmini.asarray(x, 0)
     assert e.value.status == 1 and "sticky" not in str(e.value)

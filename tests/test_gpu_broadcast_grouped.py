@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dpmini
+from dpmini import _testing
 from gpu_helpers import EMULATED, cuda_debug, gpu, sample, two_gpus
 
 pytestmark = [*gpu, two_gpus]
@@ -24,9 +25,9 @@ _d = dpmini._dpmini
 @pytest.fixture
 def nccl():
     if EMULATED:
-        was = _d._emulated_nccl(1)
+        was = _testing.emulated_nccl(1)
         yield
-        _d._emulated_nccl(1 if was else 0)
+        _testing.emulated_nccl(1 if was else 0)
     else:
         dpmini.comm.broadcast(dpmini.asarray(np.zeros(1), 0), [0, 1])  # loads NCCL if present
         if not _d.cuda_build_info()["nccl"][:1].isdigit():
@@ -95,7 +96,7 @@ def test_a_failed_group_raises_and_leaks_nothing(nccl):
     gc.collect()
     allocated = dpmini.memory_allocated("cuda:1")
     aborted = cuda_debug()["nccl_aborted"]
-    _d._emulated_nccl(-1, 3)  # the next group fails (ncclInternalError)
+    _testing.emulated_nccl(-1, 3)  # the next group fails (ncclInternalError)
     with pytest.raises(dpmini.NcclError):
         dpmini.comm.broadcast_coalesced(arrs, [0, 1])
     gc.collect()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import dpmini
+from dpmini import _testing
 from gpu_helpers import (DEVICE_LISTS, DTYPES, EMULATED, NGPU, chunk_sizes, cuda_debug, gpu,
                          host, need_torch_cuda, real_gpu, sample, two_gpus)
 
@@ -247,7 +248,7 @@ def test_torch_comm_parity():
 
 def test_nccl_dtype_mapping():
     """NCCL has no 16-bit integers: reduce_add must not hand it int16/uint16."""
-    m = dpmini._dpmini._nccl_dtypes()
+    m = _testing.nccl_dtypes()
     assert m == {"int8": True, "uint8": True, "int16": False, "uint16": False,
                  "int32": True, "uint32": True, "int64": True, "uint64": True,
                  "float32": True, "float64": True, "float16": True}
@@ -257,9 +258,9 @@ def test_nccl_dtype_mapping():
 def emulated_nccl():
     if not EMULATED:
         pytest.skip("the NCCL stand-in exists in emulated builds only")
-    was = dpmini._dpmini._emulated_nccl(1)
+    was = _testing.emulated_nccl(1)
     yield
-    dpmini._dpmini._emulated_nccl(1 if was else 0)
+    _testing.emulated_nccl(1 if was else 0)
 
 
 @two_gpus
@@ -294,9 +295,9 @@ def test_nccl_communicator_cache_destroy_and_abort(tmp_path):
         import itertools, threading
         import numpy as np
         import dpmini
-        P = dpmini._dpmini
-        dbg = P._cuda_debug
-        P._emulated_nccl(1)
+        from dpmini import _testing
+        dbg = _testing.cuda_debug
+        _testing.emulated_nccl(1)
         x = np.arange(100, dtype="float32")
         lists = list(itertools.permutations(range(4), 2))
         for devs in lists:
@@ -305,7 +306,7 @@ def test_nccl_communicator_cache_destroy_and_abort(tmp_path):
         d = dbg()
         assert d["nccl_destroyed"] == len(lists) - 8, d
         assert d["nccl_live_comms"] == 16, d  # 8 cached lists of 2
-        P._emulated_nccl(-1, 3)  # the next group fails (ncclInternalError)
+        _testing.emulated_nccl(-1, 3)  # the next group fails (ncclInternalError)
         try:
             dpmini.comm.broadcast(dpmini.asarray(x, 0), [0, 1])
         except dpmini.NcclError as e:

@@ -7,7 +7,7 @@ the user kept free. The emulator models it: a thread starts with no context,
 calls made through the device guard create the context of the device they
 name, and calls that are not (page-locked host memory, pointer queries, a
 device restored by NCCL's communicator setup) create the current device's;
-_emu_contexts() lists the devices that got one. Each test runs in a fresh
+emu_contexts() lists the devices that got one. Each test runs in a fresh
 process with 3 emulated GPUs and works on cuda:1 (and cuda:2) only.
 """
 import os
@@ -27,7 +27,7 @@ PRELUDE = """
     import threading
     import numpy as np
     import dpmini
-    P = dpmini._dpmini
+    from dpmini import _testing
 
     class CAI:
         def __init__(self, d):
@@ -46,7 +46,7 @@ PRELUDE = """
         if err:
             raise err[0]
 
-    assert P._emu_contexts() == [], P._emu_contexts()
+    assert _testing.emu_contexts() == [], _testing.emu_contexts()
 """
 
 
@@ -68,7 +68,7 @@ def test_copies_imports_and_pinned_memory_on_gpu1_leave_gpu0_alone(tmp_path):
         del p
 
     in_fresh_thread(work)
-    assert P._emu_contexts() == [1], P._emu_contexts()
+    assert _testing.emu_contexts() == [1], _testing.emu_contexts()
     print("OK")
     """, env=ENV, cwd=tmp_path)
 
@@ -84,14 +84,14 @@ def test_empty_cai_import_with_a_null_pointer_creates_no_context(tmp_path):
             assert e.shape == (0, 3) and e.numpy().shape == (0, 3)
 
     in_fresh_thread(work)
-    assert P._emu_contexts() == [], P._emu_contexts()
+    assert _testing.emu_contexts() == [], _testing.emu_contexts()
     print("OK")
     """, env=ENV, cwd=tmp_path)
 
 
 def test_nccl_setup_on_gpus_1_and_2_restores_no_device_0(tmp_path):
     run_script(PRELUDE + """
-    P._emulated_nccl(1)
+    _testing.emulated_nccl(1)
     x = np.arange(10, dtype="float32")
 
     def work():
@@ -103,10 +103,10 @@ def test_nccl_setup_on_gpus_1_and_2_restores_no_device_0(tmp_path):
         np.testing.assert_array_equal(r.numpy(), 2 * x)
 
     def cuda_debug_calls():
-        return P._cuda_debug()["nccl_calls"]
+        return _testing.cuda_debug()["nccl_calls"]
 
     in_fresh_thread(work)
-    assert P._emu_contexts() == [1, 2], P._emu_contexts()
+    assert _testing.emu_contexts() == [1, 2], _testing.emu_contexts()
     print("OK")
     """, env=ENV, cwd=tmp_path)
 
@@ -115,10 +115,10 @@ def test_work_on_gpu2_from_a_fresh_thread_creates_gpu2s_context_only(tmp_path):
     run_script(PRELUDE + """
     def work():
         a = dpmini.asarray(np.ones(4), 2)
-        assert P._cuda_debug()["current_device"] == 0   # a fresh thread's answer
+        assert _testing.cuda_debug()["current_device"] == 0   # a fresh thread's answer
         np.testing.assert_array_equal(a.numpy(), np.ones(4))
 
     in_fresh_thread(work)
-    assert P._emu_contexts() == [2], P._emu_contexts()
+    assert _testing.emu_contexts() == [2], _testing.emu_contexts()
     print("OK")
     """, env=ENV, cwd=tmp_path)

@@ -19,7 +19,7 @@ from gpu_helpers import EMULATED, cuda_debug, gpu, sample, two_gpus
 
 pytestmark = gpu
 emulated = pytest.mark.skipif(not EMULATED, reason="uses the emulator's hooks")
-_d = dpmini._dpmini
+from dpmini import _testing
 
 
 class TorchLikeProducer:
@@ -85,12 +85,12 @@ def test_cai_per_thread_stream_from_another_thread_is_waited_for():
     x = sample((5, 4), "float32")
     a = dpmini.asarray(x, 0)
     ptr, n = a.data_ptr, x.nbytes
-    t = threading.Thread(target=lambda: _d._emu_queue(0, 2, ptr, n))  # still running there
+    t = threading.Thread(target=lambda: _testing.emu_queue(0, 2, ptr, n))  # still running there
     t.start()
     t.join()
-    assert _d._emu_busy(ptr, n)
+    assert _testing.emu_busy(ptr, n)
     b = dpmini.asarray(PerThreadStreamOutput(a))
-    assert not _d._emu_busy(ptr, n)  # the producer thread's work was waited for
+    assert not _testing.emu_busy(ptr, n)  # the producer thread's work was waited for
     np.testing.assert_array_equal(b.numpy(), x)
 
 
@@ -109,7 +109,7 @@ class CAIView:
 @emulated
 def test_strided_copy_from_memory_peer_access_does_not_cover():
     x = sample((4, 6), "float64")
-    ptr = _d._emu_nopeer_alloc(0, x.tobytes())
+    ptr = _testing.emu_nopeer_alloc(0, x.tobytes())
     try:
         src = CAIView(ptr, (6, 4), (8, 48), "<f8")  # x.T: strided, on cuda:0
         b = dpmini.asarray(src, 1)
@@ -120,7 +120,7 @@ def test_strided_copy_from_memory_peer_access_does_not_cover():
         dpmini.comm.gather([src, dpmini.asarray(x.T, 1)], dim=1, out=out)
         np.testing.assert_array_equal(out.numpy(), np.concatenate([x.T, x.T], 1))
     finally:
-        _d._emu_free(0, ptr)
+        _testing.emu_free(0, ptr)
 
 
 # ---- finding 6: temporaries are not cached while a peer copy uses them ----
@@ -130,19 +130,19 @@ def test_strided_copy_from_memory_peer_access_does_not_cover():
 def test_temporaries_wait_for_queued_copies_on_an_error_path(tmp_path):
     code = textwrap.dedent("""
         import numpy as np, dpmini
-        d = dpmini._dpmini
+        from dpmini import _testing
         x = np.arange(12.0).reshape(4, 3)
         chunks = [dpmini.asarray(x, 0), dpmini.asarray(x, 0)]
         out = dpmini.empty((4, 6), "float64", device=1)
-        before = d._emu_stats()["freed_while_queued"]
-        d._emulate_fault(1)  # the unpack kernel after the peer copy fails
+        before = _testing.emu_stats()["freed_while_queued"]
+        _testing.emulate_fault(1)  # the unpack kernel after the peer copy fails
         try:
             dpmini.comm.gather(chunks, dim=1, out=out)
         except dpmini.CudaError as e:
             assert e.status == 1, e
         else:
             raise SystemExit("no CudaError")
-        print("freed_while_queued", d._emu_stats()["freed_while_queued"] - before)
+        print("freed_while_queued", _testing.emu_stats()["freed_while_queued"] - before)
         dpmini.comm.gather(chunks, dim=1, out=out)  # still usable afterwards
         np.testing.assert_array_equal(out.numpy(), np.concatenate([x, x], 1))
     """)
@@ -161,15 +161,15 @@ def test_temporaries_wait_for_queued_copies_on_an_error_path(tmp_path):
 def test_failed_staging_stream_request_syncs_only_obtained_streams(direction):
     x = np.arange(100000.0)  # pageable host memory: staged through pinned halves
     a = dpmini.asarray(x, 0)
-    before = _d._emu_stats()["bad_stream_handles"]
-    _d._emu_fail_stream_get(13)  # the second staging half's stream (DP_STAGE_SLOT + 1)
+    before = _testing.emu_stats()["bad_stream_handles"]
+    _testing.emu_fail_stream_get(13)  # the second staging half's stream (DP_STAGE_SLOT + 1)
     with pytest.raises(dpmini.CudaError) as e:
         if direction == "to_device":
             dpmini.asarray(x, 0)
         else:
             a.numpy()
     assert e.value.status == 1
-    assert _d._emu_stats()["bad_stream_handles"] == before
+    assert _testing.emu_stats()["bad_stream_handles"] == before
     np.testing.assert_array_equal(dpmini.asarray(x, 0).numpy(), x)  # usable afterwards
 
 
@@ -179,10 +179,10 @@ def test_failed_staging_stream_request_syncs_only_obtained_streams(direction):
 @emulated
 def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
     import threading
-    was = _d._emulated_nccl(1)
+    was = _testing.emulated_nccl(1)
     try:
         x = np.arange(64, dtype="float32")
-        before = _d._emu_stats()["nccl_crossed"]
+        before = _testing.emu_stats()["nccl_crossed"]
         errors = []
 
         def work(devs):
@@ -204,9 +204,9 @@ def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
             t.join(120)
         assert not any(t.is_alive() for t in ts)
         assert not errors, errors
-        assert _d._emu_stats()["nccl_crossed"] == before
+        assert _testing.emu_stats()["nccl_crossed"] == before
     finally:
-        _d._emulated_nccl(1 if was else 0)
+        _testing.emulated_nccl(1 if was else 0)
 
 
 # ---- finding 4: a collective that never finishes does not hang the caller ----
@@ -214,26 +214,26 @@ def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
 _HUNG = textwrap.dedent("""
     import signal, sys
     import numpy as np, dpmini
-    d = dpmini._dpmini
-    d._emulated_nccl(1)
+    from dpmini import _testing
+    _testing.emulated_nccl(1)
     x = np.arange(32.0)
     src = dpmini.asarray(x, 0)
     dpmini.comm.broadcast(src, [0, 1])  # communicators made and cached
-    aborted = d._cuda_debug()["nccl_aborted"]
+    aborted = _testing.cuda_debug()["nccl_aborted"]
     mode = sys.argv[1]
     if mode == "signal":
         def on_alarm(*a):
             raise KeyboardInterrupt
         signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, 0.3)
-    d._emu_nccl_hang(1 if mode == "async_error" else 2)
+    _testing.emu_nccl_hang(1 if mode == "async_error" else 2)
     try:
         dpmini.comm.broadcast(src, [0, 1])
     except BaseException as e:
         print("raised", type(e).__name__, str(e).replace("\\n", " "))
     else:
         print("no error")
-    print("aborted", d._cuda_debug()["nccl_aborted"] - aborted)
+    print("aborted", _testing.cuda_debug()["nccl_aborted"] - aborted)
     outs = dpmini.comm.broadcast(src, [0, 1])  # new communicators work
     np.testing.assert_array_equal(outs[1].numpy(), x)
     print("usable")
@@ -310,7 +310,7 @@ def test_a_driver_older_than_the_runtime_is_reported(driver_error, tmp_path):
 @emulated
 def test_small_copies_wait_on_streams_without_the_gil():
     x = sample((6, 4), "float32")  # far below the 256 KiB inline threshold
-    before = _d._emu_stats()["syncs_with_gil"]
+    before = _testing.emu_stats()["syncs_with_gil"]
     a = dpmini.asarray(x, 0)
     b = dpmini.asarray(a, 1)
     t = dpmini.asarray(x.T, 0)  # strided source: staged through pinned halves
@@ -318,7 +318,7 @@ def test_small_copies_wait_on_streams_without_the_gil():
     np.testing.assert_array_equal(b.numpy(), x)
     np.testing.assert_array_equal(t.numpy(), x.T)
     np.testing.assert_array_equal(g.numpy(), x)
-    assert _d._emu_stats()["syncs_with_gil"] == before
+    assert _testing.emu_stats()["syncs_with_gil"] == before
 
 
 # ---- finding 18: one-GPU DataParallel runs the module with its GPU current ----
@@ -389,7 +389,7 @@ def test_fresh_thread_keeps_its_current_device_after_work_on_another_gpu():
 
 @two_gpus
 @pytest.mark.skipif(EMULATED, reason="needs PyTorch on real GPUs (the emulator's "
-                    "_emu_nopeer_alloc covers it above)")
+                    "emu_nopeer_alloc covers it above)")
 def test_strided_copy_from_torch_expandable_segments(tmp_path):
     pytest.importorskip("torch")
     code = textwrap.dedent("""

@@ -11,7 +11,7 @@ What dpmini knows decides the wait:
     cannot be told from a use and names no stream; the block's release is
     deferred and released with others after one device sync, so a freed
     block costs no device-wide sync of its own.
-The emulator records work queued on any stream handle (_emu_queue), so a block
+The emulator records work queued on any stream handle (emu_queue), so a block
 handed out while a consumer's kernel still touches it is counted
 (freed_while_queued).
 """
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 import dpmini
+from dpmini import _testing
 from gpu_helpers import EMULATED, cuda_debug, gpu
 
 pytestmark = gpu
 emulated = pytest.mark.skipif(not EMULATED, reason="uses the emulator's hooks")
-_d = dpmini._dpmini
 
 CONSUMER_STREAM = 0x7A5000  # a handle the emulator treats as another library's stream
 
@@ -94,16 +94,16 @@ def test_deferred_blocks_are_released_by_empty_cache():
 
 @emulated
 def test_cai_consumer_kernels_finish_before_the_block_is_reused():
-    busy0 = _d._emu_stats()["freed_while_queued"]
+    busy0 = _testing.emu_stats()["freed_while_queued"]
     keep = []
     for i in range(30):
         a = dpmini.asarray(np.full(256, i, "float64"), 0)
         ptr = a.__cuda_array_interface__["data"][0]
-        _d._emu_queue(0, CONSUMER_STREAM, ptr, 256 * 8)  # the consumer's kernel reads it
+        _testing.emu_queue(0, CONSUMER_STREAM, ptr, 256 * 8)  # the consumer's kernel reads it
         del a
         keep.append(dpmini.asarray(np.full(256, -i, "float64"), 0))  # wants a block now
     gc.collect()
-    assert _d._emu_stats()["freed_while_queued"] == busy0
+    assert _testing.emu_stats()["freed_while_queued"] == busy0
     for i, b in enumerate(keep):
         np.testing.assert_array_equal(b.numpy(), np.full(256, -i, "float64"))
     dpmini.empty_cache()
@@ -127,11 +127,11 @@ def test_dlpack_capsule_dropped_unused_marks_nothing():
 
 @emulated
 def test_dlpack_release_waits_on_the_consumers_stream_only():
-    busy0 = _d._emu_stats()["freed_while_queued"]
+    busy0 = _testing.emu_stats()["freed_while_queued"]
     a = dpmini.asarray(np.arange(100.0), 0)
     c = Consumer(a, CONSUMER_STREAM)
     assert c.data == a.data_ptr
-    _d._emu_queue(0, CONSUMER_STREAM, c.data, 800)  # the consumer's kernel, still queued
+    _testing.emu_queue(0, CONSUMER_STREAM, c.data, 800)  # the consumer's kernel, still queued
     syncs, ssyncs = _dbg("export_syncs"), _dbg("export_stream_syncs")
     del a
     gc.collect()
@@ -140,8 +140,8 @@ def test_dlpack_release_waits_on_the_consumers_stream_only():
     gc.collect()
     assert _dbg("export_stream_syncs") == ssyncs + 1
     assert _dbg("export_syncs") == syncs  # no device-wide sync
-    assert not _d._emu_busy(c.data, 800)  # the consumer's work was waited for
-    assert _d._emu_stats()["freed_while_queued"] == busy0
+    assert not _testing.emu_busy(c.data, 800)  # the consumer's work was waited for
+    assert _testing.emu_stats()["freed_while_queued"] == busy0
 
 
 @emulated

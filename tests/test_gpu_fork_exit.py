@@ -112,7 +112,7 @@ def test_nccl_communicators_are_destroyed_at_exit(tmp_path):
     import atexit
 
     def check():
-        live = dpmini._dpmini._cuda_debug()["nccl_live_comms"]
+        live = _testing.cuda_debug()["nccl_live_comms"]
         print("live at exit:", live)
         assert live == 0, live
         print("OK", flush=True)
@@ -120,8 +120,9 @@ def test_nccl_communicators_are_destroyed_at_exit(tmp_path):
     atexit.register(check)
     import numpy as np
     import dpmini
-    dpmini._dpmini._emulated_nccl(1)
+    from dpmini import _testing
+    _testing.emulated_nccl(1)
     out = dpmini.comm.broadcast(dpmini.asarray(np.arange(4.0), 0), [0, 1])
-    assert dpmini._dpmini._cuda_debug()["nccl_live_comms"] == 2
+    assert _testing.cuda_debug()["nccl_live_comms"] == 2
     del out
     """, env=dict(ENV, DPMINI_EMULATE_GPUS="2"), cwd=tmp_path)

@@ -9,6 +9,7 @@
 #include "dp.h"
 #include "pool.h"
 #include "cuda_api.h"
+#include "test_api.h"
 
 /* ------------------------------------------------------------------ */
 /* Init                                                                */
@@ -43,6 +44,19 @@ static int add_exception(PyObject *m, const char *qualname, PyObject *base,
     *slot = exc;
     const char *dot = strrchr(qualname, '.');
     return PyModule_AddObjectRef(m, dot + 1, exc);
+}
+
+/* _test_api: the capsule of test hooks that only dpmini._testing opens
+ * (py/test_api.h); the module itself offers no Python function for them. */
+static int add_test_api(PyObject *m)
+{
+    PyObject *cap = PyCapsule_New((void *)&dp_test_api_table, DP_TEST_API_CAPSULE, NULL);
+    if (cap == NULL) {
+        return -1;
+    }
+    int rc = PyModule_AddObjectRef(m, "_test_api", cap);
+    Py_DECREF(cap);
+    return rc;
 }
 
 static PyObject *import_attr(const char *module, const char *attr)
@@ -165,7 +179,7 @@ static int dp_exec(PyObject *m)
         PyModule_AddFunctions(m, dp_parallel_apply_methods) < 0 ||
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
-        PyModule_AddFunctions(m, dp_gpu_debug_methods) < 0 ||
+        add_test_api(m) < 0 ||
         add_comm_submodule(m) < 0) {
         return -1;
     }

@@ -1,6 +1,6 @@
 /* array_module.c - module functions around dpmini.Array: from_dlpack,
- * empty, cuda_build_info, and the private test hooks (_cuda_debug,
- * _nccl_dtypes, _emulated_nccl, _emulate_fault); dp_array_methods.
+ * empty, cuda_build_info, _gpu_at_exit; dp_array_methods. (The tests' hooks
+ * into the GPU layer are dpmini._testing's: py/test_hooks.c.)
  */
 #include "dpmini.h"
 #include "dlpack.h"
@@ -138,77 +138,10 @@ static PyObject *py_gpu_at_exit(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* Private hooks for the tests (tests/test_gpu_*.py); not API. */
-static PyObject *py_cuda_debug(PyObject *m, PyObject *unused)
-{
-    long calls, destroyed, aborted;
-    dp_nccl_stats(&calls, &destroyed, &aborted);
-    return Py_BuildValue("{s:i,s:l,s:l,s:l,s:i,s:l,s:l,s:l,s:i}", "current_device",
-                         dpc_current_device(), "legacy_syncs",
-                         __atomic_load_n(&dp_gpu_stat_legacy_syncs, __ATOMIC_RELAXED),
-                         "export_syncs",
-                         __atomic_load_n(&dp_gpu_stat_export_syncs, __ATOMIC_RELAXED),
-                         "export_stream_syncs",
-                         __atomic_load_n(&dp_gpu_stat_export_stream_syncs, __ATOMIC_RELAXED),
-                         "export_deferred", dp_gpu_deferred_count(),
-                         "nccl_calls", calls, "nccl_destroyed", destroyed, "nccl_aborted",
-                         aborted, "nccl_live_comms", dp_nccl_live_comms());
-}
-
-static PyObject *py_nccl_dtypes(PyObject *m, PyObject *unused)
-{
-    static const char *names[] = {"int8", "uint8", "int16", "uint16", "int32", "uint32",
-                                  "int64", "uint64", "float32", "float64", "float16"};
-    PyObject *d = PyDict_New();
-    for (int t = 0; d != NULL && t < DPC_T_NONE; t++) {
-        if (PyDict_SetItemString(d, names[t], dp_nccl_supports(t) ? Py_True : Py_False) < 0) {
-            Py_CLEAR(d);
-        }
-    }
-    return d;
-}
-
-static PyObject *py_emulated_nccl(PyObject *m, PyObject *args)
-{
-    int on = -1, fail_next = 0;
-    if (!PyArg_ParseTuple(args, "|ii:_emulated_nccl", &on, &fail_next)) {
-        return NULL;
-    }
-    int prev = dp_nccl_emulate(on, fail_next);
-    if (prev < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "_emulated_nccl: not an emulated build");
-        return NULL;
-    }
-    return PyBool_FromLong(prev);
-}
-
-static PyObject *py_emulate_fault(PyObject *m, PyObject *arg)
-{
-#ifdef DPMINI_CUDA_EMULATE
-    long code = PyLong_AsLong(arg);
-    if (code == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    dpc_emu_inject_fault((int)code);
-    Py_RETURN_NONE;
-#else
-    PyErr_SetString(PyExc_RuntimeError, "_emulate_fault: not an emulated build");
-    return NULL;
-#endif
-}
-
 PyMethodDef dp_array_methods[] = {
     {"_gpu_at_exit", py_gpu_at_exit, METH_NOARGS,
      "Private (dpmini/__init__.py registers it with atexit): destroy the cached NCCL "
      "communicators."},
-    {"_cuda_debug", py_cuda_debug, METH_NOARGS,
-     "Private (tests): the thread's current CUDA device and dpmini's sync/NCCL counters."},
-    {"_nccl_dtypes", py_nccl_dtypes, METH_NOARGS,
-     "Private (tests): which reduce_add kernel dtypes dpmini hands to NCCL."},
-    {"_emulated_nccl", py_emulated_nccl, METH_VARARGS,
-     "Private (tests, emulated builds): _emulated_nccl(on=-1, fail_next=0) -> was_on."},
-    {"_emulate_fault", py_emulate_fault, METH_O,
-     "Private (tests, emulated builds): the next copy or kernel fails with this CUDA code."},
     {"from_dlpack", py_from_dlpack, METH_O, from_dlpack_doc},
     {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS, empty_doc},
     {"cuda_build_info", py_cuda_build_info, METH_NOARGS,

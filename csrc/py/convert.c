@@ -357,7 +357,7 @@ int dp_index_from_object(PyObject *obj, const char *argname, long long lo, long 
 
 int dp_int_from_object(PyObject *obj, const char *argname, int *out)
 {
-    long long v;
+    long long v = 0; /* set on success; gcc -O3 cannot see that (-Wmaybe-uninitialized) */
     if (dp_index_from_object(obj, argname, INT32_MIN, INT32_MAX, &v) < 0) {
         return -1;
     }

@@ -126,14 +126,6 @@ static PyObject *py_device_of(PyObject *m, PyObject *arg)
 
 
 PyMethodDef dp_device_methods[] = {
-    {"_fail_alloc_after", py_fail_alloc_after, METH_O,
-     "_fail_alloc_after(n) -> int\n\nTest hook: let n more device allocations succeed, "
-     "then fail the next one (MemoryError); n < 0 turns it off. Returns the previous "
-     "count (-1 when none was pending, e.g. once the failure has fired)."},
-    {"_cache_stats", py_cache_stats, METH_O,
-     "_cache_stats(device) -> dict\n\nFor tests and benchmarks: the caching allocator's counters "
-     "for a host or virtual CPU device: allocated, cached, peak, limit, slack (bytes), blocks (cached), "
-     "hits, misses, evictions. Errors: as memory_allocated; ValueError for a CUDA device."},
     {"device_count", py_device_count, METH_NOARGS,
      "device_count()\n--\n\nReturns an int: the number of CUDA devices dpmini can use (0 without a GPU, a "
      "driver, or a CUDA build). Never raises. Source: torch.cuda.device_count."},

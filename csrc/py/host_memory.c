@@ -2,8 +2,9 @@
  * host glue (mmap'ed blocks, per-device heaps, the allocation test hook),
  * dpmini._Buffer (the owner of every dpmini allocation, pinned buffers and
  * imported memory; the arrays over it are device_arrays.c's), and the module functions
- * over memory (memory_allocated, memory_reserved, empty_cache, _cache_stats,
- * _fail_alloc_after; registered in device_module.c's table).
+ * over memory (memory_allocated, memory_reserved, empty_cache; registered in
+ * device_module.c's table); the counters and the allocation hook that
+ * dpmini._testing reaches through py/test_hooks.c.
  *
  * Devices: the host (ordinary process memory, what NumPy uses), virtual CPU
  * devices "cpu:N" (their own allocations, accounted per device), and CUDA
@@ -119,7 +120,7 @@ static dp_cache *heap_of(dp_device d)
     return NULL;
 }
 
-/* Test hook (dpmini._dpmini._fail_alloc_after, docs/reliability.md): when
+/* Test hook (dpmini._testing.fail_alloc_after, docs/reliability.md): when
  * >= 0, that many more allocations succeed and the next one fails as if the
  * system were out of memory; -1 is off. */
 static long fail_alloc_countdown = -1;
@@ -449,18 +450,16 @@ PyObject *py_memory_reserved(PyObject *m, PyObject *arg)
     return PyLong_FromSize_t(cs.allocated + cs.cached);
 }
 
-PyObject *py_cache_stats(PyObject *m, PyObject *arg)
+/* The counters of a host or "cpu:N" heap, for dpmini._testing
+ * (test_hooks.c); -1 with an exception set. */
+int dp_host_cache_stats(dp_state *st, PyObject *device, dp_cache_stats *out)
 {
     dp_cache *h;
-    if (heap_arg(dp_state_from_module(m), arg, &h) < 0) {
-        return NULL;
+    if (heap_arg(st, device, &h) < 0) {
+        return -1;
     }
-    dp_cache_stats cs = dp_cache_get_stats(h);
-    return Py_BuildValue("{snsnsnsnsnsnsKsKsK}", "allocated", (Py_ssize_t)cs.allocated,
-                         "cached", (Py_ssize_t)cs.cached, "peak", (Py_ssize_t)cs.peak,
-                         "blocks", (Py_ssize_t)cs.nblocks, "limit", (Py_ssize_t)cs.limit,
-                         "slack", (Py_ssize_t)cs.slack, "hits", cs.hits,
-                         "misses", cs.misses, "evictions", cs.evictions);
+    *out = dp_cache_get_stats(h);
+    return 0;
 }
 
 PyObject *py_empty_cache(PyObject *m, PyObject *unused)
@@ -478,12 +477,7 @@ PyObject *py_empty_cache(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg)
+long dp_host_fail_alloc_after(long n)
 {
-    long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    return PyLong_FromLong(__atomic_exchange_n(&fail_alloc_countdown, n < 0 ? -1 : n,
-                                               __ATOMIC_RELAXED));
+    return __atomic_exchange_n(&fail_alloc_countdown, n < 0 ? -1 : n, __ATOMIC_RELAXED);
 }

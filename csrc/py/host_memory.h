@@ -7,18 +7,23 @@
 #define DPMINI_HOST_MEMORY_H
 
 #include "dpmini.h"
+#include "alloc.h"
 
 #pragma GCC visibility push(hidden)
 
 PyObject *py_memory_allocated(PyObject *m, PyObject *arg);
 PyObject *py_memory_reserved(PyObject *m, PyObject *arg);
-PyObject *py_cache_stats(PyObject *m, PyObject *arg);
 PyObject *py_empty_cache(PyObject *m, PyObject *unused);
-PyObject *py_fail_alloc_after(PyObject *m, PyObject *arg);
+/* For dpmini._testing (test_hooks.c): the heap counters of a host or
+ * "cpu:N" device (-1 with an exception set), and the allocation hook (n
+ * more host allocations succeed, then one fails; -1 off; returns the
+ * previous countdown). */
+int dp_host_cache_stats(dp_state *st, PyObject *device, dp_cache_stats *out);
+long dp_host_fail_alloc_after(long n);
 
 /* For numpy_allocator.c: a block of at least nbytes from virtual CPU device
  * index's cache (its size in *rounded), or NULL when out of memory; no
- * Python calls, any thread. The test hook of _fail_alloc_after does not
+ * Python calls, any thread. The test hook dp_host_fail_alloc_after does not
  * apply. */
 void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded);
 /* Give a dp_vcpu_heap_alloc block back (any thread). */
