@@ -1,7 +1,8 @@
 """Type stubs for the C extension dpmini._dpmini (and its C submodule ``comm``).
 
 Parameter names, kinds and defaults mirror ``inspect.signature`` of the runtime
-objects exactly; tests/test_stubs.py checks this against the built extension.
+objects exactly; tests/test_stubs.py and mypy.stubtest (tests/test_stubtest.py,
+whose allowlist names the stub-only names) check this against the built extension.
 
 Arrays: results that live on the host or on a virtual CPU device are
 ``numpy.ndarray``; on a CUDA device they are :class:`Array`. Where the device is
@@ -12,8 +13,10 @@ return types, rather than a union every caller would have to narrow.
 DeviceLike (like the _-prefixed aliases and _Comm) exists only in this stub,
 not at run time: import it under ``if typing.TYPE_CHECKING:``.
 """
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal, Protocol, SupportsFloat, SupportsIndex, TypeAlias, final
+
+from typing_extensions import Self, disjoint_base
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -50,8 +53,8 @@ class Device:
     def type(self) -> Literal["cpu", "cuda"]: ...
     @property
     def index(self) -> int | None: ...
-    def __eq__(self, other: object) -> bool: ...
-    def __ne__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
 @final
@@ -98,6 +101,7 @@ class Array:
     # __array__ is deliberately absent: it always raises TypeError at run time,
     # so declaring it would make an Array pass for numpy.typing.ArrayLike.
 
+@disjoint_base
 class DataParallel:
     def __init__(
         self,

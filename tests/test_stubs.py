@@ -108,6 +108,12 @@ def _runtime_params(obj, qualname):
     params = list(inspect.signature(obj).parameters.values())
     if isinstance(obj, types.WrapperDescriptorType):  # slot wrappers keep (self, /, ...)
         params = params[1:]
+    elif isinstance(obj, types.MethodDescriptorType):
+        # a C method's text signature starts with $self, so that inspect (and stubtest) see
+        # the unbound method's self
+        assert params and params[0].name == "self" and params[0].kind is _KINDS.POSITIONAL_ONLY, \
+            f"{qualname}: its text signature lacks $self"
+        params = params[1:]
     return [(p.name, p.kind, p.default) for p in params]
 
 

@@ -191,7 +191,7 @@ static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, 
 /* --- methods --- */
 
 PyDoc_STRVAR(forward_doc,
-"forward(*args, **kwargs)\n--\n\n"
+"forward($self, *args, **kwargs)\n--\n\n"
 "Run the module data-parallel over device_ids (PyTorch DataParallel.forward,\n"
 "spec §2), in order:\n"
 "  inputs, kwargs = self.scatter(args, kwargs, self.device_ids)\n"
@@ -214,7 +214,7 @@ static PyObject *DataParallel_forward(dp_DataParallelObject *self, PyObject *arg
 }
 
 PyDoc_STRVAR(scatter_doc,
-"scatter(inputs, kwargs=None, device_ids=None)\n--\n\n"
+"scatter($self, inputs, kwargs=None, device_ids=None)\n--\n\n"
 "Returns (inputs_tuple, kwargs_tuple).\n"
 "Split positional inputs (a tuple; a list is taken as a tuple) and kwargs (a\n"
 "dict or None) over device_ids along self.dim (PyTorch scatter_kwargs, spec\n"
@@ -282,7 +282,7 @@ fail:
 }
 
 PyDoc_STRVAR(dp_replicate_doc,
-"replicate(module, device_ids)\n--\n\n"
+"replicate($self, module, device_ids)\n--\n\n"
 "dpmini.replicate(module, device_ids): one replica of module per device, as\n"
 "a list (shallow copies holding each device's copies of the module's arrays;\n"
 "the module itself when it holds none). See dpmini.replicate.\n"
@@ -303,7 +303,7 @@ static PyObject *DataParallel_replicate(dp_DataParallelObject *self, PyObject *a
 }
 
 PyDoc_STRVAR(dp_parallel_apply_doc,
-"parallel_apply(replicas, inputs, kwargs=None)\n--\n\n"
+"parallel_apply($self, replicas, inputs, kwargs=None)\n--\n\n"
 "dpmini.parallel_apply(replicas, inputs, kwargs, self.device_ids[:len(replicas)]):\n"
 "replica i runs as replicas[i](*inputs[i], **kwargs[i]) on device_ids[i]'s\n"
 "worker thread; results in replica order. See dpmini.parallel_apply.\n"
@@ -342,7 +342,7 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
 }
 
 PyDoc_STRVAR(gather_doc,
-"gather(outputs, output_device=None)\n--\n\n"
+"gather($self, outputs, output_device=None)\n--\n\n"
 "Combine the per-replica outputs onto output_device along self.dim (PyTorch\n"
 "gather, spec §4, with dpmini's rules in docs/design.md). output_device:\n"
 "'cpu' or -1 for the host (-1 warns FutureWarning), 'cpu:N', 'cuda:N', an int\n"

@@ -268,7 +268,7 @@ static int DataParallel_set_weights(dp_DataParallelObject *self, PyObject *value
 }
 
 const char dp_DataParallel_reduce_doc[] =
-"__reduce__()\n--\n\n"
+"__reduce__($self)\n--\n\n"
 "Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
 "type(self)(module, device_ids as strings, output_device as a string, dim,\n"
 "strict), then restores the instance __dict__ and sets in_dims, out_dims,\n"

@@ -217,12 +217,12 @@ static PyGetSetDef array_getset[] = {
 
 static PyMethodDef array_methods_tbl[] = {
     {"numpy", array_numpy, METH_NOARGS,
-     "numpy()\n--\n\nReturns a numpy.ndarray: an explicit copy to host memory (same shape, dtype; "
+     "numpy($self)\n--\n\nReturns a numpy.ndarray: an explicit copy to host memory (same shape, dtype; "
      "C-contiguous unless the layout is dense, then the same strides)."},
     {"__array__", (PyCFunction)(void (*)(void))array_array, METH_VARARGS | METH_KEYWORDS,
      "Refused with TypeError: use .numpy()."},
     {"__dlpack__", (PyCFunction)(void (*)(void))array_dlpack, METH_VARARGS | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "__dlpack__($self, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Returns a PyCapsule. DLPack export: a 'dltensor_versioned' capsule when max_version >= (1, 0), else a "
      "legacy 'dltensor'. dl_device=(1, 0) with copy=True exports a host copy. stream: the "
      "consumer's CUDA stream (an int; 0 refused); the array is ready on any stream, and once "
@@ -230,7 +230,7 @@ static PyMethodDef array_methods_tbl[] = {
      "legacy default stream) finished; None, -1 or 2: after a device sync. Refusals "
      "raise BufferError."},
     {"__dlpack_device__", array_dlpack_device, METH_NOARGS,
-     "__dlpack_device__()\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},
+     "__dlpack_device__($self)\n--\n\nReturns (2, device_index): kDLCUDA and the CUDA device."},
     {NULL},
 };
 
