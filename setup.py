@@ -220,7 +220,8 @@ def testing_extensions():
         return []
     return [Extension(
         "dpmini._testing",
-        sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))),
+        # core/copy.c too: stream_copy runs the copy engine's code on plain buffers
+        sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))) + ["csrc/core/copy.c"],
         include_dirs=["csrc/core", "csrc/backend", "csrc/py", "csrc/testing"],
         extra_compile_args=extra_compile_args,
         extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),

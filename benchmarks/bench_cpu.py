@@ -15,10 +15,11 @@ are noisy, the ratios less so.
 1. Scatter + gather of a 256 MiB float32 array over virtual devices, for
    (4096, 16384) on dims 0, 1 and -1 with 2 devices, dim 1 with 4 devices,
    and a time-major (T, B, F) = (512, 256, 512) array on dim 1, against
-     limit   the honest limit: two threads, each running libc memcpy (through
-             ctypes, which releases the GIL) over its contiguous half,
-             src -> tmp -> dst, on preallocated, pre-touched buffers: the same
-             bytes in and out, the same two passes, no strides;
+     limit   the faster of two ways to do the same two passes with two threads,
+             each over its contiguous half, src -> tmp -> dst, on preallocated,
+             pre-touched buffers (benchmarks/copy_limit.py): libc memcpy
+             ("memcpy") and the copy engine's own streaming-store copy
+             ("stream", dpmini._testing.stream_copy), both timed in this run;
      copyto  the same with NumPy's np.copyto (the figure older READMEs used);
      numpy   np.array_split + np.ascontiguousarray + np.concatenate.
    Target: dpmini <= 1.25x the limit.
@@ -46,8 +47,6 @@ Items 2-4 move by 2x between runs on a busy machine; bench_instructions.py
 counts the same cases in instructions (callgrind), which do not.
 """
 import argparse
-import ctypes
-import ctypes.util
 import os
 import platform
 import resource
@@ -63,6 +62,7 @@ os.environ.setdefault("DPMINI_CPU_DEVICES", "64")
 import numpy as np  # noqa: E402
 
 import dpmini  # noqa: E402
+from copy_limit import TwoThreadCopy, limit_of, limit_routes  # noqa: E402
 
 LIMIT_RATIO_TARGET = 1.25    # dpmini time / memcpy-limit time
 LEAF_TARGET_US = 2.0         # per leaf per call, 2 devices
@@ -166,46 +166,6 @@ def uptime():
             return "loadavg " + f.read().strip()
 
 
-# ---------------------------------------------------------------- the limit
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_MEMCPY = _LIBC.memcpy
-_MEMCPY.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_MEMCPY.restype = ctypes.c_void_p
-
-
-class TwoThreadLimit:
-    """Two threads, each copying its contiguous half src -> tmp -> dst.
-
-    raw=True uses libc memcpy through ctypes (the GIL is released for the
-    call), raw=False np.copyto. The buffers are allocated and touched once
-    up front, so no page fault is timed.
-    """
-
-    def __init__(self, nbytes, pool, raw=True):
-        self.src = np.ones(nbytes, dtype=np.uint8)
-        self.tmp = np.zeros(nbytes, dtype=np.uint8)
-        self.dst = np.zeros(nbytes, dtype=np.uint8)
-        half = nbytes // 2
-        self.halves = [(0, half), (half, nbytes)]
-        self.pool = pool
-        self.raw = raw
-
-    def _copy_half(self, lo, hi):
-        if self.raw:
-            n = hi - lo
-            s, t, d = (a.ctypes.data + lo for a in (self.src, self.tmp, self.dst))
-            _MEMCPY(t, s, n)
-            _MEMCPY(d, t, n)
-        else:
-            np.copyto(self.tmp[lo:hi], self.src[lo:hi])
-            np.copyto(self.dst[lo:hi], self.tmp[lo:hi])
-
-    def __call__(self):
-        for f in [self.pool.submit(self._copy_half, lo, hi) for lo, hi in self.halves]:
-            f.result()
-
-
 # ---------------------------------------------------------------- 1. bandwidth
 
 def dpmini_roundtrip(x, dim, devs):
@@ -224,12 +184,14 @@ def bench_bandwidth(rounds, pool):
     wide = np.random.default_rng(0).standard_normal((4096, 16384), dtype=np.float32)
     tbf = np.random.default_rng(1).standard_normal((512, 256, 512), dtype=np.float32)
     cases = [(wide, 0, 2), (wide, 1, 2), (wide, -1, 2), (wide, 1, 4), (tbf, 1, 2)]
-    limit = TwoThreadLimit(mib * 2**20, pool, raw=True)
-    copyto = TwoThreadLimit(mib * 2**20, pool, raw=False)
+    limits = limit_routes(mib * 2**20, pool)
+    copyto = TwoThreadCopy(mib * 2**20, pool, "copyto")
     print(f"1. scatter+gather of {mib} MiB float32, median of {rounds} interleaved rounds; "
-          "GB/s counts each byte copied once (2 passes)")
-    print(f"  {'shape':<16}{'dim':>4}{'devs':>5}{'dpmini ms':>11}{'limit ms':>10}"
-          f"{'copyto ms':>11}{'numpy ms':>10}{'dpmini GB/s':>13}{'x limit':>9}  target")
+          "GB/s counts each byte copied once (2 passes); limit = the faster of memcpy and "
+          "stream")
+    print(f"  {'shape':<16}{'dim':>4}{'devs':>5}{'dpmini ms':>11}{'memcpy ms':>11}"
+          f"{'stream ms':>11}{'copyto ms':>11}{'numpy ms':>10}{'dpmini GB/s':>13}{'x limit':>9}"
+          "  target")
     ratios = {}
     for x, dim, ndev in cases:
         devs = devices(ndev)
@@ -238,16 +200,22 @@ def bench_bandwidth(rounds, pool):
             raise AssertionError(f"dpmini scatter+gather of {x.shape} on dim {dim} changed it")
         del y
         t = median_times({"dpmini": lambda: dpmini_roundtrip(x, dim, devs),
-                          "limit": limit, "copyto": copyto,
+                          **limits, "copyto": copyto,
                           "numpy": lambda: numpy_roundtrip(x, dim, ndev)}, rounds)
-        r = t["dpmini"] / t["limit"]
+        limit, how = limit_of(t)
+        r = t["dpmini"] / limit
         key = f"{x.shape} dim {dim} on {ndev} devices"
         ratios[key] = r
-        v = verdict(f"scatter+gather {key}: {r:.2f}x the memcpy limit "
+        v = verdict(f"scatter+gather {key}: {r:.2f}x the copy limit ({how}) "
                     f"(target <= {LIMIT_RATIO_TARGET}x)", r <= LIMIT_RATIO_TARGET)
+        stream = f"{t['stream'] * 1e3:>11.1f}" if "stream" in t else f"{'-':>11}"
         print(f"  {str(x.shape):<16}{dim:>4}{ndev:>5}{t['dpmini'] * 1e3:>11.1f}"
-              f"{t['limit'] * 1e3:>10.1f}{t['copyto'] * 1e3:>11.1f}{t['numpy'] * 1e3:>10.1f}"
-              f"{2 * x.nbytes / t['dpmini'] / 1e9:>13.2f}{r:>9.2f}  <= {LIMIT_RATIO_TARGET} {v}")
+              f"{t['memcpy'] * 1e3:>11.1f}{stream}{t['copyto'] * 1e3:>11.1f}"
+              f"{t['numpy'] * 1e3:>10.1f}{2 * x.nbytes / t['dpmini'] / 1e9:>13.2f}{r:>9.2f}"
+              f"  <= {LIMIT_RATIO_TARGET} {v}")
+    if "stream" not in limits:
+        print("  (dpmini._testing is not built: the limit is memcpy only and may be too low; "
+              "build with DPMINI_TESTING=1, as `make bench` does)")
     return ratios
 
 
@@ -409,29 +377,31 @@ def bench_blas(rounds):
 def bench_scaling(rounds, max_mib, pool):
     print("6. scaling: scatter+gather (dim 0 on 2 devices unless said), median of "
           f"{rounds} rounds")
-    print("\n| array size | dpmini | limit | x limit |\n|---|---|---|---|")
+    print("\n| array size | dpmini | limit (faster of memcpy, stream) | x limit |\n|---|---|---|---|")
     size = 1024
     while size <= max_mib * 2**20:
         x = np.ones((size // 4 // 256, 256) if size >= 4096 else (size // 4,), np.float32)
-        lim = TwoThreadLimit(size, pool)
-        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(2)), "l": lim}, rounds)
-        print(f"| {fmt_bytes(size)} | {fmt_t(t['d'])} | {fmt_t(t['l'])} | "
-              f"{t['d'] / t['l']:.2f}x |")
-        del x, lim
+        lims = limit_routes(size, pool)
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(2)), **lims}, rounds)
+        lim, how = limit_of(t)
+        print(f"| {fmt_bytes(size)} | {fmt_t(t['d'])} | {fmt_t(lim)} ({how}) | "
+              f"{t['d'] / lim:.2f}x |")
+        del x, lims
         size *= 8 if size < 2**20 else 4
     print("\n| devices | 64 MiB, dim 0 | x limit | (n, 4) tiny input, identity DataParallel |"
           "\n|---|---|---|---|")
     x = np.ones((4096, 4096), np.float32)
-    lim = TwoThreadLimit(x.nbytes, pool)
+    lims = limit_routes(x.nbytes, pool)
     for n in (2, 4, 8, 16, 32, 64):
         if n > dpmini.cpu_device_count():
             break
         tiny = np.ones((n, 4), np.float32)
         dp = dpmini.DataParallel(Identity(), device_ids=devices(n))
-        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(n)), "l": lim,
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(n)), **lims,
                           "c": lambda: [dp(tiny) for _ in range(100)]}, rounds)
-        print(f"| {n} | {fmt_t(t['d'])} | {t['d'] / t['l']:.2f}x | {fmt_t(t['c'] / 100)} |")
-    del x, lim
+        print(f"| {n} | {fmt_t(t['d'])} | {t['d'] / limit_of(t)[0]:.2f}x | "
+              f"{fmt_t(t['c'] / 100)} |")
+    del x, lims
     print("\n| leaves (8, 4) float32 in a dict | identity DataParallel, 2 devices | per leaf |"
           "\n|---|---|---|")
     dp = dpmini.DataParallel(Identity(), device_ids=devices(2))

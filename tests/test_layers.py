@@ -19,9 +19,17 @@ import check_layers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def real_graph():
-    """link_graph() of this checkout (compiles csrc/ once for the module)."""
-    return check_layers.link_graph()
+def objects(tmp_path_factory):
+    """csrc/ compiled once for the whole module (check_layers.compile_objects; the script
+    test reads the same objects with --objects, so nothing is compiled twice)."""
+    outdir = tmp_path_factory.mktemp("check_layers_objects")
+    return outdir, check_layers.compile_objects(outdir)
+
+
+@pytest.fixture(scope="module")
+def real_graph(objects):
+    """link_graph() of this checkout."""
+    return check_layers.link_graph(objects[1])
 
 
 def test_no_include_points_up_a_layer():
@@ -34,7 +42,7 @@ def test_every_c_file_is_in_a_layer_folder():
     loose = [p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".c", ".h")]
     assert loose == [], f"C files directly in csrc/, outside any layer folder: {loose}"
     folders = {p.name for p in (ROOT / "csrc").iterdir() if p.is_dir()}
-    assert folders == {name for name, _ in check_layers.LAYERS} | {"dist"}
+    assert folders == {name for name, _ in check_layers.LAYERS} | {"dist", "testing"}
 
 
 def test_core_has_no_python():
@@ -170,9 +178,13 @@ def test_a_listed_call_exception_that_has_gone_is_reported(tmp_path, monkeypatch
     assert stale == [("core/low.c", "tree/high.c")]
 
 
-def test_the_script_exits_zero_and_prints_the_graph():
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layers.py"), "--graph"],
-                         capture_output=True, text=True, timeout=60)
+def test_the_script_exits_zero_and_prints_the_graph(objects, real_graph):
+    # --objects: the module's objects, so the script only runs nm (seconds, even under load)
+    outdir, compiled = objects
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layers.py"), "--graph",
+                          "--objects", str(outdir)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+    calls, _ = real_graph
+    assert f"{len(calls)} call edges between" in res.stdout  # it read every object
     assert "include edges between" in res.stdout
     assert "call edges between" in res.stdout

@@ -4,7 +4,9 @@
 csrc/ has one folder a layer (docs/architecture.md). A C file or header may
 include headers of its own layer and of the layers below it, never of a layer
 above: LAYERS below is the order, lowest first. csrc/dist/ is the separate
-MPI extension dpmini._dist and may use the pure-C core only.
+MPI extension dpmini._dist and may use the pure-C core only; csrc/testing/ is
+the test-only extension dpmini._testing, which includes the capsule header
+py/test_api.h and what it names (core/, backend/ types) and nothing above.
 
     python tools/check_layers.py           # exit 1 and list the upward edges
     python tools/check_layers.py --graph   # also print every edge and the counts
@@ -24,7 +26,8 @@ compiled ($CC or Python's compiler; binutils' nm reads them) into a
 temporary folder (-O0, a few seconds) in the emulated-GPU
 configuration, which compiles the most code (the real-CUDA and CPU-only
 builds leave parts out, none in); --objects DIR reads a build's instead.
-csrc/dist/ is a separate extension and not part of the call check.
+csrc/dist/ and csrc/testing/ are separate extensions and not part of the
+call check (they cannot link to _dpmini's symbols: it exports none).
 
 And the two graphs agree: a header declares only what files of its own
 layer define (foreign_declarations), and a file that calls into another
@@ -62,6 +65,10 @@ LAYERS = [
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # csrc/dist/ (dpmini._dist) stands beside the layers and may include core only.
 DIST_MAY_INCLUDE = {"core", "dist"}
+# csrc/testing/ (dpmini._testing, the test-only extension) stands beside them too:
+# it includes py/test_api.h (the capsule's table) and the core/backend types that
+# table names, and calls into _dpmini only through the capsule, never by symbol.
+TESTING_MAY_INCLUDE = {"core", "backend", "py", "testing"}
 
 # Upward edges still present: (including file, included header) -> why.
 # None: keep it so (a new entry needs its reason and the issue that removes it).
@@ -129,6 +136,8 @@ def check():
             continue              # outside csrc/ (cuda/strided.h): not a layer
         if a == "dist":
             ok = b in DIST_MAY_INCLUDE
+        elif a == "testing":
+            ok = b in TESTING_MAY_INCLUDE
         elif a not in RANK or b not in RANK:
             ok = False            # a folder that LAYERS does not name
         else:
@@ -169,7 +178,8 @@ def layer_sources():
 
 
 def compile_objects(outdir):
-    """Compile every layer source into outdir (-O0); {source: object}."""
+    """Compile every layer source into outdir (-O0), as outdir/csrc/<layer>/x.o so that
+    --objects outdir reads them again; {source: object}."""
     import numpy
 
     cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -178,8 +188,8 @@ def compile_objects(outdir):
              "-I" + str(CSRC)] + ["-I" + str(CSRC / name) for name, _ in LAYERS]
 
     def one(src):
-        obj = Path(outdir) / rel(src.resolve()).replace("/", "__")
-        obj = obj.with_suffix(".o")
+        obj = (Path(outdir) / "csrc" / rel(src.resolve())).with_suffix(".o")
+        obj.parent.mkdir(parents=True, exist_ok=True)
         res = subprocess.run([cc, *flags, str(src), "-o", str(obj)],
                              capture_output=True, text=True)
         if res.returncode != 0:
