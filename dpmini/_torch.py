@@ -65,7 +65,7 @@ class _ReplicaCall:
     """The caller's torch state for one parallel_apply call (read on the
     caller's thread), and `enter`, which each replica thread calls."""
 
-    __slots__ = ("grad", "inference", "autocast", "streams", "threads", "limit")
+    __slots__ = ("grad", "inference", "autocast", "streams", "threads", "limit", "seed")
 
     def __init__(self, devices):
         self.grad = torch.is_grad_enabled()
@@ -77,6 +77,7 @@ class _ReplicaCall:
         self.threads = torch.get_num_threads()
         per = _blas.threads_per_replica(sum(d.type == "cpu" for d in devices))
         self.limit = self.threads if per is None else min(self.threads, per)
+        self.seed = _call_seed(devices)   # last: a draw, once the rest is read
 
     def enter(self, index, device):
         """Set the caller's state in this replica thread (replica `index` on
@@ -103,6 +104,8 @@ class _ReplicaCall:
             # the caller's count, which set_num_threads also makes the
             # process-wide one again (it was the caller's before the call)
             undo.append(lambda: torch.set_num_threads(self.threads))
+        if self.seed is not None and device.type == "cpu":
+            undo.append(_enter_random(self.seed + index))
         return _Undo(undo)
 
 
@@ -152,6 +155,179 @@ def _replica_context(devices):
     """dpmini's replica context provider for torch (register_replica_context):
     the caller's torch state, entered in each replica thread."""
     return _ReplicaCall(devices).enter
+
+
+
+# ---------------------------------------------------------------------------
+# Replica context: reproducible random numbers in replicas on virtual CPU devices
+# ---------------------------------------------------------------------------
+# Each GPU has its own torch generator, so torch's replicas on GPUs draw their
+# dropout masks from their own device's generator, and torch.manual_seed(s)
+# before a call makes the call repeatable. Virtual CPU devices share torch's one
+# CPU generator, and replicas running at once would draw from it in whatever
+# order their threads run. So, as each GPU has its own generator, each replica
+# of a call that runs two or more replicas on virtual CPU devices draws from a
+# generator of its own:
+#   - the call draws one number s from torch's default CPU generator on the
+#     caller's thread (the call advances it as one small random op would);
+#   - replica i's generator is seeded with (s + i) mod 2**32 (torch's CPU
+#     generator, an mt19937, keeps 32 bits of a seed);
+#   - in replica i's thread a TorchFunctionMode hands that generator to the
+#     random functions that take one (generator=None given), runs F.dropout
+#     and F.alpha_dropout with it (as torch computes them on the CPU), and runs
+#     the random functions that take none (_WITHOUT_GENERATOR: F.dropout1d/2d/3d,
+#     feature alpha dropout, rrelu, gumbel_softmax, fractional max pooling,
+#     scaled_dot_product_attention and multi_head_attention_forward with
+#     dropout) one at a time, with the default generator's state swapped for
+#     the replica's around each.
+# Same seed, same call: same outputs whatever thread runs first, for any
+# number of replicas. Not covered: random functions outside this table that
+# take no generator (they draw from the default generator in thread order),
+# and draws made by other threads while a swapped function runs. With one
+# replica, or replicas on GPUs, nothing changes (the replica draws as torch
+# would). DPMINI_TORCH_RNG=0 turns the rule off (read at every call).
+import os
+import threading
+
+import torch.nn.functional as _F
+from torch.overrides import TorchFunctionMode as _TorchFunctionMode
+
+_rng_local = threading.local()   # .generator: this replica thread's own
+_swap_lock = threading.Lock()    # one swapped random function at a time
+
+
+def _pass_generator(generator, func, args, kwargs):
+    """Random functions with a generator argument: use the replica's."""
+    if kwargs.get("generator") is None:
+        kwargs = dict(kwargs, generator=generator)
+    return func(*args, **kwargs)
+
+
+def _bound(func, args, kwargs, names, defaults):
+    """(value of each name) from a call of func(*args, **kwargs)."""
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    return [values.get(n, d) for n, d in zip(names, defaults)]
+
+
+def _dropout(generator, func, args, kwargs, alpha=False):
+    """F.dropout / F.alpha_dropout with the replica's generator, computed as
+    torch computes them on the CPU (at::native dropout: a Bernoulli(1 - p)
+    noise tensor, scaled; for alpha dropout, SELU's affine correction).
+    Without a draw (not training, p 0 or 1, an empty input, a bad p): torch's
+    own function."""
+    x, p, training, inplace = _bound(func, args, kwargs, ("input", "p", "training", "inplace"),
+                                     (None, 0.5, True, False))
+    if not isinstance(x, torch.Tensor) or type(p) not in (int, float) or \
+            not training or not 0 < p < 1 or x.numel() == 0:
+        return func(*args, **kwargs)
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    if not alpha:
+        noise.div_(1 - p)
+        return x.mul_(noise) if inplace else x * noise
+    a_selu = 1.7580993408473766
+    a = 1.0 / ((a_selu * a_selu * p + 1) * (1 - p)) ** 0.5
+    b = noise.add(-1).mul_(a_selu * a).add_(a_selu * a * p)
+    noise.mul_(a)
+    return (x.mul_(noise) if inplace else x * noise).add_(b)
+
+
+def _alpha_dropout(generator, func, args, kwargs):
+    return _dropout(generator, func, args, kwargs, alpha=True)
+
+
+def _swapped(generator, func, args, kwargs):
+    """A random function that takes no generator: run with the default CPU
+    generator holding the replica's state, one at a time, then the replica's
+    generator takes the advanced state and the default one gets its own back."""
+    default = torch.default_generator
+    with _swap_lock:
+        own = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            generator.set_state(default.get_state())
+            default.set_state(own)
+
+
+def _random_table():
+    """{torch function: how a replica runs it}."""
+    table = {}
+    with_generator = [
+        torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
+        torch.randn_like, torch.randint_like, torch.normal, torch.bernoulli,
+        torch.multinomial, torch.poisson, torch.rrelu, torch.rrelu_,
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_,
+        torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
+        torch.Tensor.cauchy_, torch.Tensor.bernoulli_, torch.Tensor.bernoulli,
+        torch.Tensor.multinomial,
+    ]
+    for name in ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"):
+        f = getattr(torch.nn.init, name, None)
+        if f is not None and "generator" in f.__code__.co_varnames:
+            with_generator.append(f)
+    for f in with_generator:
+        table[f] = _pass_generator
+    table[_F.dropout] = _dropout
+    table[_F.alpha_dropout] = _alpha_dropout
+    for name in _WITHOUT_GENERATOR:
+        f = getattr(_F, name, None)
+        if f is not None:
+            table[f] = _swapped
+    for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                 "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"):
+        table[getattr(torch, name)] = _swapped
+    return table
+
+
+_WITHOUT_GENERATOR = (
+    "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "rrelu", "rrelu_",
+    "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
+    "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
+    "scaled_dot_product_attention", "multi_head_attention_forward",
+)
+_RANDOM = {}
+
+
+class _ReplicaRandom(_TorchFunctionMode):
+    """In one replica thread: random functions draw from the replica's
+    generator (the rule above)."""
+
+    def __init__(self, generator):
+        super().__init__()
+        self.generator = generator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        how = _RANDOM.get(func)
+        if how is None:
+            return func(*args, **(kwargs or {}))
+        return how(self.generator, func, args, kwargs or {})
+
+
+def _call_seed(devices):
+    """The number this call draws from the default CPU generator, or None
+    when its replicas need no generators of their own (fewer than two on
+    virtual CPU devices, or DPMINI_TORCH_RNG=0)."""
+    if sum(d.type == "cpu" for d in devices) < 2 or \
+            os.environ.get("DPMINI_TORCH_RNG", "1").strip() == "0":
+        return None
+    if not _RANDOM:
+        _RANDOM.update(_random_table())
+    return int(torch.randint(0, 2**32, (), dtype=torch.int64))
+
+
+def _enter_random(seed):
+    """Make this replica thread draw from its own generator seeded with seed;
+    returns the function that ends it."""
+    g = getattr(_rng_local, "generator", None)
+    if g is None:
+        g = _rng_local.generator = torch.Generator()
+    g.manual_seed(seed % 2**32)
+    mode = _ReplicaRandom(g)
+    mode.__enter__()
+    return lambda: mode.__exit__(None, None, None)
 
 
 register_replica_context(_replica_context)
