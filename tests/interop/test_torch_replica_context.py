@@ -127,3 +127,102 @@ def test_autocast_cache_is_cleared_when_the_replica_leaves(torch):
     assert want.dtype == torch.float16
     assert all(torch.equal(a, want) for a in after)
     assert not torch.equal(after[0], before[0])
+
+
+# --- reproducible random numbers (README "PyTorch": the rule) ---------------
+
+def dropout_model(torch):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(),
+                            torch.nn.Linear(32, 8), torch.nn.AlphaDropout(0.2),
+                            torch.nn.Dropout1d(0.3))
+    return m.train()
+
+
+def seeded_runs(torch, fn, seed, repeats=6):
+    outs = []
+    for _ in range(repeats):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs.append(fn())
+    return outs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_same_seed_same_dropout_masks_over_repeats(torch, n):
+    m = dropout_model(torch)
+    x = torch.randn(24, 8)
+    devs = [f"cpu:{i}" for i in range(n)]
+
+    def call():
+        return dpmini.DataParallel(m, devs)(x)
+    outs = seeded_runs(torch, call, 7)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    other = seeded_runs(torch, call, 8, repeats=1)[0]
+    assert not torch.equal(other, outs[0])
+
+
+def test_random_functions_in_replicas_are_reproducible_whichever_thread_runs_first(torch):
+    import time
+
+    def replica(x, delay):
+        time.sleep(delay)   # changes which thread draws first
+        return torch.cat([torch.rand(3), torch.randn(3), torch.empty(3).uniform_(),
+                          torch.randint(0, 100, (3,)).float(),
+                          torch.nn.functional.dropout(torch.ones(3), 0.5),
+                          torch.nn.functional.rrelu(-torch.ones(3), training=True),
+                          torch.nn.functional.gumbel_softmax(torch.zeros(3)),
+                          torch.nn.functional.dropout1d(torch.ones(1, 3, 1), 0.5)[0, :, 0]])
+
+    def call(delays):
+        return dpmini.parallel_apply([replica] * 3, [(i, d) for i, d in enumerate(delays)],
+                                     devices=["cpu:0", "cpu:1", "cpu:2"])
+    a = seeded_runs(torch, lambda: call([0.0, 0.02, 0.04]), 5, repeats=1)[0]
+    b = seeded_runs(torch, lambda: call([0.04, 0.02, 0.0]), 5, repeats=1)[0]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # each replica draws its own numbers
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[1], a[2])
+
+
+def test_replica_dropout_equals_torchs_own_with_the_replicas_generator_state(torch):
+    # F.dropout in a replica is computed as torch computes it: the same mask
+    # torch's dropout draws from a default generator in the replica's state
+    x = torch.randn(5, 7)
+    seen = {}
+
+    def replica(i):
+        seen[i] = torch.nn.functional.dropout(x, 0.3)
+        return i
+    torch.manual_seed(11)
+    dpmini.parallel_apply([replica, replica], [(0,), (1,)], devices=DEVS)
+    torch.manual_seed(11)
+    s = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+    for i in (0, 1):
+        g = torch.Generator().manual_seed((s + i) % 2**32)
+        own = torch.default_generator.get_state()
+        torch.default_generator.set_state(g.get_state())
+        try:
+            want = torch.nn.functional.dropout(x, 0.3)
+        finally:
+            torch.default_generator.set_state(own)
+        assert torch.equal(seen[i], want)
+
+
+def test_one_replica_draws_as_the_caller_would(torch):
+    m = dropout_model(torch)
+    x = torch.randn(6, 8)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        got = dpmini.DataParallel(m, ["cpu:1"])(x)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        want = m(x)
+    assert torch.equal(got, want)
+
+
+def test_rng_rule_off_leaves_replicas_on_the_default_generator(torch, monkeypatch):
+    monkeypatch.setenv("DPMINI_TORCH_RNG", "0")
+    state = torch.default_generator.get_state()
+    dpmini.parallel_apply([lambda _: 0] * 2, [(0,), (1,)], devices=DEVS)
+    # no draw for the call: the caller's generator did not move
+    assert torch.equal(torch.default_generator.get_state(), state)
