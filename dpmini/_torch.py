@@ -77,7 +77,7 @@ class _ReplicaCall:
         self.threads = torch.get_num_threads()
         per = _blas.threads_per_replica(sum(d.type == "cpu" for d in devices))
         self.limit = self.threads if per is None else min(self.threads, per)
-        self.seed = _call_seed(devices)   # last: a draw, once the rest is read
+        self.seed = _call_seed(devices)
 
     def enter(self, index, device):
         """Set the caller's state in this replica thread (replica `index` on
@@ -105,7 +105,7 @@ class _ReplicaCall:
             # process-wide one again (it was the caller's before the call)
             undo.append(lambda: torch.set_num_threads(self.threads))
         if self.seed is not None and device.type == "cpu":
-            undo.append(_enter_random(self.seed + index))
+            undo.append(_enter_random(self.seed, index))
         return _Undo(undo)
 
 
@@ -168,8 +168,10 @@ def _replica_context(devices):
 # order their threads run. So, as each GPU has its own generator, each replica
 # of a call that runs two or more replicas on virtual CPU devices draws from a
 # generator of its own:
-#   - the call draws one number s from torch's default CPU generator on the
-#     caller's thread (the call advances it as one small random op would);
+#   - the call draws one number s from torch's default CPU generator (it
+#     advances it as one small random op, torch.randint, would), when the
+#     first of its replicas runs a random function: a call whose replicas draw
+#     nothing leaves the caller's generator as it was;
 #   - replica i's generator is seeded with (s + i) mod 2**32 (torch's CPU
 #     generator, an mt19937, keeps 32 bits of a seed);
 #   - in replica i's thread a TorchFunctionMode hands that generator to the
@@ -192,7 +194,7 @@ import threading
 import torch.nn.functional as _F
 from torch.overrides import TorchFunctionMode as _TorchFunctionMode
 
-_rng_local = threading.local()   # .generator: this replica thread's own
+_rng_local = threading.local()   # .mode: this replica thread's _ReplicaRandom
 _swap_lock = threading.Lock()    # one swapped random function at a time
 
 
@@ -291,43 +293,74 @@ _WITHOUT_GENERATOR = (
 _RANDOM = {}
 
 
+class _CallSeed:
+    """The number a call draws from the default CPU generator, drawn by the
+    first of its replicas that runs a random function (a call whose replicas
+    draw nothing leaves the caller's generator as it was). Replicas of the
+    call are the only threads drawing from the default generator meanwhile
+    (the caller waits), so whichever draws it, it is the same number."""
+
+    __slots__ = ("value", "lock")
+
+    def __init__(self):
+        self.value = None
+        self.lock = threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.value is None:
+                self.value = int(torch.randint(0, 2**32, (1,), dtype=torch.int64)[0])
+            return self.value
+
+
 class _ReplicaRandom(_TorchFunctionMode):
-    """In one replica thread: random functions draw from the replica's
-    generator (the rule above)."""
+    """In one replica thread: random functions draw from the replica's own
+    generator (the rule above), seeded at the first of them."""
 
     def __init__(self, generator):
         super().__init__()
         self.generator = generator
+        self.call = None      # the _CallSeed of the call being run
+        self.index = 0        # the replica's index in that call
+        self.seeded = False
+
+    def start(self, call, index):
+        self.call, self.index, self.seeded = call, index, False
+        self.__enter__()
+
+    def leave(self):
+        self.__exit__(None, None, None)
+        self.call = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         how = _RANDOM.get(func)
         if how is None:
             return func(*args, **(kwargs or {}))
+        if not self.seeded:
+            self.generator.manual_seed((self.call.get() + self.index) % 2**32)
+            self.seeded = True
         return how(self.generator, func, args, kwargs or {})
 
 
 def _call_seed(devices):
-    """The number this call draws from the default CPU generator, or None
-    when its replicas need no generators of their own (fewer than two on
-    virtual CPU devices, or DPMINI_TORCH_RNG=0)."""
+    """The call's _CallSeed, or None when its replicas need no generators of
+    their own (fewer than two on virtual CPU devices, or DPMINI_TORCH_RNG=0)."""
     if sum(d.type == "cpu" for d in devices) < 2 or \
             os.environ.get("DPMINI_TORCH_RNG", "1").strip() == "0":
         return None
     if not _RANDOM:
         _RANDOM.update(_random_table())
-    return int(torch.randint(0, 2**32, (), dtype=torch.int64))
+    return _CallSeed()
 
 
-def _enter_random(seed):
-    """Make this replica thread draw from its own generator seeded with seed;
-    returns the function that ends it."""
-    g = getattr(_rng_local, "generator", None)
-    if g is None:
-        g = _rng_local.generator = torch.Generator()
-    g.manual_seed(seed % 2**32)
-    mode = _ReplicaRandom(g)
-    mode.__enter__()
-    return lambda: mode.__exit__(None, None, None)
+def _enter_random(call, index):
+    """Make this replica thread (replica `index` of the call) draw from a
+    generator of its own; returns the function that ends it."""
+    mode = getattr(_rng_local, "mode", None)
+    if mode is None:   # one generator and mode per thread, kept between calls
+        mode = _rng_local.mode = _ReplicaRandom(torch.Generator())
+    mode.start(call, index)
+    return mode.leave
 
 
 register_replica_context(_replica_context)

@@ -226,3 +226,16 @@ def test_rng_rule_off_leaves_replicas_on_the_default_generator(torch, monkeypatc
     dpmini.parallel_apply([lambda _: 0] * 2, [(0,), (1,)], devices=DEVS)
     # no draw for the call: the caller's generator did not move
     assert torch.equal(torch.default_generator.get_state(), state)
+
+
+def test_a_call_advances_the_callers_generator_once_if_its_replicas_draw(torch):
+    # one torch.randint draw when a replica runs a random function, none else
+    torch.manual_seed(9)
+    dpmini.parallel_apply([lambda _: torch.rand(2)] * 2, [(0,), (1,)], devices=DEVS)
+    after_draws = torch.default_generator.get_state()
+    torch.manual_seed(9)
+    torch.randint(0, 2**32, (1,), dtype=torch.int64)
+    assert torch.equal(after_draws, torch.default_generator.get_state())
+    state = torch.default_generator.get_state()
+    dpmini.parallel_apply([lambda _: torch.ones(2)] * 2, [(0,), (1,)], devices=DEVS)
+    assert torch.equal(torch.default_generator.get_state(), state)
