@@ -293,6 +293,16 @@ _WITHOUT_GENERATOR = (
 _RANDOM = {}
 
 
+def _on_cpu(args, kwargs):
+    """Does a random function called with args, kwargs draw on the CPU? (its
+    first argument's device when it is a tensor, else its device= argument)"""
+    first = args[0] if args else kwargs.get("input")
+    if isinstance(first, torch.Tensor):
+        return first.device.type == "cpu"
+    device = kwargs.get("device")
+    return device is None or torch.device(device).type == "cpu"
+
+
 class _CallSeed:
     """The number a call draws from the default CPU generator, drawn by the
     first of its replicas that runs a random function (a call whose replicas
@@ -334,12 +344,14 @@ class _ReplicaRandom(_TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         how = _RANDOM.get(func)
-        if how is None:
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if how is None or not _on_cpu(args, kwargs):
+            # random draws on a GPU use that GPU's own generator, as in torch
+            return func(*args, **kwargs)
         if not self.seeded:
             self.generator.manual_seed((self.call.get() + self.index) % 2**32)
             self.seeded = True
-        return how(self.generator, func, args, kwargs or {})
+        return how(self.generator, func, args, kwargs)
 
 
 def _call_seed(devices):

@@ -239,3 +239,30 @@ def test_a_call_advances_the_callers_generator_once_if_its_replicas_draw(torch):
     state = torch.default_generator.get_state()
     dpmini.parallel_apply([lambda _: torch.ones(2)] * 2, [(0,), (1,)], devices=DEVS)
     assert torch.equal(torch.default_generator.get_state(), state)
+
+
+def test_attention_dropout_without_a_generator_argument_is_reproducible(torch):
+    # scaled_dot_product_attention and nn.MultiheadAttention take no
+    # generator: they run with the default generator in the replica's state
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True).train()
+    q = torch.randn(4, 5, 8)
+
+    def replica(x):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+        return sdpa, mha(x, x, x, need_weights=False)[0]
+
+    def call():
+        return dpmini.parallel_apply([replica] * 2, [(q[:2],), (q[2:],)], devices=DEVS)
+    outs = seeded_runs(torch, call, 21, repeats=4)
+    for o in outs[1:]:
+        assert all(torch.equal(a, b) for r, s in zip(o, outs[0]) for a, b in zip(r, s))
+    other = seeded_runs(torch, call, 22, repeats=1)[0]
+    assert not torch.equal(other[0][0], outs[0][0][0])
+
+
+def test_a_replica_error_in_a_random_function_is_its_error(torch):
+    def replica(_):
+        return torch.nn.functional.dropout(torch.ones(3), p=1.5)
+    with pytest.raises(ValueError, match="(?s)Caught ValueError in replica 0.*dropout probability has to be"):
+        dpmini.parallel_apply([replica] * 2, [(0,), (1,)], devices=DEVS)
