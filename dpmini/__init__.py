@@ -29,9 +29,11 @@ from ._dpmini import (
     memory_allocated,
     memory_reserved,
     parallel_apply,
+    register_replica_context,
     replicate,
     scatter,
     scatter_kwargs,
+    unregister_replica_context,
 )
 from ._plan import Plan, explain
 
@@ -53,6 +55,8 @@ __all__ = [
     "gather",
     "replicate",
     "parallel_apply",
+    "register_replica_context",
+    "unregister_replica_context",
     "explain",
     "Plan",
     "comm",

@@ -36,7 +36,7 @@ whichever thread calls DataParallel.
 """
 import os
 
-_state = {"controller": None, "missing": False, "cores": 1, "pools": ()}
+_state = {"controller": None, "missing": False, "cores": 1, "pools": (), "cores_read": None}
 
 
 def _cores():
@@ -79,6 +79,21 @@ def _direct(lib):
     except Exception:   # a threadpoolctl without _get_symbol: its public methods
         return None
     return (get, put) if get is not None and put is not None else None
+
+
+def threads_per_replica(replicas):
+    """The thread count each of `replicas` replicas running at once on virtual
+    CPU devices may use: max(1, cores // replicas), cores being the CPUs this
+    process may run on (sched_getaffinity). None when nothing is to be limited:
+    fewer than 2 replicas, or DPMINI_BLAS_LIMIT=0 in the environment (read at
+    every call). The rule of :func:`limit`, also used for torch's intra-op
+    threads (dpmini/_torch.py, which sets them per replica thread)."""
+    if replicas < 2 or os.environ.get("DPMINI_BLAS_LIMIT", "1").strip() == "0":
+        return None
+    cores = _state.get("cores_read")
+    if cores is None:
+        cores = _state["cores_read"] = _cores()   # a system call: taken once
+    return max(1, cores // int(replicas))
 
 
 def limit(replicas):

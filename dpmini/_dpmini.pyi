@@ -248,6 +248,13 @@ def parallel_apply(
     kwargs_tup: Sequence[Mapping[str, Any]] | None = None,
     devices: Sequence[DeviceLike | None] | None = None,
 ) -> list[Any]: ...
+def register_replica_context(
+    provider: Callable[
+        [tuple[Device, ...]],
+        Callable[[int, Device], Callable[[], object] | None] | None,
+    ],
+) -> None: ...
+def unregister_replica_context(provider: Callable[..., Any]) -> bool: ...
 def asarray(obj: Any, device: DeviceLike | None = None) -> _AnyArray: ...
 def empty(
     shape: int | Sequence[int],

@@ -50,42 +50,59 @@ def test_64_replicas_waiting_on_one_barrier_all_run():
     """)
 
 
-def test_each_replica_sees_its_device_its_context_copy_and_the_caller_grad_mode():
-    # a fake torch whose grad mode is per thread, as torch's is: every
-    # replica sees the caller's no_grad although the replicas before it on
-    # the same thread turned grad mode on and set the context variable
+def test_each_replica_sees_its_device_its_context_copy_and_the_caller_thread_state():
+    # per-thread state (as torch's grad mode is) carried by a registered
+    # replica context: every replica sees the caller's value although the
+    # replicas before it on the same thread set another, and each worker
+    # thread has its own value back after the call
     run("""
-    import types
     tl = threading.local()
-    torch = types.ModuleType("torch")
-    torch.is_grad_enabled = lambda: getattr(tl, "on", True)
-    def set_grad_enabled(on):
-        tl.on = bool(on)
-    torch.set_grad_enabled = set_grad_enabled
-    torch.is_autocast_enabled = lambda device_type: False
-    sys.modules["torch"] = torch
+    entered = []
+
+    def provider(devices):
+        assert len(devices) == 64
+        caller = getattr(tl, "mode", "unset")
+        def enter(i, device):
+            prev = getattr(tl, "mode", "unset")
+            tl.mode = caller
+            entered.append((i, str(device)))
+            def leave():
+                tl.mode = prev
+            return leave
+        return enter
+    dpmini.register_replica_context(provider)
 
     var = contextvars.ContextVar("var", default="unset")
     var.set("caller")
-    torch.set_grad_enabled(False)
+    tl.mode = "caller's"
 
     seen = {}
 
     def replica(x):
         k = int(x[0, 0])
-        seen[k] = (str(dpmini.device_of(x)), var.get(), torch.is_grad_enabled())
+        seen[k] = (str(dpmini.device_of(x)), var.get(), tl.mode)
         var.set(f"replica {k}")
-        torch.set_grad_enabled(True)
+        tl.mode = f"replica {k}"
         return x
 
     for rnd in range(6):
         seen.clear()
+        entered.clear()
         out = dpmini.DataParallel(replica, device_ids=D)(X)
         assert np.array_equal(out, X)
-        assert seen == {k: (f"cpu:{k}", "caller", False) for k in range(64)}, seen
-        assert var.get() == "caller" and torch.is_grad_enabled() is False
+        assert seen == {k: (f"cpu:{k}", "caller", "caller's") for k in range(64)}, seen
+        assert sorted(entered) == [(k, f"cpu:{k}") for k in range(64)], entered
+        assert var.get() == "caller" and tl.mode == "caller's"
         if rnd % 2:
             time.sleep(0.05)
+    # each worker thread had "unset" before the first call: so it has now
+    back = dpmini.parallel_apply([lambda x: getattr(tl, "mode", "unset")] * 64,
+                                 [(X[k],) for k in range(64)], devices=D)
+    assert dpmini.unregister_replica_context(provider) is True
+    assert dpmini.unregister_replica_context(provider) is False
+    after = dpmini.parallel_apply([lambda x: getattr(tl, "mode", "unset")] * 64,
+                                  [(X[k],) for k in range(64)], devices=D)
+    assert set(back) == {"caller's"} and set(after) == {"unset"}, (back, after)
     print("OK")
     """)
 

@@ -6,7 +6,8 @@
  * parallel_apply: replica i runs on a persistent worker thread of its device
  * (a device has more than one when its jobs overlap, pool.h),
  * which takes the GIL and enters a copy of the caller's contextvars context
- * (the analogue of PyTorch copying grad mode, spec 6.2). The caller waits
+ * and the replica contexts that libraries registered (torch's grad mode,
+ * autocast, streams: spec 6.2; parallel_apply_context.c). The caller waits
  * with the GIL released, in 50 ms slices so that Ctrl-C still works.
  *
  * Ctrl-C: the caller sends the KeyboardInterrupt to the running replicas
@@ -20,7 +21,8 @@
  *
  * Sections: types; helpers (the worker, running a batch). A replica's
  * exception is taken and re-raised in parallel_apply_errors.c; arguments and
- * the entry points are in parallel_apply_entry.c.
+ * the entry points are in parallel_apply_entry.c; the replica contexts in
+ * parallel_apply_context.c.
  */
 #include "dpmini.h"
 #include "dataparallel.h"
@@ -109,7 +111,9 @@ void job_clear(apply_job *job)
     Py_CLEAR(job->args);
     Py_CLEAR(job->kwargs);
     Py_CLEAR(job->ctx);
-    Py_CLEAR(job->torch_autocast);
+    Py_CLEAR(job->ctx_enters);
+    Py_CLEAR(job->ctx_device);
+    Py_CLEAR(job->ctx_exits);
     Py_CLEAR(job->numpy_handler);
     Py_CLEAR(job->result);
     Py_CLEAR(job->exc);
@@ -166,60 +170,93 @@ static void apply_job_main(void *arg)
     }
 }
 
-/* Runs job in a worker thread (GIL held): enters the caller's context copy,
- * calls the replica, records the outcome. */
+/* The replica's device made current (a GPU: CuPy / PyTorch code in the
+ * module then allocates and launches on its device), the caller's
+ * contextvars context copy and NumPy allocator entered, then the replica
+ * contexts (parallel_apply_context.c). 0, or -1 with the error raised and
+ * nothing left entered. */
+static int enter_replica(apply_job *job)
+{
+    dpc_status cs = job->dev.kind == DP_CUDA ? dpc_set_device(job->dev.index) : dpc_ok();
+    if (cs.code != 0) {
+        PyObject *mod = PyImport_ImportModule("dpmini._dpmini");
+        if (mod != NULL) {
+            dp_gpu_raise(dp_state_from_module(mod), cs, "replica: make the GPU current");
+            Py_DECREF(mod);
+        }
+        return -1;
+    }
+    if (PyContext_Enter(job->ctx) < 0) {
+        return -1;
+    }
+    if (dp_numpy_allocator_enter(job->numpy_handler) < 0 || contexts_enter(job) < 0) {
+        PyObject *e = replica_take_exception();
+        (void)PyContext_Exit(job->ctx);
+        restore_exception(e);
+        return -1;
+    }
+    return 0;
+}
+
+/* Keep the first error of a job: the one pending now becomes its exception
+ * when it has none (its result dropped), else it is dropped. */
+static void keep_first_error(apply_job *job)
+{
+    PyObject *e = replica_take_exception();
+    if (job->exc == NULL) {
+        Py_CLEAR(job->result);
+        job->exc = e;
+    } else {
+        Py_DECREF(e);
+    }
+}
+
+/* Undo enter_replica: the replica contexts left (an exit's error, when the
+ * replica itself did not fail, is its error), then the context copy. */
+static void leave_replica(apply_job *job)
+{
+    if (contexts_exit(job) < 0) {
+        if (job->exc != NULL) {
+            PyErr_WriteUnraisable(job->module);
+        } else {
+            keep_first_error(job);
+        }
+    }
+    if (PyContext_Exit(job->ctx) < 0) {
+        keep_first_error(job);
+    }
+}
+
+/* Runs job in a worker thread (GIL held): enters the caller's context copy
+ * and the replica contexts, calls the replica, records the outcome, leaves
+ * them again. A Ctrl-C reaches the replica only while JOB_RUNNING: one that
+ * comes while the contexts are entered cancels the call, and none is sent
+ * while they are left (JOB_LEAVING), so the exits always run whole. */
 static void run_job(apply_job *job, int *wl)
 {
     if (!job->cancelled) {
         job->ident = PyThread_get_thread_ident();
-        job->state = JOB_RUNNING;
         wl[WL_DEPTH]++;
-        /* A replica on a GPU runs with that GPU current, so CuPy / PyTorch
-         * code in the module allocates and launches on its device. */
-        dpc_status cs = job->dev.kind == DP_CUDA ? dpc_set_device(job->dev.index) : dpc_ok();
-        if (cs.code != 0) {
-            PyObject *mod = PyImport_ImportModule("dpmini._dpmini");
-            if (mod != NULL) {
-                dp_gpu_raise(dp_state_from_module(mod), cs, "replica: make the GPU current");
-                Py_DECREF(mod);
-            }
+        if (enter_replica(job) < 0) {
             job->exc = replica_take_exception();
-        } else if (PyContext_Enter(job->ctx) < 0) {
-            job->exc = replica_take_exception();
-        } else if (dp_numpy_allocator_enter(job->numpy_handler) < 0) {
-            job->exc = replica_take_exception();
-            (void)PyContext_Exit(job->ctx);
         } else {
-            /* torch's grad mode is per thread: carry the caller's over, as
-             * torch.nn.parallel.parallel_apply does. */
-            int prev = job->torch_no_grad ? dp_torch_set_grad(0) : -1;
-            int cast = job->torch_autocast != NULL && dp_torch_autocast_enter(job->torch_autocast);
-            job->result = PyObject_Call(job->module, job->args, job->kwargs);
-            if (cast) {
-                dp_torch_autocast_exit(job->torch_autocast);
-            }
-            if (job->result == NULL) {
-                job->exc = replica_take_exception();
-            }
-            if (prev >= 0) {
-                dp_torch_set_grad(prev);
-            }
-            if (PyContext_Exit(job->ctx) < 0) {
-                PyObject *e = replica_take_exception();
-                if (job->exc == NULL) {
-                    Py_CLEAR(job->result);
-                    job->exc = e;
-                } else {
-                    Py_DECREF(e);
+            if (!job->cancelled) {
+                job->state = JOB_RUNNING;
+                job->result = PyObject_Call(job->module, job->args, job->kwargs);
+                job->state = JOB_LEAVING;
+                if (job->result == NULL) {
+                    job->exc = replica_take_exception();
                 }
             }
+            if (job->interrupted) {
+                /* An injected exception that arrived after the call
+                 * returned must not fire in the exits or in this worker's
+                 * next job. */
+                PyThreadState_SetAsyncExc(job->ident, NULL);
+            }
+            leave_replica(job);
         }
         wl[WL_DEPTH]--;
-        if (job->interrupted) {
-            /* An injected exception that arrived after the call returned
-             * must not fire in this worker's next job. */
-            PyThreadState_SetAsyncExc(job->ident, NULL);
-        }
     }
     job->state = JOB_DONE;
     if (job->abandoned) {
@@ -412,18 +449,25 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         jobs = run->jobs;
         dp_pool_set_exit_hook(worker_exit);
     }
-    PyObject *blas = blas_limit(jobs, m, nested);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        jobs[i].index = i;
+    }
+    /* The replica contexts are captured before the BLAS pools are cut: a
+     * provider that reads a thread count reads the caller's own. */
+    PyObject *blas = NULL;
+    if (have_batch && contexts_capture(st, jobs, m) < 0) {
+        run_end(run, caller_jobs, m);
+        return NULL;
+    }
+    blas = blas_limit(jobs, m, nested);
     if (blas == NULL) {
         if (have_batch) {
             run_end(run, caller_jobs, m);
         }
         return NULL;
     }
-    /* Queue the worker jobs first, then run the inline ones meanwhile. The
-     * caller's torch grad mode and autocast are read once (they cannot
-     * change while this loop holds the GIL); each job gets its own autocast
-     * object, entered in its own thread. */
-    int torch_no_grad = -1, torch_cast = -1, numpy_alloc = -1;
+    /* Queue the worker jobs first, then run the inline ones meanwhile. */
+    int numpy_alloc = -1;
     for (Py_ssize_t i = 0; i < m && abort == NULL; i++) {
         apply_job *job = &jobs[i];
         if (!job->on_worker) {
@@ -442,18 +486,11 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             }
         }
         if (job->ctx == NULL) {
-            /* taken at once: the torch lookups below clear any error */
             job->on_worker = 0;
             job->cancelled = 1;
             abort = replica_take_exception();
             break;
         }
-        if (torch_no_grad < 0) {
-            torch_no_grad = dp_torch_grad_enabled() == 0;
-        }
-        job->torch_no_grad = torch_no_grad;
-        job->torch_autocast = torch_cast != 0 ? dp_torch_autocast_carry() : NULL;
-        torch_cast = job->torch_autocast != NULL;
         int rc;
         if (job->dev.kind == DP_VCPU) {
             job->chained = 1;

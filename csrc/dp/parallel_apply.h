@@ -21,7 +21,12 @@
  * PyMem); run_jobs moves it into heap memory shared with the workers while
  * they run it, and back when they are done (or leaves it to a worker whose
  * replica ignores Ctrl-C: `abandoned`). */
-enum { JOB_QUEUED = 0, JOB_RUNNING = 1, JOB_DONE = 2 };
+enum {
+    JOB_QUEUED = 0,   /* not started, or entering its contexts: a Ctrl-C cancels it */
+    JOB_RUNNING = 1,  /* the replica runs: a Ctrl-C is raised in its thread     */
+    JOB_LEAVING = 2,  /* the replica returned; its contexts are being left      */
+    JOB_DONE = 3,
+};
 
 typedef struct apply_run apply_run;
 
@@ -42,10 +47,12 @@ typedef struct {
     int abandoned;         /* caller (GIL held): gave up waiting (Ctrl-C); the
                               worker drops the job's references when it ends */
     PyInterpreterState *interp; /* the caller's interpreter (worker jobs)     */
-    int torch_no_grad;     /* the caller runs under torch.no_grad(): so does
-                              the worker's call (interop.c)                   */
-    PyObject *torch_autocast; /* owned: the caller's CPU autocast, entered
-                              around the worker's call, or NULL               */
+    Py_ssize_t index;      /* the replica's position in the call              */
+    PyObject *ctx_enters;  /* owned: tuple of the replica context enters of
+                              the call (worker jobs), or NULL: none           */
+    PyObject *ctx_device;  /* owned: the replica's dpmini.Device, with ctx_enters */
+    PyObject *ctx_exits;   /* owned: tuple of the exits enter returned (None
+                              entries), while the contexts are entered        */
     PyObject *numpy_handler; /* owned: NumPy's allocator in the worker's call
                               (numpy_allocator.c; None: NumPy's own), or NULL */
     int chained;           /* a worker job on a virtual CPU device: queued
@@ -105,6 +112,20 @@ void restore_exception(PyObject *exc);
 /* parallel_apply_errors.c: raise replica i's exception exc (borrowed) as
  * "Caught T in replica i on device d." (spec 6.5). */
 void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_device dev);
+/* parallel_apply_context.c: call the registered replica context providers
+ * once (the caller's thread, GIL held, before any job is queued) and give
+ * each worker job its enters and device; 0, or -1 with the provider's error
+ * raised. Loads the torch adapter first when torch is imported. */
+int contexts_capture(dp_state *st, apply_job *jobs, Py_ssize_t m);
+/* parallel_apply_context.c: in the job's worker thread, before its replica
+ * runs: enter(job->index, device) for each enter; 0, or -1 with the error
+ * raised (the contexts entered before it are left again). */
+int contexts_enter(apply_job *job);
+/* parallel_apply_context.c: after the replica (returned, raised or was
+ * skipped): the exits in reverse order; 0, or -1 with the first error raised
+ * (later ones go to sys.unraisablehook). Does nothing when none is entered. */
+int contexts_exit(apply_job *job);
+
 /* parallel_apply.c: run jobs[0..m) (on device workers or inline) and wait;
  * the list of results, or NULL with the first replica's error raised. */
 PyObject *run_jobs(dp_state *st, apply_job *jobs, Py_ssize_t m);

@@ -177,6 +177,7 @@ static int dp_exec(PyObject *m)
         PyModule_AddFunctions(m, dp_plan_methods) < 0 ||
         PyModule_AddFunctions(m, dp_replicate_methods) < 0 ||
         PyModule_AddFunctions(m, dp_parallel_apply_methods) < 0 ||
+        PyModule_AddFunctions(m, dp_replica_context_methods) < 0 ||
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
         add_test_api(m) < 0 ||

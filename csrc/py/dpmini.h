@@ -73,6 +73,12 @@ typedef struct dp_state {
     PyObject *numpy_handlers;        /* list by virtual CPU device index: its
                                         NumPy allocator capsule or None; NULL
                                         until first used (numpy_allocator.c) */
+    PyObject *replica_contexts;      /* tuple of the registered replica context
+                                        providers, replaced (never mutated) on
+                                        each change; NULL: none
+                                        (dp/parallel_apply_context.c) */
+    int torch_context_loaded;        /* 1 once a call found torch imported and
+                                        loaded its adapter (interop_torch.c) */
     /* A copy of src (any device) on dev, synchronously; a new shadow or
      * ndarray. The engine's dp_copy_to_device, set by module init: py/
      * (array.c's Array.to, copy_to_host, __array__) copies through it
@@ -320,20 +326,14 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
 int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
                    const char *argname);
 
-/* torch.is_grad_enabled() in this thread: 1/0; -1 when torch is not
- * imported (never an exception). */
-int dp_torch_grad_enabled(void);
-
 /* torch.set_grad_enabled(on) in this thread; returns the previous mode (1/0),
  * or -1 when torch is not imported or the call failed (never an exception). */
 int dp_torch_set_grad(int on);
 
-/* The caller's CPU autocast state as a torch.autocast("cpu", dtype=...)
- * object (new reference) when it is enabled, else NULL with no exception.
- * enter returns 1 when entered; exit keeps a pending exception. */
-PyObject *dp_torch_autocast_carry(void);
-int dp_torch_autocast_enter(PyObject *cm);
-void dp_torch_autocast_exit(PyObject *cm);
+/* When torch is imported and its adapter not loaded yet: import
+ * dpmini._torch, which registers torch's replica context provider
+ * (parallel_apply_context.c). 0, or -1 with the import's error. */
+int dp_torch_context_load(dp_state *st);
 
 /* Is obj a torch.nn.Module instance (only looked up when torch.nn is
  * imported)? 1/0/-1. */

@@ -1,8 +1,9 @@
 /* interop_torch.c - what PyTorch needs beyond DLPack (docs/design.md,
  * "Arrays of other libraries"): the torch.nn.Module rule of replicate, and
- * torch's per-thread grad mode carried into the replica threads
- * (parallel_apply.c), as torch.nn.parallel.parallel_apply does. Everything
- * here looks torch up in sys.modules only: dpmini never imports torch.
+ * loading the torch adapter (dpmini/_torch.py), whose replica context
+ * carries torch's per-thread state into the replica threads (as
+ * torch.nn.parallel.parallel_apply does, spec 6.2). Everything here looks
+ * torch up in sys.modules only: dpmini never imports torch.
  */
 #include "dpmini.h"
 
@@ -224,10 +225,12 @@ PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_dev
 }
 
 /* ------------------------------------------------------------------ */
-/* torch's per-thread grad mode (parallel_apply.c)                     */
+/* torch's per-thread grad mode; its replica context                   */
 /* ------------------------------------------------------------------ */
 
-int dp_torch_grad_enabled(void)
+/* torch.is_grad_enabled() in this thread: 1/0; -1 when torch is not
+ * imported (never an exception). */
+static int torch_grad_enabled(void)
 {
     PyObject *torch = module_if_imported("torch");
     if (torch == NULL)
@@ -245,7 +248,7 @@ int dp_torch_set_grad(int on)
     PyObject *torch = module_if_imported("torch");
     if (torch == NULL)
         return -1;
-    int prev = dp_torch_grad_enabled();
+    int prev = torch_grad_enabled();
     PyObject *r = PyObject_CallMethod(torch, "set_grad_enabled", "O", on ? Py_True : Py_False);
     Py_DECREF(torch);
     Py_XDECREF(r);
@@ -253,57 +256,25 @@ int dp_torch_set_grad(int on)
     return r == NULL ? -1 : prev;
 }
 
-/* CPU autocast, carried like grad mode: torch.autocast("cpu", dtype=...) of
- * the caller's state when CPU autocast is enabled there, else NULL (no
- * error). torch.nn.parallel.parallel_apply enters autocast per replica. */
-PyObject *dp_torch_autocast_carry(void)
+/* What torch keeps per thread (grad mode, inference mode, autocast, the
+ * current CUDA streams, the intra-op thread count, the random numbers of
+ * replicas) is carried into the replicas by dpmini/_torch.py's provider,
+ * registered when that module is imported. A replica may use torch without
+ * a torch argument, so any call that finds torch imported loads it. */
+int dp_torch_context_load(dp_state *st)
 {
+    if (st->torch_context_loaded)
+        return 0;
     PyObject *torch = module_if_imported("torch");
     if (torch == NULL)
-        return NULL;
-    /* torch >= 2.4 takes the device type; older ones name the CPU state */
-    int old = 0;
-    PyObject *res = NULL, *on = PyObject_CallMethod(torch, "is_autocast_enabled", "s", "cpu");
-    if (on == NULL) {
-        PyErr_Clear();
-        old = 1;
-        on = PyObject_CallMethod(torch, "is_autocast_cpu_enabled", NULL);
-    }
-    if (on != NULL && PyObject_IsTrue(on) == 1) {
-        PyObject *dtype = old ? PyObject_CallMethod(torch, "get_autocast_cpu_dtype", NULL)
-                              : PyObject_CallMethod(torch, "get_autocast_dtype", "s", "cpu");
-        PyObject *ctor = dtype != NULL ? PyObject_GetAttrString(torch, "autocast") : NULL;
-        PyObject *args = ctor != NULL ? Py_BuildValue("(s)", "cpu") : NULL;
-        PyObject *kw = args != NULL ? Py_BuildValue("{s:O}", "dtype", dtype) : NULL;
-        if (kw != NULL)
-            res = PyObject_Call(ctor, args, kw);
-        Py_XDECREF(kw);
-        Py_XDECREF(args);
-        Py_XDECREF(ctor);
-        Py_XDECREF(dtype);
-    }
-    Py_XDECREF(on);
+        return 0;
     Py_DECREF(torch);
-    PyErr_Clear();
-    return res;
-}
-
-int dp_torch_autocast_enter(PyObject *cm)
-{
-    PyObject *r = PyObject_CallMethod(cm, "__enter__", NULL);
-    Py_XDECREF(r);
-    PyErr_Clear();
-    return r != NULL;
-}
-
-void dp_torch_autocast_exit(PyObject *cm)
-{
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    PyObject *r = PyObject_CallMethod(cm, "__exit__", "OOO", Py_None, Py_None, Py_None);
-    Py_XDECREF(r);
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
+    PyObject *adapter = PyImport_ImportModule("dpmini._torch");
+    if (adapter == NULL)
+        return -1;
+    Py_DECREF(adapter);
+    st->torch_context_loaded = 1;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ */

@@ -68,6 +68,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->KeyErrorMessage);
     Py_VISIT(st->origins);
     Py_VISIT(st->numpy_handlers);
+    Py_VISIT(st->replica_contexts);
     return 0;
 }
 
@@ -88,6 +89,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->KeyErrorMessage);
     Py_CLEAR(st->origins);
     Py_CLEAR(st->numpy_handlers);
+    Py_CLEAR(st->replica_contexts);
     return 0;
 }
 

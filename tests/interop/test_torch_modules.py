@@ -2,9 +2,25 @@
 module itself, replicas 1..k-1 per-call deep copies, so forwards that write to
 their module do not race (spec 5.6: only replica 0's buffer updates persist).
 CPU autocast in the caller holds in the replica threads."""
+import contextlib
+import os
+
 import dpmini
 
 DEVS = ["cpu:0", "cpu:1"]
+
+
+@contextlib.contextmanager
+def replica_threads(torch, replicas=2):
+    """torch's intra-op thread count of each of `replicas` replicas on virtual
+    CPU devices (cores // replicas, README "PyTorch"): a reduction computed
+    alone with it gives the replicas' bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)) // replicas)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_replica_zero_is_the_module_the_others_are_copies(torch):
@@ -35,8 +51,9 @@ def test_functional_call_grads_per_replica_equal_the_single_call(torch):
 
     m = PerShardGrad()
     X, Y = torch.randn(512, 64), torch.randn(512, 1)
-    with torch.no_grad():
+    with torch.no_grad(), replica_threads(torch):
         alone = [m(X[:256], Y[:256]), m(X[256:], Y[256:])]
+    with torch.no_grad():
         for _ in range(20):
             outs = dpmini.parallel_apply(dpmini.replicate(m, DEVS),
                                          [(X[:256], Y[:256]), (X[256:], Y[256:])],
@@ -50,7 +67,7 @@ def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):
     torch.manual_seed(0)
     x = torch.randn(64, 16) + 3
     ref = torch.nn.BatchNorm1d(16)
-    with torch.no_grad():
+    with torch.no_grad(), replica_threads(torch):
         ref(x[:32])                       # replica 0's shard alone
     for _ in range(10):
         bn = torch.nn.BatchNorm1d(16)

@@ -1,0 +1,268 @@
+"""torch's per-thread state in the replica threads (dpmini/_torch.py's replica
+context, spec 6.2): grad mode, inference mode, CPU and CUDA autocast (flag and
+dtype), the intra-op thread count (cut to cores // replicas on virtual CPU
+devices), set in each persistent worker on every call and set back after."""
+import os
+
+import pytest
+
+import dpmini
+
+DEVS = ["cpu:0", "cpu:1"]
+
+
+def state(torch):
+    """What a replica sees of its thread's torch state."""
+    return {
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "cpu": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+        "cuda": (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def replica_states(torch, devs=DEVS):
+    return dpmini.parallel_apply([lambda _: state(torch)] * len(devs),
+                                 [(i,) for i in range(len(devs))], devices=devs)
+
+
+def per_replica(torch, n):
+    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) // n))
+
+
+def test_grad_and_inference_mode_are_carried_both_ways(torch):
+    with torch.no_grad():
+        assert [s["grad"] for s in replica_states(torch)] == [False, False]
+    # after a no_grad call the persistent workers run with grad again
+    assert [s["grad"] for s in replica_states(torch)] == [True, True]
+    with torch.inference_mode():
+        got = replica_states(torch)
+    assert [(s["inference"], s["grad"]) for s in got] == [(True, False)] * 2
+    assert [(s["inference"], s["grad"]) for s in replica_states(torch)] == [(False, True)] * 2
+
+
+def test_cpu_autocast_carries_its_dtype(torch):
+    # torch's parallel_apply copies only the flag: dpmini carries the dtype too
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = replica_states(torch)
+    assert [s["cpu"] for s in got] == [(True, torch.float16)] * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = replica_states(torch)
+    assert [s["cpu"] for s in got] == [(True, torch.bfloat16)] * 2
+    after = replica_states(torch)
+    assert [s["cpu"][0] for s in after] == [False, False]
+
+
+def test_cuda_autocast_flag_and_dtype_are_carried(torch):
+    # CPU torch cannot enter torch.autocast("cuda"), but its per-thread state
+    # can be set: what a replica sees of it is what a GPU replica would use
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        got = replica_states(torch)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+        torch.set_autocast_dtype("cuda", torch.float16)
+    assert [s["cuda"] for s in got] == [(True, torch.bfloat16)] * 2
+    assert [s["cuda"] for s in replica_states(torch)] == [(False, torch.float16)] * 2
+
+
+def test_state_a_replica_leaves_behind_does_not_reach_the_next_call(torch):
+    def leaky(_):
+        torch.set_grad_enabled(False)
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_num_threads(1)
+        return 0
+    dpmini.parallel_apply([leaky, leaky], [(0,), (1,)], devices=DEVS)
+    got = replica_states(torch)
+    assert [(s["grad"], s["cpu"][0]) for s in got] == [(True, False)] * 2
+    assert [s["threads"] for s in got] == [per_replica(torch, 2)] * 2
+
+
+def test_state_is_set_back_after_a_replica_raises(torch):
+    def fails(_):
+        raise RuntimeError("boom")
+    with torch.no_grad(), torch.autocast("cpu"):
+        with pytest.raises(RuntimeError, match="Caught RuntimeError in replica 0"):
+            dpmini.parallel_apply([fails, fails], [(0,), (1,)], devices=DEVS)
+    got = replica_states(torch)
+    assert [(s["grad"], s["cpu"][0]) for s in got] == [(True, False)] * 2
+
+
+def test_intra_op_threads_are_cut_to_cores_per_replica(torch):
+    caller = torch.get_num_threads()
+    got = replica_states(torch)
+    assert [s["threads"] for s in got] == [per_replica(torch, 2)] * 2
+    assert torch.get_num_threads() == caller
+    # a caller's smaller count is kept, and reaches the persistent workers
+    torch.set_num_threads(1)
+    try:
+        assert [s["threads"] for s in replica_states(torch)] == [1, 1]
+    finally:
+        torch.set_num_threads(caller)
+    assert torch.get_num_threads() == caller
+
+
+def test_thread_limit_off_gives_replicas_the_callers_count(torch, monkeypatch):
+    monkeypatch.setenv("DPMINI_BLAS_LIMIT", "0")
+    caller = torch.get_num_threads()
+    assert [s["threads"] for s in replica_states(torch)] == [caller, caller]
+
+
+def test_autocast_cache_is_cleared_when_the_replica_leaves(torch):
+    # torch.autocast clears its per-thread cache of cast weights when left: a
+    # replica's cast copies must not outlive the call (stale weights after an
+    # in-place update of the parameters, as an optimizer step makes)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(4, 4)
+
+    def run():
+        return dpmini.parallel_apply([lin, lin], [(x,), (x,)], devices=DEVS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        before = run()
+        lin.weight.mul_(2)
+        after = run()
+        want = lin(x)
+    assert want.dtype == torch.float16
+    assert all(torch.equal(a, want) for a in after)
+    assert not torch.equal(after[0], before[0])
+
+
+# --- reproducible random numbers (README "PyTorch": the rule) ---------------
+
+def dropout_model(torch):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(),
+                            torch.nn.Linear(32, 8), torch.nn.AlphaDropout(0.2),
+                            torch.nn.Dropout1d(0.3))
+    return m.train()
+
+
+def seeded_runs(torch, fn, seed, repeats=6):
+    outs = []
+    for _ in range(repeats):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs.append(fn())
+    return outs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_same_seed_same_dropout_masks_over_repeats(torch, n):
+    m = dropout_model(torch)
+    x = torch.randn(24, 8)
+    devs = [f"cpu:{i}" for i in range(n)]
+
+    def call():
+        return dpmini.DataParallel(m, devs)(x)
+    outs = seeded_runs(torch, call, 7)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    other = seeded_runs(torch, call, 8, repeats=1)[0]
+    assert not torch.equal(other, outs[0])
+
+
+def test_random_functions_in_replicas_are_reproducible_whichever_thread_runs_first(torch):
+    import time
+
+    def replica(x, delay):
+        time.sleep(delay)   # changes which thread draws first
+        return torch.cat([torch.rand(3), torch.randn(3), torch.empty(3).uniform_(),
+                          torch.randint(0, 100, (3,)).float(),
+                          torch.nn.functional.dropout(torch.ones(3), 0.5),
+                          torch.nn.functional.rrelu(-torch.ones(3), training=True),
+                          torch.nn.functional.gumbel_softmax(torch.zeros(3)),
+                          torch.nn.functional.dropout1d(torch.ones(1, 3, 1), 0.5)[0, :, 0]])
+
+    def call(delays):
+        return dpmini.parallel_apply([replica] * 3, [(i, d) for i, d in enumerate(delays)],
+                                     devices=["cpu:0", "cpu:1", "cpu:2"])
+    a = seeded_runs(torch, lambda: call([0.0, 0.02, 0.04]), 5, repeats=1)[0]
+    b = seeded_runs(torch, lambda: call([0.04, 0.02, 0.0]), 5, repeats=1)[0]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # each replica draws its own numbers
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[1], a[2])
+
+
+def test_replica_dropout_equals_torchs_own_with_the_replicas_generator_state(torch):
+    # F.dropout in a replica is computed as torch computes it: the same mask
+    # torch's dropout draws from a default generator in the replica's state
+    x = torch.randn(5, 7)
+    seen = {}
+
+    def replica(i):
+        seen[i] = torch.nn.functional.dropout(x, 0.3)
+        return i
+    torch.manual_seed(11)
+    dpmini.parallel_apply([replica, replica], [(0,), (1,)], devices=DEVS)
+    torch.manual_seed(11)
+    s = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+    for i in (0, 1):
+        g = torch.Generator().manual_seed((s + i) % 2**32)
+        own = torch.default_generator.get_state()
+        torch.default_generator.set_state(g.get_state())
+        try:
+            want = torch.nn.functional.dropout(x, 0.3)
+        finally:
+            torch.default_generator.set_state(own)
+        assert torch.equal(seen[i], want)
+
+
+def test_one_replica_draws_as_the_caller_would(torch):
+    m = dropout_model(torch)
+    x = torch.randn(6, 8)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        got = dpmini.DataParallel(m, ["cpu:1"])(x)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        want = m(x)
+    assert torch.equal(got, want)
+
+
+def test_rng_rule_off_leaves_replicas_on_the_default_generator(torch, monkeypatch):
+    monkeypatch.setenv("DPMINI_TORCH_RNG", "0")
+    state = torch.default_generator.get_state()
+    dpmini.parallel_apply([lambda _: 0] * 2, [(0,), (1,)], devices=DEVS)
+    # no draw for the call: the caller's generator did not move
+    assert torch.equal(torch.default_generator.get_state(), state)
+
+
+def test_a_call_advances_the_callers_generator_once_if_its_replicas_draw(torch):
+    # one torch.randint draw when a replica runs a random function, none else
+    torch.manual_seed(9)
+    dpmini.parallel_apply([lambda _: torch.rand(2)] * 2, [(0,), (1,)], devices=DEVS)
+    after_draws = torch.default_generator.get_state()
+    torch.manual_seed(9)
+    torch.randint(0, 2**32, (1,), dtype=torch.int64)
+    assert torch.equal(after_draws, torch.default_generator.get_state())
+    state = torch.default_generator.get_state()
+    dpmini.parallel_apply([lambda _: torch.ones(2)] * 2, [(0,), (1,)], devices=DEVS)
+    assert torch.equal(torch.default_generator.get_state(), state)
+
+
+def test_attention_dropout_without_a_generator_argument_is_reproducible(torch):
+    # scaled_dot_product_attention and nn.MultiheadAttention take no
+    # generator: they run with the default generator in the replica's state
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True).train()
+    q = torch.randn(4, 5, 8)
+
+    def replica(x):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+        return sdpa, mha(x, x, x, need_weights=False)[0]
+
+    def call():
+        return dpmini.parallel_apply([replica] * 2, [(q[:2],), (q[2:],)], devices=DEVS)
+    outs = seeded_runs(torch, call, 21, repeats=4)
+    for o in outs[1:]:
+        assert all(torch.equal(a, b) for r, s in zip(o, outs[0]) for a, b in zip(r, s))
+    other = seeded_runs(torch, call, 22, repeats=1)[0]
+    assert not torch.equal(other[0][0], outs[0][0][0])
+
+
+def test_a_replica_error_in_a_random_function_is_its_error(torch):
+    def replica(_):
+        return torch.nn.functional.dropout(torch.ones(3), p=1.5)
+    with pytest.raises(ValueError, match="(?s)Caught ValueError in replica 0.*dropout probability has to be"):
+        dpmini.parallel_apply([replica] * 2, [(0,), (1,)], devices=DEVS)
