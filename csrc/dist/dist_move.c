@@ -207,12 +207,14 @@ static PyObject *new_stage(const geometry *g)
 
 PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu",
+                             DIST_GUARD_KWLIST, NULL};
     PyObject *x = Py_None, *cs = Py_None, *w = Py_None, *gpu = Py_None;
     PyObject *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, dim = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOOO:scatter", kwlist, &x, &rootobj, &dimobj,
-                                     &cs, &w, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOOO$OOO:scatter", kwlist, &x, &rootobj,
+                                     &dimobj, &cs, &w, &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_int_arg(dimobj, "dim", &dim, &argerr);
@@ -236,6 +238,7 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     mine.root = root;
     mine.dim = dim;
     mine.ndim = -1;
+    dist_guard_kw_read(&gk, &mine, &argerr);
     if (sizes == NULL || wts == NULL) {
         PyErr_NoMemory();
         goto fail_local;
@@ -343,7 +346,7 @@ done:
 
 /* argerr: a bad root or dim (dist_args.c), raised at the guard; stolen. */
 static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind,
-                               PyObject *gpu, PyObject *argerr)
+                               PyObject *gpu, const dist_guard_kw *gk, PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_GATHER;
     if (dist_enter(c) < 0) {
@@ -364,6 +367,7 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     mine.root = all ? -1 : root;
     mine.dim = dim;
     mine.ndim = -1;
+    dist_guard_kw_read(gk, &mine, &argerr);
     if (dist_arg_error(&argerr) || (!all && check_root(root, P) < 0)) {
         /* the error goes to the guard below */
     } else if (PyTuple_Check(gpu)) {   /* NCCL (dist_gpu_move.c) */
@@ -470,48 +474,48 @@ done:
 
 PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "dim", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:gather", kwlist, &x, &rootobj, &dimobj,
-                                     &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO$OOO:gather", kwlist, &x, &rootobj, &dimobj,
+                                     &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_int_arg(dimobj, "dim", &dim, &argerr);
-    return gather_common(c, x, root, dim, DIST_GATHER, gpu, argerr);
+    return gather_common(c, x, root, dim, DIST_GATHER, gpu, &gk, argerr);
 }
 
 PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "dim", "gpu", NULL};
+    static char *kwlist[] = {"x", "dim", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_gather", kwlist, &x, &dimobj, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$OOO:all_gather", kwlist, &x, &dimobj, &gpu,
+                                     &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(dimobj, "dim", &dim, &argerr);
-    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu, argerr);
+    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu, &gk, argerr);
 }
 
 /* ------------------------------------------------------------------ */
 /* broadcast                                                           */
 /* ------------------------------------------------------------------ */
 
-/* broadcast(x, root=0, pickled=False, error=None) -> (array, root's
- * pickled flag). x matters on root only: an ndarray, or (pickled=True) a
- * uint8 array of pickle bytes that the Python wrapper made; error: an
- * exception the wrapper met (pickling) to raise on every rank. */
+/* broadcast(x, root=0, pickled=False, error=None, gpu=None, *, tag, context)
+ * -> (array, root's pickled flag). x matters on root only: an ndarray, or
+ * (pickled=True) a uint8 array of pickle bytes that the Python wrapper made;
+ * error: an exception the wrapper met (pickling) to raise on every rank. */
 PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", NULL};
-    PyObject *x = Py_None, *error = Py_None, *gpu = Py_None, *rootobj = NULL, *argerr = NULL;
+    static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", "tag", "context", NULL};
+    PyObject *x = Py_None, *gpu = Py_None, *rootobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, pickled = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpOO:broadcast", kwlist, &x, &rootobj,
-                                     &pickled, &error, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpOO$OO:broadcast", kwlist, &x, &rootobj,
+                                     &pickled, &gk.error, &gpu, &gk.tag, &gk.context))
         return NULL;
-    if (error != Py_None && !PyExceptionInstance_Check(error)) {
-        PyErr_SetString(PyExc_TypeError, "error: expected an exception instance or None");
-        return NULL;
-    }
     dist_int_arg(rootobj, "root", &root, &argerr);
     if (dist_enter(c) < 0) {
         Py_XDECREF(argerr);
@@ -530,9 +534,8 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     mine.root = root;
     mine.ndim = -1;
     mine.is_object = pickled;
-    if (error != Py_None)   /* the wrapper's own failure (pickling), raised everywhere */
-        PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    else if (dist_arg_error(&argerr) || check_root(root, P) < 0) {
+    dist_guard_kw_read(&gk, &mine, &argerr);   /* the wrapper's error (pickling) first */
+    if (dist_arg_error(&argerr) || check_root(root, P) < 0) {
         /* the error goes to the guard below */
     }
     else if (me == root && gpu != Py_None)
@@ -585,7 +588,7 @@ fail:
     dist_gpu_arg_clear(&g);
     Py_XDECREF(out);
     Py_XDECREF(arr);
-    Py_XDECREF(argerr);   /* not raised when the wrapper's own error came first */
+    Py_XDECREF(argerr);   /* already raised (NULL) unless the call failed before */
     dist_leave(c);
     return res;
 }

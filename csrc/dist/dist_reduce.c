@@ -11,8 +11,13 @@
 #include <limits.h>
 #include <string.h>
 
-PyObject *dist_barrier(dist_comm *c, PyObject *Py_UNUSED(args))
+PyObject *dist_barrier(dist_comm *c, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {DIST_GUARD_KWLIST, NULL};
+    dist_guard_kw gk = {NULL, NULL, NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOO:barrier", kwlist, &gk.tag, &gk.error,
+                                     &gk.context))
+        return NULL;
     if (dist_enter(c) < 0)
         return NULL;
     dist_meta mine;
@@ -20,7 +25,10 @@ PyObject *dist_barrier(dist_comm *c, PyObject *Py_UNUSED(args))
     mine.kind = DIST_BARRIER;
     mine.root = -1;
     mine.ndim = -1;
-    PyObject *saved = NULL;
+    PyObject *saved = NULL, *argerr = NULL;
+    dist_guard_kw_read(&gk, &mine, &argerr);
+    if (dist_arg_error(&argerr))
+        dist_meta_fail(&mine, &saved);
     int rc = dist_agree(c, &mine, &saved, dist_now() + c->timeout);
     dist_leave(c);
     if (rc < 0)
@@ -133,7 +141,8 @@ static PyArray_Descr *widen_small_int_sum(PyObject **arr, int op, MPI_Datatype *
 
 /* argerr: a bad root or op (dist_args.c), raised at the guard; stolen. */
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
-                               int64_t kind, PyObject *gpu, PyObject *argerr)
+                               int64_t kind, PyObject *gpu, const dist_guard_kw *gk,
+                               PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
     if (dist_enter(c) < 0) {
@@ -154,6 +163,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     mine.kind = kind;
     mine.root = all ? -1 : root;
     mine.ndim = -1;
+    dist_guard_kw_read(gk, &mine, &argerr);
     int op = dist_arg_error(&argerr) ? -1 : parse_op(opname);
     mine.op = op < 0 ? DIST_OP_NONE : op;
     if (op >= 0 && !all && (root < 0 || root >= P))
@@ -230,25 +240,28 @@ done:
 
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "op", "gpu", NULL};
+    static char *kwlist[] = {"x", "op", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *opobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_reduce", kwlist, &x, &opobj, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$OOO:all_reduce", kwlist, &x, &opobj, &gpu,
+                                     &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_op_arg(opobj, &op, &argerr);
-    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu, argerr);
+    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu, &gk, argerr);
 }
 
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "op", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "op", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *rootobj = NULL, *opobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:reduce", kwlist, &x, &rootobj, &opobj,
-                                     &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO$OOO:reduce", kwlist, &x, &rootobj, &opobj,
+                                     &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_op_arg(opobj, &op, &argerr);
-    return reduce_common(c, x, root, op, DIST_REDUCE, gpu, argerr);
+    return reduce_common(c, x, root, op, DIST_REDUCE, gpu, &gk, argerr);
 }

@@ -693,6 +693,67 @@ def case_big_reduce():
     say("OK big_reduce")
 
 
+def case_silent_steps():
+    """Each way one rank's step could silently mix with the others' (a caught
+    local error, a None gradient, another weights mode, a skipped call) is the
+    same call's error on every rank, and the steps after it are right."""
+    P = dist.size()
+    dist.set_timeout(20.0)
+
+    def grads(step):   # every rank's gradient of a step: the step's own value
+        return {"w": np.full(3, float(step + RANK))}
+
+    def want(step):    # the rows-weighted mean: rows = RANK + 1
+        rows = np.arange(1, P + 1)
+        return float((rows * (step + np.arange(P))).sum() / rows.sum())
+
+    # 1. rows=-1 on rank 1 at step 1, caught: every rank raises at step 1 and
+    #    steps 0, 2, 3 are each their own step's mean.
+    for step in range(4):
+        rows = -1 if (step == 1 and RANK == min(1, P - 1)) else RANK + 1
+        try:
+            got = dist.reduce_gradients(grads(step), rows=rows, tag=step)
+            assert np.allclose(got["w"], want(step)), (step, got, want(step))
+            say(f"OK rows_negative step {step}")
+        except ValueError as exc:
+            err(f"rows_negative_{step}", exc)
+    # 2. A None gradient on the last rank: its TypeError, the others' ValueError,
+    #    at once (not after the timeout).
+    start = time.monotonic()
+    try:
+        dist.reduce_gradients([None if RANK == P - 1 else np.ones(2)], weights="mean")
+        say("NOERR none_grad")
+    except (TypeError, ValueError) as exc:
+        err("none_grad", exc)
+    say(f"none_grad took {time.monotonic() - start:.2f}")
+    # 3. weights="mean" on rank 0, "rows" elsewhere: a ValueError naming both.
+    try:
+        dist.reduce_gradients(grads(0), weights="mean" if RANK == 0 else "rows", rows=1)
+        say("NOERR weights_mode")
+    except ValueError as exc:
+        err("weights_mode", exc)
+    # 4. The last rank skips the call tagged 1: a ValueError naming the tags on
+    #    every rank; it then retries its call tagged 2, which pairs with the
+    #    others' call tagged 2 and is right.
+    skipper = RANK == P - 1
+    for step in ([2, 2] if skipper else [1, 2]):
+        try:
+            got = dist.all_reduce(np.full(2, float(step)), tag=step)
+            assert got.tolist() == [float(P * step)] * 2, (step, got)
+            say(f"OK tagged step {step}")
+        except ValueError as exc:
+            err("skipped_tag", exc)
+    # 5. An option error in a collective's own arguments on one rank (a
+    #    bad tag type): every rank raises at that call.
+    try:
+        dist.all_reduce(np.ones(2), tag=1.5 if RANK == 0 else 1)
+        say("NOERR bad_tag")
+    except (TypeError, ValueError) as exc:
+        err("bad_tag", exc)
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK silent_steps")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""

@@ -1,0 +1,84 @@
+"""dpmini.distributed's guard round 2 under mpirun: one rank's mistake is the
+same call's error on every rank (never a silently mixed step), tags, out=,
+NaN in max/min, torch tensors that require grad, sizes checked before copies.
+
+Launches tests/distributed/worker.py through tests/test_distributed.py's
+`mpirun` helper and asserts on every rank's lines."""
+import re
+
+import pytest
+
+from test_distributed import _have_dist, errors, mpirun, needs_mpi
+
+
+@pytest.fixture(scope="module")
+def silent_steps_run():
+    if not _have_dist():
+        pytest.skip("needs mpirun and dpmini._dist")
+    return mpirun("silent_steps")
+
+
+@needs_mpi
+def test_caught_local_rows_error_is_raised_on_every_rank_and_later_steps_are_right(
+        silent_steps_run):
+    rc, lines, out, _ = silent_steps_run
+    assert rc == 0, out
+    got = errors(lines, "rows_negative_1")
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert got[1].startswith("ValueError: rows: expected an int >= 0, got -1"), got
+    for r in (0, 2, 3):
+        assert "rank 1 rejected its arguments: ValueError: rows: expected an int >= 0" \
+            in got[r], got
+    for r in range(4):
+        for step in (0, 2, 3):
+            assert f"OK rows_negative step {step}" in lines[r], out
+        assert not errors(lines, "rows_negative_0") and not errors(lines, "rows_negative_2")
+
+
+@needs_mpi
+def test_none_gradient_on_one_rank_is_a_prompt_error_on_every_rank(silent_steps_run):
+    rc, lines, out, _ = silent_steps_run
+    got = errors(lines, "none_grad")
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert got[3].startswith("TypeError: grads[0]: expected a floating or complex array, "
+                             "got None"), got
+    for r in range(3):
+        assert got[r].startswith("ValueError: dpmini.distributed.all_gather"), got
+        assert "rank 3 rejected its arguments: TypeError: grads[0]" in got[r], got
+        took = [float(line.split()[-1]) for line in lines[r] if line.startswith("none_grad took")]
+        assert took and took[0] < 10, (took, out)   # the timeout is 20 s
+
+
+@needs_mpi
+def test_weights_mode_that_differs_on_one_rank_is_a_value_error_on_every_rank(silent_steps_run):
+    rc, lines, out, _ = silent_steps_run
+    got = errors(lines, "weights_mode")
+    assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1, got
+    msg = got[0]
+    assert "disagree on the options" in msg, msg
+    assert "rank 0: all_gather call" in msg and "weights='mean'" in msg, msg
+    assert "rank 1-3: all_gather call" in msg and "weights='rows'" in msg, msg
+
+
+@needs_mpi
+def test_skipped_tagged_call_is_a_value_error_naming_the_tags(silent_steps_run):
+    rc, lines, out, _ = silent_steps_run
+    got = errors(lines, "skipped_tag")
+    assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1, got
+    msg = got[0]
+    assert "disagree on tag" in msg, msg
+    assert re.search(r"rank 0-2: all_reduce call \d+ tag=1 ", msg), msg
+    assert re.search(r"rank 3: all_reduce call \d+ tag=2 ", msg), msg
+    for r in range(4):   # the retried call tagged 2 pairs and is right
+        assert "OK tagged step 2" in lines[r] and "OK tagged step 1" not in lines[r], out
+
+
+@needs_mpi
+def test_bad_tag_on_one_rank_raises_on_every_rank(silent_steps_run):
+    rc, lines, out, _ = silent_steps_run
+    got = errors(lines, "bad_tag")
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert got[0].startswith("TypeError: tag: expected an int, a str or None, got float"), got
+    for r in (1, 2, 3):
+        assert "rank 0 rejected its arguments: TypeError: tag:" in got[r], got
+    assert all("OK silent_steps" in lines[r] for r in range(4)), out
