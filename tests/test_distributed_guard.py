@@ -82,3 +82,32 @@ def test_bad_tag_on_one_rank_raises_on_every_rank(silent_steps_run):
     for r in (1, 2, 3):
         assert "rank 0 rejected its arguments: TypeError: tag:" in got[r], got
     assert all("OK silent_steps" in lines[r] for r in range(4)), out
+
+
+@needs_mpi
+def test_views_past_mpi_counts_or_memory_raise_before_any_copy_on_every_rank():
+    rc, lines, out, _ = mpirun("big_views", np=2)
+    assert rc == 0, out
+    own = {
+        "scatter_view": ([0], "OverflowError: x: 1 blocks of 2147483653 rows of 1 bytes along "
+                              "dim 0 do not fit MPI's int counts"),
+        "gather_view": ([0, 1], "OverflowError: x: 1 blocks of 2147483653 rows"),
+        "all_gather_view": ([0, 1], "OverflowError: x: 1 blocks of 2147483653 rows"),
+        "broadcast_view": ([0], "OverflowError: x: 2147483653 elements do not fit MPI's int count"),
+        "all_reduce_view": ([0, 1], "OverflowError: x: 2147483653 elements do not fit"),
+        "broadcast_memory": ([0], "MemoryError: x: this view would be copied to be sent (it is "
+                                  "not C-contiguous), which needs 64.00 GiB"),
+    }
+    for case, (ranks, text) in own.items():
+        got = errors(lines, case)
+        assert sorted(got) == [0, 1], (case, out)
+        for r in (0, 1):
+            if r in ranks:
+                assert got[r].startswith(text), (case, got)
+            else:
+                assert got[r].startswith("ValueError: dpmini.distributed.") and \
+                    f"rank {ranks[0]} rejected its arguments: {text}" in got[r], (case, got)
+        for r in (0, 1):
+            peak = [int(line.split()[-1]) for line in lines[r] if line.startswith(f"peak {case} ")]
+            assert peak and peak[0] < 64 << 20, (case, peak)   # no copy of the view
+    assert all("OK big_views" in lines[r] for r in range(2)), out

@@ -173,8 +173,12 @@ int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double dea
                    int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
                    PyObject *keep3);
 /* x as a C-contiguous aligned ndarray (in native byte order too when `native`);
- * refuses object dtypes and more than DIST_MAX_NDIM dimensions. */
-PyObject *dist_as_array(PyObject *x, const char *name, int native);
+ * refuses object dtypes and more than DIST_MAX_NDIM dimensions. Before any
+ * copy of an ndarray view: MPI's int counts (split_dim: the dimension split
+ * or joined, whose blocks, rows and row bytes must each be < 2**31; or
+ * DIST_WHOLE: the element count) and the memory the copy needs. */
+#define DIST_WHOLE INT32_MIN
+PyObject *dist_as_array(PyObject *x, const char *name, int native, int split_dim);
 /* An empty ndarray shaped like the record's array with shape[dim] = rows
  * (dim < 0: unchanged), of dtype `like`'s or, when NULL, the record's. */
 PyObject *dist_empty_like_meta(const dist_meta *m, int dim, int64_t rows, PyArrayObject *like);

@@ -51,10 +51,8 @@ static int parse_op(const char *op)
     return -1;
 }
 
-/* OverflowError past MPI's int count. Checked on an ndarray before
- * dist_as_array, which would first copy a non-contiguous view (a
- * broadcast_to of 2**31 elements is 2 GiB to copy, long enough for the
- * other ranks to time out), and again on the converted array. */
+/* OverflowError past MPI's int count (a converted list; an ndarray view
+ * is checked before its copy by dist_as_array). */
 static int too_many(npy_intp n)
 {
     if (n <= INT_MAX)
@@ -172,8 +170,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     else if (op >= 0 && gpu != Py_None) {   /* NCCL (dist_gpu.c) */
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
-    } else if (op >= 0 && (!PyArray_Check(x) || too_many(PyArray_SIZE((PyArrayObject *)x)) == 0)
-               && (arr = dist_as_array(x, "x", 1)) != NULL
+    } else if (op >= 0 && (arr = dist_as_array(x, "x", 1, DIST_WHOLE)) != NULL
                && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())

@@ -754,6 +754,34 @@ def case_silent_steps():
     say("OK silent_steps")
 
 
+def case_big_views():
+    """Zero-stride views past MPI's int counts, or whose copy needs more memory
+    than the machine has: the error comes before any copy (tracemalloc's peak
+    stays small), on every rank, and the communicator stays usable."""
+    import tracemalloc
+    huge = np.broadcast_to(np.ones(1, np.int8), (2**31 + 5,))            # 2 GiB as a copy
+    wide = np.broadcast_to(np.zeros(1, "V4096"), (2**24,))                # 64 GiB as a copy
+    calls = [
+        ("scatter_view", lambda: dist.scatter(huge if RANK == 0 else None)),
+        ("gather_view", lambda: dist.gather(huge)),
+        ("all_gather_view", lambda: dist.all_gather(huge[None], dim=1)),
+        ("broadcast_view", lambda: dist.broadcast(huge if RANK == 0 else None)),
+        ("all_reduce_view", lambda: dist.all_reduce(np.broadcast_to(np.ones(1), (2**31 + 5,)))),
+        ("broadcast_memory", lambda: dist.broadcast(wide if RANK == 0 else None)),
+    ]
+    for name, call in calls:
+        tracemalloc.start()
+        try:
+            call()
+            say(f"NOERR {name}")
+        except (OverflowError, MemoryError, ValueError) as exc:
+            err(name, exc)
+        say(f"peak {name} {tracemalloc.get_traced_memory()[1]}")
+        tracemalloc.stop()
+        assert dist.all_reduce(np.ones(2)).tolist() == [dist.size()] * 2   # still usable
+    say("OK big_views")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
