@@ -111,3 +111,10 @@ def test_views_past_mpi_counts_or_memory_raise_before_any_copy_on_every_rank():
             peak = [int(line.split()[-1]) for line in lines[r] if line.startswith(f"peak {case} ")]
             assert peak and peak[0] < 64 << 20, (case, peak)   # no copy of the view
     assert all("OK big_views" in lines[r] for r in range(2)), out
+
+
+@needs_mpi
+def test_max_and_min_propagate_nan_whichever_rank_holds_it():
+    rc, lines, out, _ = mpirun("nan")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK nan"] for r in range(4)), out

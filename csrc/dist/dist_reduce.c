@@ -4,7 +4,8 @@
  * the predefined datatype of the array's dtype), polled against the
  * deadline. "mean" is "sum" divided by the number of ranks on the result,
  * for floating and complex dtypes only (an integer mean would have to
- * round or change dtype; say which you want with op="sum").
+ * round or change dtype; say which you want with op="sum"). "max" and
+ * "min" of floating dtypes propagate NaN as NumPy does (nan_ops below).
  */
 #include "dist.h"
 
@@ -62,6 +63,55 @@ static int too_many(npy_intp n)
     return -1;
 }
 
+/* max / min of floating dtypes as NumPy's np.maximum / np.minimum: NaN
+ * wherever any rank holds NaN, whichever rank that is (MPI_MAX keeps or
+ * drops a NaN depending on the order it meets it: min(1, NaN, 3, 4) gave
+ * 3). A NaN in `in` replaces inout; a NaN in inout stays, since every
+ * comparison with it is false. */
+#define NAN_PROPAGATING(name, T, cmp)                                        \
+    static void name(const T *in, T *inout, int n)                          \
+    {                                                                        \
+        for (int i = 0; i < n; i++)                                          \
+            if (in[i] != in[i] || in[i] cmp inout[i])                        \
+                inout[i] = in[i];                                            \
+    }
+NAN_PROPAGATING(max_f, float, >)
+NAN_PROPAGATING(min_f, float, <)
+NAN_PROPAGATING(max_d, double, >)
+NAN_PROPAGATING(min_d, double, <)
+NAN_PROPAGATING(max_ld, long double, >)
+NAN_PROPAGATING(min_ld, long double, <)
+
+#define NAN_OP(name, fn_f, fn_d, fn_ld)                                      \
+    static void name(void *in, void *inout, int *len, MPI_Datatype *t)      \
+    {                                                                        \
+        if (*t == MPI_FLOAT)                                                 \
+            fn_f(in, inout, *len);                                           \
+        else if (*t == MPI_DOUBLE)                                           \
+            fn_d(in, inout, *len);                                           \
+        else                                                                 \
+            fn_ld(in, inout, *len);                                          \
+    }
+NAN_OP(nan_max, max_f, max_d, max_ld)
+NAN_OP(nan_min, min_f, min_d, min_ld)
+
+/* The two operations, made once (MPI_Op_create after MPI_Init; kept until
+ * MPI_Finalize frees them). -1 with RuntimeError. */
+static int nan_ops(MPI_Op *max, MPI_Op *min)
+{
+    static MPI_Op ops[2] = {MPI_OP_NULL, MPI_OP_NULL};
+    if (ops[0] == MPI_OP_NULL) {
+        int rc = MPI_Op_create(nan_max, 1, &ops[0]);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Op_create(nan_min, 1, &ops[1]);
+        if (rc != MPI_SUCCESS)
+            return dist_mpi_error(rc, "MPI_Op_create");
+    }
+    *max = ops[0];
+    *min = ops[1];
+    return 0;
+}
+
 /* The MPI datatype and operation for this dtype and op, or an error
  * naming the dtype. */
 static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
@@ -105,9 +155,14 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
                      "order", dist_op_name(op));
         return -1;
     }
-    if (kind == 'b')
+    if (kind == 'b') {
         *o = op == DIST_OP_MAX ? MPI_LOR : MPI_LAND;
-    else
+    } else if (kind == 'f' && (op == DIST_OP_MAX || op == DIST_OP_MIN)) {
+        MPI_Op mx, mn;
+        if (nan_ops(&mx, &mn) < 0)
+            return -1;
+        *o = op == DIST_OP_MAX ? mx : mn;
+    } else
         *o = op == DIST_OP_MAX ? MPI_MAX : op == DIST_OP_MIN ? MPI_MIN : MPI_SUM;
     return too_many(PyArray_SIZE(a));
 }

@@ -782,6 +782,37 @@ def case_big_views():
     say("OK big_views")
 
 
+def case_nan():
+    """max/min propagate NaN as np.maximum/np.minimum whichever rank holds it,
+    NaN beats inf and -inf, integers are exact; all_reduce and reduce."""
+    P = dist.size()
+
+    def of(rank, holder, dtype, n):
+        a = np.arange(n, dtype=np.float64) + rank + 1
+        if rank == holder:
+            a[0] = np.nan
+            a[1] = np.nan
+        if rank == (holder + 1) % P:
+            a[1], a[2] = np.inf, -np.inf
+        return a.astype(dtype)
+
+    for dtype in (np.float32, np.float64, np.longdouble):
+        for n in (3, 100):
+            for holder in range(P):
+                every = [of(r, holder, dtype, n) for r in range(P)]
+                for op, ref in (("max", np.maximum), ("min", np.minimum)):
+                    want = ref.reduce(np.stack(every))
+                    got = dist.all_reduce(every[RANK], op)
+                    assert np.array_equal(got, want, equal_nan=True), (dtype, n, holder, op, got)
+                    assert np.isnan(got[0]) and np.isnan(got[1]), got
+                    r = dist.reduce(every[RANK], root=P - 1, op=op)
+                    assert r is None or np.array_equal(r, want, equal_nan=True), (op, r)
+    ints = np.array([RANK, -RANK, 7], np.int64)
+    assert dist.all_reduce(ints, "max").tolist() == [P - 1, 0, 7]
+    assert dist.all_reduce(ints, "min").tolist() == [0, -(P - 1), 7]
+    say("OK nan")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
