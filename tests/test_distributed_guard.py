@@ -118,3 +118,54 @@ def test_max_and_min_propagate_nan_whichever_rank_holds_it():
     rc, lines, out, _ = mpirun("nan")
     assert rc == 0, out
     assert all(lines[r] == ["OK nan"] for r in range(4)), out
+
+
+@needs_mpi
+def test_second_thread_in_a_collective_is_refused_naming_one_thread_at_a_time():
+    rc, lines, out, _ = mpirun("threads")
+    assert rc == 0, out
+    got = errors(lines, "threads")
+    assert list(got) == [0], out
+    assert got[0].startswith("RuntimeError: dpmini.distributed: a communicator serves one "
+                             "thread at a time"), got
+    assert all("OK threads" in lines[r] for r in range(4)), out
+
+
+@pytest.fixture(scope="module")
+def torch_users_run():
+    pytest.importorskip("torch")
+    if not _have_dist():
+        pytest.skip("needs mpirun and dpmini._dist")
+    return mpirun("torch_users")
+
+
+@needs_mpi
+def test_tensor_that_requires_grad_is_refused_on_every_rank_naming_detach(torch_users_run):
+    rc, lines, out, _ = torch_users_run
+    got = errors(lines, "requires_grad")
+    assert sorted(got) == [0, 1, 2, 3], out
+    own = "TypeError: x: a torch tensor that requires grad"
+    assert got[2].startswith(own) and "pass x.detach()" in got[2], got
+    for r in (0, 1, 3):
+        assert f"rank 2 rejected its arguments: {own}" in got[r], got
+
+
+@needs_mpi
+def test_out_writes_the_result_in_place_as_torch_does(torch_users_run):
+    rc, lines, out, _ = torch_users_run
+    assert rc == 0, out
+    assert all("OK torch_users" in lines[r] for r in range(4)), out
+
+
+@needs_mpi
+@pytest.mark.parametrize("case,bad_rank,own", [
+    ("out_shape", 1, "ValueError: out: expected shape (2,) (the result's), got (3,)"),
+    ("out_dtype", 3, "TypeError: out: expected dtype float64 (the result's), got float32"),
+])
+def test_wrong_out_of_all_reduce_raises_on_every_rank(torch_users_run, case, bad_rank, own):
+    rc, lines, out, _ = torch_users_run
+    got = errors(lines, case)
+    assert sorted(got) == [0, 1, 2, 3], out
+    assert got[bad_rank].startswith(own), got
+    for r in set(range(4)) - {bad_rank}:
+        assert f"rank {bad_rank} rejected its arguments: {own}" in got[r], got

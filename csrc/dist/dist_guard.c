@@ -203,9 +203,10 @@ int dist_enter(dist_comm *c)
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_SetString(PyExc_RuntimeError,
-                        "dpmini.distributed: another thread of this process is inside a "
-                        "collective on the same communicator; collectives must be called "
-                        "in the same order on every rank, so call them from one thread");
+                        "dpmini.distributed: a communicator serves one thread at a time, and "
+                        "another thread of this rank is inside a collective on it (calls pair "
+                        "across ranks by their order, which two threads do not keep); call "
+                        "the collectives from one thread");
         return -1;
     }
     return 0;

@@ -813,6 +813,73 @@ def case_nan():
     say("OK nan")
 
 
+def case_threads():
+    """A collective called while another thread of the same rank is inside one
+    is refused there (a communicator serves one thread at a time); the
+    thread's own call completes and the communicator stays usable."""
+    import threading
+    P = dist.size()
+    if RANK == 0:
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("a", dist.all_reduce(np.ones(2))))
+        t.start()
+        time.sleep(0.5)   # the others arrive after 1.5 s: the thread is still inside
+        try:
+            dist.all_reduce(np.ones(2))
+            say("NOERR threads")
+        except RuntimeError as exc:
+            err("threads", exc)
+        t.join()
+        assert got["a"].tolist() == [float(P)] * 2, got
+    else:
+        time.sleep(1.5)
+        dist.all_reduce(np.ones(2))
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK threads")
+
+
+def case_torch_users():
+    """torch users: a tensor that requires grad is refused on every rank (naming
+    .detach()); out= writes in place (all_reduce(t, out=t) is torch's in-place
+    all_reduce); a wrong out of all_reduce is an error on every rank."""
+    import torch
+    P = dist.size()
+    t = torch.ones(3, requires_grad=RANK == 2)
+    try:
+        dist.all_reduce(t)
+        say("NOERR requires_grad")
+    except (TypeError, ValueError) as exc:
+        err("requires_grad", exc)
+    with torch.no_grad():   # no graph to cut: read detached, as DataParallel does
+        assert dist.all_reduce(t).tolist() == [float(P)] * 3
+    t = torch.full((3,), float(RANK))
+    got = dist.all_reduce(t, out=t)
+    assert got is t and t.tolist() == [float(sum(range(P)))] * 3, t
+    m = np.full(2, float(RANK))
+    assert dist.all_reduce(m, op="max", out=m) is m and m.tolist() == [float(P - 1)] * 2
+    b = torch.full((2,), float(RANK + 5))
+    assert dist.broadcast(b, root=1, out=b) is b and b.tolist() == [6.0, 6.0], b
+    o = np.empty(2)
+    assert dist.reduce(np.ones(2), root=0, out=o if RANK == 0 else None) is (o if RANK == 0
+                                                                           else None)
+    assert RANK != 0 or o.tolist() == [float(P)] * 2
+    g = torch.empty(P)
+    assert dist.all_gather(torch.tensor([float(RANK)]), out=g) is g and g.tolist() == \
+        [float(r) for r in range(P)]
+    piece = np.empty(2)
+    assert dist.scatter(np.arange(2.0 * P) if RANK == 0 else None, out=piece) is piece
+    assert piece.tolist() == [2.0 * RANK, 2.0 * RANK + 1], piece
+    for name, out in (("out_shape", np.empty(3 if RANK == 1 else 2)),
+                      ("out_dtype", np.empty(2, np.float32 if RANK == 3 else np.float64))):
+        try:
+            dist.all_reduce(np.ones(2), out=out)
+            say(f"NOERR {name}")
+        except (TypeError, ValueError) as exc:
+            err(name, exc)
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK torch_users")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
