@@ -199,10 +199,10 @@ class DistributedDataParallel:
         self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
         return self.local(*args, **kwargs)
 
-    def reduce_gradients(self, grads, weights="rows", rows=None):
-        """reduce_gradients(grads, weights, rows or self.last_rows); see there."""
+    def reduce_gradients(self, grads, weights="rows", rows=None, *, tag=None):
+        """reduce_gradients(grads, weights, rows or self.last_rows, tag=tag); see there."""
         return reduce_gradients(grads, weights=weights,
-                                rows=self.last_rows if rows is None else rows)
+                                rows=self.last_rows if rows is None else rows, tag=tag)
 
     def explain(self, inputs, chunk_sizes=None, weights=None):
         """dpmini.distributed.explain for a global batch over the ranks x this
@@ -213,7 +213,7 @@ class DistributedDataParallel:
                             chunk_sizes=chunk_sizes, weights=weights)
 
 
-def reduce_gradients(grads, weights="rows", rows=None):
+def reduce_gradients(grads, weights="rows", rows=None, *, tag=None):
     """All-reduce a dict or list/tuple of gradient arrays across the ranks (collective).
 
     weights:
@@ -225,54 +225,41 @@ def reduce_gradients(grads, weights="rows", rows=None):
       "sum": grads are sums; the result is their sum over the ranks.
       "mean": the plain mean over ranks (Horovod's allreduce average).
       a number: this rank's weight (weighted mean with the others' weights).
+      The mode (rows, sum, mean or a number) must be the same on every rank
+      (checked: a mixed mode would silently change the arithmetic).
     rows: this rank's rows (int >= 0), needed for weights="rows".
+    tag: None, an int or a str naming this step, the same on every rank (as in
+        dpmini.distributed.all_reduce): a rank that skipped or added a step
+        makes every rank raise ValueError naming the tags.
     Dict entries are paired across ranks by key, list entries by position. Every
     rank must pass the same keys (or list length) with the same shape and dtype
     under each: else the same ValueError on every rank names the differing keys,
     or each entry that differs (``grads['w']``) with every rank's shape and dtype
     (checked with one small all_gather of a digest; the details are exchanged only
     when the digests differ).
+    Every check is collective: a rank whose own arguments are wrong (rows
+    missing or negative, an unknown weights, a gradient that is None or not a
+    floating/complex array) raises its error
+    and every other rank a ValueError quoting it, at the same call, so a caught
+    error leaves every rank's next call paired with the same call elsewhere.
     Returns the same container type with new float/complex arrays of the
     same shapes, each in its input's library (torch, JAX, CuPy, else NumPy). Raises TypeError (container or dtypes), ValueError (rows
-    missing or negative, weights unknown), plus the collectives' errors.
+    missing or negative, weights unknown, ranks that disagree), plus the
+    collectives' errors.
     """
     from . import distributed as dist
 
-    if isinstance(grads, dict):
-        # Paired by key, not insertion order: a canonical order, the same key set checked.
-        keys = sorted(grads, key=repr)
-        values = [grads[k] for k in keys]
-    elif isinstance(grads, (list, tuple)):
-        keys, values = None, list(grads)
-    else:
-        raise TypeError(f"grads: expected a dict or a list/tuple of arrays, got "
-                        f"{type(grads).__name__}")
-    arrays, backs = [], []
-    for i, v in enumerate(values):
-        a, back = _to_numpy(v)
-        backs.append(back)
-        a = np.asarray(a)
-        if a.dtype.kind not in "fc":
-            where = f"grads[{keys[i]!r}]" if keys is not None else f"grads[{i}]"
-            raise TypeError(f"{where}: expected a floating or complex array, got dtype {a.dtype}")
-        arrays.append(a)
-    if isinstance(weights, str) and weights in ("sum", "mean"):
-        w = None
-    elif isinstance(weights, str) and weights == "rows":
-        if rows is None:
-            raise ValueError("rows: weights='rows' needs this rank's row count (call the "
-                             "DistributedDataParallel first, or pass rows=)")
-        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
-            raise ValueError(f"rows: expected an int >= 0, got {rows!r}")
-        w = float(rows)
-    elif isinstance(weights, (int, float, np.integer, np.floating)) and not isinstance(weights, bool):
-        w = float(weights)
-        if not (w >= 0.0 and np.isfinite(w)):
-            raise ValueError(f"weights: expected a finite number >= 0, got {weights!r}")
-    else:
-        raise ValueError(f"weights: expected 'rows', 'sum', 'mean' or a number, got {weights!r}")
-
-    _check_layout(dist, keys, arrays)   # after the local checks: the first collective
+    keys, arrays, backs, w, error = [], [], [], None, None
+    try:
+        keys, arrays, backs = _read_grads(grads)
+        w = _own_weight(weights, rows)
+    except Exception as exc:   # raised at the guard below, on every rank
+        error = exc
+    mode = ("a number" if not isinstance(weights, str) else repr(weights)) if error is None \
+        else "?"
+    # The first collective carries this rank's error, the mode and the tag.
+    _check_layout(dist, keys, arrays, error=error, tag=tag,
+                  context=f"reduce_gradients weights={mode}" if error is None else None)
     # One all_reduce per dtype: the flattened arrays, then the weight.
     out = [None] * len(arrays)
     by_dtype = {}
@@ -290,7 +277,7 @@ def reduce_gradients(grads, weights="rows", rows=None):
             else:
                 parts.append(a * w)
         parts.append(np.array([1.0 if w is None else w], dtype=dt))
-        total = dist.all_reduce(np.concatenate(parts), op="sum")
+        total = dist.all_reduce(np.concatenate(parts), op="sum", tag=tag)
         denom = total[-1]
         if weights == "sum":
             denom = 1.0
@@ -303,26 +290,77 @@ def reduce_gradients(grads, weights="rows", rows=None):
             out[i] = (total[start:start + k] / denom).reshape(arrays[i].shape)
             start += k
     out = [o if b is None else b(o) for o, b in zip(out, backs)]
-    if keys is not None:
+    if isinstance(grads, dict):
         got = dict(zip(keys, out))
         return {k: got[k] for k in grads}
     return type(grads)(out) if isinstance(grads, tuple) else out
 
 
-def _check_layout(dist, keys, arrays):
+def _read_grads(grads):
+    """(keys or None, host arrays, backs) of a dict or list/tuple of gradients;
+    TypeError naming the entry that is no floating or complex array. A torch
+    tensor that requires grad is read detached: gradients are data here."""
+    if isinstance(grads, dict):
+        # Paired by key, not insertion order: a canonical order, the same key set checked.
+        keys = sorted(grads, key=repr)
+        values = [grads[k] for k in keys]
+    elif isinstance(grads, (list, tuple)):
+        keys, values = None, list(grads)
+    else:
+        raise TypeError(f"grads: expected a dict or a list/tuple of arrays, got "
+                        f"{type(grads).__name__}")
+    arrays, backs = [], []
+    for i, v in enumerate(values):
+        where = f"grads[{keys[i]!r}]" if keys is not None else f"grads[{i}]"
+        if v is None:
+            raise TypeError(f"{where}: expected a floating or complex array, got None (a "
+                            "parameter without a gradient: pass zeros, or leave it out on "
+                            "every rank)")
+        a, back = _to_numpy(v)
+        backs.append(back)
+        a = np.asarray(a)
+        if a.dtype.kind not in "fc":
+            raise TypeError(f"{where}: expected a floating or complex array, got dtype {a.dtype}")
+        arrays.append(a)
+    return keys, arrays, backs
+
+
+def _own_weight(weights, rows):
+    """This rank's weight (float), None for "sum"/"mean"; ValueError for bad input."""
+    if isinstance(weights, str) and weights in ("sum", "mean"):
+        return None
+    if isinstance(weights, str) and weights == "rows":
+        if rows is None:
+            raise ValueError("rows: weights='rows' needs this rank's row count (call the "
+                             "DistributedDataParallel first, or pass rows=)")
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
+            raise ValueError(f"rows: expected an int >= 0, got {rows!r}")
+        return float(rows)
+    if isinstance(weights, (int, float, np.integer, np.floating)) and not isinstance(weights, bool):
+        w = float(weights)
+        if not (w >= 0.0 and np.isfinite(w)):
+            raise ValueError(f"weights: expected a finite number >= 0, got {weights!r}")
+        return w
+    raise ValueError(f"weights: expected 'rows', 'sum', 'mean' or a number, got {weights!r}")
+
+
+def _check_layout(dist, keys, arrays, error=None, tag=None, context=None):
     """Every rank's gradients must have the same keys (dict; keys sorted by repr,
     None for a list) and the same shape and dtype under each (collective).
 
     Checked on a digest of the layout (one all_gather of one int64); only when the
     digests differ is every rank's layout gathered, to raise the same ValueError on
     every rank naming what differs: the keys, or each entry with every rank's shape
-    and dtype (the packed buffer that all_reduce would see says nothing useful)."""
+    and dtype (the packed buffer that all_reduce would see says nothing useful).
+    The digest's all_gather is the call's guard: it carries this rank's own
+    argument error, the tag and the options (context) that every rank must share."""
     names = [repr(k) for k in keys] if keys is not None else list(range(len(arrays)))
     layout = (keys is not None, [(n, tuple(int(d) for d in a.shape), a.dtype.str, str(a.dtype))
                                  for n, a in zip(names, arrays)])
     blob = pickle.dumps(layout, protocol=4)
     digest = np.frombuffer(hashlib.blake2b(blob, digest_size=8).digest(), dtype="<i8")
-    if (dist.all_gather(digest) == digest[0]).all():
+    got = dist._comm().all_gather(digest, 0, None, tag=tag, error=error, context=context)
+    if (got == digest[0]).all():
         return
     blob = np.frombuffer(blob, dtype=np.uint8)
     lens = dist.all_gather(np.array([blob.size], dtype=np.int64))

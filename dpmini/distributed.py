@@ -255,12 +255,13 @@ def set_timeout(seconds):
     _comm().timeout = seconds
 
 
-def barrier():
-    """Wait until every rank arrives (guarded: TimeoutError naming the missing ranks)."""
-    _comm().barrier()
+def barrier(*, tag=None):
+    """Wait until every rank arrives (guarded: TimeoutError naming the missing
+    ranks; tag as in :func:`all_reduce`)."""
+    _comm().barrier(tag=tag)
 
 
-def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
+def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None, *, tag=None, out=None):
     """Split `x` along `dim` across the ranks; every rank returns its piece.
 
     x: the global array on `root` (ignored on the other ranks; pass None).
@@ -271,6 +272,7 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
         weighted rule); neither: torch.chunk's rule, ceil(n/size) rows per rank
         with a shorter last piece, so trailing ranks may get 0 rows (an empty
         array of the right shape). The same on every rank (checked).
+    tag, out: as in :func:`all_reduce` (out: this rank's piece's shape).
     Returns a new C-contiguous ndarray with x's dtype and x's shape except
     shape[dim] (x's dtype string is sent, so structured dtypes arrive as raw
     void of the same size on the other ranks). A GPU array on root (with a
@@ -280,43 +282,51 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None):
     any rank, ValueError when the ranks disagree, TimeoutError.
     """
     c = _comm()
-    gpu = _gpu_args(x)
+    if _is_rank(c, root):
+        x, back, gpu, error = _prepare(x)
+    else:   # off root x is ignored, or names the device of a GPU result
+        back, gpu, error = None, _gpu_args_safe(x), None
     if gpu is not None:   # NCCL; off root x only names the device
-        return c.scatter(x, root, dim, chunk_sizes, weights, gpu)
-    x, back = _to_numpy(x) if _is_rank(c, root) else (x, None)
-    return _back(back, c.scatter(x, root, dim, chunk_sizes, weights))
+        return _write_out(out, c.scatter(x, root, dim, chunk_sizes, weights, gpu, tag=tag,
+                                         error=error), None)
+    return _write_out(out, c.scatter(x, root, dim, chunk_sizes, weights, tag=tag, error=error),
+                      back)
 
 
-def gather(x, root=0, dim=0):
+def gather(x, root=0, dim=0, *, tag=None, out=None):
     """Join every rank's `x` along `dim` on `root` (ragged along dim allowed).
 
     x: this rank's array; every rank's must have the same dtype, the same
     shape except along dim, and the same device kind (host or GPU; checked).
+    tag, out: as in :func:`all_reduce` (out: on root, the joined shape; ignored
+    elsewhere).
     Returns the joined array (ranks in order) on root, None elsewhere.
     gather(scatter(x)) returns x exactly. Errors as scatter. GPU arrays with a
     ``__cuda_array_interface__`` move by NCCL send/recv and arrive as a new
     array of x's library on root's GPU; other GPU arrays (JAX) are staged
     through the host (copied to host memory, moved by MPI, copied back).
     """
-    return _gather(x, lambda c, v, gpu: c.gather(v, root, dim, gpu))
+    return _gather(x, out, lambda c, v, gpu, error: c.gather(v, root, dim, gpu, tag=tag,
+                                                               error=error))
 
 
-def all_gather(x, dim=0):
+def all_gather(x, dim=0, *, tag=None, out=None):
     """gather on every rank: every rank returns the joined array (GPU arrays
-    as in gather)."""
-    return _gather(x, lambda c, v, gpu: c.all_gather(v, dim, gpu))
+    as in gather; tag and out as in :func:`all_reduce`)."""
+    return _gather(x, out, lambda c, v, gpu, error: c.all_gather(v, dim, gpu, tag=tag,
+                                                                   error=error))
 
 
-def _gather(x, call):
-    gpu = _gpu_args(x)
+def _gather(x, out, call):
+    c = _comm()
+    dev = _cuda_device(x)   # a GPU array staged through the host: its device kind goes to the guard
+    x, back, gpu, error = _prepare(x)
     if gpu is not None:
-        return call(_comm(), x, gpu)
-    dev = _cuda_device(x)   # staged: the device kind still goes to the guard
-    x, back = _to_numpy(x)
-    return _back(back, call(_comm(), x, dev))
+        return _write_out(out, call(c, x, gpu, error), None)
+    return _write_out(out, call(c, x, dev, error), back)
 
 
-def broadcast(x, root=0):
+def broadcast(x, root=0, *, tag=None, out=None):
     """Root's `x` on every rank.
 
     On root, an ndarray (or NumPy scalar) travels as raw bytes and arrives as an
@@ -327,23 +337,34 @@ def broadcast(x, root=0):
     NCCL communicator's device, else its current CUDA device. Anything else is
     pickled and arrives as an equal object. x is otherwise ignored on the
     other ranks (pass None). A pickling error on root is raised on every rank.
+    tag, out: as in :func:`all_reduce` (out: root's array's shape; pickled
+    objects take no out). torch's in-place ``broadcast(t, src)`` is
+    ``broadcast(t, root, out=t)``.
     """
     c = _comm()
-    gpu = _gpu_args(x)
+    mine = _is_rank(c, root)
+    error = _grad_error(x, "x") if mine else None
+    gpu = _gpu_args_safe(x)
     if gpu is not None:
-        return c.broadcast(x, root, False, None, gpu)[0]
-    pickled, error = False, None
-    if _is_rank(c, root) and not isinstance(x, (np.ndarray, np.generic)):
+        return _write_out(out, c.broadcast(x, root, False, error, gpu, tag=tag)[0], None)
+    pickled = False
+    if mine and error is None and not isinstance(x, (np.ndarray, np.generic)):
         try:
             x = np.frombuffer(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             pickled = True
         except Exception as exc:  # raised on every rank by the guard
             error = TypeError(f"x: cannot pickle {type(x).__name__} for broadcast: {exc}")
-    arr, was_pickled = c.broadcast(x, root, pickled, error)
-    return pickle.loads(arr.tobytes()) if was_pickled else arr
+    arr, was_pickled = c.broadcast(x if error is None else None, root, pickled, error, tag=tag)
+    if not was_pickled:
+        return _write_out(out, arr, None)
+    obj = pickle.loads(arr.tobytes())
+    if out is not None and not hasattr(obj, "shape"):
+        raise TypeError(f"out: broadcast of a {type(obj).__name__} (pickled, not an array) "
+                        "takes no out")
+    return _write_out(out, obj, None)
 
 
-def all_reduce(x, op="sum"):
+def all_reduce(x, op="sum", *, tag=None, out=None):
     """Combine every rank's `x` element-wise; every rank returns the result.
 
     op: "sum", "mean" (sum / size(), floating and complex dtypes only), "max"
@@ -356,22 +377,146 @@ def all_reduce(x, op="sum"):
     float16, float32, float64 (others: TypeError naming the dtype). Returns a new array (GPU: of x's library on x's
     device, complete when returned; host: non-native byte order comes back
     native).
+
+    NaN: "max" and "min" return NaN wherever any rank holds NaN, whichever
+    rank that is (NumPy's np.maximum/np.minimum rule; a NaN beats inf and
+    -inf); "sum" and "mean" follow IEEE (NaN + x is NaN, inf + -inf is NaN).
+    Integers and bool have no NaN: max/min are exact.
+
+    tag: None, an int or a str naming this call (a training step), the same on
+        every rank: a rank whose call carries another tag (it skipped or added
+        a call) makes every rank raise ValueError naming the tags, instead of
+        silently pairing its calls with the others' next ones.
+    out: an array of the result's shape and dtype (NumPy, or a torch tensor
+        on the CPU or the GPU) that the result is written into and that is
+        returned; ``all_reduce(t, out=t)`` is torch's in-place
+        ``dist.all_reduce(t)``. Checked before any data moves here; a wrong
+        one raises on every rank.
+    Collectives are not differentiable (as torch.distributed's are not): a
+    torch tensor that requires grad, with grad mode on, is refused on every
+    rank with a TypeError naming ``.detach()``. A communicator serves one
+    thread at a time: a collective called while another thread of this rank
+    is in one raises RuntimeError.
     """
-    gpu = _gpu_args(x)
-    if gpu is not None:
-        return _comm().all_reduce(x, op, gpu)
-    x, back = _to_numpy(x)
-    return _back(back, _comm().all_reduce(x, op))
+    return _reduce(x, out, lambda c, v, gpu, error: c.all_reduce(v, op, gpu, tag=tag,
+                                                                   error=error))
 
 
-def reduce(x, root=0, op="sum"):
+def reduce(x, root=0, op="sum", *, tag=None, out=None):
     """all_reduce whose result lands on `root` only (None elsewhere); GPU
-    arrays through ncclReduce."""
-    gpu = _gpu_args(x)
-    if gpu is not None:
-        return _comm().reduce(x, root, op, gpu)
-    x, back = _to_numpy(x)
-    return _back(back, _comm().reduce(x, root, op))
+    arrays through ncclReduce. tag and out as in :func:`all_reduce` (out is
+    written on root only)."""
+    mine = _is_rank(_comm(), root)
+    return _reduce(x, out if mine else None,
+                   lambda c, v, gpu, error: c.reduce(v, root, op, gpu, tag=tag, error=error))
+
+
+def _reduce(x, out, call):
+    c = _comm()
+    given = x
+    x, back, gpu, error = _prepare(x)
+    if error is None and out is not None:   # the result is shaped and typed as x
+        error = _out_error(out, given)
+    result = call(c, x, gpu, error)
+    return _write_out(out, result, None if gpu is not None else back)
+
+
+# ------------------------------------------------------------------ local checks
+def _grad_error(x, name):
+    """TypeError for a torch tensor that requires grad with grad mode on (the
+    collectives are not differentiable, as torch.distributed's are not), else None."""
+    torch = sys.modules.get("torch")
+    if (torch is not None and isinstance(x, torch.Tensor) and x.requires_grad
+            and torch.is_grad_enabled()):
+        return TypeError(f"{name}: a torch tensor that requires grad: dpmini.distributed's "
+                         "collectives are not differentiable (nor are torch.distributed's); "
+                         f"pass {name}.detach(), or call under torch.no_grad()")
+    return None
+
+
+def _prepare(x):
+    """(x as the C call takes it, back, gpu, error). error: what this rank found
+    wrong with x (None when nothing); the C call raises it at its guard, so that
+    every rank raises at this call and the next call pairs as it should."""
+    try:
+        error = _grad_error(x, "x")
+        if error is not None:
+            return None, None, None, error
+        gpu = _gpu_args(x)
+        if gpu is not None:
+            return x, None, gpu, None
+        v, back = _to_numpy(x)
+        return v, back, None, None
+    except Exception as exc:   # raised at the guard on every rank
+        return None, None, None, exc
+
+
+def _gpu_args_safe(x):
+    try:
+        return _gpu_args(x)
+    except Exception:
+        return None
+
+
+def _out_error(out, like):
+    """ValueError/TypeError when `out` cannot take a result shaped and typed like
+    `like` (x of all_reduce/reduce), else None."""
+    try:
+        if not hasattr(like, "dtype"):   # a list or a Python number: as NumPy reads it
+            like = np.asarray(like)
+        _check_out(out, tuple(like.shape), _dtype_of(like))
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _dtype_of(a):
+    """A NumPy dtype for a NumPy or torch array (torch dtypes through numpy)."""
+    dt = a.dtype
+    if isinstance(dt, np.dtype):
+        return dt.newbyteorder("=")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dt, torch.dtype):
+        return torch.empty(0, dtype=dt).numpy().dtype if dt != torch.bfloat16 else dt
+    return dt
+
+
+def _check_out(out, shape, dtype):
+    """Raise TypeError/ValueError unless out is a writable array of this shape and dtype."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        err = _grad_error(out, "out")
+        if err is not None:
+            raise err
+    elif not isinstance(out, np.ndarray) and not hasattr(out, "__cuda_array_interface__"):
+        raise TypeError(f"out: expected a NumPy array or a torch tensor to write the result "
+                        f"into, got {type(out).__name__}")
+    elif isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out: the array is read-only")
+    got = tuple(int(n) for n in out.shape)
+    if got != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)} (the result's), got {got}")
+    if _dtype_of(out) != dtype:
+        raise TypeError(f"out: expected dtype {dtype} (the result's), got {out.dtype}")
+
+
+def _write_out(out, result, back):
+    """The result in the caller's library (back from _to_numpy); written into
+    `out` (and out returned) when out is given and this rank has a result."""
+    result = _back(back, result)
+    if out is None or result is None:
+        return result
+    _check_out(out, tuple(result.shape), _dtype_of(result))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        with torch.no_grad():
+            out.copy_(result if isinstance(result, torch.Tensor)
+                      else torch.from_numpy(np.ascontiguousarray(result)))
+    elif isinstance(out, np.ndarray) and isinstance(result, np.ndarray):
+        np.copyto(out, result, casting="equiv")
+    else:
+        out[...] = result
+    return out
 
 
 # ------------------------------------------------------------------ GPU arrays

@@ -32,7 +32,7 @@
 #include <numpy/arrayobject.h>
 
 #define DIST_MAX_NDIM 32
-#define DIST_MAGIC 0x64706d696e693131LL /* "dpmini11" */
+#define DIST_MAGIC 0x64706d696e693132LL /* "dpmini12" */
 #define DIST_TAG_META 7101
 #define DIST_TAG_DATA 7102
 
@@ -59,12 +59,17 @@ typedef struct {
     int64_t dev_kind;      /* DIST_DEV_*: where this rank's array lives     */
     int64_t dev_id;        /* the CUDA device of a GPU array, else -1       */
     int64_t nccl_state;    /* 0 no NCCL communicator, 1 one, 2 aborted      */
+    int64_t has_tag;       /* 1 tag= given, 0 None, -1 a bad one (an error) */
+    uint64_t tag_hash;     /* repr(tag), hashed                             */
+    uint64_t ctx_hash;     /* the context text, hashed (0: none)            */
     int64_t shape[DIST_MAX_NDIM];
     char dtype[24];        /* numpy dtype.str, e.g. "<f8"                   */
     char dtype_name[24];   /* str(dtype), e.g. "float64", for messages      */
     char split_text[56];   /* the split argument, for messages              */
     char err[200];         /* a local argument error, "" when none          */
     char lib[16];          /* a GPU array's library ("torch", "cupy", ...)  */
+    char tag_text[40];     /* repr(tag), for messages                       */
+    char ctx_text[64];     /* options that change the arithmetic, for messages */
 } dist_meta;
 
 /* GPU: moved by NCCL; GPU_STAGED: a GPU array the wrapper copied to the
@@ -123,6 +128,22 @@ void dist_meta_array(dist_meta *m, PyObject *arr);
  * dist_arg_error, so that every rank raises. */
 void dist_int_arg(PyObject *obj, const char *name, int *out, PyObject **argerr);
 void dist_op_arg(PyObject *obj, const char **out, PyObject **argerr);
+/* The guard's keywords that every collective takes (keyword-only):
+ *   tag: None, an int or a str naming the call (a training step); every
+ *        rank must pass the same, so a rank that skipped a call is a
+ *        ValueError naming the tags instead of a pairing with the next call;
+ *   error: an exception the Python wrapper met on this rank (a torch tensor
+ *        that requires grad, a bad gradient): raised here at the guard,
+ *        quoted by every other rank;
+ *   context: a str naming options that change the arithmetic and that the
+ *        guard cannot see in the arrays (reduce_gradients' weights mode);
+ *        the same on every rank. */
+#define DIST_GUARD_KWLIST "tag", "error", "context"
+typedef struct { PyObject *tag, *error, *context; } dist_guard_kw;
+/* Into m (tag and context) and *argerr (error first, then a bad tag or context). */
+void dist_guard_kw_read(const dist_guard_kw *k, dist_meta *m, PyObject **argerr);
+/* FNV-1a of n bytes. */
+uint64_t dist_hash(const void *p, size_t n);
 /* Set *argerr as the pending exception and clear it: 1, or 0 when none. */
 int dist_arg_error(PyObject **argerr);
 /* numpy.ma.MaskedArray and numpy.matrix: -1 with TypeError naming `name`
@@ -152,8 +173,12 @@ int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double dea
                    int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
                    PyObject *keep3);
 /* x as a C-contiguous aligned ndarray (in native byte order too when `native`);
- * refuses object dtypes and more than DIST_MAX_NDIM dimensions. */
-PyObject *dist_as_array(PyObject *x, const char *name, int native);
+ * refuses object dtypes and more than DIST_MAX_NDIM dimensions. Before any
+ * copy of an ndarray view: MPI's int counts (split_dim: the dimension split
+ * or joined, whose blocks, rows and row bytes must each be < 2**31; or
+ * DIST_WHOLE: the element count) and the memory the copy needs. */
+#define DIST_WHOLE INT32_MIN
+PyObject *dist_as_array(PyObject *x, const char *name, int native, int split_dim);
 /* An empty ndarray shaped like the record's array with shape[dim] = rows
  * (dim < 0: unchanged), of dtype `like`'s or, when NULL, the record's. */
 PyObject *dist_empty_like_meta(const dist_meta *m, int dim, int64_t rows, PyArrayObject *like);
@@ -164,7 +189,7 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw);
 PyObject *dist_split_sizes(PyObject *m, PyObject *args, PyObject *kw);
 
 /* dist_reduce.c ---------------------------------------------------------- */
-PyObject *dist_barrier(dist_comm *c, PyObject *args);
+PyObject *dist_barrier(dist_comm *c, PyObject *args, PyObject *kw);
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw);
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw);
 

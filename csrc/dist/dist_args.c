@@ -80,6 +80,74 @@ void dist_op_arg(PyObject *obj, const char **out, PyObject **argerr)
     *out = s;   /* borrowed from obj, which the call's arguments keep alive */
 }
 
+uint64_t dist_hash(const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    uint64_t h = 14695981039346656037ULL;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* repr(obj) hashed into *hash and cut to n - 1 bytes into text. */
+static int repr_into(PyObject *obj, uint64_t *hash, char *text, size_t n)
+{
+    PyObject *r = PyObject_Repr(obj);
+    Py_ssize_t len = 0;
+    const char *t = r ? PyUnicode_AsUTF8AndSize(r, &len) : NULL;
+    if (t == NULL) {
+        Py_XDECREF(r);
+        return -1;
+    }
+    *hash = dist_hash(t, (size_t)len) | 1;   /* never 0, which means "none" */
+    if ((size_t)len < n)
+        snprintf(text, n, "%s", t);
+    else   /* cut, marked with "..." */
+        snprintf(text, n, "%.*s...", (int)(n - 4), t);
+    Py_DECREF(r);
+    return 0;
+}
+
+void dist_guard_kw_read(const dist_guard_kw *k, dist_meta *m, PyObject **argerr)
+{
+    if (k->error != NULL && k->error != Py_None) {
+        if (PyExceptionInstance_Check(k->error)) {   /* first: it came first */
+            Py_XSETREF(*argerr, Py_NewRef(k->error));
+        } else {
+            PyErr_Format(PyExc_TypeError, "error: expected an exception instance or None, "
+                         "got %.100s", Py_TYPE(k->error)->tp_name);
+            keep_error(argerr);
+        }
+    }
+    if (k->tag != NULL && k->tag != Py_None) {
+        if (PyBool_Check(k->tag) || !(PyLong_Check(k->tag) || PyUnicode_Check(k->tag))) {
+            PyErr_Format(PyExc_TypeError, "tag: expected an int, a str or None, got %.100s",
+                         Py_TYPE(k->tag)->tp_name);
+            keep_error(argerr);
+            m->has_tag = -1;   /* not compared: this rank's error is raised instead */
+        } else if (repr_into(k->tag, &m->tag_hash, m->tag_text, sizeof m->tag_text) < 0) {
+            keep_error(argerr);
+            m->has_tag = -1;
+        } else {
+            m->has_tag = 1;
+        }
+    }
+    if (k->context != NULL && k->context != Py_None) {
+        Py_ssize_t len = 0;
+        const char *t = PyUnicode_Check(k->context)
+                        ? PyUnicode_AsUTF8AndSize(k->context, &len) : NULL;
+        if (t == NULL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "context: expected a str or None, got %.100s",
+                         Py_TYPE(k->context)->tp_name);
+            keep_error(argerr);
+        } else {
+            m->ctx_hash = dist_hash(t, (size_t)len) | 1;
+            snprintf(m->ctx_text, sizeof m->ctx_text, "%s", t);
+        }
+    }
+}
+
 int dist_arg_error(PyObject **argerr)
 {
     if (*argerr == NULL)

@@ -203,9 +203,10 @@ int dist_enter(dist_comm *c)
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_SetString(PyExc_RuntimeError,
-                        "dpmini.distributed: another thread of this process is inside a "
-                        "collective on the same communicator; collectives must be called "
-                        "in the same order on every rank, so call them from one thread");
+                        "dpmini.distributed: a communicator serves one thread at a time, and "
+                        "another thread of this rank is inside a collective on it (calls pair "
+                        "across ranks by their order, which two threads do not keep); call "
+                        "the collectives from one thread");
         return -1;
     }
     return 0;
@@ -240,6 +241,10 @@ static void describe(const dist_meta *m, char *buf, size_t n)
     size_t len = 0;
 #define ADD(...) do { if (len < n) len += (size_t)snprintf(buf + len, n - len, __VA_ARGS__); } while (0)
     ADD("%s call %lld", dist_kind_name(m->kind), (long long)m->call);
+    if (m->has_tag > 0)
+        ADD(" tag=%s", m->tag_text);
+    if (m->ctx_text[0])
+        ADD(" %s", m->ctx_text);
     if (kind_has_root(m->kind))
         ADD(" root=%lld", (long long)m->root);
     if (kind_has_dim(m->kind))
@@ -282,7 +287,7 @@ static int raise_mismatch(dist_comm *c, const dist_meta *mine, const char *what)
 {
     int P = c->size;
     int *group = PyMem_Malloc(sizeof(int) * (size_t)P);
-    char (*desc)[192] = PyMem_Malloc(sizeof(*desc) * (size_t)P);
+    char (*desc)[320] = PyMem_Malloc(sizeof(*desc) * (size_t)P);
     PyObject *parts = PyList_New(0);
     if (group == NULL || desc == NULL || parts == NULL) {
         PyMem_Free(group);
@@ -345,6 +350,8 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
         return "dim";
     if (a->op != b->op)
         return "op";
+    if (a->ctx_hash != b->ctx_hash)
+        return "the options";
     if (a->kind == DIST_SCATTER && a->split_hash != b->split_hash)
         return "chunk_sizes/weights";
     if (!kind_compares_arrays(a->kind) || a->err[0] || b->err[0])
@@ -381,7 +388,19 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
             return raise_mismatch(c, mine, c->peers[r].call != c->peers[0].call
                                   ? "the call number (a rank skipped or added a collective)"
                                   : "the collective");
-    /* 2. Local argument errors: raised everywhere. */
+    /* 2. The same tag: a rank that skipped a tagged call (a training step)
+     * is named here instead of pairing its next call with this one. */
+    const dist_meta *tagged = NULL;   /* the first rank whose tag was read */
+    for (int r = 0; r < P; r++) {
+        const dist_meta *m = &c->peers[r];
+        if (m->has_tag < 0)
+            continue;
+        if (tagged == NULL)
+            tagged = m;
+        else if (m->has_tag != tagged->has_tag || m->tag_hash != tagged->tag_hash)
+            return raise_mismatch(c, mine, "tag (a rank skipped or added a call)");
+    }
+    /* 3. Local argument errors: raised everywhere. */
     int first_err = -1;
     for (int r = 0; r < P && first_err < 0; r++)
         if (c->peers[r].err[0])
@@ -400,7 +419,7 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
                      c->peers[first_err].err);
         return -1;
     }
-    /* 3. The fields this collective needs to agree. */
+    /* 4. The fields this collective needs to agree. */
     for (int r = 1; r < P; r++) {
         const char *what = first_difference(&c->peers[0], &c->peers[r]);
         if (what != NULL)
@@ -418,7 +437,7 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         else if (c->peers[r].fields_hash != fields->fields_hash)
             return raise_mismatch(c, mine, "dtype");
     }
-    /* 4. A GPU collective needs an NCCL communicator on every rank or on
+    /* 5. A GPU collective needs an NCCL communicator on every rank or on
      * none (made together), and none aborted. */
     const dist_meta *lead = kind_has_root(mine->kind) && !kind_compares_arrays(mine->kind)
                             ? &c->peers[mine->root] : &c->peers[0];

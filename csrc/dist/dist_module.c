@@ -291,7 +291,8 @@ static PyGetSetDef Comm_getset[] = {
 
 #define KW (PyCFunction)(void (*)(void))
 static PyMethodDef Comm_methods[] = {
-    {"barrier", (PyCFunction)dist_barrier, METH_NOARGS, "barrier() -> None (guarded)."},
+    {"barrier", KW dist_barrier, METH_VARARGS | METH_KEYWORDS,
+     "barrier(*, tag=None, error=None, context=None) -> None (guarded)."},
     {"scatter", KW dist_scatter, METH_VARARGS | METH_KEYWORDS,
      "scatter(x, root=0, dim=0, chunk_sizes=None, weights=None) -> this rank's piece."},
     {"gather", KW dist_gather, METH_VARARGS | METH_KEYWORDS,

@@ -14,11 +14,91 @@
 #include "plan.h" /* csrc/core/ */
 
 #include <limits.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
-PyObject *dist_as_array(PyObject *x, const char *name, int native)
+static int wrap_dim(int dim, int ndim, const char *name);
+
+/* Bytes of memory this process can still take: MemAvailable of
+ * /proc/meminfo, else the machine's physical memory; -1 unknown. */
+static int64_t memory_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[128];
+    long long kib = -1;
+    while (f != NULL && fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1)
+            break;
+    if (f != NULL)
+        fclose(f);
+    if (kib >= 0)
+        return (int64_t)kib * 1024;
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && size > 0 ? (int64_t)pages * size : -1;
+}
+
+/* MPI's int counts and the memory a copy needs, checked on x's shape
+ * before PyArray_FromAny makes a view contiguous (a broadcast_to of 2**31
+ * elements is gigabytes to copy, long enough for the other ranks to time
+ * out, and may not fit at all). split_dim: the split/join dimension
+ * (blocks, rows and row bytes each < 2**31), or DIST_WHOLE: the element
+ * count < 2**31. -1 with OverflowError / IndexError / MemoryError. */
+static int check_before_copy(PyArrayObject *a, const char *name, int native, int split_dim)
+{
+    int nd = PyArray_NDIM(a);
+    int64_t item = PyArray_ITEMSIZE(a);
+    if (split_dim == DIST_WHOLE) {
+        int64_t n = PyArray_SIZE(a);
+        if (n > INT_MAX || item > INT_MAX) {
+            PyErr_Format(PyExc_OverflowError, "%s: %lld elements do not fit MPI's int count "
+                         "(< 2**31)%s; move it in parts", name, (long long)n,
+                         item > INT_MAX ? ", nor does its item size" : "");
+            return -1;
+        }
+    } else if (nd <= DIST_MAX_NDIM) {
+        int d = wrap_dim(split_dim, nd, name);
+        if (d < 0)
+            return -1;
+        int64_t outer = 1, inner = item;
+        for (int i = 0; i < d; i++)
+            outer *= PyArray_DIM(a, i);
+        for (int i = d + 1; i < nd; i++)
+            inner *= PyArray_DIM(a, i);   /* a whole array's bytes fit in npy_intp */
+        int64_t rows = PyArray_DIM(a, d);
+        if (PyArray_SIZE(a) > 0 && (outer > INT_MAX || rows > INT_MAX || inner > INT_MAX)) {
+            PyErr_Format(PyExc_OverflowError, "%s: %lld blocks of %lld rows of %lld bytes "
+                         "along dim %d do not fit MPI's int counts (each must be < 2**31); "
+                         "move it in parts", name, (long long)outer, (long long)rows,
+                         (long long)inner, d);
+            return -1;
+        }
+    }
+    int copies = !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
+                 (native && PyArray_ISBYTESWAPPED(a));
+    int64_t need = (int64_t)PyArray_NBYTES(a);
+    if (!copies || need < ((int64_t)64 << 20))
+        return 0;
+    int64_t avail = memory_available();
+    if (avail >= 0 && need > avail) {
+        char gib[64];   /* PyErr_Format has no %f */
+        snprintf(gib, sizeof gib, "%.2f GiB, and this rank has %.2f GiB",
+                 (double)need / (1 << 30), (double)avail / (1 << 30));
+        PyErr_Format(PyExc_MemoryError, "%s: this view would be copied to be sent (it is not "
+                     "C-contiguous%s), which needs %s of memory available; send a contiguous "
+                     "array or move it in parts", name,
+                     native && PyArray_ISBYTESWAPPED(a) ? ", or not in native byte order" : "",
+                     gib);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *dist_as_array(PyObject *x, const char *name, int native, int split_dim)
 {
     if (dist_refuse_subclass(x, name) < 0)
+        return NULL;
+    if (PyArray_Check(x) && check_before_copy((PyArrayObject *)x, name, native, split_dim) < 0)
         return NULL;
     PyObject *arr = PyArray_FromAny(x, NULL, 0, 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED,
                                     NULL);
@@ -207,12 +287,14 @@ static PyObject *new_stage(const geometry *g)
 
 PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "dim", "chunk_sizes", "weights", "gpu",
+                             DIST_GUARD_KWLIST, NULL};
     PyObject *x = Py_None, *cs = Py_None, *w = Py_None, *gpu = Py_None;
     PyObject *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, dim = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOOO:scatter", kwlist, &x, &rootobj, &dimobj,
-                                     &cs, &w, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOOO$OOO:scatter", kwlist, &x, &rootobj,
+                                     &dimobj, &cs, &w, &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_int_arg(dimobj, "dim", &dim, &argerr);
@@ -236,6 +318,7 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     mine.root = root;
     mine.dim = dim;
     mine.ndim = -1;
+    dist_guard_kw_read(&gk, &mine, &argerr);
     if (sizes == NULL || wts == NULL) {
         PyErr_NoMemory();
         goto fail_local;
@@ -251,7 +334,7 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
     } else if (ok && me == root && x == Py_None) {
         PyErr_Format(PyExc_TypeError, "x: rank %d is scatter's root (root=%d) and passed None; "
                      "root passes the array to split, only the other ranks pass None", me, root);
-    } else if (ok && me == root && (arr = dist_as_array(x, "x", 0)) != NULL) {
+    } else if (ok && me == root && (arr = dist_as_array(x, "x", 0, dim)) != NULL) {
         int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
         if (d >= 0 && dist_plan_rows(&s, PyArray_DIM((PyArrayObject *)arr, d), P, sizes) == 0)
             dist_meta_array(&mine, arr);
@@ -343,7 +426,7 @@ done:
 
 /* argerr: a bad root or dim (dist_args.c), raised at the guard; stolen. */
 static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int64_t kind,
-                               PyObject *gpu, PyObject *argerr)
+                               PyObject *gpu, const dist_guard_kw *gk, PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_GATHER;
     if (dist_enter(c) < 0) {
@@ -364,12 +447,13 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     mine.root = all ? -1 : root;
     mine.dim = dim;
     mine.ndim = -1;
+    dist_guard_kw_read(gk, &mine, &argerr);
     if (dist_arg_error(&argerr) || (!all && check_root(root, P) < 0)) {
         /* the error goes to the guard below */
     } else if (PyTuple_Check(gpu)) {   /* NCCL (dist_gpu_move.c) */
         if (dist_gpu_read(c, x, gpu, 0, &mine, &ga) == 0)
             mine.dim = wrap_dim(dim, (int)mine.ndim, "x");
-    } else if ((arr = dist_as_array(x, "x", 0)) != NULL) {
+    } else if ((arr = dist_as_array(x, "x", 0, dim)) != NULL) {
         int d = wrap_dim(dim, PyArray_NDIM((PyArrayObject *)arr), "x");
         mine.dim = d;
         if (d >= 0)
@@ -470,48 +554,48 @@ done:
 
 PyObject *dist_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "dim", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "dim", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *rootobj = NULL, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:gather", kwlist, &x, &rootobj, &dimobj,
-                                     &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO$OOO:gather", kwlist, &x, &rootobj, &dimobj,
+                                     &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_int_arg(dimobj, "dim", &dim, &argerr);
-    return gather_common(c, x, root, dim, DIST_GATHER, gpu, argerr);
+    return gather_common(c, x, root, dim, DIST_GATHER, gpu, &gk, argerr);
 }
 
 PyObject *dist_all_gather(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "dim", "gpu", NULL};
+    static char *kwlist[] = {"x", "dim", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *dimobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int dim = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_gather", kwlist, &x, &dimobj, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$OOO:all_gather", kwlist, &x, &dimobj, &gpu,
+                                     &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(dimobj, "dim", &dim, &argerr);
-    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu, argerr);
+    return gather_common(c, x, 0, dim, DIST_ALL_GATHER, gpu, &gk, argerr);
 }
 
 /* ------------------------------------------------------------------ */
 /* broadcast                                                           */
 /* ------------------------------------------------------------------ */
 
-/* broadcast(x, root=0, pickled=False, error=None) -> (array, root's
- * pickled flag). x matters on root only: an ndarray, or (pickled=True) a
- * uint8 array of pickle bytes that the Python wrapper made; error: an
- * exception the wrapper met (pickling) to raise on every rank. */
+/* broadcast(x, root=0, pickled=False, error=None, gpu=None, *, tag, context)
+ * -> (array, root's pickled flag). x matters on root only: an ndarray, or
+ * (pickled=True) a uint8 array of pickle bytes that the Python wrapper made;
+ * error: an exception the wrapper met (pickling) to raise on every rank. */
 PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", NULL};
-    PyObject *x = Py_None, *error = Py_None, *gpu = Py_None, *rootobj = NULL, *argerr = NULL;
+    static char *kwlist[] = {"x", "root", "pickled", "error", "gpu", "tag", "context", NULL};
+    PyObject *x = Py_None, *gpu = Py_None, *rootobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0, pickled = 0, P = c->size, me = c->rank;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpOO:broadcast", kwlist, &x, &rootobj,
-                                     &pickled, &error, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpOO$OO:broadcast", kwlist, &x, &rootobj,
+                                     &pickled, &gk.error, &gpu, &gk.tag, &gk.context))
         return NULL;
-    if (error != Py_None && !PyExceptionInstance_Check(error)) {
-        PyErr_SetString(PyExc_TypeError, "error: expected an exception instance or None");
-        return NULL;
-    }
     dist_int_arg(rootobj, "root", &root, &argerr);
     if (dist_enter(c) < 0) {
         Py_XDECREF(argerr);
@@ -530,14 +614,13 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     mine.root = root;
     mine.ndim = -1;
     mine.is_object = pickled;
-    if (error != Py_None)   /* the wrapper's own failure (pickling), raised everywhere */
-        PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    else if (dist_arg_error(&argerr) || check_root(root, P) < 0) {
+    dist_guard_kw_read(&gk, &mine, &argerr);   /* the wrapper's error (pickling) first */
+    if (dist_arg_error(&argerr) || check_root(root, P) < 0) {
         /* the error goes to the guard below */
     }
     else if (me == root && gpu != Py_None)
         dist_gpu_read(c, x, gpu, 1, &mine, &g);            /* NCCL (dist_gpu.c) */
-    else if (me == root && (arr = dist_as_array(x, "x", 0)) != NULL)
+    else if (me == root && (arr = dist_as_array(x, "x", 0, DIST_WHOLE)) != NULL)
         dist_meta_array(&mine, arr);
     else if (me != root && gpu != Py_None && dist_gpu_read(c, x, gpu, 0, &mine, &g) < 0) {
         PyErr_Clear();   /* off root, x only names this rank's device: a bad one is ignored */
@@ -585,7 +668,7 @@ fail:
     dist_gpu_arg_clear(&g);
     Py_XDECREF(out);
     Py_XDECREF(arr);
-    Py_XDECREF(argerr);   /* not raised when the wrapper's own error came first */
+    Py_XDECREF(argerr);   /* already raised (NULL) unless the call failed before */
     dist_leave(c);
     return res;
 }

@@ -4,15 +4,21 @@
  * the predefined datatype of the array's dtype), polled against the
  * deadline. "mean" is "sum" divided by the number of ranks on the result,
  * for floating and complex dtypes only (an integer mean would have to
- * round or change dtype; say which you want with op="sum").
+ * round or change dtype; say which you want with op="sum"). "max" and
+ * "min" of floating dtypes propagate NaN as NumPy does (nan_ops below).
  */
 #include "dist.h"
 
 #include <limits.h>
 #include <string.h>
 
-PyObject *dist_barrier(dist_comm *c, PyObject *Py_UNUSED(args))
+PyObject *dist_barrier(dist_comm *c, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {DIST_GUARD_KWLIST, NULL};
+    dist_guard_kw gk = {NULL, NULL, NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOO:barrier", kwlist, &gk.tag, &gk.error,
+                                     &gk.context))
+        return NULL;
     if (dist_enter(c) < 0)
         return NULL;
     dist_meta mine;
@@ -20,7 +26,10 @@ PyObject *dist_barrier(dist_comm *c, PyObject *Py_UNUSED(args))
     mine.kind = DIST_BARRIER;
     mine.root = -1;
     mine.ndim = -1;
-    PyObject *saved = NULL;
+    PyObject *saved = NULL, *argerr = NULL;
+    dist_guard_kw_read(&gk, &mine, &argerr);
+    if (dist_arg_error(&argerr))
+        dist_meta_fail(&mine, &saved);
     int rc = dist_agree(c, &mine, &saved, dist_now() + c->timeout);
     dist_leave(c);
     if (rc < 0)
@@ -43,10 +52,8 @@ static int parse_op(const char *op)
     return -1;
 }
 
-/* OverflowError past MPI's int count. Checked on an ndarray before
- * dist_as_array, which would first copy a non-contiguous view (a
- * broadcast_to of 2**31 elements is 2 GiB to copy, long enough for the
- * other ranks to time out), and again on the converted array. */
+/* OverflowError past MPI's int count (a converted list; an ndarray view
+ * is checked before its copy by dist_as_array). */
 static int too_many(npy_intp n)
 {
     if (n <= INT_MAX)
@@ -54,6 +61,55 @@ static int too_many(npy_intp n)
     PyErr_Format(PyExc_OverflowError, "x: %lld elements do not fit MPI's int count "
                  "(< 2**31); reduce it in parts", (long long)n);
     return -1;
+}
+
+/* max / min of floating dtypes as NumPy's np.maximum / np.minimum: NaN
+ * wherever any rank holds NaN, whichever rank that is (MPI_MAX keeps or
+ * drops a NaN depending on the order it meets it: min(1, NaN, 3, 4) gave
+ * 3). A NaN in `in` replaces inout; a NaN in inout stays, since every
+ * comparison with it is false. */
+#define NAN_PROPAGATING(name, T, cmp)                                        \
+    static void name(const T *in, T *inout, int n)                          \
+    {                                                                        \
+        for (int i = 0; i < n; i++)                                          \
+            if (in[i] != in[i] || in[i] cmp inout[i])                        \
+                inout[i] = in[i];                                            \
+    }
+NAN_PROPAGATING(max_f, float, >)
+NAN_PROPAGATING(min_f, float, <)
+NAN_PROPAGATING(max_d, double, >)
+NAN_PROPAGATING(min_d, double, <)
+NAN_PROPAGATING(max_ld, long double, >)
+NAN_PROPAGATING(min_ld, long double, <)
+
+#define NAN_OP(name, fn_f, fn_d, fn_ld)                                      \
+    static void name(void *in, void *inout, int *len, MPI_Datatype *t)      \
+    {                                                                        \
+        if (*t == MPI_FLOAT)                                                 \
+            fn_f(in, inout, *len);                                           \
+        else if (*t == MPI_DOUBLE)                                           \
+            fn_d(in, inout, *len);                                           \
+        else                                                                 \
+            fn_ld(in, inout, *len);                                          \
+    }
+NAN_OP(nan_max, max_f, max_d, max_ld)
+NAN_OP(nan_min, min_f, min_d, min_ld)
+
+/* The two operations, made once (MPI_Op_create after MPI_Init; kept until
+ * MPI_Finalize frees them). -1 with RuntimeError. */
+static int nan_ops(MPI_Op *max, MPI_Op *min)
+{
+    static MPI_Op ops[2] = {MPI_OP_NULL, MPI_OP_NULL};
+    if (ops[0] == MPI_OP_NULL) {
+        int rc = MPI_Op_create(nan_max, 1, &ops[0]);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Op_create(nan_min, 1, &ops[1]);
+        if (rc != MPI_SUCCESS)
+            return dist_mpi_error(rc, "MPI_Op_create");
+    }
+    *max = ops[0];
+    *min = ops[1];
+    return 0;
 }
 
 /* The MPI datatype and operation for this dtype and op, or an error
@@ -99,9 +155,14 @@ static int mpi_op_for(PyArrayObject *a, int op, MPI_Datatype *t, MPI_Op *o)
                      "order", dist_op_name(op));
         return -1;
     }
-    if (kind == 'b')
+    if (kind == 'b') {
         *o = op == DIST_OP_MAX ? MPI_LOR : MPI_LAND;
-    else
+    } else if (kind == 'f' && (op == DIST_OP_MAX || op == DIST_OP_MIN)) {
+        MPI_Op mx, mn;
+        if (nan_ops(&mx, &mn) < 0)
+            return -1;
+        *o = op == DIST_OP_MAX ? mx : mn;
+    } else
         *o = op == DIST_OP_MAX ? MPI_MAX : op == DIST_OP_MIN ? MPI_MIN : MPI_SUM;
     return too_many(PyArray_SIZE(a));
 }
@@ -133,7 +194,8 @@ static PyArray_Descr *widen_small_int_sum(PyObject **arr, int op, MPI_Datatype *
 
 /* argerr: a bad root or op (dist_args.c), raised at the guard; stolen. */
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
-                               int64_t kind, PyObject *gpu, PyObject *argerr)
+                               int64_t kind, PyObject *gpu, const dist_guard_kw *gk,
+                               PyObject *argerr)
 {
     int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
     if (dist_enter(c) < 0) {
@@ -154,6 +216,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     mine.kind = kind;
     mine.root = all ? -1 : root;
     mine.ndim = -1;
+    dist_guard_kw_read(gk, &mine, &argerr);
     int op = dist_arg_error(&argerr) ? -1 : parse_op(opname);
     mine.op = op < 0 ? DIST_OP_NONE : op;
     if (op >= 0 && !all && (root < 0 || root >= P))
@@ -162,8 +225,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     else if (op >= 0 && gpu != Py_None) {   /* NCCL (dist_gpu.c) */
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
-    } else if (op >= 0 && (!PyArray_Check(x) || too_many(PyArray_SIZE((PyArrayObject *)x)) == 0)
-               && (arr = dist_as_array(x, "x", 1)) != NULL
+    } else if (op >= 0 && (arr = dist_as_array(x, "x", 1, DIST_WHOLE)) != NULL
                && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
         dist_meta_array(&mine, arr);
     if (PyErr_Occurred())
@@ -230,25 +292,28 @@ done:
 
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "op", "gpu", NULL};
+    static char *kwlist[] = {"x", "op", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *opobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:all_reduce", kwlist, &x, &opobj, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$OOO:all_reduce", kwlist, &x, &opobj, &gpu,
+                                     &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_op_arg(opobj, &op, &argerr);
-    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu, argerr);
+    return reduce_common(c, x, -1, op, DIST_ALL_REDUCE, gpu, &gk, argerr);
 }
 
 PyObject *dist_reduce(dist_comm *c, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"x", "root", "op", "gpu", NULL};
+    static char *kwlist[] = {"x", "root", "op", "gpu", DIST_GUARD_KWLIST, NULL};
     PyObject *x, *gpu = Py_None, *rootobj = NULL, *opobj = NULL, *argerr = NULL;
+    dist_guard_kw gk = {NULL, NULL, NULL};
     int root = 0;
     const char *op = "sum";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO:reduce", kwlist, &x, &rootobj, &opobj,
-                                     &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOO$OOO:reduce", kwlist, &x, &rootobj, &opobj,
+                                     &gpu, &gk.tag, &gk.error, &gk.context))
         return NULL;
     dist_int_arg(rootobj, "root", &root, &argerr);
     dist_op_arg(opobj, &op, &argerr);
-    return reduce_common(c, x, root, op, DIST_REDUCE, gpu, argerr);
+    return reduce_common(c, x, root, op, DIST_REDUCE, gpu, &gk, argerr);
 }

@@ -693,6 +693,193 @@ def case_big_reduce():
     say("OK big_reduce")
 
 
+def case_silent_steps():
+    """Each way one rank's step could silently mix with the others' (a caught
+    local error, a None gradient, another weights mode, a skipped call) is the
+    same call's error on every rank, and the steps after it are right."""
+    P = dist.size()
+    dist.set_timeout(20.0)
+
+    def grads(step):   # every rank's gradient of a step: the step's own value
+        return {"w": np.full(3, float(step + RANK))}
+
+    def want(step):    # the rows-weighted mean: rows = RANK + 1
+        rows = np.arange(1, P + 1)
+        return float((rows * (step + np.arange(P))).sum() / rows.sum())
+
+    # 1. rows=-1 on rank 1 at step 1, caught: every rank raises at step 1 and
+    #    steps 0, 2, 3 are each their own step's mean.
+    for step in range(4):
+        rows = -1 if (step == 1 and RANK == min(1, P - 1)) else RANK + 1
+        try:
+            got = dist.reduce_gradients(grads(step), rows=rows, tag=step)
+            assert np.allclose(got["w"], want(step)), (step, got, want(step))
+            say(f"OK rows_negative step {step}")
+        except ValueError as exc:
+            err(f"rows_negative_{step}", exc)
+    # 2. A None gradient on the last rank: its TypeError, the others' ValueError,
+    #    at once (not after the timeout).
+    start = time.monotonic()
+    try:
+        dist.reduce_gradients([None if RANK == P - 1 else np.ones(2)], weights="mean")
+        say("NOERR none_grad")
+    except (TypeError, ValueError) as exc:
+        err("none_grad", exc)
+    say(f"none_grad took {time.monotonic() - start:.2f}")
+    # 3. weights="mean" on rank 0, "rows" elsewhere: a ValueError naming both.
+    try:
+        dist.reduce_gradients(grads(0), weights="mean" if RANK == 0 else "rows", rows=1)
+        say("NOERR weights_mode")
+    except ValueError as exc:
+        err("weights_mode", exc)
+    # 4. The last rank skips the call tagged 1: a ValueError naming the tags on
+    #    every rank; it then retries its call tagged 2, which pairs with the
+    #    others' call tagged 2 and is right.
+    skipper = RANK == P - 1
+    for step in ([2, 2] if skipper else [1, 2]):
+        try:
+            got = dist.all_reduce(np.full(2, float(step)), tag=step)
+            assert got.tolist() == [float(P * step)] * 2, (step, got)
+            say(f"OK tagged step {step}")
+        except ValueError as exc:
+            err("skipped_tag", exc)
+    # 5. An option error in a collective's own arguments on one rank (a
+    #    bad tag type): every rank raises at that call.
+    try:
+        dist.all_reduce(np.ones(2), tag=1.5 if RANK == 0 else 1)
+        say("NOERR bad_tag")
+    except (TypeError, ValueError) as exc:
+        err("bad_tag", exc)
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK silent_steps")
+
+
+def case_big_views():
+    """Zero-stride views past MPI's int counts, or whose copy needs more memory
+    than the machine has: the error comes before any copy (tracemalloc's peak
+    stays small), on every rank, and the communicator stays usable."""
+    import tracemalloc
+    huge = np.broadcast_to(np.ones(1, np.int8), (2**31 + 5,))            # 2 GiB as a copy
+    wide = np.broadcast_to(np.zeros(1, "V4096"), (2**24,))                # 64 GiB as a copy
+    calls = [
+        ("scatter_view", lambda: dist.scatter(huge if RANK == 0 else None)),
+        ("gather_view", lambda: dist.gather(huge)),
+        ("all_gather_view", lambda: dist.all_gather(huge[None], dim=1)),
+        ("broadcast_view", lambda: dist.broadcast(huge if RANK == 0 else None)),
+        ("all_reduce_view", lambda: dist.all_reduce(np.broadcast_to(np.ones(1), (2**31 + 5,)))),
+        ("broadcast_memory", lambda: dist.broadcast(wide if RANK == 0 else None)),
+    ]
+    for name, call in calls:
+        tracemalloc.start()
+        try:
+            call()
+            say(f"NOERR {name}")
+        except (OverflowError, MemoryError, ValueError) as exc:
+            err(name, exc)
+        say(f"peak {name} {tracemalloc.get_traced_memory()[1]}")
+        tracemalloc.stop()
+        assert dist.all_reduce(np.ones(2)).tolist() == [dist.size()] * 2   # still usable
+    say("OK big_views")
+
+
+def case_nan():
+    """max/min propagate NaN as np.maximum/np.minimum whichever rank holds it,
+    NaN beats inf and -inf, integers are exact; all_reduce and reduce."""
+    P = dist.size()
+
+    def of(rank, holder, dtype, n):
+        a = np.arange(n, dtype=np.float64) + rank + 1
+        if rank == holder:
+            a[0] = np.nan
+            a[1] = np.nan
+        if rank == (holder + 1) % P:
+            a[1], a[2] = np.inf, -np.inf
+        return a.astype(dtype)
+
+    for dtype in (np.float32, np.float64, np.longdouble):
+        for n in (3, 100):
+            for holder in range(P):
+                every = [of(r, holder, dtype, n) for r in range(P)]
+                for op, ref in (("max", np.maximum), ("min", np.minimum)):
+                    want = ref.reduce(np.stack(every))
+                    got = dist.all_reduce(every[RANK], op)
+                    assert np.array_equal(got, want, equal_nan=True), (dtype, n, holder, op, got)
+                    assert np.isnan(got[0]) and np.isnan(got[1]), got
+                    r = dist.reduce(every[RANK], root=P - 1, op=op)
+                    assert r is None or np.array_equal(r, want, equal_nan=True), (op, r)
+    ints = np.array([RANK, -RANK, 7], np.int64)
+    assert dist.all_reduce(ints, "max").tolist() == [P - 1, 0, 7]
+    assert dist.all_reduce(ints, "min").tolist() == [0, -(P - 1), 7]
+    say("OK nan")
+
+
+def case_threads():
+    """A collective called while another thread of the same rank is inside one
+    is refused there (a communicator serves one thread at a time); the
+    thread's own call completes and the communicator stays usable."""
+    import threading
+    P = dist.size()
+    if RANK == 0:
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("a", dist.all_reduce(np.ones(2))))
+        t.start()
+        time.sleep(0.5)   # the others arrive after 1.5 s: the thread is still inside
+        try:
+            dist.all_reduce(np.ones(2))
+            say("NOERR threads")
+        except RuntimeError as exc:
+            err("threads", exc)
+        t.join()
+        assert got["a"].tolist() == [float(P)] * 2, got
+    else:
+        time.sleep(1.5)
+        dist.all_reduce(np.ones(2))
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK threads")
+
+
+def case_torch_users():
+    """torch users: a tensor that requires grad is refused on every rank (naming
+    .detach()); out= writes in place (all_reduce(t, out=t) is torch's in-place
+    all_reduce); a wrong out of all_reduce is an error on every rank."""
+    import torch
+    P = dist.size()
+    t = torch.ones(3, requires_grad=RANK == 2)
+    try:
+        dist.all_reduce(t)
+        say("NOERR requires_grad")
+    except (TypeError, ValueError) as exc:
+        err("requires_grad", exc)
+    with torch.no_grad():   # no graph to cut: read detached, as DataParallel does
+        assert dist.all_reduce(t).tolist() == [float(P)] * 3
+    t = torch.full((3,), float(RANK))
+    got = dist.all_reduce(t, out=t)
+    assert got is t and t.tolist() == [float(sum(range(P)))] * 3, t
+    m = np.full(2, float(RANK))
+    assert dist.all_reduce(m, op="max", out=m) is m and m.tolist() == [float(P - 1)] * 2
+    b = torch.full((2,), float(RANK + 5))
+    assert dist.broadcast(b, root=1, out=b) is b and b.tolist() == [6.0, 6.0], b
+    o = np.empty(2)
+    assert dist.reduce(np.ones(2), root=0, out=o if RANK == 0 else None) is (o if RANK == 0
+                                                                           else None)
+    assert RANK != 0 or o.tolist() == [float(P)] * 2
+    g = torch.empty(P)
+    assert dist.all_gather(torch.tensor([float(RANK)]), out=g) is g and g.tolist() == \
+        [float(r) for r in range(P)]
+    piece = np.empty(2)
+    assert dist.scatter(np.arange(2.0 * P) if RANK == 0 else None, out=piece) is piece
+    assert piece.tolist() == [2.0 * RANK, 2.0 * RANK + 1], piece
+    for name, out in (("out_shape", np.empty(3 if RANK == 1 else 2)),
+                      ("out_dtype", np.empty(2, np.float32 if RANK == 3 else np.float64))):
+        try:
+            dist.all_reduce(np.ones(2), out=out)
+            say(f"NOERR {name}")
+        except (TypeError, ValueError) as exc:
+            err(name, exc)
+    assert dist.all_reduce(np.ones(2)).tolist() == [float(P)] * 2   # still in step
+    say("OK torch_users")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
