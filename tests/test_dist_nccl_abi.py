@@ -19,6 +19,7 @@ _Static_assert(NCCL_T_INT8 == ncclInt8 && NCCL_T_UINT8 == ncclUint8 && NCCL_T_IN
 _Static_assert(NCCL_SUM == ncclSum && NCCL_PROD == ncclProd && NCCL_MAX == ncclMax && NCCL_MIN == ncclMin && NCCL_AVG == ncclAvg, "ops");
 _Static_assert(NCCL_OK == ncclSuccess && NCCL_UNHANDLED_CUDA == ncclUnhandledCudaError && NCCL_SYSTEM == ncclSystemError && NCCL_INTERNAL == ncclInternalError && NCCL_INVALID_ARGUMENT == ncclInvalidArgument && NCCL_INVALID_USAGE == ncclInvalidUsage && NCCL_REMOTE == ncclRemoteError && NCCL_IN_PROGRESS == ncclInProgress, "results");
 _Static_assert(CUDA_OK == cudaSuccess && CUDA_NOT_READY == cudaErrorNotReady && CUDA_MEMCPY_DEFAULT == cudaMemcpyDefault, "cuda");
+_Static_assert(CUDA_INVALID_PITCH == cudaErrorInvalidPitchValue && CUDA_ATTR_MAX_PITCH == cudaDevAttrMaxPitch, "pitch");
 _Static_assert(sizeof(dist_ncclUniqueId) == sizeof(ncclUniqueId), "id");
 _Static_assert(sizeof(ncclResult_t) == sizeof(int) && sizeof(ncclDataType_t) == sizeof(int) && sizeof(ncclRedOp_t) == sizeof(int) && sizeof(cudaError_t) == sizeof(int), "enum sizes");
 """

@@ -149,6 +149,8 @@ static int bind(void *nccl, void *cudart, char *why, size_t n)
         S(0, SetDevice, "cudaSetDevice"), S(0, GetDevice, "cudaGetDevice"),
         S(0, StreamQuery, "cudaStreamQuery"), S(0, StreamSynchronize, "cudaStreamSynchronize"),
         S(0, CudaErrorString, "cudaGetErrorString"), S(0, Memcpy2DAsync, "cudaMemcpy2DAsync"),
+        S(0, DeviceGetAttribute, "cudaDeviceGetAttribute"),
+        S(0, DeviceGetPCIBusId, "cudaDeviceGetPCIBusId"),
 #undef S
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {

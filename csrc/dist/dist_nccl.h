@@ -34,7 +34,9 @@ enum { NCCL_T_INT8 = 0, NCCL_T_UINT8 = 1, NCCL_T_INT32 = 2, NCCL_T_UINT32 = 3, N
 /* ncclRedOp_t */
 enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
 /* cudaError_t */
-enum { CUDA_OK = 0, CUDA_NOT_READY = 600 };
+enum { CUDA_OK = 0, CUDA_INVALID_PITCH = 12, CUDA_NOT_READY = 600 };
+/* cudaDeviceAttr: the largest pitch a 2D copy accepts, in bytes */
+enum { CUDA_ATTR_MAX_PITCH = 11 };
 
 typedef struct {
     char desc[400];        /* "NCCL 2.21.5 (path); CUDA runtime (path)" or the emulation */
@@ -59,6 +61,8 @@ typedef struct {
     int (*StreamSynchronize)(dist_stream_t);
     const char *(*CudaErrorString)(int);
     int (*Memcpy2DAsync)(void *, size_t, const void *, size_t, size_t, size_t, int, dist_stream_t);
+    int (*DeviceGetAttribute)(int *, int, int);
+    int (*DeviceGetPCIBusId)(char *, int, int);
 } dist_nccl_api;
 
 /* cudaMemcpyKind */
