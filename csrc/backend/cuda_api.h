@@ -278,6 +278,11 @@ int dpc_emu_contexts(int *devs, int max);
 /* Emulator only: another library's kernel queued on stream s of dev touching
  * device memory [p, p + n), pending until s or dev is synchronised. */
 void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n);
+/* Emulator only: another library destroyed its stream s (CuPy does at
+ * garbage collection): work queued on it still finishes at a device sync,
+ * and any later use of the handle is counted as a bad handle (undefined
+ * behaviour on hardware). */
+void dpc_emu_destroy_stream(dpc_stream s);
 #endif
 
 #ifdef __cplusplus

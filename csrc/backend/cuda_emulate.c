@@ -30,7 +30,9 @@
  *     back to its cache, so "temporary reused while a copy may still write
  *     it" is counted (dpc_emu_stats). The data itself moves at once.
  *   - Stream handles: a failed dpc_stream_get leaves a poisoned handle; using
- *     it fails (cudaErrorInvalidResourceHandle) and is counted.
+ *     it fails (cudaErrorInvalidResourceHandle) and is counted, as is any use
+ *     of another library's handle after dpc_emu_destroy_stream (on hardware
+ *     a crash, or a wait on whatever stream reused the address).
  *   - Memory kinds: dpc_emu_malloc_nopeer gives blocks that peer access does
  *     not cover (VMM, cudaMallocAsync pools, IPC): a kernel on another device
  *     touching one fails with 700, as on hardware. $DPMINI_EMULATE_PEER=0 (or
@@ -256,10 +258,36 @@ void dpc_emu_note_freed_busy(void) { __atomic_add_fetch(&emu_freed_busy, 1, __AT
 
 void dpc_emu_fail_stream_get(int slot) { __atomic_store_n(&emu_fail_slot, slot, __ATOMIC_SEQ_CST); }
 
-/* 1 when s is the poisoned handle of a failed dpc_stream_get (counted). */
+/* Handles another library destroyed (dpc_emu_destroy_stream); the oldest
+ * is forgotten when more are destroyed. */
+#define EMU_DESTROYED_MAX 64
+static dpc_stream emu_destroyed[EMU_DESTROYED_MAX];
+static int emu_destroyed_next;
+static pthread_mutex_t emu_destroyed_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void dpc_emu_destroy_stream(dpc_stream s)
+{
+    pthread_mutex_lock(&emu_destroyed_mu);
+    emu_destroyed[emu_destroyed_next] = s;
+    emu_destroyed_next = (emu_destroyed_next + 1) % EMU_DESTROYED_MAX;
+    pthread_mutex_unlock(&emu_destroyed_mu);
+}
+
+static int destroyed(dpc_stream s)
+{
+    int found = 0;
+    pthread_mutex_lock(&emu_destroyed_mu);
+    for (int i = 0; i < EMU_DESTROYED_MAX && !found; i++)
+        found = s != NULL && emu_destroyed[i] == s;
+    pthread_mutex_unlock(&emu_destroyed_mu);
+    return found;
+}
+
+/* 1 when s is the poisoned handle of a failed dpc_stream_get, or a handle
+ * its library destroyed (counted: undefined behaviour on hardware). */
 int poisoned(dpc_stream s)
 {
-    if (s != EMU_POISON_STREAM)
+    if (s != EMU_POISON_STREAM && !destroyed(s))
         return 0;
     __atomic_add_fetch(&emu_bad_handles, 1, __ATOMIC_RELAXED);
     return 1;

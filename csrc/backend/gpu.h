@@ -41,8 +41,10 @@ dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded);
 void dp_gpu_free(int dev, void *p, size_t rounded);
 /* Free a block that was exported (DLPack / CUDA Array Interface;
  * gpu_export.c): consumer, the stream a DLPack consumer named, is waited for
- * first; without one (NULL) the block is put aside and cached after the next
- * device sync, shared with other such blocks. Call without the GIL. */
+ * first when it is one that cannot have been destroyed since (the legacy
+ * default stream, dpmini's own); otherwise (NULL, another library's handle)
+ * the block is put aside and cached after the next device sync, shared with
+ * other such blocks. Call without the GIL. */
 void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer);
 /* Release dev's put-aside blocks now (one device sync); blocks put aside on
  * all devices (tests). */

@@ -17,6 +17,7 @@
  *                                (any handle) touching [ptr, ptr + nbytes):
  *                                recorded until that stream or dev is synced
  *   _emu_busy(ptr, nbytes)       whether queued work still touches the range
+ *   _emu_destroy_stream(stream)  another library destroyed that stream handle
  */
 #include "dpmini.h"
 #include "gpu.h"
@@ -169,6 +170,16 @@ static PyObject *py_emu_busy(PyObject *m, PyObject *args)
     return PyBool_FromLong(dpc_emu_busy(p, (size_t)n));
 }
 
+static PyObject *py_emu_destroy_stream(PyObject *m, PyObject *arg)
+{
+    void *s = PyLong_AsVoidPtr(arg);
+    if (s == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    dpc_emu_destroy_stream(s);
+    Py_RETURN_NONE;
+}
+
 #else
 
 static PyObject *not_emulated(void)
@@ -185,6 +196,7 @@ static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *a) { return not_emulate
 static PyObject *py_emu_contexts(PyObject *m, PyObject *unused) { return not_emulated(); }
 static PyObject *py_emu_queue(PyObject *m, PyObject *a) { return not_emulated(); }
 static PyObject *py_emu_busy(PyObject *m, PyObject *a) { return not_emulated(); }
+static PyObject *py_emu_destroy_stream(PyObject *m, PyObject *a) { return not_emulated(); }
 
 #endif
 
@@ -210,5 +222,8 @@ PyMethodDef dp_gpu_debug_methods[] = {
     {"_emu_busy", py_emu_busy, METH_VARARGS,
      "Private (tests, emulated builds): _emu_busy(address, nbytes) -> whether queued work "
      "still touches the range."},
+    {"_emu_destroy_stream", py_emu_destroy_stream, METH_O,
+     "Private (tests, emulated builds): _emu_destroy_stream(stream): another library "
+     "destroyed that stream handle; later uses of it are counted as bad handles."},
     {NULL},
 };
