@@ -122,6 +122,10 @@ typedef struct {
 /* Number of devices; 0 when there is no driver, no GPU, or no CUDA build.
  * Never fails; cached after the first call. */
 int dpc_device_count(void);
+/* gpu_nvml.c: the GPUs NVML (`library`, "libnvidia-ml.so.1") counts, when
+ * none is in MIG mode; -1 when NVML is missing or unusable, or a GPU is in
+ * MIG mode (the runtime then counts its MIG instances). Initialises no CUDA. */
+int dpc_nvml_device_count(const char *library);
 /* The CUDA error code the device count query failed with (0: none), and
  * the runtime's message for it (never NULL). A driver older than the
  * runtime gives cudaErrorInsufficientDriver (35) with a driver version > 0;
