@@ -26,7 +26,8 @@
  *     usable afterwards, a real GPU would not).
  *   - Work in flight: every copy or kernel is recorded with the device
  *     ranges it touches until its stream is synchronised (or the device, or
- *     cudaFree); dpmini's allocator asks dpc_emu_busy before a block goes
+ *     cudaFree, which waits as a device sync does and calls the sync hook);
+ *     dpmini's allocator asks dpc_emu_busy before a block goes
  *     back to its cache, so "temporary reused while a copy may still write
  *     it" is counted (dpc_emu_stats). The data itself moves at once.
  *   - Stream handles: a failed dpc_stream_get leaves a poisoned handle; using
@@ -474,7 +475,8 @@ dpc_status dpc_free(int dev, void *p)
     ctx_on(dev);
     if (!tagged(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
-    forget_pending(1, dev, NULL); /* cudaFree synchronises the device */
+    wait_unstuck(dev);            /* cudaFree synchronises the device */
+    forget_pending(1, dev, NULL);
     /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):
      * a later read sees garbage */
     memset(to_host(p), 0xDB, size < ((size_t)64 << 20) ? size : ((size_t)64 << 20));
