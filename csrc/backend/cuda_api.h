@@ -287,6 +287,13 @@ void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n);
  * and any later use of the handle is counted as a bad handle (undefined
  * behaviour on hardware). */
 void dpc_emu_destroy_stream(dpc_stream s);
+/* Emulator only: the calling thread launches an NCCL group (on: 1) or is
+ * done (0). A cudaMalloc, cudaFree or device sync on another thread
+ * meanwhile is counted (dpc_emu_launch_overlaps): on hardware such a call
+ * can wait for a launched NCCL kernel while that kernel's peers wait to be
+ * launched, for ever. */
+void dpc_emu_launching(int on);
+long dpc_emu_launch_overlaps(void);
 #endif
 
 #ifdef __cplusplus

@@ -47,6 +47,9 @@
  *     (device 0 on a fresh thread), as the runtime does; cudaSetDevice
  *     creates and binds. dpc_emu_contexts lists the devices that got one, so
  *     a stray context on GPU 0 shows.
+ *   - NCCL launches (dpc_emu_launching, from the emulated ncclGroupEnd): a
+ *     cudaMalloc, cudaFree or device sync of another thread during one is
+ *     counted (dpc_emu_launch_overlaps), a deadlock on hardware.
  *   - dpc_emu_queue: another library's kernel queued on any stream handle,
  *     pending until that stream (or the device) is synchronised. Handle 2
  *     (the per-thread default stream) is the calling thread's own stream.
@@ -259,6 +262,30 @@ void dpc_emu_note_freed_busy(void) { __atomic_add_fetch(&emu_freed_busy, 1, __AT
 
 void dpc_emu_fail_stream_get(int slot) { __atomic_store_n(&emu_fail_slot, slot, __ATOMIC_SEQ_CST); }
 
+/* NCCL launches in progress (dpc_emu_launching), and device calls of other
+ * threads that overlapped one. */
+static int emu_launches;
+static __thread int emu_this_thread_launches;
+static long emu_launch_overlaps;
+
+void dpc_emu_launching(int on)
+{
+    emu_this_thread_launches = on;
+    __atomic_add_fetch(&emu_launches, on ? 1 : -1, __ATOMIC_SEQ_CST);
+}
+
+long dpc_emu_launch_overlaps(void)
+{
+    return __atomic_load_n(&emu_launch_overlaps, __ATOMIC_SEQ_CST);
+}
+
+/* A device-synchronising call: counted when another thread is launching. */
+static void device_call(void)
+{
+    if (!emu_this_thread_launches && __atomic_load_n(&emu_launches, __ATOMIC_SEQ_CST) > 0)
+        __atomic_add_fetch(&emu_launch_overlaps, 1, __ATOMIC_SEQ_CST);
+}
+
 /* Handles another library destroyed (dpc_emu_destroy_stream); the oldest
  * is forgotten when more are destroyed. */
 #define EMU_DESTROYED_MAX 64
@@ -306,6 +333,7 @@ dpc_status dpc_device_sync(int dev)
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
                         emu_msg(E_INVALID_DEVICE));
     ctx_on(dev);
+    device_call();
     wait_unstuck(dev);
     forget_pending(1, dev, NULL);
     return dpc_ok();
@@ -443,6 +471,7 @@ dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_INVALID_DEVICE));
     ctx_on(dev);
+    device_call();
     pthread_mutex_lock(&emu_mu);
     int over = emu_used[dev] + nbytes > emu_limit;
     if (!over)
@@ -475,6 +504,7 @@ dpc_status dpc_free(int dev, void *p)
     ctx_on(dev);
     if (!tagged(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
+    device_call();
     wait_unstuck(dev);            /* cudaFree synchronises the device */
     forget_pending(1, dev, NULL);
     /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):

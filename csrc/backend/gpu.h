@@ -49,6 +49,13 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer)
 /* Release dev's put-aside blocks now (one device sync); blocks put aside on
  * all devices (tests). */
 dpc_status dp_gpu_release_deferred(int dev);
+/* gpu_launch.c: NCCL launches (begin/end, exclusive) never overlap the
+ * device-synchronising calls cudaMalloc, cudaFree, cudaDeviceSynchronize
+ * (device_call begin/end, shared). Never nested. */
+void dp_launch_begin(void);
+void dp_launch_end(void);
+void dp_device_call_begin(void);
+void dp_device_call_end(void);
 int dp_gpu_deferred_count(void);
 /* Bytes put aside on dev: freed by their arrays, so not counted by
  * memory_allocated, but still reserved. */

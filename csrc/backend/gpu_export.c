@@ -67,7 +67,9 @@ static dpc_status release(int dev, deferred_block *b, int n)
     if (n == 0) {
         return dpc_ok();
     }
+    dp_device_call_begin();
     dpc_status s = dpc_device_sync(dev);
+    dp_device_call_end();
     __atomic_add_fetch(&dp_gpu_stat_export_syncs, 1, __ATOMIC_RELAXED);
     for (int i = 0; i < n; i++) {
         if (s.code == 0) {

@@ -226,7 +226,9 @@ static dpc_status comms_acquire(int n, const int *devs, comm_lease *L)
         free(comms);
         return gs;
     }
+    dp_launch_begin();   /* it allocates and connects on every device */
     ncclResult_t r = nccl.CommInitAll(comms, n, devs);
+    dp_launch_end();
     dpc_guard_leave(&guard);
     if (r != 0) {
         free(comms);
@@ -313,8 +315,10 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         pthread_mutex_unlock(&nccl_run_mu);
         return st;
     }
+    dp_launch_begin();   /* no cudaFree / cudaMalloc / device sync meanwhile */
     ncclResult_t r = nccl.GroupStart();
     if (r != 0) {
+        dp_launch_end();
         st = comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
         pthread_mutex_unlock(&nccl_run_mu);
         return st;
@@ -331,6 +335,7 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         }
     }
     r = nccl.GroupEnd();
+    dp_launch_end();
     if (r != 0 && st.code == 0) {
         st = NCCL_FAIL(r, devs[root], "ncclGroupEnd()");
     }

@@ -4,7 +4,9 @@
  *
  *   _emu_stats()                 {"bad_stream_handles", "freed_while_queued",
  *                                 "nccl_crossed", "syncs_with_gil" (counted
- *                                 from the first _emu_stats() call on)}
+ *                                 from the first _emu_stats() call on),
+ *                                 "launch_overlaps" (device calls during an
+ *                                 NCCL launch of another thread)}
  *   _emu_fail_stream_get(slot)   the next stream request of that slot fails
  *   _emu_nopeer_alloc(dev, data) device memory that peer access does not
  *                                cover (VMM / async pool / IPC), filled with
@@ -39,9 +41,10 @@ static PyObject *py_emu_stats(PyObject *m, PyObject *unused)
     long bad, busy;
     dpc_emu_set_sync_hook(count_gil_syncs); /* counted from the first call on */
     dpc_emu_stats(&bad, &busy);
-    return Py_BuildValue("{s:l,s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued",
+    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued",
                          busy, "nccl_crossed", dp_nccl_crossed(), "syncs_with_gil",
-                         __atomic_load_n(&syncs_with_gil, __ATOMIC_RELAXED));
+                         __atomic_load_n(&syncs_with_gil, __ATOMIC_RELAXED), "launch_overlaps",
+                         dpc_emu_launch_overlaps());
 }
 
 static PyObject *py_emu_nccl_hang(PyObject *m, PyObject *arg)
