@@ -51,6 +51,6 @@ def test_dist_nccl_h_constants_equal_ncclh_and_the_cuda_runtime(tmp_path):
     src = tmp_path / "dist_nccl_abi.c"
     src.write_text(CHECK)
     cmd = [cc, "-std=c11", "-fsyntax-only", *("-I" + d for d in dirs), *mpi,
-           "-I" + str(ROOT / "csrc" / "dist"), str(src)]
+           "-I" + str(ROOT / "csrc" / "dist"), "-I" + str(ROOT / "csrc" / "core"), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "capi.h"
 #include "copy.h"
 #include "cuda_api.h"
 
@@ -53,6 +54,8 @@ dpc_status dp_gpu_release_deferred(int dev);
  * device-synchronising calls cudaMalloc, cudaFree, cudaDeviceSynchronize
  * (device_call begin/end, shared). Never nested. */
 void dp_launch_begin(void);
+/* lib_search.c: capi.h's search for a shared library (GIL held). */
+void *dp_find_library(dp_lib_search *s, char *found, size_t found_len);
 void dp_launch_end(void);
 void dp_device_call_begin(void);
 void dp_device_call_end(void);

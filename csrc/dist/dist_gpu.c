@@ -383,7 +383,9 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
         dist_nccl_emu_set_parent(c->comm);
     dist_ncclComm_t comm = NULL;
     Py_BEGIN_ALLOW_THREADS
+    dist_launch_begin();   /* it allocates and connects */
     rc = api->CommInitRank(&comm, P, idm->id, c->rank);
+    dist_launch_end();
     Py_END_ALLOW_THREADS
     if (rc != NCCL_OK) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: ncclCommInitRank on rank %d "
@@ -482,10 +484,12 @@ static PyObject *reduce_on_device(dist_comm *c, const dist_meta *mine, dist_gpu_
     int rc = NCCL_OK;
     if (g->count > 0) {
         Py_BEGIN_ALLOW_THREADS
+        dist_launch_begin();
         rc = all ? api->AllReduce((void *)g->ptr, (void *)g->out_ptr, g->count, g->nccl_type,
                                   nccl_op, (dist_ncclComm_t)c->nccl, s)
                  : api->Reduce((void *)g->ptr, (void *)g->out_ptr, g->count, g->nccl_type,
                                nccl_op, root, (dist_ncclComm_t)c->nccl, s);
+        dist_launch_end();
         Py_END_ALLOW_THREADS
         if (dist_gpu_finish(c, rc, s, deadline, what, mine->call, g->obj, g->out, NULL) < 0)
             return NULL;
@@ -524,8 +528,10 @@ static PyObject *broadcast_on_device(dist_comm *c, const dist_meta *rm, dist_gpu
         dist_stream_t s = (dist_stream_t)g->stream;
         int rc;
         Py_BEGIN_ALLOW_THREADS
+        dist_launch_begin();
         rc = api->Broadcast((void *)g->ptr, (void *)g->out_ptr, bytes, NCCL_T_UINT8, root,
                             (dist_ncclComm_t)c->nccl, s);
+        dist_launch_end();
         Py_END_ALLOW_THREADS
         if (dist_gpu_finish(c, rc, s, deadline, "broadcast", rm->call, g->obj, g->out, NULL) < 0)
             return NULL;

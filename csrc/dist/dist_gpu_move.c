@@ -14,7 +14,8 @@
  * whole array's rows are that copy's pitch: a pitch over the smallest
  * cudaDevAttrMaxPitch of the ranks is refused on every rank before any
  * rank queues anything. The queueing (group, sends, receives, copies) runs
- * with the GIL released: ncclGroupEnd may block while NCCL connects.
+ * with the GIL released (ncclGroupEnd may block while NCCL connects) and
+ * under the launch lock shared with dpmini._dpmini (dist_launch_begin).
  */
 #include "dist.h"
 #include "dist_nccl.h"
@@ -143,7 +144,9 @@ static PyObject *scatter_on_device(dist_comm *c, const dist_meta *rm, dist_gpu_a
             goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
+    dist_launch_begin();
     rc = queue_scatter(c, api, g, &l, sizes, root, out_ptr, stage_ptr, s);
+    dist_launch_end();
     Py_END_ALLOW_THREADS
     if (dist_gpu_finish(c, rc, s, deadline, "scatter", rm->call, g->obj, out, stage) < 0)
         goto fail;
@@ -211,7 +214,9 @@ static PyObject *gather_on_device(dist_comm *c, const dist_meta *mine, dist_gpu_
             goto fail;   /* the others wait for this rank until their timeout */
     }
     Py_BEGIN_ALLOW_THREADS
+    dist_launch_begin();
     rc = queue_gather(c, api, g, &l, rows, root, out_ptr, stage_ptr, s);
+    dist_launch_end();
     Py_END_ALLOW_THREADS
     if (dist_gpu_finish(c, rc, s, deadline, what, mine->call, g->obj, out, stage) < 0)
         goto fail;

@@ -16,6 +16,8 @@
 
 #include <mpi.h>
 #include <stddef.h>
+
+#include "capi.h"
 #include <stdint.h>
 
 typedef struct dist_nccl_comm_s *dist_ncclComm_t;
@@ -78,6 +80,11 @@ const dist_nccl_api *dist_nccl_get(void);
 int dist_nccl_set_emulated(int on);
 /* The description of the table in use, or "not loaded". */
 const char *dist_nccl_describe(void);
+/* An NCCL launch (communicator set-up, a collective or a send/recv group):
+ * dpmini._dpmini's lock, exclusive of its cudaMalloc / cudaFree / device
+ * syncs on every thread (capi.h). Without the GIL; after dist_nccl_get. */
+void dist_launch_begin(void);
+void dist_launch_end(void);
 
 /* dist_nccl_emu.c: the emulated table; `parent` is the MPI communicator the
  * next emulated ncclCommInitRank duplicates (real NCCL connects through the

@@ -10,6 +10,9 @@
 #include "pool.h"
 #include "cuda_api.h"
 
+/* capi.c: the C API capsule for dpmini._dist (_C_API). */
+int dp_capi_add(PyObject *m);
+
 /* ------------------------------------------------------------------ */
 /* Init                                                                */
 /* ------------------------------------------------------------------ */
@@ -166,7 +169,7 @@ static int dp_exec(PyObject *m)
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
         PyModule_AddFunctions(m, dp_gpu_debug_methods) < 0 ||
-        add_comm_submodule(m) < 0) {
+        add_comm_submodule(m) < 0 || dp_capi_add(m) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||
