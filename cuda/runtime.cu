@@ -184,33 +184,11 @@ static int g_count_err; // the CUDA error of the count query, kept for reports
 
 // Counting devices through the runtime initialises the driver (cuInit), and
 // a child forked after that cannot use CUDA even if the parent never made a
-// context. So the count comes from NVML when it can (libnvidia-ml.so.1
-// through dlopen, as PyTorch's _device_count_nvml): only when
-// CUDA_VISIBLE_DEVICES is unset (its ordinal, UUID and MIG rules are the
-// runtime's) and the driver's CUDA major version is not older than the
-// runtime's (else the runtime's query reports the error, finding 9). -1:
-// NVML unusable.
-static int nvml_count(void)
-{
-    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL)
-        return -1;
-    typedef int (*init_t)(void);
-    typedef int (*count_t)(unsigned *);
-    init_t init = (init_t)dlsym(h, "nvmlInit_v2");
-    count_t count = (count_t)dlsym(h, "nvmlDeviceGetCount_v2");
-    init_t shutdown = (init_t)dlsym(h, "nvmlShutdown");
-    int n = -1;
-    if (init != NULL && count != NULL && shutdown != NULL && init() == 0) {
-        unsigned c = 0;
-        if (count(&c) == 0 && c <= INT_MAX)
-            n = (int)c;
-        (void)shutdown();
-    }
-    dlclose(h);
-    return n;
-}
-
+// context. So the count comes from NVML when it can (gpu_nvml.c: not when a
+// GPU is in MIG mode): only when CUDA_VISIBLE_DEVICES is unset (its
+// ordinal, UUID and MIG rules are the runtime's) and the driver's CUDA major
+// version is not older than the runtime's (else the runtime's query reports
+// the error).
 extern "C" int dpc_device_count(void)
 {
     if (g_count < 0) {
@@ -220,7 +198,7 @@ extern "C" int dpc_device_count(void)
         (void)cudaGetLastError();
         const char *vis = getenv("CUDA_VISIBLE_DEVICES");
         if (vis == NULL && drv > 0 && drv / 1000 >= rt / 1000)
-            n = nvml_count();
+            n = dpc_nvml_device_count("libnvidia-ml.so.1");
         if (n < 0) {
             n = 0;
             cudaError_t e = cudaGetDeviceCount(&n); // cuInit

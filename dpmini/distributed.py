@@ -548,7 +548,8 @@ def _gpu_args(x):
     if lib == "torch":
         stream = int(sys.modules["torch"].cuda.current_stream(dev).cuda_stream)
     elif lib == "cupy":
-        stream = int(sys.modules["cupy"].cuda.get_current_stream().ptr)
+        # CuPy keeps a current stream per device: x's, not the current device's
+        stream = int(sys.modules["cupy"].cuda.get_current_stream(dev).ptr)
     return dev, lib, stream
 
 

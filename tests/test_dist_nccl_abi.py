@@ -19,6 +19,7 @@ _Static_assert(NCCL_T_INT8 == ncclInt8 && NCCL_T_UINT8 == ncclUint8 && NCCL_T_IN
 _Static_assert(NCCL_SUM == ncclSum && NCCL_PROD == ncclProd && NCCL_MAX == ncclMax && NCCL_MIN == ncclMin && NCCL_AVG == ncclAvg, "ops");
 _Static_assert(NCCL_OK == ncclSuccess && NCCL_UNHANDLED_CUDA == ncclUnhandledCudaError && NCCL_SYSTEM == ncclSystemError && NCCL_INTERNAL == ncclInternalError && NCCL_INVALID_ARGUMENT == ncclInvalidArgument && NCCL_INVALID_USAGE == ncclInvalidUsage && NCCL_REMOTE == ncclRemoteError && NCCL_IN_PROGRESS == ncclInProgress, "results");
 _Static_assert(CUDA_OK == cudaSuccess && CUDA_NOT_READY == cudaErrorNotReady && CUDA_MEMCPY_DEFAULT == cudaMemcpyDefault, "cuda");
+_Static_assert(CUDA_INVALID_PITCH == cudaErrorInvalidPitchValue && CUDA_ATTR_MAX_PITCH == cudaDevAttrMaxPitch, "pitch");
 _Static_assert(sizeof(dist_ncclUniqueId) == sizeof(ncclUniqueId), "id");
 _Static_assert(sizeof(ncclResult_t) == sizeof(int) && sizeof(ncclDataType_t) == sizeof(int) && sizeof(ncclRedOp_t) == sizeof(int) && sizeof(cudaError_t) == sizeof(int), "enum sizes");
 """
@@ -50,6 +51,6 @@ def test_dist_nccl_h_constants_equal_ncclh_and_the_cuda_runtime(tmp_path):
     src = tmp_path / "dist_nccl_abi.c"
     src.write_text(CHECK)
     cmd = [cc, "-std=c11", "-fsyntax-only", *("-I" + d for d in dirs), *mpi,
-           "-I" + str(ROOT / "csrc" / "dist"), str(src)]
+           "-I" + str(ROOT / "csrc" / "dist"), "-I" + str(ROOT / "csrc" / "core"), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -1,17 +1,19 @@
-"""When dpmini may reuse the memory of an exported dpmini.Array (issue 13,
-finding 14).
+"""When dpmini may reuse the memory of an exported dpmini.Array.
 
 A consumer's kernels may still read an exported block after the consumer let
 go of it, so the block must not go back to the cache before they finished.
 What dpmini knows decides the wait:
   - DLPack: the consumer names its stream (__dlpack__(stream=s)); the block is
     marked only when a consumer takes the capsule (a capsule dropped unused
-    marks nothing) and its release waits on that stream, not on the device;
+    marks nothing) and its release waits on that stream, not on the device,
+    when the stream outlives the consumer (the legacy default stream,
+    dpmini's own); another library's handle may be destroyed by then and is
+    never used after the consumer let go: the block waits for a device sync;
   - the CUDA Array Interface: a read of the property (a hasattr probe too)
     cannot be told from a use and names no stream; the block's release is
     deferred and released with others after one device sync, so a freed
     block costs no device-wide sync of its own.
-The emulator records work queued on any stream handle (emu_queue), so a block
+The emulator records work queued on any stream handle (_testing.emu_queue), so a block
 handed out while a consumer's kernel still touches it is counted
 (freed_while_queued).
 """
@@ -126,12 +128,13 @@ def test_dlpack_capsule_dropped_unused_marks_nothing():
 
 
 @emulated
-def test_dlpack_release_waits_on_the_consumers_stream_only():
+def test_dlpack_release_waits_on_the_legacy_stream_only():
+    # stream 1 (the legacy default stream) lives as long as the process
     busy0 = _testing.emu_stats()["freed_while_queued"]
     a = dpmini.asarray(np.arange(100.0), 0)
-    c = Consumer(a, CONSUMER_STREAM)
+    c = Consumer(a, 1)
     assert c.data == a.data_ptr
-    _testing.emu_queue(0, CONSUMER_STREAM, c.data, 800)  # the consumer's kernel, still queued
+    _testing.emu_queue(0, 1, c.data, 800)  # the consumer's kernel, still queued
     syncs, ssyncs = _dbg("export_syncs"), _dbg("export_stream_syncs")
     del a
     gc.collect()
@@ -142,6 +145,31 @@ def test_dlpack_release_waits_on_the_consumers_stream_only():
     assert _dbg("export_syncs") == syncs  # no device-wide sync
     assert not _testing.emu_busy(c.data, 800)  # the consumer's work was waited for
     assert _testing.emu_stats()["freed_while_queued"] == busy0
+
+
+@emulated
+def test_another_librarys_stream_is_not_used_after_the_consumer_destroyed_it():
+    # CuPy destroys a stream at garbage collection, maybe before the block is
+    # freed: the handle must not be synchronised then (undefined behaviour);
+    # the block waits for a device sync instead
+    dpmini.empty_cache()
+    bad0 = _testing.emu_stats()["bad_stream_handles"]
+    busy0 = _testing.emu_stats()["freed_while_queued"]
+    a = dpmini.asarray(np.arange(100.0), 0)
+    c = Consumer(a, CONSUMER_STREAM)
+    _testing.emu_queue(0, CONSUMER_STREAM, c.data, 800)  # the consumer's kernel, still queued
+    deferred, ssyncs = _dbg("export_deferred"), _dbg("export_stream_syncs")
+    c.release()
+    _testing.emu_destroy_stream(CONSUMER_STREAM)
+    del a
+    gc.collect()
+    assert _testing.emu_stats()["bad_stream_handles"] == bad0
+    assert _dbg("export_stream_syncs") == ssyncs
+    assert _dbg("export_deferred") == deferred + 1
+    dpmini.empty_cache()  # one device sync: the consumer's work is done
+    assert not _testing.emu_busy(c.data, 800)
+    assert _testing.emu_stats()["freed_while_queued"] == busy0
+    assert _dbg("export_deferred") == 0
 
 
 @emulated

@@ -122,6 +122,10 @@ typedef struct {
 /* Number of devices; 0 when there is no driver, no GPU, or no CUDA build.
  * Never fails; cached after the first call. */
 int dpc_device_count(void);
+/* gpu_nvml.c: the GPUs NVML (`library`, "libnvidia-ml.so.1") counts, when
+ * none is in MIG mode; -1 when NVML is missing or unusable, or a GPU is in
+ * MIG mode (the runtime then counts its MIG instances). Initialises no CUDA. */
+int dpc_nvml_device_count(const char *library);
 /* The CUDA error code the device count query failed with (0: none), and
  * the runtime's message for it (never NULL). A driver older than the
  * runtime gives cudaErrorInsufficientDriver (35) with a driver version > 0;
@@ -278,6 +282,18 @@ int dpc_emu_contexts(int *devs, int max);
 /* Emulator only: another library's kernel queued on stream s of dev touching
  * device memory [p, p + n), pending until s or dev is synchronised. */
 void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n);
+/* Emulator only: another library destroyed its stream s (CuPy does at
+ * garbage collection): work queued on it still finishes at a device sync,
+ * and any later use of the handle is counted as a bad handle (undefined
+ * behaviour on hardware). */
+void dpc_emu_destroy_stream(dpc_stream s);
+/* Emulator only: the calling thread launches an NCCL group (on: 1) or is
+ * done (0). A cudaMalloc, cudaFree or device sync on another thread
+ * meanwhile is counted (dpc_emu_launch_overlaps): on hardware such a call
+ * can wait for a launched NCCL kernel while that kernel's peers wait to be
+ * launched, for ever. */
+void dpc_emu_launching(int on);
+long dpc_emu_launch_overlaps(void);
 #endif
 
 #ifdef __cplusplus

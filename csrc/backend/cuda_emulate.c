@@ -26,11 +26,14 @@
  *     usable afterwards, a real GPU would not).
  *   - Work in flight: every copy or kernel is recorded with the device
  *     ranges it touches until its stream is synchronised (or the device, or
- *     cudaFree); dpmini's allocator asks dpc_emu_busy before a block goes
+ *     cudaFree, which waits as a device sync does and calls the sync hook);
+ *     dpmini's allocator asks dpc_emu_busy before a block goes
  *     back to its cache, so "temporary reused while a copy may still write
  *     it" is counted (dpc_emu_stats). The data itself moves at once.
  *   - Stream handles: a failed dpc_stream_get leaves a poisoned handle; using
- *     it fails (cudaErrorInvalidResourceHandle) and is counted.
+ *     it fails (cudaErrorInvalidResourceHandle) and is counted, as is any use
+ *     of another library's handle after dpc_emu_destroy_stream (on hardware
+ *     a crash, or a wait on whatever stream reused the address).
  *   - Memory kinds: dpc_emu_malloc_nopeer gives blocks that peer access does
  *     not cover (VMM, cudaMallocAsync pools, IPC): a kernel on another device
  *     touching one fails with 700, as on hardware. $DPMINI_EMULATE_PEER=0 (or
@@ -44,6 +47,9 @@
  *     (device 0 on a fresh thread), as the runtime does; cudaSetDevice
  *     creates and binds. dpc_emu_contexts lists the devices that got one, so
  *     a stray context on GPU 0 shows.
+ *   - NCCL launches (dpc_emu_launching, from the emulated ncclGroupEnd): a
+ *     cudaMalloc, cudaFree or device sync of another thread during one is
+ *     counted (dpc_emu_launch_overlaps), a deadlock on hardware.
  *   - dpc_emu_queue: another library's kernel queued on any stream handle,
  *     pending until that stream (or the device) is synchronised. Handle 2
  *     (the per-thread default stream) is the calling thread's own stream.
@@ -256,10 +262,60 @@ void dpc_emu_note_freed_busy(void) { __atomic_add_fetch(&emu_freed_busy, 1, __AT
 
 void dpc_emu_fail_stream_get(int slot) { __atomic_store_n(&emu_fail_slot, slot, __ATOMIC_SEQ_CST); }
 
-/* 1 when s is the poisoned handle of a failed dpc_stream_get (counted). */
+/* NCCL launches in progress (dpc_emu_launching), and device calls of other
+ * threads that overlapped one. */
+static int emu_launches;
+static __thread int emu_this_thread_launches;
+static long emu_launch_overlaps;
+
+void dpc_emu_launching(int on)
+{
+    emu_this_thread_launches = on;
+    __atomic_add_fetch(&emu_launches, on ? 1 : -1, __ATOMIC_SEQ_CST);
+}
+
+long dpc_emu_launch_overlaps(void)
+{
+    return __atomic_load_n(&emu_launch_overlaps, __ATOMIC_SEQ_CST);
+}
+
+/* A device-synchronising call: counted when another thread is launching. */
+static void device_call(void)
+{
+    if (!emu_this_thread_launches && __atomic_load_n(&emu_launches, __ATOMIC_SEQ_CST) > 0)
+        __atomic_add_fetch(&emu_launch_overlaps, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Handles another library destroyed (dpc_emu_destroy_stream); the oldest
+ * is forgotten when more are destroyed. */
+#define EMU_DESTROYED_MAX 64
+static dpc_stream emu_destroyed[EMU_DESTROYED_MAX];
+static int emu_destroyed_next;
+static pthread_mutex_t emu_destroyed_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void dpc_emu_destroy_stream(dpc_stream s)
+{
+    pthread_mutex_lock(&emu_destroyed_mu);
+    emu_destroyed[emu_destroyed_next] = s;
+    emu_destroyed_next = (emu_destroyed_next + 1) % EMU_DESTROYED_MAX;
+    pthread_mutex_unlock(&emu_destroyed_mu);
+}
+
+static int destroyed(dpc_stream s)
+{
+    int found = 0;
+    pthread_mutex_lock(&emu_destroyed_mu);
+    for (int i = 0; i < EMU_DESTROYED_MAX && !found; i++)
+        found = s != NULL && emu_destroyed[i] == s;
+    pthread_mutex_unlock(&emu_destroyed_mu);
+    return found;
+}
+
+/* 1 when s is the poisoned handle of a failed dpc_stream_get, or a handle
+ * its library destroyed (counted: undefined behaviour on hardware). */
 int poisoned(dpc_stream s)
 {
-    if (s != EMU_POISON_STREAM)
+    if (s != EMU_POISON_STREAM && !destroyed(s))
         return 0;
     __atomic_add_fetch(&emu_bad_handles, 1, __ATOMIC_RELAXED);
     return 1;
@@ -277,6 +333,7 @@ dpc_status dpc_device_sync(int dev)
         return EMU_FAIL(E_INVALID_DEVICE, "cudaDeviceSynchronize()", dev,
                         emu_msg(E_INVALID_DEVICE));
     ctx_on(dev);
+    device_call();
     wait_unstuck(dev);
     forget_pending(1, dev, NULL);
     return dpc_ok();
@@ -414,6 +471,7 @@ dpc_status dpc_malloc(int dev, size_t nbytes, void **out)
     if (bad_dev(dev))
         return EMU_FAIL(E_INVALID_DEVICE, "cudaMalloc(&p, nbytes)", dev, emu_msg(E_INVALID_DEVICE));
     ctx_on(dev);
+    device_call();
     pthread_mutex_lock(&emu_mu);
     int over = emu_used[dev] + nbytes > emu_limit;
     if (!over)
@@ -446,7 +504,9 @@ dpc_status dpc_free(int dev, void *p)
     ctx_on(dev);
     if (!tagged(p, &pdev) || pdev != dev || !untrack(to_host(p), dev, &size))
         return EMU_FAIL(E_INVALID_VALUE, "cudaFree(p)", dev, emu_msg(E_INVALID_VALUE));
-    forget_pending(1, dev, NULL); /* cudaFree synchronises the device */
+    device_call();
+    wait_unstuck(dev);            /* cudaFree synchronises the device */
+    forget_pending(1, dev, NULL);
     /* poison (the first 64 MiB: a huge lazily-mapped block stays cheap):
      * a later read sees garbage */
     memset(to_host(p), 0xDB, size < ((size_t)64 << 20) ? size : ((size_t)64 << 20));

@@ -31,7 +31,9 @@ static pthread_once_t gcaches_once = PTHREAD_ONCE_INIT;
 /* err: a dpc_status * for the failure's details. */
 static int gpu_block_alloc(void *ctx, size_t size, void **out, void *err)
 {
+    dp_device_call_begin();
     dpc_status s = dpc_malloc(*(int *)ctx, size, out);
+    dp_device_call_end();
     *(dpc_status *)err = s;
     if (s.code == 0) {
         (void)dp_gpu_owned_add(*(int *)ctx, *out, size);
@@ -44,7 +46,9 @@ static void gpu_block_release(void *ctx, void *ptr, size_t size)
 {
     (void)size;
     dp_gpu_owned_remove(*(int *)ctx, ptr);
+    dp_device_call_begin();
     (void)dpc_free(*(int *)ctx, ptr);
+    dp_device_call_end();
 }
 
 static void init_gcaches(void)

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "capi.h"
 #include "copy.h"
 #include "cuda_api.h"
 
@@ -41,12 +42,23 @@ dpc_status dp_gpu_alloc(int dev, size_t nbytes, void **out, size_t *rounded);
 void dp_gpu_free(int dev, void *p, size_t rounded);
 /* Free a block that was exported (DLPack / CUDA Array Interface;
  * gpu_export.c): consumer, the stream a DLPack consumer named, is waited for
- * first; without one (NULL) the block is put aside and cached after the next
- * device sync, shared with other such blocks. Call without the GIL. */
+ * first when it is one that cannot have been destroyed since (the legacy
+ * default stream, dpmini's own); otherwise (NULL, another library's handle)
+ * the block is put aside and cached after the next device sync, shared with
+ * other such blocks. Call without the GIL. */
 void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer);
 /* Release dev's put-aside blocks now (one device sync); blocks put aside on
  * all devices (tests). */
 dpc_status dp_gpu_release_deferred(int dev);
+/* gpu_launch.c: NCCL launches (begin/end, exclusive) never overlap the
+ * device-synchronising calls cudaMalloc, cudaFree, cudaDeviceSynchronize
+ * (device_call begin/end, shared). Never nested. */
+void dp_launch_begin(void);
+/* lib_search.c: capi.h's search for a shared library (GIL held). */
+void *dp_find_library(dp_lib_search *s, char *found, size_t found_len);
+void dp_launch_end(void);
+void dp_device_call_begin(void);
+void dp_device_call_end(void);
 int dp_gpu_deferred_count(void);
 /* Bytes put aside on dev: freed by their arrays, so not counted by
  * memory_allocated, but still reserved. */

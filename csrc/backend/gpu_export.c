@@ -4,15 +4,19 @@
  * may still be read by the consumer's kernels after the consumer let go of
  * it: they run on the consumer's own stream, which dpmini's streams are not
  * ordered with. So such a block goes back to the cache only after that work
- * is known to be done (issue 13, finding 14):
+ * is known to be done:
  *
- *   - DLPack export whose consumer named its stream (__dlpack__(stream=s),
- *     s a handle or 1, the legacy default stream): the release waits for
- *     that stream only (the consumer promised to use the tensor there);
- *   - everything else (a CUDA Array Interface read, which names no stream
- *     and cannot be told from a hasattr probe; DLPack with stream None or 2,
- *     the per-thread default stream of a thread dpmini cannot wait on; a
- *     failed stream wait): the block is put aside, per device, and released
+ *   - DLPack export whose consumer named a stream that lives as long as
+ *     the process (__dlpack__(stream=s), s = 1, the legacy default stream,
+ *     or dpmini's own import stream): the release waits for that stream
+ *     only (the consumer promised to use the tensor there);
+ *   - everything else (another library's stream handle: it may be
+ *     destroyed by the time the block is freed, CuPy destroys streams at
+ *     garbage collection, and a destroyed handle must not be used; a CUDA
+ *     Array Interface read, which names no stream and cannot be told from
+ *     a hasattr probe; DLPack with stream None or 2, the per-thread default
+ *     stream of a thread dpmini cannot wait on; a failed stream wait): the
+ *     block is put aside, per device, and released
  *     with the others after ONE device synchronisation, when DP_DEFER_MAX
  *     blocks or DP_DEFER_BYTES are waiting, when an allocation on the device
  *     runs out of memory, or at empty_cache(). A probe thus costs a block
@@ -63,7 +67,9 @@ static dpc_status release(int dev, deferred_block *b, int n)
     if (n == 0) {
         return dpc_ok();
     }
+    dp_device_call_begin();
     dpc_status s = dpc_device_sync(dev);
+    dp_device_call_end();
     __atomic_add_fetch(&dp_gpu_stat_export_syncs, 1, __ATOMIC_RELAXED);
     for (int i = 0; i < n; i++) {
         if (s.code == 0) {
@@ -140,6 +146,21 @@ static void defer_block(int dev, void *p, size_t rounded)
     (void)release(dev, taken, n);
 }
 
+/* Whether `s`, a stream a DLPack consumer named, still exists whenever the
+ * block is freed: the legacy default stream, or dpmini's own slot-0 stream
+ * of dev (its DLPack imports name it), never destroyed before exit. */
+static int lasting_stream(int dev, dpc_stream s)
+{
+    dpc_stream own = NULL;
+    if (s == NULL || s == DPC_STREAM_PER_THREAD) {
+        return 0;
+    }
+    if (s == DPC_STREAM_LEGACY) {
+        return 1;
+    }
+    return dpc_stream_get(dev, 0, &own).code == 0 && own == s;
+}
+
 void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer)
 {
     if (dp_gpu_forked()) {
@@ -148,7 +169,7 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer)
     if (dev < 0 || dev >= DP_DEFER_DEVS) {
         return;
     }
-    if (consumer != NULL && consumer != DPC_STREAM_PER_THREAD) {
+    if (lasting_stream(dev, consumer)) {
         /* the stream the consumer named: its work on the block is there */
         dpc_status s = dpc_stream_sync(dev, consumer);
         if (s.code == 0) {
@@ -156,8 +177,7 @@ void dp_gpu_free_exported(int dev, void *p, size_t rounded, dpc_stream consumer)
             dp_gpu_free(dev, p, rounded);
             return;
         }
-        /* the handle is no longer valid (the consumer destroyed its stream):
-         * fall back to a device sync */
+        /* a failed wait: fall back to a device sync */
     }
     defer_block(dev, p, rounded);
 }

@@ -1,10 +1,11 @@
 /* nccl.c - NCCL, loaded with dlopen on first use (never at import), for
  * comm.broadcast / broadcast_coalesced / reduce_add on distinct GPUs.
  *
- * Search order for libnccl.so.2: $DPMINI_NCCL_LIBRARY (a full path), the
- * nvidia-nccl wheel's folder (site-packages/nvidia/nccl/lib, found on
- * sys.path), $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the default
- * loader path. Not loaded: callers use the copy-and-kernel fallback.
+ * Search order for libnccl.so.2 (lib_search.c, shared with dpmini._dist):
+ * $DPMINI_NCCL_LIBRARY (a full path), the nvidia-nccl wheel's folder
+ * (site-packages/nvidia/nccl/lib, found on sys.path), $CUDA_HOME/lib64,
+ * /usr/local/cuda/lib64, then the default loader path. Not loaded: callers
+ * use the copy-and-kernel fallback.
  * Under emulation (and in CPU-only builds) NCCL is never loaded.
  *
  * The NCCL declarations (nccl_api.h) are the few we call, written from NCCL's
@@ -29,8 +30,6 @@
  * and reduce.c and the locking, caching, destroy and abort logic here run
  * in CI.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h> /* sys.path, to find pip's libnccl; not py/'s state or types */
 #include "gpu.h"
 #include "gpu_fork.h"
 #include "nccl_wait.h"
@@ -38,9 +37,10 @@
 #include "plan.h" /* DP_MAX_DEVICES */
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <time.h>
 #include <stdlib.h>
-#include <unistd.h>
 #include <string.h>
 
 static dp_nccl_fns nccl;
@@ -70,13 +70,10 @@ static void comm_init(void)
     }
 }
 
-static int try_open(const char *path)
+/* Every symbol nccl.c calls from the handle h (found at `path`); 0 with
+ * nccl_desc saying which one is missing. */
+static int bind_nccl(void *h, const char *path)
 {
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL) {
-        snprintf(nccl_desc, sizeof nccl_desc, "not found: %s", dlerror());
-        return 0;
-    }
 #define SYM(field, name)                                                        \
     *(void **)&nccl.field = dlsym(h, name);                                     \
     if (nccl.field == NULL) {                                                   \
@@ -103,50 +100,24 @@ static int try_open(const char *path)
     return 1;
 }
 
-/* With the GIL held (reads sys.path once). */
+/* With the GIL held (lib_search.c reads sys.path). */
 static void nccl_load(void)
 {
-    char path[4096];
-    const char *env = getenv("DPMINI_NCCL_LIBRARY");
+    static const char *const names[] = {"libnccl.so.2", NULL};
+    dp_lib_search search = {"DPMINI_NCCL_LIBRARY", "nvidia/nccl/lib", names, 0, ""};
+    char path[200] = "";
     if (strcmp(dpc_backend(), "cuda") != 0 || dpc_device_count() == 0) {
         snprintf(nccl_desc, sizeof nccl_desc, "not loaded (%s backend)", dpc_backend());
         nccl_state = -1;
         return;
     }
-    if (env && *env && try_open(env)) {
-        nccl_state = 1;
+    void *h = dp_find_library(&search, path, sizeof path);
+    if (h == NULL) {
+        snprintf(nccl_desc, sizeof nccl_desc, "not found: %.230s", search.tried);
+        nccl_state = -1;
         return;
     }
-    PyObject *sys_path = PySys_GetObject("path"); /* borrowed */
-    for (Py_ssize_t i = 0; sys_path && PyList_Check(sys_path) && i < PyList_GET_SIZE(sys_path);
-         i++) {
-        PyObject *p = PyList_GET_ITEM(sys_path, i);
-        const char *s = PyUnicode_Check(p) ? PyUnicode_AsUTF8(p) : NULL;
-        if (s == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        snprintf(path, sizeof path, "%s/nvidia/nccl/lib/libnccl.so.2", s);
-        if (access(path, R_OK) == 0 && try_open(path)) {
-            nccl_state = 1;
-            return;
-        }
-    }
-    const char *home = getenv("CUDA_HOME");
-    if (home && *home) {
-        snprintf(path, sizeof path, "%s/lib64/libnccl.so.2", home);
-        if (access(path, R_OK) == 0 && try_open(path)) {
-            nccl_state = 1;
-            return;
-        }
-    }
-    if ((access("/usr/local/cuda/lib64/libnccl.so.2", R_OK) == 0 &&
-         try_open("/usr/local/cuda/lib64/libnccl.so.2")) ||
-        try_open("libnccl.so.2")) {
-        nccl_state = 1;
-        return;
-    }
-    nccl_state = -1;
+    nccl_state = bind_nccl(h, path) ? 1 : -1;
 }
 
 int dp_nccl_available(void)
@@ -226,7 +197,9 @@ static dpc_status comms_acquire(int n, const int *devs, comm_lease *L)
         free(comms);
         return gs;
     }
+    dp_launch_begin();   /* it allocates and connects on every device */
     ncclResult_t r = nccl.CommInitAll(comms, n, devs);
+    dp_launch_end();
     dpc_guard_leave(&guard);
     if (r != 0) {
         free(comms);
@@ -313,8 +286,10 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         pthread_mutex_unlock(&nccl_run_mu);
         return st;
     }
+    dp_launch_begin();   /* no cudaFree / cudaMalloc / device sync meanwhile */
     ncclResult_t r = nccl.GroupStart();
     if (r != 0) {
+        dp_launch_end();
         st = comms_release(&L, NCCL_FAIL(r, devs[root], "ncclGroupStart()"));
         pthread_mutex_unlock(&nccl_run_mu);
         return st;
@@ -331,6 +306,7 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
         }
     }
     r = nccl.GroupEnd();
+    dp_launch_end();
     if (r != 0 && st.code == 0) {
         st = NCCL_FAIL(r, devs[root], "ncclGroupEnd()");
     }

@@ -293,9 +293,11 @@ static ncclResult_t emu_group_end(void)
         emu_busy_set[d] = emu_calls[i].comm->set;
     }
     pthread_mutex_unlock(&emu_busy_mu);
+    dpc_emu_launching(1);   /* device calls of other threads now are counted */
     struct timespec hold = {0, 200000}; /* 0.2 ms: a collective takes time */
     nanosleep(&hold, NULL);
     ncclResult_t r = fail ? fail : emu_run();
+    dpc_emu_launching(0);
     int hang = __atomic_exchange_n(&emu_nccl_hang_next, 0, __ATOMIC_SEQ_CST);
     for (int i = 0; r == 0 && hang && i < n; i++) { /* a peer died: never finishes */
         __atomic_store_n(&emu_calls[i].comm->async_err, hang == 1 ? 6 : 0, __ATOMIC_SEQ_CST);

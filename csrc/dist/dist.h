@@ -92,6 +92,7 @@ typedef struct {
     int *done;             /* 2 * size flags                                */
     void *nccl;            /* this rank's NCCL communicator (dist_gpu.c)    */
     int nccl_dev;          /* its CUDA device                               */
+    long long nccl_max_pitch; /* the smallest cudaDevAttrMaxPitch of the ranks */
     char nccl_broken[160]; /* why GPU collectives are off, "" when they work */
 } dist_comm;
 
@@ -230,6 +231,12 @@ PyObject *dist_gpu_alloc(const char *lib, const dist_meta *m, int dev, uintptr_t
 int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind);
 int dist_gpu_finish(dist_comm *c, int rc, void *stream, double deadline, const char *what,
                     int64_t call, PyObject *keep1, PyObject *keep2, PyObject *keep3);
+/* The communicator's device made current while a collective queues and
+ * waits (stream 0 is the legacy stream of the current device, for NCCL's
+ * launch, the 2D copies and the completion poll alike): returns the
+ * caller's device for dist_gpu_leave, or -2 with a RuntimeError set. */
+int dist_gpu_enter(const dist_comm *c);
+void dist_gpu_leave(const dist_comm *c, int prev);
 /* dist_gpu_move.c: scatter, gather, all_gather of GPU arrays through NCCL
  * send/recv (sizes: the rows of every rank; root < 0: all_gather). */
 PyObject *dist_gpu_scatter(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,

@@ -9,12 +9,16 @@
  * call:
  *   1. this rank's NCCL communicator, made at the first GPU collective:
  *      every rank loads NCCL, sets its device and sends (ok, host name,
- *      device, error) to every rank (MPI_Iallgather, polled against the
- *      deadline); a failure anywhere is the same RuntimeError everywhere,
- *      two ranks on one GPU of one host the same ValueError everywhere
- *      (NCCL refuses that); then rank 0's ncclGetUniqueId is broadcast
- *      over MPI and every rank calls ncclCommInitRank.
- *   2. the NCCL call queued on the stream, and its completion polled with
+ *      device, PCI bus id, largest 2D copy pitch, error) to every rank
+ *      (MPI_Iallgather, polled against the deadline); a failure anywhere is
+ *      the same RuntimeError everywhere, two ranks on one GPU (one PCI bus
+ *      id on one host: with a per-rank CUDA_VISIBLE_DEVICES every rank may
+ *      call its GPU cuda:0) the same ValueError everywhere (NCCL refuses
+ *      that); then rank 0's ncclGetUniqueId is broadcast over MPI and
+ *      every rank calls ncclCommInitRank.
+ *   2. the NCCL call queued on the stream with the communicator's device
+ *      current (stream 0 is the legacy stream of the current device, and
+ *      the caller's may be another), and its completion polled with
  *      cudaStreamQuery and ncclCommGetAsyncError against the deadline, with
  *      the GIL released (taken back every 50 ms for signal handlers). An
  *      NCCL error, a timeout or a KeyboardInterrupt aborts the NCCL
@@ -202,8 +206,9 @@ int dist_gpu_op(const dist_meta *m, int op)
 /* ------------------------------------------------------------------ */
 
 typedef struct {
-    int64_t ok, dev;
+    int64_t ok, dev, max_pitch;
     char host[64];
+    char bus_id[64];       /* cudaDeviceGetPCIBusId: one physical GPU */
     char err[256];
 } peer_info;
 
@@ -218,6 +223,63 @@ static int wait_one(dist_comm *c, MPI_Request *req, double deadline, int64_t kin
 {
     int done = 0;
     return dist_wait_data(c, req, &done, 1, deadline, c->calls, kind, NULL, NULL, NULL);
+}
+
+/* This rank's GPU as the others compare it: its PCI bus id and its
+ * largest 2D copy pitch (an error in mine->err). */
+static void describe_device(const dist_nccl_api *api, int dev, peer_info *mine)
+{
+    int pitch = 0, rc;
+    if ((rc = api->DeviceGetPCIBusId(mine->bus_id, (int)sizeof mine->bus_id, dev)) != CUDA_OK)
+        snprintf(mine->err, sizeof mine->err, "cudaDeviceGetPCIBusId(%d) failed: %s", dev,
+                 api->CudaErrorString(rc));
+    else if ((rc = api->DeviceGetAttribute(&pitch, CUDA_ATTR_MAX_PITCH, dev)) != CUDA_OK)
+        snprintf(mine->err, sizeof mine->err, "cudaDeviceGetAttribute(cudaDevAttrMaxPitch, %d) "
+                 "failed: %s", dev, api->CudaErrorString(rc));
+    mine->bus_id[sizeof mine->bus_id - 1] = '\0';
+    mine->max_pitch = pitch;
+}
+
+/* Two ranks on one physical GPU of one host: a ValueError, 0 when none. */
+static int check_one_gpu_per_rank(const peer_info *all, int P)
+{
+    for (int r = 0; r < P; r++) {
+        for (int s = r + 1; s < P; s++) {
+            if (strcmp(all[r].bus_id, all[s].bus_id) == 0 && strcmp(all[r].host, all[s].host) == 0) {
+                PyErr_Format(PyExc_ValueError, "dpmini.distributed: ranks %d and %d both use "
+                             "GPU cuda:%lld of host %s (PCI bus id %s, as cuda:%lld on rank %d); "
+                             "NCCL needs one GPU per rank (every rank raises this): give each "
+                             "rank its own device, e.g. cuda:local_rank()", r, s,
+                             (long long)all[r].dev, all[r].host, all[r].bus_id,
+                             (long long)all[s].dev, s);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+int dist_gpu_enter(const dist_comm *c)
+{
+    const dist_nccl_api *api = dist_nccl_get();
+    int prev = -1, rc = api != NULL ? api->GetDevice(&prev) : CUDA_OK;
+    if (api != NULL && rc == CUDA_OK && prev != c->nccl_dev)
+        rc = api->SetDevice(c->nccl_dev);
+    if (api == NULL || rc != CUDA_OK) {
+        if (api != NULL)
+            PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: could not make the NCCL "
+                         "communicator's device cuda:%d current: %s", c->nccl_dev,
+                         api->CudaErrorString(rc));
+        return -2;
+    }
+    return prev;
+}
+
+void dist_gpu_leave(const dist_comm *c, int prev)
+{
+    const dist_nccl_api *api = dist_nccl_get();
+    if (api != NULL && prev >= 0 && prev != c->nccl_dev)
+        api->SetDevice(prev);
 }
 
 void dist_gpu_free(dist_comm *c, int abort)
@@ -271,6 +333,8 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
     } else if ((rc = api->SetDevice(dev = dev < 0 ? prev : dev)) != CUDA_OK) {
         snprintf(mine->err, sizeof mine->err, "cudaSetDevice(%d) failed: %s", dev,
                  api->CudaErrorString(rc));
+    } else {
+        describe_device(api, dev, mine);
     }
     mine->ok = mine->err[0] == '\0';
     mine->dev = dev;
@@ -295,17 +359,8 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
             goto fail;
         }
     }
-    for (int r = 0; r < P; r++) {
-        for (int s = r + 1; s < P; s++) {
-            if (all[r].dev == all[s].dev && strcmp(all[r].host, all[s].host) == 0) {
-                PyErr_Format(PyExc_ValueError, "dpmini.distributed: ranks %d and %d both use "
-                             "GPU cuda:%lld of host %s; NCCL needs one GPU per rank (every "
-                             "rank raises this): give each rank its own device, e.g. "
-                             "cuda:local_rank()", r, s, (long long)all[r].dev, all[r].host);
-                goto fail;
-            }
-        }
-    }
+    if (check_one_gpu_per_rank(all, P) < 0)
+        goto fail;
     if (c->rank == 0 && (rc = api->GetUniqueId(&idm->id)) != NCCL_OK)
         idm->rc = rc;
     req = MPI_REQUEST_NULL;
@@ -328,7 +383,9 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
         dist_nccl_emu_set_parent(c->comm);
     dist_ncclComm_t comm = NULL;
     Py_BEGIN_ALLOW_THREADS
+    dist_launch_begin();   /* it allocates and connects */
     rc = api->CommInitRank(&comm, P, idm->id, c->rank);
+    dist_launch_end();
     Py_END_ALLOW_THREADS
     if (rc != NCCL_OK) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: ncclCommInitRank on rank %d "
@@ -337,6 +394,10 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
     }
     c->nccl = comm;
     c->nccl_dev = dev;
+    c->nccl_max_pitch = all[0].max_pitch;
+    for (int r = 1; r < P; r++)
+        if (all[r].max_pitch < c->nccl_max_pitch)
+            c->nccl_max_pitch = all[r].max_pitch;
     rc = 0;
     goto out;
 fail:
@@ -413,22 +474,22 @@ int dist_gpu_finish(dist_comm *c, int rc, dist_stream_t s, double deadline, cons
 /* The collectives                                                     */
 /* ------------------------------------------------------------------ */
 
-PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, int nccl_op,
-                          int root, double deadline)
+static PyObject *reduce_on_device(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g,
+                                  int nccl_op, int root, double deadline)
 {
     int all = root < 0;
     const char *what = all ? "all_reduce" : "reduce";
-    if (dist_gpu_comm(c, g->dev, deadline, mine->kind) < 0)
-        return NULL;
     const dist_nccl_api *api = dist_nccl_get();
     dist_stream_t s = (dist_stream_t)g->stream;
     int rc = NCCL_OK;
     if (g->count > 0) {
         Py_BEGIN_ALLOW_THREADS
+        dist_launch_begin();
         rc = all ? api->AllReduce((void *)g->ptr, (void *)g->out_ptr, g->count, g->nccl_type,
                                   nccl_op, (dist_ncclComm_t)c->nccl, s)
                  : api->Reduce((void *)g->ptr, (void *)g->out_ptr, g->count, g->nccl_type,
                                nccl_op, root, (dist_ncclComm_t)c->nccl, s);
+        dist_launch_end();
         Py_END_ALLOW_THREADS
         if (dist_gpu_finish(c, rc, s, deadline, what, mine->call, g->obj, g->out, NULL) < 0)
             return NULL;
@@ -438,11 +499,22 @@ PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, 
     return Py_NewRef(g->out);
 }
 
-PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
-                             double deadline)
+PyObject *dist_gpu_reduce(dist_comm *c, const dist_meta *mine, dist_gpu_arg *g, int nccl_op,
+                          int root, double deadline)
 {
-    if (dist_gpu_comm(c, g->obj != NULL ? g->dev : -1, deadline, DIST_BROADCAST) < 0)
+    if (dist_gpu_comm(c, g->dev, deadline, mine->kind) < 0)
         return NULL;
+    int prev = dist_gpu_enter(c);
+    if (prev == -2)
+        return NULL;   /* the others wait for this rank until their timeout */
+    PyObject *out = reduce_on_device(c, mine, g, nccl_op, root, deadline);
+    dist_gpu_leave(c, prev);
+    return out;
+}
+
+static PyObject *broadcast_on_device(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
+                                     double deadline)
+{
     const dist_nccl_api *api = dist_nccl_get();
     size_t bytes = (size_t)rm->itemsize;   /* moved as bytes: any dtype */
     for (int64_t i = 0; i < rm->ndim; i++)
@@ -456,11 +528,26 @@ PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g,
         dist_stream_t s = (dist_stream_t)g->stream;
         int rc;
         Py_BEGIN_ALLOW_THREADS
+        dist_launch_begin();
         rc = api->Broadcast((void *)g->ptr, (void *)g->out_ptr, bytes, NCCL_T_UINT8, root,
                             (dist_ncclComm_t)c->nccl, s);
+        dist_launch_end();
         Py_END_ALLOW_THREADS
         if (dist_gpu_finish(c, rc, s, deadline, "broadcast", rm->call, g->obj, g->out, NULL) < 0)
             return NULL;
     }
     return Py_NewRef(g->out);
+}
+
+PyObject *dist_gpu_broadcast(dist_comm *c, const dist_meta *rm, dist_gpu_arg *g, int root,
+                             double deadline)
+{
+    if (dist_gpu_comm(c, g->obj != NULL ? g->dev : -1, deadline, DIST_BROADCAST) < 0)
+        return NULL;
+    int prev = dist_gpu_enter(c);
+    if (prev == -2)
+        return NULL;   /* the others wait for this rank until their timeout */
+    PyObject *out = broadcast_on_device(c, rm, g, root, deadline);
+    dist_gpu_leave(c, prev);
+    return out;
 }

@@ -2,8 +2,9 @@
  * dlopen on the first GPU collective (never at import), or the emulation
  * (dist_nccl_emu.c) when dpmini.distributed chose it.
  *
- * libnccl.so.2 is looked for in dpmini's order (the same as the
- * single-process NCCL of csrc/backend/nccl.c): $DPMINI_NCCL_LIBRARY (a full
+ * The search is dpmini._dpmini's (csrc/backend/lib_search.c, lent through
+ * its C API capsule, core/capi.h), so both extensions find the same
+ * libraries: libnccl.so.2 in $DPMINI_NCCL_LIBRARY (a full
  * path), the nvidia-nccl wheel (<sys.path entry>/nvidia/nccl/lib),
  * $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the loader's default path.
  * The CUDA runtime likewise ($DPMINI_CUDART_LIBRARY, the nvidia-cuda-runtime
@@ -43,91 +44,36 @@ const char *dist_nccl_describe(void)
 }
 
 /* ------------------------------------------------------------------ */
-/* Finding a library                                                   */
+/* What dpmini._dpmini lends (capi.h)                                  */
 /* ------------------------------------------------------------------ */
 
-typedef struct {
-    const char *env;         /* a full path from the environment          */
-    const char *wheel;       /* a folder under site-packages              */
-    const char *const *names;/* sonames, most wanted first                */
-    int share;               /* try RTLD_NOLOAD on the sonames first      */
-    char tried[512];         /* what was looked at, for the error message */
-} lib_search;
+static const dp_capi *capi;   /* set once, under the GIL */
 
-static void note(lib_search *s, const char *what)
+/* The C API capsule of dpmini._dpmini; NULL with an exception set. */
+static const dp_capi *dpmini_capi(void)
 {
-    size_t len = strlen(s->tried);
-    if (len < sizeof s->tried - 1)
-        snprintf(s->tried + len, sizeof s->tried - len, "%s%s", len ? ", " : "", what);
+    if (capi != NULL)
+        return capi;
+    const dp_capi *c = PyCapsule_Import(DP_CAPI_NAME, 0);
+    if (c != NULL && c->version != DP_CAPI_VERSION) {
+        PyErr_Format(PyExc_ImportError, "dpmini._dist: dpmini._dpmini's C API is version %u, "
+                     "this build needs %d: rebuild dpmini", c->version, DP_CAPI_VERSION);
+        c = NULL;
+    }
+    capi = c;
+    return capi;
 }
 
-/* dst = src, cut to n - 1 bytes. */
-static void keep(char *dst, size_t n, const char *src)
+void dist_launch_begin(void)
 {
-    size_t len = strlen(src);
-    if (len >= n)
-        len = n - 1;
-    memcpy(dst, src, len);
-    dst[len] = '\0';
+    if (capi != NULL)
+        capi->launch_begin();
 }
 
-static void *open_path(lib_search *s, const char *path, int check_file)
+void dist_launch_end(void)
 {
-    if (check_file && access(path, R_OK) != 0)
-        return NULL;
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL)
-        note(s, dlerror());
-    return h;
-}
-
-/* With the GIL held (sys.path). The handle, or NULL (s->tried says why). */
-static void *find_library(lib_search *s, char *found, size_t found_len)
-{
-    char path[4096];
-    void *h = NULL;
-    s->tried[0] = '\0';
-    for (int i = 0; s->share && s->names[i] != NULL && h == NULL; i++) {
-        h = dlopen(s->names[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-        if (h != NULL)
-            snprintf(found, found_len, "%s, already loaded", s->names[i]);
-    }
-    const char *env = getenv(s->env);
-    if (h == NULL && env != NULL && *env) {
-        h = open_path(s, env, 0);
-        if (h != NULL)
-            keep(found, found_len, env);
-    }
-    PyObject *sys_path = PySys_GetObject("path");   /* borrowed */
-    Py_ssize_t n = sys_path != NULL && PyList_Check(sys_path) ? PyList_GET_SIZE(sys_path) : 0;
-    for (Py_ssize_t i = 0; i < n && h == NULL; i++) {
-        const char *dir = PyUnicode_Check(PyList_GET_ITEM(sys_path, i))
-                          ? PyUnicode_AsUTF8(PyList_GET_ITEM(sys_path, i)) : NULL;
-        if (dir == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        for (int k = 0; s->names[k] != NULL && h == NULL; k++) {
-            snprintf(path, sizeof path, "%s/%s/%s", dir, s->wheel, s->names[k]);
-            if ((h = open_path(s, path, 1)) != NULL)
-                keep(found, found_len, path);
-        }
-    }
-    const char *dirs[2] = {getenv("CUDA_HOME"), "/usr/local/cuda"};
-    for (int d = 0; d < 2 && h == NULL; d++) {
-        if (dirs[d] == NULL || !*dirs[d])
-            continue;
-        for (int k = 0; s->names[k] != NULL && h == NULL; k++) {
-            snprintf(path, sizeof path, "%s/lib64/%s", dirs[d], s->names[k]);
-            if ((h = open_path(s, path, 1)) != NULL)
-                keep(found, found_len, path);
-        }
-    }
-    for (int k = 0; s->names[k] != NULL && h == NULL; k++) {
-        if ((h = open_path(s, s->names[k], 0)) != NULL)
-            keep(found, found_len, s->names[k]);
-    }
-    return h;
+    if (capi != NULL)
+        capi->launch_end();
 }
 
 /* Every symbol of the table from the two handles; 0, or -1 naming the
@@ -149,6 +95,8 @@ static int bind(void *nccl, void *cudart, char *why, size_t n)
         S(0, SetDevice, "cudaSetDevice"), S(0, GetDevice, "cudaGetDevice"),
         S(0, StreamQuery, "cudaStreamQuery"), S(0, StreamSynchronize, "cudaStreamSynchronize"),
         S(0, CudaErrorString, "cudaGetErrorString"), S(0, Memcpy2DAsync, "cudaMemcpy2DAsync"),
+        S(0, DeviceGetAttribute, "cudaDeviceGetAttribute"),
+        S(0, DeviceGetPCIBusId, "cudaDeviceGetPCIBusId"),
 #undef S
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
@@ -168,10 +116,10 @@ static const dist_nccl_api *load_real(void)
     static const char *const nccl_names[] = {"libnccl.so.2", "libnccl.so", NULL};
     static const char *const cudart_names[] = {"libcudart.so.13", "libcudart.so.12",
                                                "libcudart.so.11.0", "libcudart.so", NULL};
-    lib_search ns = {"DPMINI_NCCL_LIBRARY", "nvidia/nccl/lib", nccl_names, 0, ""};
-    lib_search cs = {"DPMINI_CUDART_LIBRARY", "nvidia/cuda_runtime/lib", cudart_names, 1, ""};
+    dp_lib_search ns = {"DPMINI_NCCL_LIBRARY", "nvidia/nccl/lib", nccl_names, 0, ""};
+    dp_lib_search cs = {"DPMINI_CUDART_LIBRARY", "nvidia/cuda_runtime/lib", cudart_names, 1, ""};
     char nccl_at[200] = "", cudart_at[200] = "", why[200] = "";
-    void *cudart = find_library(&cs, cudart_at, sizeof cudart_at);
+    void *cudart = capi->find_library(&cs, cudart_at, sizeof cudart_at);
     if (cudart == NULL) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: GPU arrays need the CUDA runtime "
                      "(libcudart), which was not found ($DPMINI_CUDART_LIBRARY, the "
@@ -179,7 +127,7 @@ static const dist_nccl_api *load_real(void)
                      "loader's path): %.300s", cs.tried);
         return NULL;
     }
-    void *nccl = find_library(&ns, nccl_at, sizeof nccl_at);
+    void *nccl = capi->find_library(&ns, nccl_at, sizeof nccl_at);
     if (nccl == NULL) {
         dlclose(cudart);
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: GPU arrays need NCCL "
@@ -220,6 +168,8 @@ const dist_nccl_api *dist_nccl_get(void)
         if (emulate < 0)
             return NULL;
     }
+    if (dpmini_capi() == NULL)
+        return NULL;
     in_use = emulate ? dist_nccl_emu_table() : load_real();
     return in_use;
 }

@@ -16,6 +16,8 @@
 
 #include <mpi.h>
 #include <stddef.h>
+
+#include "capi.h"
 #include <stdint.h>
 
 typedef struct dist_nccl_comm_s *dist_ncclComm_t;
@@ -34,7 +36,9 @@ enum { NCCL_T_INT8 = 0, NCCL_T_UINT8 = 1, NCCL_T_INT32 = 2, NCCL_T_UINT32 = 3, N
 /* ncclRedOp_t */
 enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
 /* cudaError_t */
-enum { CUDA_OK = 0, CUDA_NOT_READY = 600 };
+enum { CUDA_OK = 0, CUDA_INVALID_PITCH = 12, CUDA_NOT_READY = 600 };
+/* cudaDeviceAttr: the largest pitch a 2D copy accepts, in bytes */
+enum { CUDA_ATTR_MAX_PITCH = 11 };
 
 typedef struct {
     char desc[400];        /* "NCCL 2.21.5 (path); CUDA runtime (path)" or the emulation */
@@ -59,6 +63,8 @@ typedef struct {
     int (*StreamSynchronize)(dist_stream_t);
     const char *(*CudaErrorString)(int);
     int (*Memcpy2DAsync)(void *, size_t, const void *, size_t, size_t, size_t, int, dist_stream_t);
+    int (*DeviceGetAttribute)(int *, int, int);
+    int (*DeviceGetPCIBusId)(char *, int, int);
 } dist_nccl_api;
 
 /* cudaMemcpyKind */
@@ -74,6 +80,11 @@ const dist_nccl_api *dist_nccl_get(void);
 int dist_nccl_set_emulated(int on);
 /* The description of the table in use, or "not loaded". */
 const char *dist_nccl_describe(void);
+/* An NCCL launch (communicator set-up, a collective or a send/recv group):
+ * dpmini._dpmini's lock, exclusive of its cudaMalloc / cudaFree / device
+ * syncs on every thread (capi.h). Without the GIL; after dist_nccl_get. */
+void dist_launch_begin(void);
+void dist_launch_end(void);
 
 /* dist_nccl_emu.c: the emulated table; `parent` is the MPI communicator the
  * next emulated ncclCommInitRank duplicates (real NCCL connects through the

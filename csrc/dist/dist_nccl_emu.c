@@ -10,6 +10,12 @@
  *   - Asynchrony: a collective only posts non-blocking MPI operations and
  *     returns; the work completes while cudaStreamQuery is polled
  *     (cudaErrorNotReady until then), as a kernel queued on a stream.
+ *   - Streams per device: NCCL queues on the stream it is given, and the
+ *     legacy default stream (0) is the one of the communicator's device;
+ *     cudaMemcpy2DAsync and cudaStreamQuery / cudaStreamSynchronize on
+ *     stream 0 mean the legacy stream of the calling thread's current
+ *     device (cudaSetDevice, per thread, 0 at start). A query of another
+ *     device's stream 0 sees none of the communicator's work, as on a GPU.
  *   - Semantics: ncclAllReduce / ncclReduce (sum, prod, max, min, avg) on
  *     the ten NCCL dtypes (float16 and bfloat16 combined in double, rounded
  *     to nearest even), ncclBroadcast (root's sendbuff copied to its
@@ -20,6 +26,12 @@
  *     csrc/backend/cuda_emulate.c); they are decoded here, and a buffer on
  *     another device than the communicator's is refused. Addresses without
  *     that tag are used as host memory.
+ *   - Devices of a host: cudaDeviceGetPCIBusId maps an ordinal through
+ *     $CUDA_VISIBLE_DEVICES (a list of integers) to a physical GPU, so that
+ *     ranks that each see one GPU as cuda:0 are told apart as on a SLURM or
+ *     torchrun node; cudaDevAttrMaxPitch is $DPMINI_EMULATE_MAX_PITCH
+ *     (default 2^31 - 1, as on current GPUs) and cudaMemcpy2DAsync refuses
+ *     a larger pitch (cudaErrorInvalidPitchValue).
  *   - Faults, from $DPMINI_DIST_NCCL_FAULT at each collective: "fail" (the
  *     call returns ncclSystemError), "error" (the call is queued but never
  *     completes and ncclCommGetAsyncError reports ncclRemoteError, as when a
@@ -49,6 +61,8 @@
 typedef struct emu_op {
     struct emu_op *next;
     struct dist_nccl_comm_s *comm;
+    dist_stream_t stream;   /* the stream it was queued on ...         */
+    int dev;                /* ... and, for stream 0, whose legacy one  */
     MPI_Request req;
     int never;              /* a fault: never completes                 */
     int reduce;             /* combine `scratch` into recv on completion */
@@ -102,6 +116,13 @@ static int fault_now(void)
     return strcmp(f, "fail") == 0 ? 1 : strcmp(f, "error") == 0 ? 2 : strcmp(f, "hang") == 0 ? 3 : 0;
 }
 
+/* Whether `o` is queued on stream `st` as named by a thread whose current
+ * device is `dev` (stream 0: that device's legacy stream). */
+static int on_stream(const emu_op *o, dist_stream_t st, int dev)
+{
+    return o->stream == st && (st != NULL || o->dev == dev);
+}
+
 static void append(emu_op *o)
 {
     pthread_mutex_lock(&emu_mu);
@@ -113,7 +134,8 @@ static void append(emu_op *o)
 }
 
 /* A new queued op, or NULL (the caller returns its code in *rc). */
-static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, int *rc)
+static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, dist_stream_t st,
+                     int *rc)
 {
     *rc = NCCL_OK;
     if (c == NULL || c->comm == MPI_COMM_NULL) {
@@ -135,6 +157,8 @@ static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, int *r
         return NULL;
     }
     o->req = MPI_REQUEST_NULL;
+    o->stream = st;
+    o->dev = c->dev;   /* NCCL launches on its communicator's device */
     o->dtype = dtype;
     o->count = count;
     o->nranks = c->size;
@@ -152,7 +176,7 @@ static int posted(int mpi_rc)
 }
 
 static int emu_all_reduce_or_reduce(const void *send, void *recv, size_t count, int dtype, int op,
-                                    int root, dist_ncclComm_t c, int all)
+                                    int root, dist_ncclComm_t c, dist_stream_t st, int all)
 {
     void *s = NULL, *r = NULL;
     if (op < NCCL_SUM || op > NCCL_AVG || (!all && (root < 0 || root >= c->size)))
@@ -160,7 +184,7 @@ static int emu_all_reduce_or_reduce(const void *send, void *recv, size_t count, 
     if (host_of(c, send, &s) < 0 || ((all || c->rank == root) && host_of(c, recv, &r) < 0))
         return NCCL_INVALID_ARGUMENT;
     int rc;
-    emu_op *o = queue(c, dtype, count, &rc);
+    emu_op *o = queue(c, dtype, count, st, &rc);
     if (o == NULL || o->never)
         return rc;
     int bytes = (int)(count * dist_emu_dtype_size(dtype));
@@ -181,13 +205,13 @@ static int emu_all_reduce_or_reduce(const void *send, void *recv, size_t count, 
 static int emu_all_reduce(const void *send, void *recv, size_t count, int dtype, int op,
                           dist_ncclComm_t c, dist_stream_t st)
 {
-    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, 0, c, 1);
+    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, 0, c, st, 1);
 }
 
 static int emu_reduce(const void *send, void *recv, size_t count, int dtype, int op, int root,
                       dist_ncclComm_t c, dist_stream_t st)
 {
-    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, root, c, 0);
+    return emu_all_reduce_or_reduce(send, recv, count, dtype, op, root, c, st, 0);
 }
 
 static int emu_broadcast(const void *send, void *recv, size_t count, int dtype, int root,
@@ -198,7 +222,7 @@ static int emu_broadcast(const void *send, void *recv, size_t count, int dtype, 
         (c->rank == root && host_of(c, send, &s) < 0))
         return NCCL_INVALID_ARGUMENT;
     int rc;
-    emu_op *o = queue(c, dtype, count, &rc);
+    emu_op *o = queue(c, dtype, count, st, &rc);
     if (o == NULL || o->never)
         return rc;
     size_t bytes = count * dist_emu_dtype_size(dtype);
@@ -214,7 +238,7 @@ static int emu_send(const void *send, size_t count, int dtype, int peer, dist_nc
     if (peer < 0 || peer >= c->size || host_of(c, send, &s) < 0)
         return NCCL_INVALID_ARGUMENT;
     int rc;
-    emu_op *o = queue(c, dtype, count, &rc);
+    emu_op *o = queue(c, dtype, count, st, &rc);
     if (o == NULL || o->never)
         return rc;
     return posted(MPI_Isend(s, (int)(count * dist_emu_dtype_size(dtype)), MPI_BYTE, peer, EMU_TAG_P2P,
@@ -228,7 +252,7 @@ static int emu_recv(void *recv, size_t count, int dtype, int peer, dist_ncclComm
     if (peer < 0 || peer >= c->size || host_of(c, recv, &r) < 0)
         return NCCL_INVALID_ARGUMENT;
     int rc;
-    emu_op *o = queue(c, dtype, count, &rc);
+    emu_op *o = queue(c, dtype, count, st, &rc);
     if (o == NULL || o->never)
         return rc;
     return posted(MPI_Irecv(r, (int)(count * dist_emu_dtype_size(dtype)), MPI_BYTE, peer, EMU_TAG_P2P,
@@ -246,17 +270,32 @@ static void copy_2d(const emu_op *o)
         memmove((char *)o->recv + row * o->dpitch, o->src + row * o->spitch, o->width);
 }
 
-/* Progress the queue; CUDA_NOT_READY while any op is pending (the
- * emulation has one stream: every op orders before every query, whichever
- * stream it was given; MPI operations are posted when queued, copies run
- * in order after everything queued before them). */
-static int emu_stream_query(dist_stream_t st)
+/* Progress the ops that `in` selects (stream st named from device dev, or
+ * every op of communicator `of`); CUDA_NOT_READY while one is pending. MPI
+ * operations are posted when queued; a copy runs once every op queued
+ * before it on its stream is done. */
+typedef struct {
+    dist_stream_t st;
+    int dev;
+    const struct dist_nccl_comm_s *of;
+} emu_selection;
+
+static int selected(const emu_op *o, const emu_selection *in)
+{
+    return in->of != NULL ? o->comm == in->of : on_stream(o, in->st, in->dev);
+}
+
+static int progress(const emu_selection *in)
 {
     int pending = 0, err = 0;
     pthread_mutex_lock(&emu_mu);
     emu_op **link = &emu_queue;
     while (*link != NULL) {
         emu_op *o = *link;
+        if (!selected(o, in)) {
+            link = &o->next;
+            continue;
+        }
         int flag = 0;
         if (o->comm == NULL)
             flag = !pending;
@@ -279,6 +318,20 @@ static int emu_stream_query(dist_stream_t st)
     return err ? 999 : pending ? CUDA_NOT_READY : CUDA_OK;
 }
 
+static int emu_stream_query(dist_stream_t st)
+{
+    emu_selection in = {st, emu_device, NULL};
+    return progress(&in);
+}
+
+/* cudaDevAttrMaxPitch of every emulated device. */
+static long long emu_max_pitch(void)
+{
+    const char *v = getenv("DPMINI_EMULATE_MAX_PITCH");
+    long long p = v != NULL && *v ? atoll(v) : 0;
+    return p > 0 ? p : INT_MAX;
+}
+
 /* cudaMemcpy2DAsync on the emulated stream (any kind: every emulated
  * address is host memory once decoded). */
 static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
@@ -286,6 +339,8 @@ static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitc
 {
     if (width > dpitch || width > spitch)
         return 1;   /* cudaErrorInvalidValue */
+    if (height > 1 && (dpitch > (size_t)emu_max_pitch() || spitch > (size_t)emu_max_pitch()))
+        return CUDA_INVALID_PITCH;
     emu_op *o = calloc(1, sizeof *o);
     if (o == NULL)
         return 2;   /* cudaErrorMemoryAllocation */
@@ -293,6 +348,8 @@ static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitc
     o->src = (const char *)((uintptr_t)src &
                             (((uintptr_t)src & EMU_TAG) ? EMU_ADDR_MASK : ~(uintptr_t)0));
     o->req = MPI_REQUEST_NULL;
+    o->stream = st;
+    o->dev = emu_device;   /* stream 0: the current device's legacy stream */
     o->dpitch = dpitch;
     o->spitch = spitch;
     o->width = width;
@@ -302,22 +359,29 @@ static int emu_memcpy_2d(void *dst, size_t dpitch, const void *src, size_t spitc
     return CUDA_OK;
 }
 
-static int emu_stream_sync(dist_stream_t st)
+/* Wait for the selected ops. */
+static int sync_selection(const emu_selection *in)
 {
     for (;;) {
-        int rc = emu_stream_query(st);
+        int rc = progress(in);
         if (rc != CUDA_NOT_READY)
             return rc;
         int never = 0;
         pthread_mutex_lock(&emu_mu);
         for (emu_op *o = emu_queue; o != NULL; o = o->next)
-            never |= o->never;
+            never |= o->never && selected(o, in);
         pthread_mutex_unlock(&emu_mu);
         if (never)
             return 999;   /* cudaErrorUnknown rather than waiting forever */
         struct timespec nap = {0, 100000};
         nanosleep(&nap, NULL);
     }
+}
+
+static int emu_stream_sync(dist_stream_t st)
+{
+    emu_selection in = {st, emu_device, NULL};
+    return sync_selection(&in);
 }
 
 /* ------------------------------------------------------------------ */
@@ -369,7 +433,8 @@ static int emu_release(dist_ncclComm_t c, int abort)
 {
     if (c == NULL)
         return NCCL_INVALID_ARGUMENT;
-    if (!abort && emu_stream_sync(NULL) != CUDA_OK)
+    emu_selection mine_only = {NULL, 0, c};
+    if (!abort && sync_selection(&mine_only) != CUDA_OK)
         abort = 1;
     int in_flight = 0, mine = 0;
     pthread_mutex_lock(&emu_mu);
@@ -440,7 +505,48 @@ static int emu_get_device(int *dev)
 static const char *emu_cuda_error_string(int rc)
 {
     return rc == CUDA_OK ? "no error" : rc == CUDA_NOT_READY ? "device not ready"
-         : rc == 101 ? "invalid device ordinal" : "unknown error";
+         : rc == 101 ? "invalid device ordinal"
+         : rc == CUDA_INVALID_PITCH ? "invalid pitch argument" : "unknown error";
+}
+
+static int emu_device_attribute(int *value, int attr, int dev)
+{
+    if (dev < 0 || dev > 0x7f)
+        return 101;
+    if (attr != CUDA_ATTR_MAX_PITCH)
+        return 1;   /* cudaErrorInvalidValue: the emulation knows this one only */
+    *value = (int)emu_max_pitch();
+    return CUDA_OK;
+}
+
+/* The physical GPU behind ordinal `dev`: its entry of $CUDA_VISIBLE_DEVICES
+ * when that lists integers, else the ordinal itself. */
+static int emu_physical(int dev)
+{
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (v == NULL || *v == '\0')
+        return dev;
+    for (int i = 0; *v != '\0'; i++) {
+        char *end = NULL;
+        long id = strtol(v, &end, 10);
+        if (end == v)
+            return dev;
+        if (i == dev)
+            return (int)id;
+        v = *end == ',' ? end + 1 : end;
+        if (*end != ',')
+            break;
+    }
+    return dev;
+}
+
+static int emu_pci_bus_id(char *out, int len, int dev)
+{
+    if (dev < 0 || dev > 0x7f)
+        return 101;
+    if (len > 0)
+        snprintf(out, (size_t)len, "00000000:%02X:00.0", 0x10 + emu_physical(dev));
+    return CUDA_OK;
 }
 
 const dist_nccl_api *dist_nccl_emu_table(void)
@@ -467,5 +573,7 @@ const dist_nccl_api *dist_nccl_emu_table(void)
     emu_api.StreamSynchronize = emu_stream_sync;
     emu_api.CudaErrorString = emu_cuda_error_string;
     emu_api.Memcpy2DAsync = emu_memcpy_2d;
+    emu_api.DeviceGetAttribute = emu_device_attribute;
+    emu_api.DeviceGetPCIBusId = emu_pci_bus_id;
     return &emu_api;
 }

@@ -11,6 +11,9 @@
 #include "cuda_api.h"
 #include "test_api.h"
 
+/* capi.c: the C API capsule for dpmini._dist (_C_API). */
+int dp_capi_add(PyObject *m);
+
 /* ------------------------------------------------------------------ */
 /* Init                                                                */
 /* ------------------------------------------------------------------ */
@@ -181,7 +184,7 @@ static int dp_exec(PyObject *m)
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
         add_test_api(m) < 0 ||
-        add_comm_submodule(m) < 0) {
+        add_comm_submodule(m) < 0 || dp_capi_add(m) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MAX_DEVICES", DP_POOL_MAX_INDEX) < 0 ||

@@ -339,7 +339,10 @@ static void buffer_dealloc(PyObject *op)
             dp_gpu_free_exported(self->base.dev.index, self->base.ptr, self->rounded, consumer);
             Py_END_ALLOW_THREADS
         } else if (self->base.ptr != NULL) {
+            /* the cache may evict blocks: cudaFree synchronises the device */
+            Py_BEGIN_ALLOW_THREADS
             dp_gpu_free(self->base.dev.index, self->base.ptr, self->rounded);
+            Py_END_ALLOW_THREADS
         }
     } else if (self->base.ptr != NULL) {
         raw_free(self->base.dev, self->base.ptr, self->rounded);

@@ -64,6 +64,8 @@ typedef struct dp_test_api {
     int (*emu_contexts)(int *devs, int max);
     void (*emu_queue)(int dev, dpc_stream s, const void *p, size_t n);
     int (*emu_busy)(const void *p, size_t n);
+    long (*emu_launch_overlaps)(void);             /* device calls during another thread's NCCL launch */
+    void (*emu_destroy_stream)(dpc_stream s);      /* another library destroyed that handle */
 } dp_test_api;
 
 /* test_hooks.c: the one table (static storage, filled at compile time). */

@@ -80,4 +80,6 @@ const dp_test_api dp_test_api_table = {
     .emu_contexts = EMU(dpc_emu_contexts),
     .emu_queue = EMU(dpc_emu_queue),
     .emu_busy = EMU(dpc_emu_busy),
+    .emu_launch_overlaps = EMU(dpc_emu_launch_overlaps),
+    .emu_destroy_stream = EMU(dpc_emu_destroy_stream),
 };

@@ -130,9 +130,10 @@ static PyObject *emu_stats(PyObject *m, PyObject *unused)
     }
     api->emu_set_sync_hook(count_gil_syncs); /* counted from the first call on */
     api->emu_stats(&bad, &busy);
-    return Py_BuildValue("{s:l,s:l,s:l,s:l}", "bad_stream_handles", bad, "freed_while_queued",
-                         busy, "nccl_crossed", api->emu_nccl_crossed(), "syncs_with_gil",
-                         __atomic_load_n(&syncs_with_gil, __ATOMIC_RELAXED));
+    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:l}", "bad_stream_handles", bad,
+                         "freed_while_queued", busy, "nccl_crossed", api->emu_nccl_crossed(),
+                         "syncs_with_gil", __atomic_load_n(&syncs_with_gil, __ATOMIC_RELAXED),
+                         "launch_overlaps", api->emu_launch_overlaps());
 }
 
 /* An int argument of a hook taking one int (fault code, slot, mode). */
@@ -283,6 +284,19 @@ static PyObject *emu_busy(PyObject *m, PyObject *args)
     return PyBool_FromLong(api_of(m)->emu_busy(p, (size_t)n));
 }
 
+static PyObject *emu_destroy_stream(PyObject *m, PyObject *arg)
+{
+    if (need_emulator((const void *)api_of(m)->emu_destroy_stream) < 0) {
+        return NULL;
+    }
+    void *s = PyLong_AsVoidPtr(arg);
+    if (s == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    api_of(m)->emu_destroy_stream(s);
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------- the benchmarks' copy limit */
 
 static PyObject *stream_copy(PyObject *m, PyObject *args, PyObject *kwargs)
@@ -338,7 +352,8 @@ static PyMethodDef testing_methods[] = {
      "emu_stats() -> dict\n\nEmulated build: bad_stream_handles (uses of poisoned handles), "
      "freed_while_queued (blocks cached while queued work touched them), nccl_crossed "
      "(collectives of different communicator sets at once on one device), syncs_with_gil "
-     "(counted from the first emu_stats() call on)."},
+     "(counted from the first emu_stats() call on), launch_overlaps (device calls of another "
+     "thread during an NCCL launch)."},
     {"emu_fail_stream_get", emu_fail_stream_get, METH_O,
      "emu_fail_stream_get(slot)\n\nEmulated build: the next stream request of this slot fails."},
     {"emu_nopeer_alloc", emu_nopeer_alloc, METH_VARARGS,
@@ -358,6 +373,9 @@ static PyMethodDef testing_methods[] = {
     {"emu_busy", emu_busy, METH_VARARGS,
      "emu_busy(address, nbytes) -> bool\n\nEmulated build: whether queued work still touches "
      "the range."},
+    {"emu_destroy_stream", emu_destroy_stream, METH_O,
+     "emu_destroy_stream(stream)\n\nEmulated build: another library destroyed that stream "
+     "handle; later uses of it are counted as bad handles."},
     {"stream_copy", (PyCFunction)(void (*)(void))stream_copy, METH_VARARGS | METH_KEYWORDS,
      "stream_copy(dst, src, streaming=True)\n\nCopies the contiguous buffer src into dst (the "
      "same byte count) with the copy engine's own code (csrc/core/copy.c): streaming "
