@@ -115,7 +115,7 @@ else
     lim=$(stage_limit 150)
     if ! "$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
         say "build: FAILED - no Python.h for $PY (carry a prebuilt extension: DPMINI_PREBUILT)"
-    elif DPMINI_CUDA_ARCHS=${DPMINI_CUDA_ARCHS:-90} timeout "$lim" "$PY" setup.py -q build_ext \
+    elif DPMINI_TESTING=1 DPMINI_CUDA_ARCHS=${DPMINI_CUDA_ARCHS:-90} timeout "$lim" "$PY" setup.py -q build_ext \
             --inplace --force -j 16 --build-temp /tmp/dpmini-gpu-build >"$OUT/build.log" 2>&1; then
         BUILT=1
         say "build: ok ($(( $(date +%s) - t )) s, sm_${DPMINI_CUDA_ARCHS:-90}, 16 jobs)"
