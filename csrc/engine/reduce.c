@@ -1,7 +1,9 @@
 /* reduce.c - reduce_add: the elementwise sum of arrays from several devices
  * onto one (spec §8; dp_reduce_add), through NCCL or the GPU add kernel when
  * the arrays are on GPUs, else on the host. Used by dpmini.comm.reduce_add
- * and reduce_add_coalesced (comm_broadcast.c).
+ * and reduce_add_coalesced (comm_broadcast.c) and out_dims="sum". The small
+ * floats of ml_dtypes (bfloat16, float8, ...) are summed on the host in
+ * float32 (complex32 in complex64) and rounded to their dtype once.
  */
 #include "dpmini.h"
 #include "engine.h"
@@ -149,11 +151,49 @@ static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t 
     return (PyObject *)acc;
 }
 
+/* The sum of parts (one ml_dtypes dtype, same shapes) accumulated in accd
+ * (stolen; float32 for bfloat16 and float8) on the host, in index order,
+ * rounded to the parts' dtype once, then copied to dest. */
+static PyObject *widened_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                             dp_device dest, PyArray_Descr *accd)
+{
+    dp_device host = {DP_HOST, -1};
+    PyObject *acc = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int on_gpu = dp_array_device(st, parts[i]).kind == DP_CUDA;
+        PyObject *hp = on_gpu ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
+        Py_INCREF(accd);
+        PyObject *wide = hp != NULL ? PyArray_CastToType((PyArrayObject *)hp, accd, 0) : NULL;
+        if (hp == NULL)
+            Py_DECREF(accd);
+        Py_XDECREF(hp);
+        PyObject *sum = wide == NULL ? NULL : acc == NULL ? Py_NewRef(wide)
+                      : PyNumber_InPlaceAdd(acc, wide);
+        Py_XDECREF(wide);
+        Py_XDECREF(acc);
+        if ((acc = sum) == NULL)
+            break;
+    }
+    Py_DECREF(accd);
+    if (acc == NULL)
+        return NULL;
+    PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+    Py_INCREF(d0);
+    PyObject *res = PyArray_CastToType((PyArrayObject *)acc, d0, 0);
+    Py_DECREF(acc);
+    if (res == NULL || dest.kind == DP_HOST)
+        return res;
+    PyObject *r = dp_copy_to_device(st, (PyArrayObject *)res, dest);
+    Py_DECREF(res);
+    return r;
+}
+
 PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const char *argname)
 {
     PyArrayObject **parts = NULL;
     Py_ssize_t n = 0;
     PyObject *acc = NULL;
+    PyArray_Descr *accd = NULL;   /* the dtype sums accumulate in, when not their own */
     job_list jobs = {0};
 
     if (arrays_from_sequence(st, arrays, argname, 0, &parts, &n) < 0) {
@@ -168,7 +208,16 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
          * have no addition. */
         PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
         char k = d0->kind;
-        if (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M') {
+        if (dp_dtype_is_ml(d0) && (accd = dp_sum_descr(d0)) == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: arrays of dtype %S cannot be summed (dpmini sums ml_dtypes' "
+                         "floating dtypes, in float32; its small integer dtypes have no "
+                         "sum): convert them to a NumPy integer dtype first", argname,
+                         (PyObject *)d0);
+            goto done;
+        }
+        if (accd == NULL &&
+            (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M')) {
             PyErr_Format(PyExc_TypeError,
                          "%s: arrays of dtype %S cannot be summed (structured, void, string "
                          "and datetime dtypes have no addition); sum numeric fields one by "
@@ -208,6 +257,11 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         acc = (PyObject *)parts[0]; /* a single input is returned as is (spec 8.3) */
         goto done;
     }
+    if (accd != NULL) {
+        acc = widened_sum(st, parts, n, dest, accd);
+        accd = NULL;   /* stolen */
+        goto done;
+    }
     int on_gpu = dest.kind == DP_CUDA;
     for (Py_ssize_t i = 0; i < n; i++) {
         on_gpu = on_gpu || dp_array_device(st, parts[i]).kind == DP_CUDA;
@@ -242,6 +296,7 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         Py_DECREF(sum); /* the same object as acc */
     }
 done:
+    Py_XDECREF(accd);
     jobs_free(&jobs);
     arrays_free(parts, n);
     return dp_export(st, acc);

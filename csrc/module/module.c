@@ -165,6 +165,12 @@ static int dp_exec(PyObject *m)
         add_type(m, &dp_array_spec, NULL, &st->ArrayType) < 0) {
         return -1;
     }
+    /* internal (not a module attribute): interop_origin.c hands it out */
+    st->HostDLPackType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &dp_host_dlpack_spec,
+                                                                  NULL);
+    if (st->HostDLPackType == NULL) {
+        return -1;
+    }
     st->copy_copy = import_attr("copy", "copy");
     st->dataclasses_fields = import_attr("dataclasses", "fields");
     st->format_exception = import_attr("traceback", "format_exception");

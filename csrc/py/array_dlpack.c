@@ -8,29 +8,13 @@
 #include "dlpack.h"
 #include "gpu.h"
 #include "array.h"
+#include "interop.h"
 
 #include <string.h>
 
 /* ------------------------------------------------------------------ */
 /* Export: DLPack                                                      */
 /* ------------------------------------------------------------------ */
-
-static int dl_from_descr(PyArray_Descr *d, DLDataType *t)
-{
-    t->lanes = 1;
-    t->bits = (uint8_t)(PyDataType_ELSIZE(d) * 8);
-    if (!PyDataType_ISNOTSWAPPED(d)) {
-        return -1;
-    }
-    switch (d->kind) {
-    case 'i': t->code = kDLInt; return 0;
-    case 'u': t->code = kDLUInt; return 0;
-    case 'f': t->code = kDLFloat; return 0;
-    case 'c': t->code = kDLComplex; return 0;
-    case 'b': t->code = kDLBool; return 0;
-    default: return -1;
-    }
-}
 
 /* One allocation per export: the managed tensor, its shape and strides, and
  * a strong reference to the exported dpmini.Array. */
@@ -114,7 +98,7 @@ static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied, int
 {
     PyArrayObject *a = self->meta;
     DLDataType dt;
-    if (dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
+    if (dp_dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
         PyErr_Format(PyExc_BufferError, "__dlpack__: dtype %S has no DLPack equivalent",
                      (PyObject *)PyArray_DESCR(a));
         return NULL;

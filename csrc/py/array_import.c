@@ -9,6 +9,7 @@
 #include "dlpack.h"
 #include "gpu.h"
 #include "array.h"
+#include "interop.h"
 
 #include <string.h>
 
@@ -295,55 +296,30 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
 /* Import: DLPack                                                      */
 /* ------------------------------------------------------------------ */
 
-static PyArray_Descr *descr_from_dl(DLDataType t)
-{
-    int num = -1;
-    if (t.lanes != 1) {
-        return NULL;
-    }
-    switch (t.code) {
-    case kDLInt:
-        num = t.bits == 8 ? NPY_INT8 : t.bits == 16 ? NPY_INT16 : t.bits == 32 ? NPY_INT32
-            : t.bits == 64 ? NPY_INT64 : -1;
-        break;
-    case kDLUInt:
-        num = t.bits == 8 ? NPY_UINT8 : t.bits == 16 ? NPY_UINT16 : t.bits == 32 ? NPY_UINT32
-            : t.bits == 64 ? NPY_UINT64 : -1;
-        break;
-    case kDLFloat:
-        num = t.bits == 16 ? NPY_HALF : t.bits == 32 ? NPY_FLOAT32 : t.bits == 64 ? NPY_FLOAT64
-            : -1;
-        break;
-    case kDLComplex:
-        num = t.bits == 64 ? NPY_COMPLEX64 : t.bits == 128 ? NPY_COMPLEX128 : -1;
-        break;
-    case kDLBool:
-        num = t.bits == 8 ? NPY_BOOL : -1;
-        break;
-    default:
-        break;
-    }
-    return num < 0 ? NULL : PyArray_DescrFromType(num);
-}
-
 /* Owner of an imported DLPack tensor: a capsule whose destructor calls the
  * producer's deleter. */
 static void owner_versioned(PyObject *cap)
 {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
     DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner_v");
     if (m != NULL && m->deleter != NULL) {
         m->deleter(m);
     }
     PyErr_Clear();
+    PyErr_Restore(t, v, tb);
 }
 
 static void owner_legacy(PyObject *cap)
 {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
     DLManagedTensor *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner");
     if (m != NULL && m->deleter != NULL) {
         m->deleter(m);
     }
     PyErr_Clear();
+    PyErr_Restore(t, v, tb);
 }
 
 static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
@@ -427,7 +403,7 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
         PyErr_Format(PyExc_BufferError, "%s: DLPack ndim %d out of range", argname, t->ndim);
         goto done;
     }
-    PyArray_Descr *descr = descr_from_dl(t->dtype);
+    PyArray_Descr *descr = dp_descr_from_dl(t->dtype);
     if (descr == NULL) {
         PyErr_Format(PyExc_BufferError, "%s: DLPack dtype (code %d, bits %d, lanes %d) has no "
                      "NumPy equivalent", argname, t->dtype.code, t->dtype.bits, t->dtype.lanes);

@@ -17,7 +17,7 @@
 
 /* The version dpmini's producer reports in DLManagedTensorVersioned. */
 #define DP_DLPACK_MAJOR 1
-#define DP_DLPACK_MINOR 0
+#define DP_DLPACK_MINOR 1
 
 /* A major version change breaks the ABI; minor versions only add. */
 typedef struct {
@@ -59,6 +59,19 @@ typedef enum {
     kDLBfloat = 4U,
     kDLComplex = 5U,     /* bits is the whole complex (64 = two float32)  */
     kDLBool = 6U,        /* bits 8: one byte per bool                     */
+    /* DLPack 1.1: the small floats (bits 8; 6 and 4 for the last three,
+     * packed unless the IS_SUBBYTE_TYPE_PADDED flag is set) */
+    kDLFloat8_e3m4 = 7U,
+    kDLFloat8_e4m3 = 8U,
+    kDLFloat8_e4m3b11fnuz = 9U,
+    kDLFloat8_e4m3fn = 10U,
+    kDLFloat8_e4m3fnuz = 11U,
+    kDLFloat8_e5m2 = 12U,
+    kDLFloat8_e5m2fnuz = 13U,
+    kDLFloat8_e8m0fnu = 14U,
+    kDLFloat6_e2m3fn = 15U,
+    kDLFloat6_e3m2fn = 16U,
+    kDLFloat4_e2m1fn = 17U,
 } DLDataTypeCode;
 
 typedef struct {

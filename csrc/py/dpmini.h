@@ -59,6 +59,9 @@ typedef struct dp_state {
     PyTypeObject *BufferType;        /* dpmini._Buffer: owns device memory */
     PyTypeObject *DataParallelType;  /* dpmini.DataParallel                */
     PyTypeObject *ArrayType;         /* dpmini.Array: an array on a GPU    */
+    PyTypeObject *HostDLPackType;    /* _HostDLPack: DLPack export of a host
+                                        ndarray of an ml_dtypes dtype
+                                        (host_dlpack.c)                    */
     PyObject *DPError;               /* dpmini.DPError(Exception)          */
     PyObject *CudaError;             /* dpmini.CudaError(DPError)          */
     PyObject *NcclError;             /* dpmini.NcclError(DPError)          */
@@ -304,6 +307,18 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
  * __dlpack__() fails). Never leaves an exception (interop_dtype.c). */
 const char *dp_dlpack_dtype_missing(PyObject *obj, char *buf, size_t n);
 
+/* Is d one of ml_dtypes' dtypes (bfloat16, float8_*, int4, ...)? They are
+ * recognised by their scalar type's module, not by kind or type number
+ * (both are assigned at run time; interop_dtype.c). */
+int dp_dtype_is_ml(PyArray_Descr *d);
+
+/* The dtype that sums of d accumulate in (new reference): float32 for
+ * ml_dtypes' floating dtypes (bfloat16, float8, float6, float4), complex64
+ * for its complex32; the sum is rounded to d once at the end. NULL (no
+ * exception) for every other dtype, which sums in itself
+ * (interop_dtype.c). */
+PyArray_Descr *dp_sum_descr(PyArray_Descr *d);
+
 /* For a dtype mismatch message: a note (static text) saying that got is want
  * in the other byte order, or "" when the two differ otherwise or are
  * equivalent. Never leaves an exception (interop_dtype.c). */
@@ -442,5 +457,6 @@ extern PyMethodDef dp_array_methods[];        /* array.c    */
 extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */
+extern PyType_Spec dp_host_dlpack_spec;       /* host_dlpack.c */
 
 #endif

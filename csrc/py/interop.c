@@ -405,37 +405,26 @@ static PyArrayObject *numpy_read(PyObject *obj, const char *fn, const char *argn
     return (PyArrayObject *)r;
 }
 
-/* Host memory through numpy.from_dlpack (a view, no copy). When NumPy
- * refuses the dtype (bfloat16, float8, complex32: NumPy has none), a
- * TypeError that says which dtype and what to do, the original as __cause__. */
-static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *argname)
+/* The TypeError for a host tensor whose dtype no NumPy dtype matches
+ * (missing: its name), the pending error of numpy.from_dlpack as __cause__. */
+static void refuse_missing_dtype(dp_state *st, PyObject *obj, const char *argname,
+                                 const char *missing)
 {
-    PyObject *np = PyImport_ImportModule("numpy");
-    PyObject *r = np != NULL ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
-    Py_XDECREF(np);
-    if (r != NULL && !PyArray_Check(r)) {
-        Py_DECREF(r);
-        PyErr_Format(PyExc_TypeError, "%s: numpy.from_dlpack returned no ndarray", argname);
-        return NULL;
-    }
-    if (r != NULL || !PyErr_ExceptionMatches(PyExc_Exception))
-        return (PyArrayObject *)r;
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
-    char buf[96];
-    const char *missing = dp_dlpack_dtype_missing(obj, buf, sizeof buf);
-    PyObject *name = missing != NULL ? dp_array_type_name(st, obj) : NULL;
-    if (name == NULL) {
-        PyErr_Clear();
-        PyErr_Restore(t, v, tb);
-        raise_unreadable(obj, argname, "numpy.from_dlpack");
-        return NULL;
-    }
     PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *name = dp_array_type_name(st, obj);
+    if (name == NULL) {
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return;
+    }
     PyErr_Format(PyExc_TypeError,
                  "%s: a %U of dtype %s: NumPy has no such dtype, and dpmini splits, copies "
-                 "and gathers arrays as NumPy dtypes (bfloat16, float8 and complex32 are "
-                 "refused); convert it first (x.float(), or x.to(torch.float32) / "
+                 "and gathers arrays as NumPy dtypes, with ml_dtypes' bfloat16, float8 and "
+                 "complex32 when the ml_dtypes package is installed (pip install ml_dtypes); "
+                 "install it, or convert first (x.float(), or x.to(torch.float32) / "
                  "x.astype(jnp.float32)) and back inside the replica if it needs that dtype",
                  argname, name, missing);
     Py_DECREF(name);
@@ -448,6 +437,44 @@ static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *
     Py_XDECREF(t);
     Py_XDECREF(v);
     Py_XDECREF(tb);
+}
+
+/* Host memory through numpy.from_dlpack (a view, no copy). When NumPy
+ * refuses the dtype (bfloat16, float8, complex32: NumPy has none), dpmini's
+ * own DLPack import reads it as ml_dtypes' dtype (host_dlpack.c, a view
+ * too); when no dtype matches (ml_dtypes missing, a packed float4), a
+ * TypeError that says which dtype and what to do, the original as
+ * __cause__. */
+static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *argname)
+{
+    PyObject *np = PyImport_ImportModule("numpy");
+    PyObject *r = np != NULL ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
+    Py_XDECREF(np);
+    if (r != NULL && !PyArray_Check(r)) {
+        Py_DECREF(r);
+        PyErr_Format(PyExc_TypeError, "%s: numpy.from_dlpack returned no ndarray", argname);
+        return NULL;
+    }
+    if (r != NULL || !PyErr_ExceptionMatches(PyExc_Exception))
+        return (PyArrayObject *)r;
+    char buf[96];
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    const char *missing = dp_dlpack_dtype_missing(obj, buf, sizeof buf);
+    if (missing == NULL) {
+        PyErr_Restore(t, v, tb);
+        raise_unreadable(obj, argname, "numpy.from_dlpack");
+        return NULL;
+    }
+    PyArrayObject *a = dp_host_dlpack_import(obj, argname);
+    if (a != NULL || PyErr_Occurred()) {
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return a;
+    }
+    PyErr_Restore(t, v, tb);
+    refuse_missing_dtype(st, obj, argname, missing);
     return NULL;
 }
 

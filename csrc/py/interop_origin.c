@@ -4,7 +4,9 @@
  * cupy), else through array_api_compat.array_namespace, else the module's
  * from_dlpack; cached per type in the module state. NumPy, dpmini.Array and
  * libraries without a from_dlpack have origin None: their results stay NumPy /
- * dpmini.Array. What an array leaf is and how it is read: interop.c.
+ * dpmini.Array. A host result of an ml_dtypes dtype (bfloat16...) goes back
+ * through host_dlpack.c's export, which NumPy's __dlpack__ cannot do. What
+ * an array leaf is and how it is read: interop.c.
  */
 #include "dpmini.h"
 #include "interop.h"
@@ -96,7 +98,12 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
 {
     if (arr == NULL || origin == NULL || origin == Py_None)
         return arr;
-    PyObject *r = PyObject_CallOneArg(origin, arr);
+    /* NumPy's own __dlpack__ refuses ml_dtypes' dtypes: a bfloat16 result
+     * goes back through dpmini's export, as that library's bfloat16. */
+    PyObject *r, *via = PyArray_Check(arr) && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)arr))
+                        ? dp_host_dlpack_export(st, (PyArrayObject *)arr) : Py_NewRef(arr);
+    r = via != NULL ? PyObject_CallOneArg(origin, via) : NULL;
+    Py_XDECREF(via);
     if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
         /* A GPU-only library (CuPy) cannot hold host memory: results on
          * the host or a virtual CPU device stay NumPy arrays (README). */

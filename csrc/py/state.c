@@ -58,6 +58,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->BufferType);
     Py_VISIT(st->DataParallelType);
     Py_VISIT(st->ArrayType);
+    Py_VISIT(st->HostDLPackType);
     Py_VISIT(st->DPError);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->NcclError);
@@ -79,6 +80,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->BufferType);
     Py_CLEAR(st->DataParallelType);
     Py_CLEAR(st->ArrayType);
+    Py_CLEAR(st->HostDLPackType);
     Py_CLEAR(st->DPError);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->NcclError);

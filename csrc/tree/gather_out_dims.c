@@ -53,14 +53,28 @@ static int refuse_object_arrays(PyObject *const *vals, Py_ssize_t n, const char 
     return 0;
 }
 
+/* d's kind, 'f' for ml_dtypes' floating dtypes (their kind is 'V' or 'f'
+ * as registered; they have NaN but no NumPy float kind). */
+static char float_kind(PyArray_Descr *d)
+{
+    PyArray_Descr *acc = dp_sum_descr(d);
+    if (acc == NULL)
+        return d->kind;
+    char k = acc->kind;   /* 'f' (float32) or 'c' (complex64) */
+    Py_DECREF(acc);
+    return k;
+}
+
 /* numpy.array_equal(a, b, equal_nan=...) with NaN equal to NaN when both
  * dtypes are numeric and one is floating or complex (as the default gather
  * treats float NaN values: review1 f17); other dtypes have no NaN. 1, 0 or
  * -1. */
 static int arrays_equal(PyObject *a, PyObject *b)
 {
-    char ka = PyArray_DESCR((PyArrayObject *)a)->kind;
-    char kb = PyArray_DESCR((PyArrayObject *)b)->kind;
+    PyArray_Descr *da = PyArray_DESCR((PyArrayObject *)a);
+    PyArray_Descr *db = PyArray_DESCR((PyArrayObject *)b);
+    /* ml_dtypes' small floats (bfloat16, float8: kind 'V') count as floats */
+    char ka = float_kind(da), kb = float_kind(db);
     int numeric = strchr("biufc", ka) != NULL && strchr("biufc", kb) != NULL;
     /* NaT is the NaN of datetime64 / timedelta64: equal to NaT here too. */
     int nan = (numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL)) ||

@@ -101,7 +101,7 @@ def test_counter_changes_the_original_once(torch):
 def test_cpu_autocast_holds_in_the_replica_threads(torch):
     m = torch.nn.Linear(4, 4)
     x = torch.randn(4, 4)
-    # float16: dpmini's arrays have no bfloat16 (NumPy's DLPack refuses it)
+    # float16 here; bfloat16 (autocast's default): test_ml_dtypes_interop.py
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         want = m(x)
         got = dpmini.DataParallel(m, DEVS)(x)
