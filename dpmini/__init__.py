@@ -34,6 +34,7 @@ from ._dpmini import (
     scatter_kwargs,
 )
 from ._plan import Plan, explain
+from ._profile import Profile, profile
 
 import atexit as _atexit
 
@@ -55,6 +56,8 @@ __all__ = [
     "parallel_apply",
     "explain",
     "Plan",
+    "profile",
+    "Profile",
     "comm",
     "Device",
     "device_count",

@@ -149,7 +149,9 @@ static void apply_job_main(void *arg)
         wl[WL_PINNED] = 1;
     }
     unsigned gen = dp_pool_fork_generation();
+    uint64_t t_gil = job->prof.s != NULL ? dp_prof_now() : 0;
     PyGILState_STATE g = PyGILState_Ensure();
+    dp_prof_record_since(&job->prof, DP_PROF_WAIT, job->dev.kind, job->dev.index, t_gil, "GIL");
     run_job(job, wl);
     /* Not in a child that a replica forked: the parent's replicas are the
      * parent's to run. */
@@ -194,7 +196,10 @@ static void run_job(apply_job *job, int *wl)
              * torch.nn.parallel.parallel_apply does. */
             int prev = job->torch_no_grad ? dp_torch_set_grad(0) : -1;
             int cast = job->torch_autocast != NULL && dp_torch_autocast_enter(job->torch_autocast);
+            uint64_t t_run = job->prof.s != NULL ? dp_prof_now() : 0;
             job->result = PyObject_Call(job->module, job->args, job->kwargs);
+            dp_prof_record_since(&job->prof, DP_PROF_REPLICA, job->dev.kind, job->dev.index, t_run,
+                                 NULL);
             if (cast) {
                 dp_torch_autocast_exit(job->torch_autocast);
             }
@@ -232,7 +237,9 @@ static void run_job(apply_job *job, int *wl)
 static void apply_job_inline(apply_job *job)
 {
     job->state = JOB_RUNNING;
+    uint64_t t_run = job->prof.s != NULL ? dp_prof_now() : 0;
     job->result = PyObject_Call(job->module, job->args, job->kwargs);
+    dp_prof_record_since(&job->prof, DP_PROF_REPLICA, job->dev.kind, job->dev.index, t_run, NULL);
     if (job->result == NULL) {
         job->exc = replica_take_exception();
     }
@@ -383,9 +390,11 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
     char devbuf[32];
+    dp_prof_ctx prof = dp_prof_current();
 
     for (Py_ssize_t i = 0; i < m; i++) {
         apply_job *job = &jobs[i];
+        job->prof = prof;
         job->on_worker = !(m == 1 || nested || job->dev.kind == DP_HOST ||
                            dp_pool_on_worker(job->dev.kind, job->dev.index));
         job->interp = PyThreadState_GetInterpreter(PyThreadState_Get());
@@ -411,8 +420,16 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         }
         jobs = run->jobs;
         dp_pool_set_exit_hook(worker_exit);
+        if (prof.s != NULL) {
+            dp_prof_session_retain(prof.s);
+            run->prof_hold = prof.s;
+        }
     }
+    uint64_t t_blas = prof.s != NULL ? dp_prof_now() : 0;
     PyObject *blas = blas_limit(jobs, m, nested);
+    if (blas != Py_None) {
+        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "limit");
+    }
     if (blas == NULL) {
         if (have_batch) {
             run_end(run, caller_jobs, m);
@@ -522,6 +539,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         interrupt_jobs(jobs, m, NULL);   /* unstarted worker jobs are skipped */
     }
     int abandoned = 0;
+    uint64_t t_wait = prof.s != NULL && nsubmitted > 0 ? dp_prof_now() : 0;
     while (nsubmitted > 0) {
         int done;
         Py_BEGIN_ALLOW_THREADS
@@ -556,7 +574,15 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             }
         }
     }
+    if (nsubmitted > 0) {
+        dp_prof_record_since(&prof, DP_PROF_WAIT, -1, -1, t_wait, "replicas");
+    }
+    t_blas = prof.s != NULL && blas != Py_None ? dp_prof_now() : 0;
+    int blas_set = blas != Py_None;
     blas_restore(blas);   /* every replica has finished, or is abandoned */
+    if (blas_set) {
+        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "restore");
+    }
     if (have_batch && !abandoned) {
         run_end(run, caller_jobs, m);
     }
