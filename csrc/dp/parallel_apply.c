@@ -124,6 +124,8 @@ static void apply_job_main(void *arg)
     apply_job *job = arg;
     apply_run *run = job->run;
     int chained = job->chained;
+    dp_prof_record_since(&job->prof, DP_PROF_WAIT, job->dev.kind, job->dev.index, job->queued_ns,
+                         "worker start");
     int *wl = dp_pool_worker_local();
     int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
     if (wl == NULL) {
@@ -472,6 +474,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         job->torch_autocast = torch_cast != 0 ? dp_torch_autocast_carry() : NULL;
         torch_cast = job->torch_autocast != NULL;
         int rc;
+        job->queued_ns = prof.s != NULL ? dp_prof_now() : 0;
         if (job->dev.kind == DP_VCPU) {
             job->chained = 1;
             rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,

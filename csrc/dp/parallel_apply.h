@@ -57,6 +57,7 @@ typedef struct {
                               while this job's worker was not woken yet)   */
     apply_run *run;        /* the call's run (worker jobs, parallel_apply_chain.c) */
     dp_prof_ctx prof;      /* the call's recording context (profile.h)       */
+    uint64_t queued_ns;    /* when it was queued for its worker (profiling)  */
 } apply_job;
 
 /* The jobs of one call and their batch, in memory that outlives the call

@@ -240,6 +240,7 @@ typedef struct {
     Py_ssize_t failed;  /* index of the failed job                       */
     dp_prof_ctx prof;   /* the call's recording context (profile.h)       */
     int on_caller;      /* run on the calling thread                      */
+    uint64_t queued_ns; /* when it was handed to its worker (profiling), or 0 */
 } job_group;
 
 static int gpu_index(dp_device d)
@@ -270,6 +271,13 @@ static void run_group(void *arg)
                                   : mode == DP_COPY_STREAM ? DP_PROF_PATH_STREAM
                                   : g->on_caller ? DP_PROF_PATH_INLINE : DP_PROF_PATH_WORKER);
     uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
+    if (g->queued_ns != 0 && g->n > 0) {
+        /* the time the group waited for its worker thread to run */
+        const copy_job *j = g->jobs[0];
+        dp_device d = cs.ctx.phase == DP_PROF_GATHER ? j->src_dev : j->dst_dev;
+        dp_prof_record_span(&cs.ctx, DP_PROF_WAIT, d.kind, d.index, g->queued_ns, t0, 0,
+                            DP_PROF_PATH_NONE, 0, "worker start");
+    }
     for (Py_ssize_t i = 0; i < g->n; i++) {
         copy_job *j = g->jobs[i];
         dp_copy_desc buf;
@@ -628,6 +636,7 @@ static int run_rest(job_list *l)
     for (Py_ssize_t g = 0; g < ng; g++) {
         groups[g].prof = prof;
         groups[g].on_caller = here || groups[g].worker.kind == DP_HOST;
+        groups[g].queued_ns = 0;
     }
     int err = 0, rc = 0;
     if (here) {
@@ -654,6 +663,7 @@ static int run_rest(job_list *l)
     if (err == 0) {
         for (Py_ssize_t g = 0; g < ng; g++) {
             dp_device ex = groups[g].worker;
+            groups[g].queued_ns = prof.s != NULL && ex.kind != DP_HOST ? dp_prof_now() : 0;
             if (ex.kind == DP_HOST ||
                 dp_batch_submit(&batch, ex.kind, ex.index, run_group, &groups[g]) != 0) {
                 run_group(&groups[g]); /* no worker: the caller does it */

@@ -239,35 +239,35 @@ static PyObject *profile_recording(PyObject *mod, PyObject *unused)
 
 PyMethodDef dp_profile_methods[] = {
     {"_profile_start", profile_start, METH_O,
-     "_profile_start(capacity) -> session\n--\n\nStart recording the calling thread's calls "
+     "_profile_start($module, capacity, /)\n--\n\nStart recording the calling thread's calls "
      "into a new session of `capacity` events (private; dpmini.profile uses it)."},
     {"_profile_stop", profile_stop, METH_O,
-     "_profile_stop(session)\n--\n\nStop the calling thread's recording into session "
+     "_profile_stop($module, session, /)\n--\n\nStop the calling thread's recording into session "
      "(private)."},
     {"_profile_counts", profile_counts, METH_O,
-     "_profile_counts(session) -> (int, int)\n--\n\nEvents recorded and spans dropped "
+     "_profile_counts($module, session, /)\n--\n\nEvents recorded and spans dropped "
      "(private)."},
     {"_profile_events", profile_events, METH_VARARGS,
-     "_profile_events(session, start, stop) -> list\n--\n\nThe event tuples of slots "
+     "_profile_events($module, session, start, stop, /)\n--\n\nThe event tuples of slots "
      "[start, stop) (private)."},
     {"_profile_record", (PyCFunction)(void (*)(void))profile_record,
      METH_VARARGS | METH_KEYWORDS,
-     "_profile_record(label, start_ns, end_ns, device=None, bytes=0) -> bool\n--\n\n"
+     "_profile_record($module, label, start_ns, end_ns, device=None, bytes=0)\n--\n\n"
      "Record a span from Python into the calling thread's session (private; "
      "dpmini._profile.span uses it)."},
     {"_profile_begin", profile_begin, METH_O,
-     "_profile_begin(kind) -> bytes\n--\n\nOpen a phase span on the calling thread "
+     "_profile_begin($module, kind, /)\n--\n\nOpen a phase span on the calling thread "
      "(private; dpmini._profile.phase uses it)."},
     {"_profile_end", profile_end, METH_VARARGS,
-     "_profile_end(token, label)\n--\n\nClose the span _profile_begin opened (private)."},
+     "_profile_end($module, token, label, /)\n--\n\nClose the span _profile_begin opened (private)."},
     {"_copy_limit_seconds", copy_limit_seconds, METH_VARARGS,
-     "_copy_limit_seconds(bytes, threads, streaming, repeat) -> float\n--\n\nBest time "
+     "_copy_limit_seconds($module, bytes, threads, streaming, repeat, /)\n--\n\nBest time "
      "(s) of `threads` threads copying `bytes` in all with memcpy or streaming stores "
      "(private; dpmini._profile.copy_limit uses it)."},
     {"_profile_now", profile_now, METH_NOARGS,
-     "_profile_now() -> int\n--\n\nThe recorder's clock, CLOCK_MONOTONIC nanoseconds "
+     "_profile_now($module, /)\n--\n\nThe recorder's clock, CLOCK_MONOTONIC nanoseconds "
      "(private)."},
     {"_profile_recording", profile_recording, METH_NOARGS,
-     "_profile_recording() -> bool\n--\n\nWhether the calling thread records (private)."},
+     "_profile_recording($module, /)\n--\n\nWhether the calling thread records (private)."},
     {NULL, NULL, 0, NULL},
 };
