@@ -101,7 +101,7 @@ def phase(kind, label=None):
         _dpmini._profile_end(token, label)
 
 
-def copy_limit(nbytes, threads=1, repeat=3):
+def copy_limit(nbytes, threads=1, repeat=7):
     """The machine's copy limit now: the faster of memcpy and streaming stores.
 
     Args:
