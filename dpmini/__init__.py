@@ -34,7 +34,7 @@ from ._dpmini import (
     scatter_kwargs,
 )
 from ._plan import Plan, explain
-from ._profile import Profile, profile
+from ._profile import Profile, copy_limit, profile
 
 import atexit as _atexit
 
@@ -58,6 +58,7 @@ __all__ = [
     "Plan",
     "profile",
     "Profile",
+    "copy_limit",
     "comm",
     "Device",
     "device_count",
