@@ -372,3 +372,26 @@ def test_small_copies_made_inline_are_spans_of_their_device_too():
             spans = copies(prof, phase, dev)
             assert [e["path"] for e in spans] == ["inline"]
             assert spans[0]["bytes"] == x.nbytes // 2 and not spans[0]["strided"]
+
+
+class Weights:
+    """A model whose arrays replicate copies: one large, many small."""
+
+    def __init__(self):
+        self.W = np.ones((512, 512))
+        self.b = [np.full(1000, float(i)) for i in range(50)]
+
+    def __call__(self, x):
+        return x
+
+
+def test_replicate_copies_are_spans_of_each_device_with_its_bytes():
+    m = Weights()
+    dpmini.replicate(m, D2)
+    with dpmini.profile() as prof:
+        reps = dpmini.replicate(m, D2)
+    assert reps[1].b[7][0] == 7.0
+    want = m.W.nbytes + sum(b.nbytes for b in m.b)
+    for dev in D2:
+        assert sum(e["bytes"] for e in copies(prof, "replicate", dev)) == want
+    assert [c["name"] for c in prof.calls()] == ["replicate"]
