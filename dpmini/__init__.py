@@ -36,6 +36,7 @@ from ._dpmini import (
     unregister_replica_context,
 )
 from ._plan import Plan, explain
+from ._profile import Profile, copy_limit, profile
 
 import atexit as _atexit
 
@@ -59,6 +60,9 @@ __all__ = [
     "unregister_replica_context",
     "explain",
     "Plan",
+    "profile",
+    "Profile",
+    "copy_limit",
     "comm",
     "Device",
     "device_count",

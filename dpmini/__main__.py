@@ -1,9 +1,16 @@
-"""dpmini's command line: `python -m dpmini explain ...` and `python -m dpmini info`.
+"""dpmini's command line: `python -m dpmini explain|profile|info ...`.
 
     python -m dpmini explain --shape 5,3 --dim 0 --devices 4
         prints the plan table DataParallel would follow for arrays of these
         shapes (one --shape per positional argument; nothing is allocated);
         --plot FILE also saves Plan.plot() (needs matplotlib).
+    python -m dpmini profile --shape 8192,4096 --dim 1 --devices 2
+        runs DataParallel over an identity model on random arrays of these
+        shapes under dpmini.profile() and prints the per-call table (phase x
+        device times and GB/s, idle devices, dpmini's own overhead) and the
+        copy limit measured in the same run (the faster of memcpy and
+        streaming stores); --repeat N calls (default 3, after one warm-up
+        call), --trace FILE writes the Chrome/Perfetto trace.
     python -m dpmini info
         lists the devices, the backends built in, and the CUDA and NCCL
         versions ("not built" when dpmini was built without CUDA).
@@ -96,6 +103,17 @@ def _devices(text):
     return [int(p) if p.lstrip("-").isdigit() else p for p in parts]
 
 
+def _repeat(text):
+    """A call count in 1..1000."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not 1 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"expected 1..1000, got {n}")
+    return n
+
+
 def _dim(text):
     """An int dim in the int32 range (the C core's dim type)."""
     try:
@@ -150,7 +168,7 @@ def _parser():
         prog="python -m dpmini",
         description="See how dpmini.DataParallel splits a batch, and what this build supports.")
     parser.add_argument("--version", action="version", version=f"dpmini {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{explain,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{explain,profile,info}")
 
     ex = sub.add_parser(
         "explain", help="print the split plan for arrays of given shapes",
@@ -178,6 +196,23 @@ def _parser():
                     help="also save the plan's picture (PNG, SVG, PDF; needs matplotlib); "
                          "the extension picks the format")
     ex.set_defaults(subparser=ex)
+
+    pr = sub.add_parser(
+        "profile", help="time a DataParallel round trip per phase and device",
+        description="Run DataParallel over an identity model on random arrays of these "
+                    "shapes under dpmini.profile() and print where the time goes.")
+    pr.add_argument("--shape", type=_shape, action="append", default=[], metavar="N,M,...",
+                    help="shape of one positional array argument (repeat for several)")
+    pr.add_argument("--dim", type=_dim, default=0, help="the split dim (default 0)")
+    pr.add_argument("--devices", type=_devices, default=None, metavar="N|LIST",
+                    help="a COUNT of virtual CPU devices or a LIST, as for explain "
+                         "(default: DataParallel's default devices)")
+    pr.add_argument("--dtype", default="float32", help="array dtype (default float32)")
+    pr.add_argument("--repeat", type=_repeat, default=3, metavar="N",
+                    help="profiled calls after one warm-up call (1..1000, default 3)")
+    pr.add_argument("--trace", metavar="FILE", default=None,
+                    help="also write the Chrome/Perfetto trace (JSON) there")
+    pr.set_defaults(subparser=pr)
 
     sub.add_parser("info", help="list devices, backends and CUDA/NCCL versions",
                    description="List the devices dpmini sees, the backends built in, and "
@@ -307,6 +342,70 @@ def cmd_explain(args, parser, out):
     return 1 if plan.error else 0
 
 
+def _random_array(rng, shape, dtype):
+    """A random array of shape and dtype (values in [0, 1) cast to dtype)."""
+    return rng.random(shape).astype(dtype, copy=False)
+
+
+def _identity(*arrays):
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def cmd_profile(args, parser, out):
+    from ._dpmini import DataParallel
+    from ._profile import copy_limit, profile
+
+    sub = getattr(args, "subparser", parser)
+    if not args.shape:
+        sub.error("give at least one --shape")   # exits 2
+    try:
+        dtype = np.dtype(args.dtype)
+    except (TypeError, ValueError) as exc:
+        return _fail(sub, f"--dtype: {exc}")
+    if dtype.subdtype is not None or dtype.fields is not None or dtype.kind not in "biuf":
+        return _fail(sub, f"--dtype: {args.dtype!r}: expected a bool, integer or floating "
+                          "dtype (the arrays are random numbers)")
+    if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        return _fail(sub, f"--trace: {args.trace!r}: the folder does not exist")
+    try:
+        rng = np.random.default_rng(0)
+        inputs = tuple(_random_array(rng, s, dtype) for s in args.shape)
+    except (ValueError, MemoryError) as exc:
+        return _fail(sub, f"--shape: {exc} (cannot allocate these arrays)")
+    try:
+        dp = DataParallel(_identity, device_ids=args.devices, dim=args.dim)
+        dp(*inputs)   # warm-up: worker threads started, allocator caches filled
+        with profile() as prof:
+            for _ in range(args.repeat):
+                dp(*inputs)
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
+        return _fail(sub, str(exc))
+    print(prof.table(), file=out)
+    copies = [e for e in prof.events if e["kind"] == "copy" and e["duration_ns"] > 0]
+    if copies:
+        print("", file=out)
+        print(_limit_text(copies, copy_limit), file=out)
+    if args.trace:
+        try:
+            prof.export_chrome_trace(args.trace)
+        except OSError as exc:
+            return _fail(sub, f"--trace: {exc}")
+        print(f"\nwrote the trace to {args.trace} (open it in https://ui.perfetto.dev or "
+              "chrome://tracing)", file=out)
+    return 0
+
+
+def _limit_text(copies, copy_limit):
+    """The copy limit of one thread measured now, and the copies' best rate against it."""
+    nbytes = min(max(max(e["bytes"] for e in copies), 1 << 20), 256 << 20)
+    lim = copy_limit(nbytes, threads=1, repeat=7)
+    best = max(e["bytes"] / e["duration_ns"] for e in copies)
+    return (f"copy limit of one thread, measured now on {nbytes / 2**20:.0f} MiB: "
+            f"{lim['gbps']:.1f} GB/s (the faster of memcpy {lim['memcpy_gbps']:.1f} and "
+            f"streaming stores {lim['stream_gbps']:.1f}); the fastest copy span above: "
+            f"{best:.1f} GB/s = {best / lim['gbps']:.2f}x the limit")
+
+
 def _cuda_versions():
     """(backend, CUDA text, NCCL text) from the extension's cuda_build_info()."""
     info_fn = getattr(_dpmini, "cuda_build_info", None)
@@ -382,10 +481,13 @@ def main(argv=None, out=None):
     args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if args.command is None:
         parser.print_help(sys.stderr)
-        print(f"\n{parser.prog}: error: choose a command: explain or info", file=sys.stderr)
+        print(f"\n{parser.prog}: error: choose a command: explain, profile or info",
+              file=sys.stderr)
         return 2
     if args.command == "explain":
         return cmd_explain(args, parser, out)
+    if args.command == "profile":
+        return cmd_profile(args, parser, out)
     return cmd_info(out)
 
 

@@ -17,6 +17,7 @@ broadcasts an array whole (None), and `chunk_sizes` / `weights` replace the
 torch.chunk sizes (see DataParallel's docstring). `Plan.plot()` draws the plan
 with matplotlib (an optional dependency: `pip install dpmini[plot]`).
 """
+import html
 import os
 import sys
 
@@ -145,6 +146,30 @@ class Plan:
         if self.error:
             lines.append(f"error: {self.error}")
         return "\n".join(lines)
+
+    def _repr_html_(self):
+        """A Jupyter rich display: the plan as HTML tables, one per array leaf.
+
+        The same content as str(plan): the summary line, per leaf a table of
+        device, range along dim, chunk shape and size, then shared leaves,
+        warnings and the error.
+        """
+        esc = html.escape
+        lines = str(self).split("\n")
+        parts = [f"<p><b>{esc(lines[0])}</b></p>"]
+        for leaf in self.leaves:
+            title, header, rows = _leaf_table(leaf, self.devices, self.replicas)
+            cells = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+                            for row in rows)
+            parts.append(f"<p>{esc(title)}</p><table><tr>"
+                         + "".join(f"<th>{esc(h)}</th>" for h in header)
+                         + f"</tr>{cells}</table>")
+        if self.shared:
+            parts.append(f"<p>shared by reference: {esc(', '.join(self.shared))}</p>")
+        parts.extend(f"<p>warning: {esc(w)}</p>" for w in self.warnings)
+        if self.error:
+            parts.append(f"<p><b>error:</b> {esc(self.error)}</p>")
+        return "\n".join(parts)
 
     def idle_devices(self):
         """The devices that get nothing: no replica runs there (a list of str)."""
@@ -359,6 +384,12 @@ def _library_text(leaf):
 
 def _leaf_block(leaf, devices, replicas):
     """Lines of the table for one array leaf: a title, a header and one row per device."""
+    title, header, rows = _leaf_table(leaf, devices, replicas)
+    return [title] + _columns([header] + rows, indent="  ")
+
+
+def _leaf_table(leaf, devices, replicas):
+    """One array leaf's (title, header, rows): the text table and the HTML one."""
     if leaf.get("broadcast"):
         title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
                  f"{_dtype_name(leaf['dtype'])}, broadcast whole (in_dims None)"
@@ -371,13 +402,13 @@ def _leaf_block(leaf, devices, replicas):
             else:
                 rows.append((str(dev), "all", _shape_text(leaf["shape"]),
                              _bytes_text(leaf["nbytes"][i])))
-        return [title] + _columns([header] + rows, indent="  ")
+        return title, header, rows
     dim = leaf["dim"]
     title = (f"{leaf['path']}: shape {_shape_text(leaf['shape'])} "
              f"{_dtype_name(leaf['dtype'])}, split along dim {dim}{_library_text(leaf)}")
     header = ("device", f"dim {dim} range", "chunk shape", "size")
     rows = [_device_row(leaf, i, str(dev), replicas) for i, dev in enumerate(devices)]
-    return [title] + _columns([header] + rows, indent="  ")
+    return title, header, rows
 
 
 def _device_row(leaf, i, device, replicas):

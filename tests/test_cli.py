@@ -116,7 +116,7 @@ def test_no_command_prints_the_help_and_exits_2():
     assert proc.returncode == 2 and proc.stdout == ""
     assert "usage: python -m dpmini" in proc.stderr
     assert "explain" in proc.stderr and "info" in proc.stderr and "--version" in proc.stderr
-    assert "error: choose a command: explain or info" in proc.stderr
+    assert "error: choose a command: explain, profile or info" in proc.stderr
     help_proc = subprocess.run([sys.executable, "-m", "dpmini", "-h"], capture_output=True,
                                text=True, timeout=60)
     assert help_proc.returncode == 0 and "usage: python -m dpmini" in help_proc.stdout

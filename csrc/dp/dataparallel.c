@@ -21,6 +21,7 @@
 #include "dataparallel_type.h"
 #include "dp.h"
 #include "walk.h"
+#include "profile.h"
 
 #include <structmember.h>
 #include <string.h>
@@ -158,7 +159,7 @@ static void DataParallel_dealloc(dp_DataParallelObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *DataParallel_call_steps(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     if (st == NULL) {
@@ -185,6 +186,16 @@ static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, 
         dp_call_pop(self, &snap);
         dp_snapshot_release(&snap);
     }
+    return res;
+}
+
+/* DataParallel_call under dpmini.profile(): one span around it (profile.h). */
+static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_CALL);
+    PyObject *res = DataParallel_call_steps(self, args, kwargs);
+    dp_prof_end(&sp, Py_TYPE(self)->tp_name);
     return res;
 }
 

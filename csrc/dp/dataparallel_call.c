@@ -12,6 +12,7 @@
 #include "gpu.h"
 #include "walk.h"
 #include "plan.h"
+#include "profile.h"
 
 #include <string.h>
 
@@ -173,6 +174,11 @@ PyObject *dp_forward_core(dp_state *st, PyObject *module, PyObject *args, PyObje
 {
     PyObject *inputs = NULL, *kws = NULL, *replicas = NULL, *outputs = NULL, *res = NULL;
 
+    dp_prof_ctx prof = dp_prof_current();
+    for (Py_ssize_t i = 0; prof.s != NULL && i < ndev; i++) {   /* idle ones too */
+        dp_prof_record_since(&prof, DP_PROF_DEVICE, devs[i].kind, devs[i].index, dp_prof_now(),
+                             NULL);
+    }
     if (dp_scatter_with(st, args, kwargs, devs, ndev, o, &inputs, &kws) < 0) {
         return NULL;
     }
@@ -462,7 +468,7 @@ PyDoc_STRVAR(data_parallel_doc,
 "on device d.' (spec 6.5). Different chunk counts warn dpmini.SplitWarning\n"
 "(no strict here).");
 
-static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
+static PyObject *dp_data_parallel_steps(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"module", "inputs", "device_ids", "output_device", "dim",
                              "module_kwargs", "in_dims", "out_dims", "chunk_sizes",
@@ -525,6 +531,16 @@ static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwarg
 fail:
     Py_XDECREF(in);
     PyMem_Free(devs);
+    return res;
+}
+
+/* dp_data_parallel under dpmini.profile(): one span around it (profile.h). */
+static PyObject *dp_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_CALL);
+    PyObject *res = dp_data_parallel_steps(mod, args, kwargs);
+    dp_prof_end(&sp, "data_parallel");
     return res;
 }
 

@@ -128,6 +128,8 @@ static void apply_job_main(void *arg)
     apply_job *job = arg;
     apply_run *run = job->run;
     int chained = job->chained;
+    dp_prof_record_since(&job->prof, DP_PROF_WAIT, job->dev.kind, job->dev.index, job->queued_ns,
+                         "worker start");
     int *wl = dp_pool_worker_local();
     int unpinned[2] = {1, 0};   /* no worker-local ints (pool.h): plain GILState */
     if (wl == NULL) {
@@ -153,7 +155,9 @@ static void apply_job_main(void *arg)
         wl[WL_PINNED] = 1;
     }
     unsigned gen = dp_pool_fork_generation();
+    uint64_t t_gil = job->prof.s != NULL ? dp_prof_now() : 0;
     PyGILState_STATE g = PyGILState_Ensure();
+    dp_prof_record_since(&job->prof, DP_PROF_WAIT, job->dev.kind, job->dev.index, t_gil, "GIL");
     run_job(job, wl);
     /* Not in a child that a replica forked: the parent's replicas are the
      * parent's to run. */
@@ -242,7 +246,10 @@ static void run_job(apply_job *job, int *wl)
         } else {
             if (!job->cancelled) {
                 job->state = JOB_RUNNING;
+                uint64_t t_run = job->prof.s != NULL ? dp_prof_now() : 0;
                 job->result = PyObject_Call(job->module, job->args, job->kwargs);
+                dp_prof_record_since(&job->prof, DP_PROF_REPLICA, job->dev.kind, job->dev.index,
+                                     t_run, NULL);
                 job->state = JOB_LEAVING;
                 if (job->result == NULL) {
                     job->exc = replica_take_exception();
@@ -269,7 +276,9 @@ static void run_job(apply_job *job, int *wl)
 static void apply_job_inline(apply_job *job)
 {
     job->state = JOB_RUNNING;
+    uint64_t t_run = job->prof.s != NULL ? dp_prof_now() : 0;
     job->result = PyObject_Call(job->module, job->args, job->kwargs);
+    dp_prof_record_since(&job->prof, DP_PROF_REPLICA, job->dev.kind, job->dev.index, t_run, NULL);
     if (job->result == NULL) {
         job->exc = replica_take_exception();
     }
@@ -420,9 +429,11 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
     PyObject *result = NULL;
     char devbuf[32];
+    dp_prof_ctx prof = dp_prof_current();
 
     for (Py_ssize_t i = 0; i < m; i++) {
         apply_job *job = &jobs[i];
+        job->prof = prof;
         job->on_worker = !(m == 1 || nested || job->dev.kind == DP_HOST ||
                            dp_pool_on_worker(job->dev.kind, job->dev.index));
         job->interp = PyThreadState_GetInterpreter(PyThreadState_Get());
@@ -448,18 +459,25 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         }
         jobs = run->jobs;
         dp_pool_set_exit_hook(worker_exit);
+        if (prof.s != NULL) {
+            dp_prof_session_retain(prof.s);
+            run->prof_hold = prof.s;
+        }
     }
     for (Py_ssize_t i = 0; i < m; i++) {
         jobs[i].index = i;
     }
     /* The replica contexts are captured before the BLAS pools are cut: a
      * provider that reads a thread count reads the caller's own. */
-    PyObject *blas = NULL;
     if (have_batch && contexts_capture(st, jobs, m) < 0) {
         run_end(run, caller_jobs, m);
         return NULL;
     }
-    blas = blas_limit(jobs, m, nested);
+    uint64_t t_blas = prof.s != NULL ? dp_prof_now() : 0;
+    PyObject *blas = blas_limit(jobs, m, nested);
+    if (blas != NULL && blas != Py_None) {
+        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "limit");
+    }
     if (blas == NULL) {
         if (have_batch) {
             run_end(run, caller_jobs, m);
@@ -492,6 +510,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             break;
         }
         int rc;
+        job->queued_ns = prof.s != NULL ? dp_prof_now() : 0;
         if (job->dev.kind == DP_VCPU) {
             job->chained = 1;
             rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,
@@ -559,6 +578,7 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         interrupt_jobs(jobs, m, NULL);   /* unstarted worker jobs are skipped */
     }
     int abandoned = 0;
+    uint64_t t_wait = prof.s != NULL && nsubmitted > 0 ? dp_prof_now() : 0;
     while (nsubmitted > 0) {
         int done;
         Py_BEGIN_ALLOW_THREADS
@@ -593,7 +613,15 @@ PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             }
         }
     }
+    if (nsubmitted > 0) {
+        dp_prof_record_since(&prof, DP_PROF_WAIT, -1, -1, t_wait, "replicas");
+    }
+    t_blas = prof.s != NULL && blas != Py_None ? dp_prof_now() : 0;
+    int blas_set = blas != Py_None;
     blas_restore(blas);   /* every replica has finished, or is abandoned */
+    if (blas_set) {
+        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "restore");
+    }
     if (have_batch && !abandoned) {
         run_end(run, caller_jobs, m);
     }

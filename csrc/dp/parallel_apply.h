@@ -14,6 +14,7 @@
 
 #include "dpmini.h"
 #include "pool.h"
+#include "profile.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -62,6 +63,8 @@ typedef struct {
                               (its own worker, or one that finished its own
                               while this job's worker was not woken yet)   */
     apply_run *run;        /* the call's run (worker jobs, parallel_apply_chain.c) */
+    dp_prof_ctx prof;      /* the call's recording context (profile.h)       */
+    uint64_t queued_ns;    /* when it was queued for its worker (profiling)  */
 } apply_job;
 
 /* The jobs of one call and their batch, in memory that outlives the call
@@ -77,6 +80,8 @@ struct apply_run {
     Py_ssize_t nchain;
     Py_ssize_t next_wake;   /* atomic */
     Py_ssize_t claim_from;  /* atomic; written with the GIL held */
+    dp_prof_session *prof_hold; /* keeps the jobs' profile session alive while
+                                   workers may record into it, or NULL */
     apply_job jobs[];
 };
 

@@ -20,6 +20,7 @@ void run_free(void *arg)
 {
     apply_run *run = arg;
     dp_batch_destroy(&run->batch);
+    dp_prof_session_release(run->prof_hold);
     PyMem_RawFree(run);
 }
 
@@ -49,6 +50,7 @@ apply_run *run_new(apply_job *jobs, Py_ssize_t m)
     run->nodes = (dp_job_node *)(void *)&run->jobs[n];   /* sizes: multiples of pointers */
     run->chain = (Py_ssize_t *)(void *)&run->nodes[n];
     run->nchain = run->next_wake = run->claim_from = 0;
+    run->prof_hold = NULL;
     for (size_t i = 0; i < n; i++) {
         run->jobs[i].run = run;
         run->jobs[i].chained = 0;

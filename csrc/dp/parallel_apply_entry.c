@@ -7,6 +7,7 @@
 #include "dataparallel.h"
 #include "parallel_apply.h"
 #include "dp.h"
+#include "profile.h"
 
 #include <string.h>
 
@@ -97,7 +98,7 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
 /* parallel_apply over Python sequences. Devices come from cdevs (ncdevs
  * entries, must equal the module count) when given, else from `devices`
  * (None or a sequence, None entries allowed), else auto_device. */
-PyObject *parallel_apply_run(dp_state *st, PyObject *modules, PyObject *inputs,
+static PyObject *parallel_apply_run_steps(dp_state *st, PyObject *modules, PyObject *inputs,
                              PyObject *kwargs_tup, PyObject *devices,
                              const dp_device *cdevs, Py_ssize_t ncdevs)
 {
@@ -205,6 +206,18 @@ fail:
     Py_XDECREF(kws);
     Py_XDECREF(devseq);
     return result;
+}
+
+/* parallel_apply_run under dpmini.profile(): one span around it (profile.h). */
+PyObject *parallel_apply_run(dp_state *st, PyObject *modules, PyObject *inputs,
+                             PyObject *kwargs_tup, PyObject *devices,
+                             const dp_device *cdevs, Py_ssize_t ncdevs)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_APPLY);
+    PyObject *res = parallel_apply_run_steps(st, modules, inputs, kwargs_tup, devices, cdevs, ncdevs);
+    dp_prof_end(&sp, NULL);
+    return res;
 }
 
 /* ------------------------------------------------------------------ */

@@ -16,6 +16,7 @@
 #include "replicate.h"
 #include "dp.h"
 #include "engine.h"
+#include "profile.h"
 
 #include <string.h>
 
@@ -211,7 +212,7 @@ fail:
 
 /* replicate(module, devs[0..ndev)) -> list of ndev replicas (spec 5,
  * dpmini's rules in the header comment). ndev may be 0. */
-PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
+static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_device *devs,
                          Py_ssize_t ndev)
 {
     rep_walk w;
@@ -320,6 +321,17 @@ fail:
     Py_XDECREF(result);
     rep_walk_free(&w);
     return NULL;
+}
+
+/* replicate_core under dpmini.profile(): one span around it (profile.h). */
+PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
+                         Py_ssize_t ndev)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_REPLICATE);
+    PyObject *res = replicate_core_steps(st, module, devs, ndev);
+    dp_prof_end(&sp, NULL);
+    return res;
 }
 
 /* replicate's device argument: an empty sequence gives n = 0 (no error). */

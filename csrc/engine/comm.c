@@ -12,6 +12,7 @@
 #include "comm.h"
 #include "plan.h"
 #include "copy.h"
+#include "profile.h"
 
 /* ------------------------------------------------------------------ */
 /* Scatter                                                             */
@@ -222,7 +223,7 @@ PyDoc_STRVAR(comm_scatter_doc,
 "an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
 "IndexError (dim out of range).");
 
-static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_scatter_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "streams", "out", NULL};
     PyObject *obj, *devices_obj = Py_None, *sizes_obj = Py_None, *dim_obj = NULL,
@@ -318,6 +319,16 @@ done:
     return result;
 }
 
+/* comm_scatter under dpmini.profile(): one span around it (profile.h). */
+static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_SCATTER);
+    PyObject *res = comm_scatter_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.scatter");
+    return res;
+}
+
 /* ------------------------------------------------------------------ */
 /* Gather                                                              */
 /* ------------------------------------------------------------------ */
@@ -363,7 +374,7 @@ PyDoc_STRVAR(comm_gather_doc,
 "destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
 "TypeError (not arrays, object dtype, MaskedArray/matrix).");
 
-static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_gather_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "dim", "destination", "out", NULL};
     PyObject *arrays_obj, *dim_obj = NULL, *dest_obj = Py_None, *out_obj = Py_None;
@@ -419,6 +430,16 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 done:
     arrays_free(parts, n);
     return result;
+}
+
+/* comm_gather under dpmini.profile(): one span around it (profile.h). */
+static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_GATHER);
+    PyObject *res = comm_gather_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.gather");
+    return res;
 }
 
 /* The functions of dpmini.comm (module.c makes the submodule; self is the

@@ -10,6 +10,7 @@
 #include "copy_engine.h"
 #include "comm.h"
 #include "engine.h"
+#include "profile.h"
 
 /* Default bucket size of broadcast_coalesced (spec 5.3). */
 #define DP_BUCKET_BYTES 10485760
@@ -31,7 +32,7 @@ DP_COMM_DOC(comm_broadcast_doc,
 "out[i] overlapping array, another out[j] or itself), TypeError (not an array, object\n"
 "dtype, MaskedArray/matrix).");
 
-PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_broadcast_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"array", "devices", "out", NULL};
     PyObject *obj, *devices_obj = Py_None, *out_obj = Py_None, *result = NULL;
@@ -124,6 +125,16 @@ done:
     return result;
 }
 
+/* comm_broadcast under dpmini.profile(): one span around it (profile.h). */
+PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_BROADCAST);
+    PyObject *res = comm_broadcast_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.broadcast");
+    return res;
+}
+
 static int parse_buffer_size(PyObject *obj, size_t *out)
 {
     if (obj == NULL) {
@@ -157,7 +168,7 @@ DP_COMM_DOC(comm_broadcast_coalesced_doc,
 "Raises ValueError (no devices, bad buffer_size), TypeError (not arrays, object\n"
 "dtype).");
 
-PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_broadcast_coalesced_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "devices", "buffer_size", NULL};
     PyObject *arrays_obj, *devices_obj, *bs_obj = NULL, *result;
@@ -180,6 +191,16 @@ PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
     return result;
 }
 
+/* comm_broadcast_coalesced under dpmini.profile(): one span around it (profile.h). */
+PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_BROADCAST);
+    PyObject *res = comm_broadcast_coalesced_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.broadcast_coalesced");
+    return res;
+}
+
 /* ------------------------------------------------------------------ */
 /* Reduce                                                              */
 /* ------------------------------------------------------------------ */
@@ -198,7 +219,7 @@ DP_COMM_DOC(comm_reduce_add_doc,
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
 "dtypes).");
 
-PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_reduce_add_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "destination", NULL};
     PyObject *arrays_obj, *dest_obj = Py_None;
@@ -226,6 +247,16 @@ PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
     return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
+/* comm_reduce_add under dpmini.profile(): one span around it (profile.h). */
+PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_REDUCE);
+    PyObject *res = comm_reduce_add_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.reduce_add");
+    return res;
+}
+
 DP_COMM_DOC(comm_reduce_add_coalesced_doc,
 "reduce_add_coalesced(per_device, destination=None, buffer_size=10485760)\n"
 "--\n"
@@ -237,7 +268,7 @@ DP_COMM_DOC(comm_reduce_add_coalesced_doc,
 "Raises ValueError (empty, lengths or sizes that differ, bad buffer_size), TypeError\n"
 "(as reduce_add).");
 
-PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_reduce_add_coalesced_steps(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"per_device", "destination", "buffer_size", NULL};
     PyObject *pd_obj, *dest_obj = Py_None, *bs_obj = NULL, *seq = NULL, *result = NULL;
@@ -320,4 +351,14 @@ done:
     Py_XDECREF(column);
     Py_DECREF(seq);
     return result;
+}
+
+/* comm_reduce_add_coalesced under dpmini.profile(): one span around it (profile.h). */
+PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_REDUCE);
+    PyObject *res = comm_reduce_add_coalesced_steps(m, args, kw);
+    dp_prof_end(&sp, "comm.reduce_add_coalesced");
+    return res;
 }

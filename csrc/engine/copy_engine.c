@@ -143,7 +143,7 @@ static int slab_piece(dp_device d, size_t nbytes)
 
 /* dst[...] = src[...] for `shape` now, in this thread (strides in bytes;
  * host memory on both sides). */
-static int copy_now(int nd, const npy_intp *shape, size_t itemsize, char *dst,
+static int copy_now_run(int nd, const npy_intp *shape, size_t itemsize, char *dst,
                     const npy_intp *dst_strides, const char *src, const npy_intp *src_strides)
 {
     int64_t run = (int64_t)itemsize;
@@ -179,6 +179,30 @@ static int copy_now(int nd, const npy_intp *shape, size_t itemsize, char *dst,
     dp_copy_simplify(&d);
     dp_copy_run_mode(&d, dst, src, DP_COPY_AUTO);
     return 0;
+}
+
+/* copy_now_run, recorded under dpmini.profile() as a copy for device dev. */
+static int copy_now(dp_device dev, int nd, const npy_intp *shape, size_t itemsize, char *dst,
+                    const npy_intp *dst_strides, const char *src, const npy_intp *src_strides)
+{
+    dp_prof_ctx prof = dp_prof_current();
+    uint64_t t0 = prof.s != NULL ? dp_prof_now() : 0;
+    int rc = copy_now_run(nd, shape, itemsize, dst, dst_strides, src, src_strides);
+    if (prof.s != NULL) {
+        uint64_t bytes = itemsize;
+        int strided = 0;
+        int64_t run = (int64_t)itemsize;
+        for (int i = nd - 1; i >= 0; i--) {
+            bytes *= (uint64_t)shape[i];
+            if (shape[i] != 1) {
+                strided |= src_strides[i] != run || dst_strides[i] != run;
+                run *= (int64_t)shape[i];
+            }
+        }
+        dp_prof_record_span(&prof, DP_PROF_COPY, dev.kind, dev.index, t0, dp_prof_now(), bytes,
+                            DP_PROF_PATH_INLINE, strided, NULL);
+    }
+    return rc;
 }
 
 int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
@@ -273,7 +297,7 @@ int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_de
             }
             it->out[j] = (PyObject *)dst;
             int rc = direct && host
-                ? copy_now(nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
+                ? copy_now(devs[j], nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
                            PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
                 : jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
                            PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
@@ -470,7 +494,7 @@ PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t 
         if (PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(result))) {
             dp_device pdev = dp_array_device(st, p);
             if (direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
-                if (copy_now(nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                if (copy_now(pdev, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
                              PyArray_STRIDES(result), PyArray_BYTES(p),
                              PyArray_STRIDES(p)) < 0) {
                     goto fail;

@@ -16,6 +16,7 @@
 
 #include "dpmini.h"
 #include "copy.h"
+#include "profile.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -60,6 +61,21 @@ typedef struct {
     struct job_feed *feed;   /* the consumers jobs_launch started (copy_feed.c), or NULL */
 } job_list;
 
+/* Copy spans of one thread under dpmini.profile(): the time it spent on
+ * each device's copies (a scatter's destination, a gather's source) and
+ * their bytes, recorded as one span a device (copy_jobs.c). */
+#define COPY_SPAN_DEVICES 8
+typedef struct {
+    dp_prof_ctx ctx;        /* ctx.s NULL: not recording                    */
+    int path;               /* dp_prof_path                                 */
+    int n;
+    struct {
+        dp_device dev;
+        uint64_t start, busy, bytes;
+        int strided;
+    } dev[COPY_SPAN_DEVICES];
+} copy_spans;
+
 /* ------------------------------------------------------------------ */
 /* Functions                                                           */
 /* ------------------------------------------------------------------ */
@@ -95,6 +111,13 @@ int jobs_launch(job_list *l);
  * consumers (GIL released) and free it; drop: jobs not claimed yet are not
  * copied (an error path). */
 void jobs_feed_end(job_list *l, int drop);
+/* copy_jobs.c: start collecting copy spans for ctx (path: dp_prof_path). */
+void copy_spans_init(copy_spans *cs, dp_prof_ctx ctx, int path);
+/* copy_jobs.c: job j copied from t0 to t1 (ns). */
+void copy_spans_add(copy_spans *cs, const copy_job *j, uint64_t t0, uint64_t t1);
+/* copy_jobs.c: record the collected spans (end_ns > 0: each ends there, a
+ * GPU copy's stream sync) and start over. */
+void copy_spans_flush(copy_spans *cs, uint64_t end_ns);
 /* copy_jobs.c: run one host copy job here (no GIL needed), with dp_copy_run_mode's mode. */
 void job_run_host(const copy_job *j, int mode);
 /* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */

@@ -31,6 +31,7 @@ struct job_feed {
     Py_ssize_t claimed;     /* jobs [0, claimed) are claimed; guarded by mu */
     int closed;             /* no more jobs come; guarded by mu */
     dp_batch batch;         /* the consumers */
+    dp_prof_ctx prof;       /* the call's recording context (profile.h) */
 };
 
 /* A consumer (a device worker, no GIL): claims and copies runs of jobs until
@@ -40,8 +41,13 @@ struct job_feed {
 static void feed_consume(void *arg)
 {
     struct job_feed *f = arg;
+    copy_spans cs;
+    copy_spans_init(&cs, f->prof, DP_PROF_PATH_FEED);
     pthread_mutex_lock(&f->mu);
     for (;;) {
+        if (f->claimed == f->published && cs.n > 0) {
+            copy_spans_flush(&cs, 0);   /* a busy stretch ends */
+        }
         while (f->claimed == f->published && !f->closed) {
             pthread_cond_wait(&f->cv, &f->mu);
         }
@@ -57,12 +63,19 @@ static void feed_consume(void *arg)
         }
         f->claimed = to;
         pthread_mutex_unlock(&f->mu);
+        uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
         for (Py_ssize_t i = from; i < to; i++) {
             job_run_host(&f->jobs[i], DP_COPY_STREAM);
+            if (cs.ctx.s != NULL) {
+                uint64_t t1 = dp_prof_now();
+                copy_spans_add(&cs, &f->jobs[i], t0, t1);
+                t0 = t1;
+            }
         }
         pthread_mutex_lock(&f->mu);
     }
     pthread_mutex_unlock(&f->mu);
+    copy_spans_flush(&cs, 0);
 }
 
 /* Publish jobs [0, n) (GIL held; the lock is never held long). */
@@ -126,6 +139,7 @@ static int feed_start(job_list *l)
     }
     f->jobs = l->jobs;
     f->published = l->n;
+    f->prof = dp_prof_current();
     int want = dp_pool_cores(), started = 0;
     for (int x = 0; x < DP_POOL_MAX_INDEX && started < want; x++) {
         if (seen[x] && dp_batch_submit(&f->batch, DP_VCPU, x, feed_consume, f) == 0) {

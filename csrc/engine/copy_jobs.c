@@ -171,6 +171,61 @@ static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
     return buf;
 }
 
+/* ------------------------------------------------------------------ */
+/* Copy spans (dpmini.profile)                                          */
+/* ------------------------------------------------------------------ */
+
+void copy_spans_init(copy_spans *cs, dp_prof_ctx ctx, int path)
+{
+    cs->ctx = ctx;
+    cs->path = path;
+    cs->n = 0;
+}
+
+/* 1 when j is one contiguous run on both sides. */
+static int job_contiguous(const copy_job *j)
+{
+    return j->big == NULL && j->ndim == 1 && j->src_strides[0] == (int64_t)j->itemsize &&
+           j->dst_strides[0] == (int64_t)j->itemsize;
+}
+
+void copy_spans_add(copy_spans *cs, const copy_job *j, uint64_t t0, uint64_t t1)
+{
+    /* the device a copy is for: a gather's source, anything else's destination */
+    dp_device d = cs->ctx.phase == DP_PROF_GATHER ? j->src_dev : j->dst_dev;
+    int k = 0;
+    while (k < cs->n && !dp_device_eq(cs->dev[k].dev, d)) {
+        k++;
+    }
+    if (k == COPY_SPAN_DEVICES) {
+        copy_spans_flush(cs, 0);
+        k = 0;
+    }
+    if (k == cs->n) {
+        cs->dev[k].dev = d;
+        cs->dev[k].start = t0;
+        cs->dev[k].busy = cs->dev[k].bytes = 0;
+        cs->dev[k].strided = 0;
+        cs->n++;
+    }
+    cs->dev[k].busy += t1 - t0;
+    cs->dev[k].bytes += j->bytes;
+    cs->dev[k].strided |= !job_contiguous(j);
+}
+
+/* Each device's span starts at its first copy and lasts the time spent on
+ * its copies (one thread may alternate between devices: a broadcast). */
+void copy_spans_flush(copy_spans *cs, uint64_t end_ns)
+{
+    for (int k = 0; k < cs->n; k++) {
+        uint64_t end = end_ns > 0 ? end_ns : cs->dev[k].start + cs->dev[k].busy;
+        dp_prof_record_span(&cs->ctx, DP_PROF_COPY, cs->dev[k].dev.kind, cs->dev[k].dev.index,
+                            cs->dev[k].start, end, cs->dev[k].bytes, cs->path,
+                            cs->dev[k].strided, NULL);
+    }
+    cs->n = 0;
+}
+
 void job_run_host(const copy_job *j, int mode)
 {
     dp_copy_desc buf;
@@ -183,6 +238,9 @@ typedef struct {
     dp_device worker;   /* whose worker runs the group (host: the caller) */
     dpc_status status;  /* first failure of a GPU copy; code 0 when none */
     Py_ssize_t failed;  /* index of the failed job                       */
+    dp_prof_ctx prof;   /* the call's recording context (profile.h)       */
+    int on_caller;      /* run on the calling thread                      */
+    uint64_t queued_ns; /* when it was handed to its worker (profiling), or 0 */
 } job_group;
 
 static int gpu_index(dp_device d)
@@ -208,26 +266,47 @@ static void run_group(void *arg)
         }
     }
     int mode = host_bytes >= DP_STREAM_MIN_JOB ? DP_COPY_STREAM : DP_COPY_AUTO;
+    copy_spans cs;
+    copy_spans_init(&cs, g->prof, sync.dev >= 0 ? DP_PROF_PATH_GPU
+                                  : mode == DP_COPY_STREAM ? DP_PROF_PATH_STREAM
+                                  : g->on_caller ? DP_PROF_PATH_INLINE : DP_PROF_PATH_WORKER);
+    uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
+    if (g->queued_ns != 0 && g->n > 0) {
+        /* the time the group waited for its worker thread to run */
+        const copy_job *j = g->jobs[0];
+        dp_device d = cs.ctx.phase == DP_PROF_GATHER ? j->src_dev : j->dst_dev;
+        dp_prof_record_span(&cs.ctx, DP_PROF_WAIT, d.kind, d.index, g->queued_ns, t0, 0,
+                            DP_PROF_PATH_NONE, 0, "worker start");
+    }
     for (Py_ssize_t i = 0; i < g->n; i++) {
         copy_job *j = g->jobs[i];
         dp_copy_desc buf;
         const dp_copy_desc *d = job_desc(j, &buf);
         if (j->exec.kind != DP_CUDA) {
             dp_copy_run_mode(d, j->dst, j->src, mode);
-            continue;
+        } else {
+            dpc_status s = dp_gpu_copy(d, j->dst, gpu_index(j->dst_dev), j->src,
+                                       gpu_index(j->src_dev), (int)i, &sync);
+            if (s.code != 0) {
+                g->status = s;
+                g->failed = i;
+                break;
+            }
         }
-        dpc_status s = dp_gpu_copy(d, j->dst, gpu_index(j->dst_dev), j->src,
-                                   gpu_index(j->src_dev), (int)i, &sync);
-        if (s.code != 0) {
-            g->status = s;
-            g->failed = i;
-            break;
+        if (cs.ctx.s != NULL) {
+            uint64_t t1 = dp_prof_now();
+            copy_spans_add(&cs, j, t0, t1);
+            t0 = t1;
         }
     }
     dpc_status s = dp_gpu_sync_finish(&sync);
     if (s.code != 0 && g->status.code == 0) {
         g->status = s;
         g->failed = 0;
+    }
+    if (cs.ctx.s != NULL) {
+        /* GPU copies end when their streams are synced */
+        copy_spans_flush(&cs, sync.dev >= 0 ? dp_prof_now() : 0);
     }
 }
 
@@ -383,8 +462,18 @@ static int64_t cut_row(uint64_t at, uint64_t row_bytes, int64_t rows)
     return r > (uint64_t)rows ? rows : (int64_t)r;
 }
 
+/* Mark virtual CPU device d in seen[]. */
+static void mark_vcpu(unsigned char *seen, dp_device d)
+{
+    if (d.kind == DP_VCPU && d.index >= 0 && d.index < DP_POOL_MAX_INDEX) {
+        seen[d.index] = 1;
+    }
+}
+
 /* Group the jobs (jobs_cpu_only) into one group per core, at most one per
- * virtual CPU device among their executing devices: the queue order is cut
+ * virtual CPU device the copies touch (executing device, source or
+ * destination: a gather of two parts onto cpu:0 copies on two cores, not
+ * one): the queue order is cut
  * into `ngroups` runs of about equal bytes, a job that straddles a cut
  * split by rows. Group k runs on the k-th of those devices (by index),
  * whoever the copies' destinations are. Queue order keeps a broadcast's
@@ -399,10 +488,9 @@ static int group_cpu(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_gr
     int workers[DP_POOL_MAX_INDEX], nw = 0;
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < njobs; i++) {
-        int x = jobs[i].exec.index;
-        if (x >= 0 && x < DP_POOL_MAX_INDEX) {
-            seen[x] = 1;
-        }
+        mark_vcpu(seen, jobs[i].exec);
+        mark_vcpu(seen, jobs[i].src_dev);
+        mark_vcpu(seen, jobs[i].dst_dev);
         total += jobs[i].bytes;
     }
     for (int x = 0; x < DP_POOL_MAX_INDEX; x++) {
@@ -519,11 +607,20 @@ static int run_rest(job_list *l)
             i++;
         }
         if (i == n) {
+            copy_spans cs;
+            copy_spans_init(&cs, dp_prof_current(), DP_PROF_PATH_INLINE);
+            uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
             for (i = 0; i < n; i++) {
                 copy_job *j = &jobs[i];
                 dp_copy_desc buf;
                 dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, DP_COPY_AUTO);
+                if (cs.ctx.s != NULL) {
+                    uint64_t t1 = dp_prof_now();
+                    copy_spans_add(&cs, j, t0, t1);
+                    t0 = t1;
+                }
             }
+            copy_spans_flush(&cs, 0);
             return 0;
         }
     }
@@ -534,6 +631,12 @@ static int run_rest(job_list *l)
     if ((here ? group_jobs(jobs, n, &order, &groups, &ng)
               : make_groups(jobs, n, &order, &groups, &ng)) < 0) {
         return -1;
+    }
+    dp_prof_ctx prof = dp_prof_current();
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        groups[g].prof = prof;
+        groups[g].on_caller = here || groups[g].worker.kind == DP_HOST;
+        groups[g].queued_ns = 0;
     }
     int err = 0, rc = 0;
     if (here) {
@@ -560,6 +663,7 @@ static int run_rest(job_list *l)
     if (err == 0) {
         for (Py_ssize_t g = 0; g < ng; g++) {
             dp_device ex = groups[g].worker;
+            groups[g].queued_ns = prof.s != NULL && ex.kind != DP_HOST ? dp_prof_now() : 0;
             if (ex.kind == DP_HOST ||
                 dp_batch_submit(&batch, ex.kind, ex.index, run_group, &groups[g]) != 0) {
                 run_group(&groups[g]); /* no worker: the caller does it */

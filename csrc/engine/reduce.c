@@ -287,6 +287,8 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         Py_CLEAR(acc);
         goto done;
     }
+    dp_prof_ctx prof = dp_prof_current();
+    uint64_t t_sum = prof.s != NULL ? dp_prof_now() : 0;
     for (Py_ssize_t i = 1; i < n; i++) {
         PyObject *sum = PyNumber_InPlaceAdd(acc, (PyObject *)parts[i]);
         if (sum == NULL) {
@@ -295,6 +297,7 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
         }
         Py_DECREF(sum); /* the same object as acc */
     }
+    dp_prof_record_since(&prof, DP_PROF_SUM, dest.kind, dest.index, t_sum, NULL);
 done:
     Py_XDECREF(accd);
     jobs_free(&jobs);

@@ -190,6 +190,7 @@ static int dp_exec(PyObject *m)
         PyModule_AddFunctions(m, dp_dataparallel_methods) < 0 ||
         PyModule_AddFunctions(m, dp_array_methods) < 0 ||
         add_test_api(m) < 0 ||
+        PyModule_AddFunctions(m, dp_profile_methods) < 0 ||
         add_comm_submodule(m) < 0 || dp_capi_add(m) < 0) {
         return -1;
     }

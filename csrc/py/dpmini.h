@@ -454,6 +454,7 @@ int dp_numpy_allocator_enter(PyObject *handler);
 
 extern PyMethodDef dp_device_methods[];       /* device.c   */
 extern PyMethodDef dp_array_methods[];        /* array.c    */
+extern PyMethodDef dp_profile_methods[];      /* profile_py.c */
 extern PyType_Spec dp_array_spec;             /* array.c    */
 extern PyType_Spec dp_device_spec;            /* device.c   */
 extern PyType_Spec dp_buffer_spec;            /* device.c   */

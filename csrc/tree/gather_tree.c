@@ -19,6 +19,7 @@
 #include "gather.h"
 #include "walk.h"
 #include "engine.h"
+#include "profile.h"
 
 #include <math.h>
 #include <string.h>
@@ -259,7 +260,7 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
     return dp_gather_outputs_ex(st, outputs, target, dim, NULL);
 }
 
-PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+static PyObject *dp_gather_outputs_ex_steps(dp_state *st, PyObject *outputs, dp_device target,
                                int dim, PyObject *out_dims)
 {
     if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
@@ -295,6 +296,17 @@ PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target
     }
     Py_DECREF(snap);
     Py_XDECREF(spec);
+    return res;
+}
+
+/* dp_gather_outputs_ex under dpmini.profile(): one span around it (profile.h). */
+PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+                               int dim, PyObject *out_dims)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_GATHER);
+    PyObject *res = dp_gather_outputs_ex_steps(st, outputs, target, dim, out_dims);
+    dp_prof_end(&sp, NULL);
     return res;
 }
 

@@ -45,6 +45,7 @@
 #include "walk.h"
 #include "engine.h"
 #include "plan.h"
+#include "profile.h"
 
 #include <limits.h>
 
@@ -313,7 +314,7 @@ int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
                                 kwargs_out);
 }
 
-int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
+static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *kwargs,
                          const dp_device *devs, Py_ssize_t ndev,
                          const dp_split_opts *opts,
                          PyObject **inputs_out, PyObject **kwargs_out)
@@ -434,5 +435,18 @@ fail:
     Py_XDECREF(own[1]);
     Py_XDECREF(in_dims);
     ctx_clear(&c);
+    return rc;
+}
+
+/* dp_scatter_kwargs_ex under dpmini.profile(): one span around it (profile.h). */
+int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
+                         const dp_device *devs, Py_ssize_t ndev,
+                         const dp_split_opts *opts,
+                         PyObject **inputs_out, PyObject **kwargs_out)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_SCATTER);
+    int rc = dp_scatter_kwargs_ex_steps(st, inputs, kwargs, devs, ndev, opts, inputs_out, kwargs_out);
+    dp_prof_end(&sp, NULL);
     return rc;
 }
