@@ -562,3 +562,21 @@ def test_env_switch_emulates_nccl_on_a_build_without_gpus():
     for r in range(2):
         assert lines[r] == ["INFO emulated NCCL over MPI on host memory "
                             "(csrc/dist/dist_nccl_emu.c)", "OK env_emulate"], out
+
+
+@needs_mpi
+def test_torch_ddp_hooks_give_the_single_process_gradient_even_when_uneven():
+    pytest.importorskip("torch")
+    rc, lines, out, _ = mpirun("torch_ddp", limit=300, worker=JOBS_WORKER)
+    assert rc == 0, out
+    assert all(lines[r] == ["OK torch_ddp"] for r in range(4)), out
+
+
+@needs_mpi
+def test_torch_ddp_hooks_equal_torch_ddp_on_gloo_where_the_batch_divides():
+    pytest.importorskip("torch")
+    port = str(29500 + os.getpid() % 400)
+    rc, lines, out, _ = mpirun("torch_ddp_vs_gloo", limit=300, worker=JOBS_WORKER,
+                               DIST_TEST_PORT=port)
+    assert rc == 0, out
+    assert all(lines[r] == ["OK torch_ddp_vs_gloo"] for r in range(4)), out

@@ -82,5 +82,80 @@ def case_leave_early():
     say("finished")
 
 
+def _torch_model(torch, seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).double()
+
+
+def _gloo(torch):
+    """torch.distributed on gloo under mpirun (rank and size from Open MPI's env)."""
+    import torch.distributed as tdist
+    if not tdist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", os.environ.get("DIST_TEST_PORT", "29533"))
+        tdist.init_process_group("gloo", rank=RANK, world_size=MPI.COMM_WORLD.Get_size())
+    return tdist
+
+
+def case_torch_ddp():
+    """Gradient hooks: after loss.backward() every rank's grads are the
+    single-process mean gradient (uneven split: exact), equal to torch DDP on
+    gloo where the batch divides, and 3 SGD steps match single-process training."""
+    import torch
+    dist.init(timeout=60.0)
+    P = dist.size()
+    for n in (4 * P, 4 * P + 3, 3):   # divides; uneven; fewer rows than ranks
+        model = _torch_model(torch, seed=RANK)              # differs until broadcast
+        ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"], bucket_cap_mb=0.0005)
+        assert len(ddp.reducer.buckets) > 1                  # several buckets in flight
+        ref = _torch_model(torch, seed=0)
+        g = torch.Generator().manual_seed(n)
+        X, Y = torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(
+            n, 3, generator=g, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            xs, ys = dist.scatter(X.numpy()), dist.scatter(Y.numpy())
+            opt.zero_grad()
+            out = ddp(torch.from_numpy(xs))
+            loss = ((out - torch.from_numpy(ys)) ** 2).mean() if len(xs) else out.sum() * 0.0
+            loss.backward()
+            ref_opt.zero_grad()
+            ((ref(X) - Y) ** 2).mean().backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                diff = float((p.grad - q.grad).abs().max())
+                assert diff <= 1e-12, (n, step, name, diff)
+            opt.step()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert float((p - q).detach().abs().max()) <= 1e-12, n
+            assert np.array_equal(dist.broadcast(p.detach().numpy()), p.detach().numpy())
+        ddp.reducer.remove()
+    say("OK torch_ddp")
+
+
+def case_torch_ddp_vs_gloo():
+    """Where the batch divides, dpmini's hooks give torch DDP's gradients."""
+    import torch
+    dist.init(timeout=60.0)
+    tdist = _gloo(torch)
+    P = dist.size()
+    n = 4 * P
+    g = torch.Generator().manual_seed(5)
+    X, Y = torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(
+        n, 3, generator=g, dtype=torch.float64)
+    xs, ys = torch.from_numpy(dist.scatter(X.numpy())), torch.from_numpy(dist.scatter(Y.numpy()))
+    ours = _torch_model(torch, seed=0)
+    ddp = dist.DistributedDataParallel(ours, device_ids=["cpu:0"])
+    ((ddp(xs) - ys) ** 2).mean().backward()
+    theirs = torch.nn.parallel.DistributedDataParallel(_torch_model(torch, seed=0))
+    ((theirs(xs) - ys) ** 2).mean().backward()
+    for p, q in zip(ours.parameters(), theirs.module.parameters()):
+        assert float((p.grad - q.grad).abs().max()) <= 1e-12
+    tdist.destroy_process_group()
+    say("OK torch_ddp_vs_gloo")
+
+
 if __name__ == "__main__":
     globals()["case_" + CASE]()
