@@ -198,9 +198,12 @@ class GradientReducer:
             raise ValueError("DistributedDataParallel: no rank had rows in this step (the "
                              "rows of every rank add up to 0), so there is no mean gradient")
         for i, p in enumerate(b.params):
-            got = torch.from_numpy(b.result[b.offsets[i]:b.offsets[i + 1]] / total)
-            got = got.reshape(p.shape).to(device=p.device, dtype=p.dtype)
-            if p.grad is None:
-                p.grad = got
+            src = torch.from_numpy(b.result[b.offsets[i]:b.offsets[i + 1]]).view(p.shape)
+            g = p.grad
+            if g is not None and g.device.type == "cpu" and g.dtype == src.dtype \
+                    and g.is_contiguous():
+                torch.div(src, total, out=g)   # in place, one pass
+            elif g is not None:
+                g.copy_(src / total)
             else:
-                p.grad.copy_(got)
+                p.grad = (src / total).to(device=p.device, dtype=p.dtype)

@@ -56,10 +56,11 @@ needs_mpi = pytest.mark.skipif(not _have_dist(), reason="needs mpirun and dpmini
 JOBS_WORKER = ROOT / "tests" / "distributed" / "jobs_worker.py"
 
 
-def mpirun(case, np=4, limit=120, worker=WORKER, **env):
-    """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds)."""
-    cmd = ["timeout", "-k", "10", str(limit), MPIRUN, "-np", str(np), sys.executable,
-           str(worker), case]
+def mpirun(case, np=4, limit=120, worker=WORKER, launcher=None, **env):
+    """Run the worker; returns (exit code, {rank: [lines]}, all output, seconds).
+    launcher: the mpirun to use (tools/multihost.py's, across hosts), default mpirun."""
+    cmd = ["timeout", "-k", "10", str(limit), launcher or MPIRUN, "-np", str(np),
+           sys.executable, str(worker), case]
     for _ in range(1):
         with tempfile.TemporaryDirectory() as tmp:
             start = time.monotonic()

@@ -157,5 +157,24 @@ def case_torch_ddp_vs_gloo():
     say("OK torch_ddp_vs_gloo")
 
 
+def case_hosts():
+    """Across tools/multihost.py's hosts (2 ranks each): two hostnames, the
+    local ranks per host, and the collectives' values over TCP."""
+    import socket
+    dist.init(timeout=60.0)
+    P = dist.size()
+    names = MPI.COMM_WORLD.allgather(socket.gethostname())
+    assert len(set(names)) == 2, names
+    assert dist.local_size() == 2 and dist.local_rank() == RANK % 2, (dist.local_size(),
+                                                                      dist.local_rank())
+    big = np.arange(3_000_000, dtype=np.float64) * (RANK + 1)   # 24 MB: many TCP frames
+    got = dist.all_reduce(big)
+    assert np.array_equal(got, np.arange(3_000_000, dtype=np.float64) * (P * (P + 1) // 2))
+    x = dist.scatter(np.arange(22.0).reshape(11, 2) if RANK == 0 else None)
+    back = dist.gather(x)
+    if RANK == 0:
+        assert np.array_equal(back, np.arange(22.0).reshape(11, 2))
+    say(f"OK hosts {names[RANK]}")
+
 if __name__ == "__main__":
     globals()["case_" + CASE]()
