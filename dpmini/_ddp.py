@@ -203,9 +203,11 @@ class DistributedDataParallel:
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
         self.reducer = None
-        if _trains_with_autograd(module):
-            from ._ddp_torch import GradientReducer
-            self.reducer = GradientReducer(module, bucket_cap_mb)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(module, torch.nn.Module):
+            from ._ddp_torch import GradientReducer, trains_with_autograd
+            if trains_with_autograd(module):
+                self.reducer = GradientReducer(module, bucket_cap_mb)
 
     @property
     def device_ids(self):
@@ -235,13 +237,6 @@ class DistributedDataParallel:
 
         return dist.explain(inputs, device_ids=self.device_ids, dim=self.dim,
                             chunk_sizes=chunk_sizes, weights=weights)
-
-
-def _trains_with_autograd(module):
-    """A torch.nn.Module with a parameter that requires grad."""
-    torch = sys.modules.get("torch")
-    return (torch is not None and isinstance(module, torch.nn.Module)
-            and any(p.requires_grad for p in module.parameters()))
 
 
 def reduce_gradients(grads, weights="rows", rows=None):

@@ -29,6 +29,11 @@ import threading
 import numpy as np
 
 
+def trains_with_autograd(module):
+    """Whether the torch.nn.Module has a parameter that requires grad."""
+    return any(p.requires_grad for p in module.parameters())
+
+
 def _tag_keyword(all_reduce):
     """The one place the step's tag reaches the collective: {'tag': ...} when
     dpmini.distributed.all_reduce takes tag= (a skipped step is then an error on

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,6 +172,8 @@ def down(d):
 def run(cmd, nhosts, slots):
     d = tempfile.mkdtemp(prefix="dpmini-hosts-")
     env = dict(os.environ)
+    # An outer `timeout` (SIGTERM) still tears the hosts down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         if up(d, nhosts, slots) == 0:
             env["DPMINI_MULTIHOST_MPIRUN"] = os.path.join(d, "mpirun")
