@@ -79,8 +79,12 @@ demo-distributed: deps-mpi
 
 # tests/test_distributed.py launches mpirun -np 4 and -np 1 itself (each in `timeout`);
 # its GPU-array cases run on the emulated build (NCCL emulated over MPI).
+# Also across two hosts made as network namespaces (tools/multihost.py makes
+# them for the run and tears them down; without root or namespaces the
+# multi-host tests skip, saying why).
 test-distributed: deps-mpi build-emulated
-	timeout 900 $(PY) -m pytest -q tests/test_distributed.py
+	timeout 1800 $(PY) tools/multihost.py run -- \
+	  $(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_multihost.py
 
 bench-distributed: deps-mpi
 	$(MPI_ENV) timeout 600 mpirun -np $(MPI_NP) $(PY) benchmarks/bench_distributed.py

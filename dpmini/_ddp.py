@@ -170,6 +170,17 @@ class DistributedDataParallel:
         chunk_sizes, weights, strict): passed to dpmini.DataParallel for the
         local devices.
     broadcast_module: False skips the broadcast at construction.
+    bucket_cap_mb: for a torch.nn.Module with parameters that require grad,
+        the size in MiB (float > 0, torch's DDP default 25) of the buckets in
+        which gradient hooks all-reduce the gradients during ``loss.backward()``
+        (``dpmini/_ddp_torch.py``): each ``param.grad`` then ends the backward
+        pass as ``sum_r rows_r * grad_r / sum_r rows_r`` over the ranks (exact for
+        uneven batches; torch's DDP divides by the rank count instead, which is
+        the same only where every rank has the same rows). The loss must be the
+        mean over this rank's rows; call ``optimizer.zero_grad()`` every step.
+        With autograd on and one local device the module runs itself (torch's
+        graph intact); several local devices need a DataParallel that keeps
+        torch's graph.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
@@ -178,7 +189,8 @@ class DistributedDataParallel:
     (requires dpmini.distributed.init()); calls are local.
     """
 
-    def __init__(self, module, device_ids=None, dim=0, broadcast_module=True, **dp_kwargs):
+    def __init__(self, module, device_ids=None, dim=0, broadcast_module=True,
+                 bucket_cap_mb=25.0, **dp_kwargs):
         from . import distributed as dist
 
         dist._comm()
@@ -186,9 +198,16 @@ class DistributedDataParallel:
         self.dim = dim
         self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
         self.last_rows = None
+        self.step = 0
         self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
+        self.reducer = None
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(module, torch.nn.Module):
+            from ._ddp_torch import GradientReducer, trains_with_autograd
+            if trains_with_autograd(module):
+                self.reducer = GradientReducer(module, bucket_cap_mb)
 
     @property
     def device_ids(self):
@@ -197,6 +216,13 @@ class DistributedDataParallel:
 
     def __call__(self, *args, **kwargs):
         self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
+        if self.reducer is None:
+            return self.local(*args, **kwargs)
+        self.reducer.prepare(self.last_rows, self.step)
+        self.step += 1
+        torch = sys.modules["torch"]
+        if torch.is_grad_enabled() and len(self.device_ids) == 1:
+            return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)
 
     def reduce_gradients(self, grads, weights="rows", rows=None, *, tag=None):

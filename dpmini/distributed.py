@@ -28,11 +28,18 @@ arguments). Every rank then holds every record and decides the same thing:
   ranks that did, naming the missing ranks (the communicator is then unusable:
   messages of that call may still be in flight).
 
-:func:`init` also installs a ``sys.excepthook`` that calls ``MPI_Abort`` when
-an exception ends a rank, so one failing rank ends the whole job with a
+Importing this module under a launcher with more than one rank installs a
+``sys.excepthook`` that calls ``MPI_Abort`` when an exception ends a rank
+(also before :func:`init`), so one failing rank ends the whole job with a
 non-zero exit in seconds instead of leaving the others waiting (the same as
 running ``python -m mpi4py script.py``; pass ``abort_on_exception=False`` to
-keep Python's own hook).
+init to keep Python's own hook).
+
+At exit the ranks agree before any of them enters ``MPI_Finalize``
+(``dpmini/_dist_exit.py``): all arrived and healthy, every rank finalizes
+normally; a rank missing past the timeout, or a communicator broken by a
+``TimeoutError``, ends the job with ``MPI_Abort`` while no rank is finalizing
+(Open MPI's launcher can hang when a rank aborts after another finalized).
 
 Splits follow dpmini's (and PyTorch's) chunk rule over ranks: ``ceil(n/size)``
 rows per rank with a shorter last piece, so 9 rows on 4 ranks give 3, 3, 3, 0
@@ -71,6 +78,7 @@ except ImportError as exc:
     raise ImportError(f"{_HOW} ({exc})") from exc
 
 from ._ddp import DistributedDataParallel, _to_numpy, reduce_gradients  # noqa: E402
+from . import _dist_exit  # noqa: E402
 from ._dist_explain import DistPlan, explain  # noqa: E402
 
 __all__ = [
@@ -88,6 +96,8 @@ class _State:
     prev_hook = None
     exit_hook = False
     stuck = None         # the parent communicator of an init() whose wait was abandoned
+    exit_comm = None     # mpi4py communicator of the exit agreement (_dist_exit)
+    exit_timeout = 60.0  # seconds the exit agreement waits for every rank
 
 
 _state = _State()
@@ -102,13 +112,21 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
         before raising ``TimeoutError``; choose it above the longest time one
         rank can run ahead of the slowest between two collectives. init itself
         waits at most this long for every rank to call init: past it, the ranks
-        that did raise ``TimeoutError`` (a rank may have failed before init), and
-        the job is then ended with ``MPI_Abort`` (exit code 1) when that error ends
-        the rank, or at exit if it is caught: the unfinished duplication would
-        otherwise leave ``MPI_Finalize`` waiting forever.
-    abort_on_exception: install a ``sys.excepthook`` that prints the traceback
-        and then calls ``MPI_Abort`` (exit code 1 for the whole job) when an
-        uncaught exception ends this rank and there is more than one rank.
+        that did raise ``TimeoutError`` (a rank may have failed before init, or
+        left without calling it). Such a rank is not aborted: it goes on to
+        ``MPI_Finalize`` (exit code 1 if the error ends it), where it meets the
+        rank that left, which is finalizing too (a rank that failed with an
+        exception has already aborted the job); aborting while that rank is in
+        ``MPI_Finalize`` is what can hang Open MPI's launcher.
+    abort_on_exception: keep the ``sys.excepthook`` (installed at import when
+        there is more than one rank) that prints the traceback and then calls
+        ``MPI_Abort`` (exit code 1 for the whole job) when an uncaught exception
+        ends this rank; False puts Python's own hook back.
+
+    init also makes a second duplicate of `comm` for the exit agreement: at
+    exit every rank waits (at most the collective timeout) for every other
+    rank before ``MPI_Finalize``, and the job is aborted instead when a rank
+    does not arrive or a communicator was broken by a ``TimeoutError``.
 
     Calling init again replaces the communicator. Raises TypeError (comm not
     an mpi4py communicator), ValueError (bad timeout, an intercommunicator),
@@ -119,7 +137,7 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
     parent = MPI.COMM_WORLD if comm is None else comm
     # The hooks first: they must end the job if the wait below is abandoned.
     if not _state.exit_hook:
-        atexit.register(_abort_if_broken)   # runs before mpi4py's MPI_Finalize (LIFO)
+        atexit.register(_end_job)           # runs before mpi4py's MPI_Finalize (LIFO)
         atexit.register(_free_gpu)          # ncclCommDestroy, before both
         _state.exit_hook = True
     if abort_on_exception and _state.prev_hook is None:
@@ -137,6 +155,14 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
     if _state.comm is not None:
         _state.comm.free()
     _state.comm = new
+    _state.exit_timeout = float(timeout)
+    if _state.exit_comm is None:
+        _state.exit_comm = _dist_exit.make_exit_comm(parent, float(timeout))
+        if _state.exit_comm is None:   # a rank vanished right after the first duplicate
+            _state.stuck = parent
+            raise TimeoutError(f"dpmini.distributed.init (rank {parent.Get_rank()} of "
+                               f"{parent.Get_size()}): not every rank completed init() within "
+                               f"the timeout of {timeout:g} s")
     local = parent.Split_type(MPI.COMM_TYPE_SHARED, key=parent.Get_rank())
     try:
         _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
@@ -149,38 +175,56 @@ def _abort_hook(tp, value, tb):
     prev = _state.prev_hook or sys.__excepthook__
     prev(tp, value, tb)
     if _state.stuck is not None:
-        _abort_stuck(f"ended with {tp.__name__}")
+        # The rank missing from init most likely left and is in MPI_Finalize:
+        # meet it there (see init) instead of aborting under it.
+        parent = _state.stuck
+        sys.stderr.write(f"dpmini.distributed: rank {parent.Get_rank()} of {parent.Get_size()} "
+                         f"ended with {tp.__name__} after init() did not complete on every "
+                         "rank; exiting (code 1) through MPI_Finalize, not MPI_Abort\n")
+        sys.stderr.flush()
+        return
     comm = _state.comm
     if comm is not None and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} of {comm.size} ended with "
                          f"{tp.__name__}; aborting the job (MPI_Abort, exit code 1)\n")
         sys.stderr.flush()
         comm.abort(1)
+    world = MPI.COMM_WORLD
+    if MPI.Is_initialized() and not MPI.Is_finalized() and world.Get_size() > 1:
+        # Before init (or after finalize): still abort, so that this rank does not
+        # sit in MPI_Finalize while the others give up on it and abort.
+        sys.stderr.write(f"dpmini.distributed: rank {world.Get_rank()} of {world.Get_size()} "
+                         f"ended with {tp.__name__}; aborting the job (MPI_Abort, exit code 1)\n")
+        sys.stderr.flush()
+        world.Abort(1)
 
 
-def _abort_if_broken():
-    """At exit: a communicator left broken by a TimeoutError may still have
-    messages in flight, and MPI_Finalize could wait on them forever; end the
-    job instead (exit code 1)."""
+def _install_abort_hook():
+    """At import, with more than one rank: abort the job when an exception ends
+    this rank (init(abort_on_exception=False) puts the previous hook back)."""
+    if _state.prev_hook is None and MPI.COMM_WORLD.Get_size() > 1:
+        _state.prev_hook = sys.excepthook
+        sys.excepthook = _abort_hook
+
+
+def _end_job():
+    """At exit, before mpi4py's MPI_Finalize: after an unfinished init, straight
+    to MPI_Finalize (see init); else the exit agreement of _dist_exit decides between MPI_Finalize on every rank
+    and MPI_Abort (a missing rank, or a communicator broken by a TimeoutError
+    whose messages in flight MPI_Finalize could wait on forever)."""
     if _state.stuck is not None:
-        _abort_stuck("exits")
+        return
     comm = _state.comm
-    if comm is not None and comm.broken and comm.size > 1:
+    broken = comm is not None and comm.broken
+    if _state.exit_comm is not None and _state.exit_comm.Get_size() > 1:
+        _dist_exit.end(_state.exit_comm, broken, _state.exit_timeout)
+        return
+    if broken and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} exits after a TimeoutError; "
                          "aborting the job (MPI_Abort, exit code 1) rather than waiting in "
                          "MPI_Finalize\n")
         sys.stderr.flush()
         comm.abort(1)
-
-
-def _abort_stuck(what):
-    """MPI_Abort through the parent communicator of an init() that timed out."""
-    parent = _state.stuck
-    sys.stderr.write(f"dpmini.distributed: rank {parent.Get_rank()} of {parent.Get_size()} "
-                     f"{what} after init() did not complete on every rank; aborting the job "
-                     "(MPI_Abort, exit code 1) rather than waiting in MPI_Finalize\n")
-    sys.stderr.flush()
-    parent.Abort(1)
 
 
 def _free_gpu():
@@ -251,8 +295,10 @@ def get_timeout():
 
 
 def set_timeout(seconds):
-    """Set the timeout (seconds > 0) of the collectives that follow, on this rank."""
+    """Set the timeout (seconds > 0) of the collectives that follow, on this rank
+    (and of the exit agreement)."""
     _comm().timeout = seconds
+    _state.exit_timeout = float(seconds)
 
 
 def barrier(*, tag=None):
@@ -603,3 +649,6 @@ def split_sizes(n, size=None, chunk_sizes=None, weights=None):
     if size is None:
         size = _comm().size
     return _dist.split_sizes(n, size, chunk_sizes, weights)
+
+
+_install_abort_hook()

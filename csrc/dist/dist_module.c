@@ -104,9 +104,11 @@ static void free_comm(dist_comm *c)
  * checked). On a timeout or an interrupt the duplication stays pending:
  * MPI may still write *out and the request cannot be freed (it is
  * erroneous for a non-blocking collective), so both are left alone for
- * good, counted in stuck_inits; dpmini.distributed then ends the job with
- * MPI_Abort rather than let MPI_Finalize wait on it. 0, or -1 with an
- * exception set. */
+ * good, counted in stuck_inits. MPI_Finalize does not wait on the pending
+ * duplication (Open MPI 4.1, measured), so dpmini.distributed lets such a rank
+ * finalize and meet there a rank that left without init, rather than
+ * MPI_Abort while that rank is in MPI_Finalize (which can hang Open MPI's
+ * launcher). 0, or -1 with an exception set. */
 static int wait_for_dup(PyTypeObject *tp, MPI_Comm parent, double timeout, MPI_Comm *comm)
 {
     MPI_Comm *out = PyMem_Malloc(sizeof(MPI_Comm));
@@ -139,8 +141,9 @@ static int wait_for_dup(PyTypeObject *tp, MPI_Comm parent, double timeout, MPI_C
         PyErr_Format(PyExc_TimeoutError,
                      "dpmini.distributed.init (rank %d of %d): not every rank reached init() "
                      "within the timeout of %s s (a rank may have failed before init: see its "
-                     "error in the job's output); the job cannot go on: it is aborted "
-                     "(MPI_Abort) when this error ends the rank, or at exit", me, n, secs);
+                     "error in the job's output; or left without calling it); the job cannot "
+                     "go on: this rank ends through MPI_Finalize, where it meets a rank that "
+                     "left", me, n, secs);
     }
     return -1;   /* st == -1: an interrupt or an MPI error, already raised */
 }
@@ -404,8 +407,8 @@ static PyMethodDef dist_functions[] = {
      "real libnccl. RuntimeError once the other one is in use."},
     {"_stuck_inits", stuck_inits, METH_NOARGS,
      "_stuck_inits() -> int: how many Comm() constructions ended (TimeoutError, interrupt)\n"
-     "with their MPI_Comm_idup still pending; MPI_Finalize could then wait forever, so\n"
-     "dpmini.distributed aborts the job at exit when this is not 0."},
+     "with their MPI_Comm_idup still pending (dpmini.distributed then skips the exit\n"
+     "agreement and goes straight to MPI_Finalize)."},
     {"nccl_info", nccl_info, METH_NOARGS,
      "nccl_info() -> str: the NCCL in use for GPU arrays (library version and path, or the\n"
      "emulation), or 'not loaded' before the first GPU collective."},

@@ -1,0 +1,214 @@
+"""Gradient hooks of dpmini.distributed.DistributedDataParallel for torch modules.
+
+During ``loss.backward()`` each parameter's gradient, once accumulated
+(``Tensor.register_post_accumulate_grad_hook``), is copied into its bucket;
+a full bucket is all-reduced by a background thread while autograd goes on
+computing the other gradients (torch's DDP overlaps the same way). At the end
+of the backward pass (a callback queued on autograd's engine, as torch's DDP
+does) every bucket has been reduced and each ``param.grad`` holds the result.
+
+Weighting (exact for uneven batches): this rank's gradients are taken as the
+mean over its ``rows`` rows (a loss that is a mean over the local batch, as in
+torch's DDP); every bucket carries ``rows * grad`` and ``rows``, so the result
+is ``sum_r rows_r * grad_r / sum_r rows_r``: the single-process mean gradient
+over the global batch whatever the split. torch's DDP divides by the number of
+ranks instead (equal where every rank has the same rows). A rank with 0 rows
+adds zeros (its NaN mean is dropped).
+
+Buckets: parameters in reverse registration order (roughly the order autograd
+produces their gradients), split by dtype and into buckets of at most
+``bucket_cap_mb`` MiB; buckets are reduced strictly in order on every rank so
+that the collectives pair. A parameter with no gradient in a step (unused)
+counts as zeros, and gets the reduced gradient like the others, so every rank
+ends the step with equal gradients.
+"""
+import inspect
+import queue
+import threading
+
+import numpy as np
+
+
+def trains_with_autograd(module):
+    """Whether the torch.nn.Module has a parameter that requires grad."""
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _tag_keyword(all_reduce):
+    """The one place the step's tag reaches the collective: {'tag': ...} when
+    dpmini.distributed.all_reduce takes tag= (a skipped step is then an error on
+    every rank naming the tags), else nothing."""
+    try:
+        takes = "tag" in inspect.signature(all_reduce).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return (lambda tag: {"tag": tag}) if takes else (lambda tag: {})
+
+
+class _Bucket:
+    """Parameters of one dtype reduced together; flat holds rows * grad of each
+    and, last, this rank's rows."""
+
+    def __init__(self, index, params, np_dtype):
+        self.index = index
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int)
+        self.flat = np.zeros(int(self.offsets[-1]) + 1, dtype=np_dtype)
+        self.pending = set()
+        self.result = None
+        self.error = None
+
+
+class GradientReducer:
+    """Installs the hooks on `module`'s parameters that require grad.
+
+    module: a torch.nn.Module (its parameters already equal on every rank).
+    bucket_cap_mb: bucket size in MiB (float > 0; torch's DDP default is 25).
+    Call ``prepare(rows, step)`` before each backward pass (the forward does).
+    """
+
+    def __init__(self, module, bucket_cap_mb=25.0):
+        import torch
+
+        from . import distributed as dist
+
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb: expected a number of MiB > 0, got {bucket_cap_mb!r}")
+        self._torch = torch
+        self._all_reduce = dist.all_reduce
+        self._tag = _tag_keyword(dist.all_reduce)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(params, bucket_cap_mb * 2 ** 20)
+        self._where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.rows = None
+        self.step = 0
+        self._armed = False
+        self._queue = queue.Queue()
+        self._thread = None
+
+    def _make_buckets(self, params, cap_bytes):
+        by_dtype = {}
+        for p in reversed(params):
+            by_dtype.setdefault(p.dtype, []).append(p)
+        buckets = []
+        for dtype, ps in by_dtype.items():
+            np_dtype = self._torch.empty(0, dtype=dtype).numpy().dtype
+            cur, size = [], 0
+            for p in ps:
+                nbytes = p.numel() * np_dtype.itemsize
+                if cur and size + nbytes > cap_bytes:
+                    buckets.append(_Bucket(len(buckets), cur, np_dtype))
+                    cur, size = [], 0
+                cur.append(p)
+                size += nbytes
+            if cur:
+                buckets.append(_Bucket(len(buckets), cur, np_dtype))
+        return buckets
+
+    def prepare(self, rows, step):
+        """Arm the hooks for the next backward pass: this rank's rows (int >= 0)
+        and the step number carried as the collectives' tag."""
+        self.rows = rows
+        self.step = step
+        self._armed = False
+
+    def remove(self):
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ---------------------------------------------------------------- backward
+    def _start_pass(self):
+        """At the first gradient of a backward pass: reset the buckets, queue
+        the end-of-pass callback, start the reducing thread if needed."""
+        if self.rows is None:
+            raise RuntimeError("DistributedDataParallel: backward() before a forward call "
+                               "of the DistributedDataParallel (its rows weight the gradients)")
+        self._armed = True
+        self._next = 0
+        for b in self.buckets:
+            b.pending = set(range(len(b.params)))
+            b.result = b.error = None
+            b.flat[-1] = float(self.rows)
+        self._done = queue.Queue()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._reduce_loop, daemon=True,
+                                            name="dpmini-ddp-reduce")
+            self._thread.start()
+        self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+
+    def _on_grad(self, p):
+        if not self._armed:
+            self._start_pass()
+        b, i = self._where[id(p)]
+        self._fill(b, i, p.grad)
+        b.pending.discard(i)
+        self._launch_ready()
+
+    def _fill(self, b, i, grad):
+        view = b.flat[b.offsets[i]:b.offsets[i + 1]]
+        w = float(self.rows)
+        if grad is None or w == 0.0:
+            view[...] = 0
+            return
+        g = grad.detach()
+        if g.device.type != "cpu":
+            g = g.cpu()
+        np.multiply(g.reshape(-1).numpy(), w, out=view)
+
+    def _launch_ready(self):
+        """Queue buckets in order while the next one has every gradient."""
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._queue.put((self.buckets[self._next], self.step))
+            self._next += 1
+
+    def _reduce_loop(self):
+        while True:
+            b, step = self._queue.get()
+            try:
+                b.result = self._all_reduce(b.flat, op="sum",
+                                            **self._tag(f"ddp step {step} bucket {b.index}"))
+            except BaseException as exc:   # raised on the backward's thread at the end
+                b.error = exc
+            self._done.put(b)
+
+    def _finish_pass(self):
+        """End of backward: unused parameters count as zeros, every bucket is
+        waited for, then each param.grad gets sum_r rows_r g_r / sum_r rows_r."""
+        self._armed = False
+        for b in self.buckets:
+            for i in sorted(b.pending):
+                self._fill(b, i, None)
+            b.pending.clear()
+        self._launch_ready()
+        for _ in self.buckets:
+            self._done.get()
+        errors = [b.error for b in self.buckets if b.error is not None]
+        if errors:
+            raise errors[0]
+        for b in self.buckets:
+            self._write_back(b)
+
+    def _write_back(self, b):
+        torch = self._torch
+        total = float(b.result[-1])
+        if total == 0.0:
+            raise ValueError("DistributedDataParallel: no rank had rows in this step (the "
+                             "rows of every rank add up to 0), so there is no mean gradient")
+        for i, p in enumerate(b.params):
+            src = torch.from_numpy(b.result[b.offsets[i]:b.offsets[i + 1]]).view(p.shape)
+            g = p.grad
+            if g is not None and g.device.type == "cpu" and g.dtype == src.dtype \
+                    and g.is_contiguous():
+                torch.div(src, total, out=g)   # in place, one pass
+            elif g is not None:
+                g.copy_(src / total)
+            else:
+                p.grad = (src / total).to(device=p.device, dtype=p.dtype)
