@@ -205,6 +205,7 @@ def every_allocation_fails_once(call, check, watched, limit=200):
     pytest.fail(f"more than {limit} allocations")
 
 
+@pytest.mark.slow  # ~50 s: one whole call per allocation point
 def test_allocation_failure_at_every_point_of_a_dataparallel_call():
     x = BIG[:256, :]
     x = np.ascontiguousarray(x[:, :128])
