@@ -150,8 +150,8 @@ VG_DIR   := build/valgrind
 VG_OPTS  := --tool=memcheck --fullpath-after= --leak-check=full --show-leak-kinds=definite \
 	--errors-for-leak-kinds=definite --num-callers=40
 VG_TESTS := test_api.py test_chunk_rule.py test_device.py test_explain.py test_comm.py \
-	test_dataparallel.py test_structures.py test_exceptions.py test_bad_input.py \
-	test_bad_input_catalogue.py test_faults.py
+	test_dataparallel.py test_structures.py test_exceptions.py test_argument_errors.py \
+	test_argument_errors_catalogue.py test_faults.py
 VG_ENV   := PYTHONMALLOC=malloc DPMINI_SANITIZER=valgrind
 
 test-valgrind: $(VENV)/.installed

@@ -5,7 +5,7 @@ replica, and an allocation failure at every allocation of a call.
 After each fault: the right exception, nothing leaked (device memory back to
 its baseline, reference counts unchanged) and the next call works and is
 exact. tests/test_exceptions.py checks the exception text itself;
-tests/test_threads.py the first KeyboardInterrupt case.
+tests/test_concurrency.py the first KeyboardInterrupt case.
 
 The allocation hook is _testing.fail_alloc_after(n): n more device
 allocations succeed, the next one fails as if the system were out of memory
