@@ -14,7 +14,7 @@ EMU := build/emulated
 # (csrc/testing/: the tests' hooks into _dpmini; setup.py leaves it out otherwise).
 export DPMINI_TESTING := 1
 
-.PHONY: demo test build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind \
+.PHONY: demo test test-quick build bench clean build-emulated test-emulated bench-gpu test-asan fuzz fuzz-build test-valgrind \
 	deps-mpi demo-distributed test-distributed bench-distributed test-interop
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -33,6 +33,15 @@ test: build
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=60 notebooks
 	$(MAKE) --no-print-directory test-emulated
+
+# The core C and Python tests in a few minutes, for a contributor between edits: no
+# tests marked slow, no notebooks, emulated GPU build, interop, MPI, demo, README blocks,
+# or the tooling checks (layers, stubtest, citations). `make test` runs all of them.
+QUICK_SKIP := interop distributed test_distributed.py test_demo.py test_readme_blocks.py \
+	test_layers.py test_stubtest.py test_check_citations.py test_plot_many_devices.py
+
+test-quick: build
+	$(PY) -m pytest -q -m "not slow" $(addprefix --ignore=tests/,$(QUICK_SKIP)) tests
 
 # Against the real PyTorch and JAX (tests/interop; they skip under `make test`
 # when the libraries are missing). Installs them into the venv from PyPI when
@@ -145,8 +154,8 @@ VG_DIR   := build/valgrind
 VG_OPTS  := --tool=memcheck --fullpath-after= --leak-check=full --show-leak-kinds=definite \
 	--errors-for-leak-kinds=definite --num-callers=40
 VG_TESTS := test_api.py test_chunk_rule.py test_device.py test_explain.py test_comm.py \
-	test_dataparallel.py test_structures.py test_exceptions.py test_bad_input.py \
-	test_bad_input_catalogue.py test_faults.py
+	test_dataparallel.py test_structures.py test_exceptions.py test_argument_errors.py \
+	test_argument_errors_catalogue.py test_faults.py
 VG_ENV   := PYTHONMALLOC=malloc DPMINI_SANITIZER=valgrind
 
 test-valgrind: $(VENV)/.installed

@@ -12,7 +12,8 @@ import check_citations  # noqa: E402
 
 SAMPLE = '''/* gather (spec 4.5, R20): scalars; spec §1, §2, §9; spec section 8.
  * Already fine: docs/spec.md 6.5; inspect 3 and dp_device_spec, are not citations.
- * issue 13, finding 15; issue [2]; see ../shared/spec/torch-dataparallel.md */
+ * issue 13, finding 15; issue [2]; see ../shared/spec/torch-dataparallel.md
+ * A public upstream issue is fine: pytorch issue 46381, issues #31460. */
 '''
 
 

@@ -5,7 +5,7 @@ replica, and an allocation failure at every allocation of a call.
 After each fault: the right exception, nothing leaked (device memory back to
 its baseline, reference counts unchanged) and the next call works and is
 exact. tests/test_exceptions.py checks the exception text itself;
-tests/test_threads.py the first KeyboardInterrupt case.
+tests/test_concurrency.py the first KeyboardInterrupt case.
 
 The allocation hook is _testing.fail_alloc_after(n): n more device
 allocations succeed, the next one fails as if the system were out of memory
@@ -205,6 +205,7 @@ def every_allocation_fails_once(call, check, watched, limit=200):
     pytest.fail(f"more than {limit} allocations")
 
 
+@pytest.mark.slow  # ~50 s: one whole call per allocation point
 def test_allocation_failure_at_every_point_of_a_dataparallel_call():
     x = BIG[:256, :]
     x = np.ascontiguousarray(x[:, :128])

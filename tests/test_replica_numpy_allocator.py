@@ -196,6 +196,7 @@ def test_small_arrays_and_zeros_keep_numpys_memory(monkeypatch):
     assert dpmini.memory_allocated("cpu:0") == before
 
 
+@pytest.mark.slow  # ~25 s: fills the address-space cap in a subprocess
 @pytest.mark.skipif(SANITIZED, reason="an address-space limit cannot hold a sanitizer's shadow")
 def test_memory_cached_for_other_devices_is_given_back_when_short():
     """Blocks cached for cpu:0-3 are freed when cpu:4 runs out of address space."""

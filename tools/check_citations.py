@@ -9,7 +9,8 @@ history belongs in git log. This script finds the citations that point elsewhere
             to "docs/spec.md 6.5" (the same numbers, so the meaning does not change)
   case      "R22": a case number of a field-report log outside the repository (docs/spec.md's
             appendix says which rule each one is now)
-  issue     "issue 13", "issue [2]", "issues 8": a tracker entry
+  issue     "issue 13", "issue [2]", "issues 8": an entry of the project's tracker (numbers of
+            four digits or more are public upstream issues, "pytorch issue 46381": not listed)
   finding   "finding 15": an item of a review
   outside   a path outside the repository: "shared/spec", "../shared/", "field-reports.md",
             "torch-dataparallel.md"
@@ -40,7 +41,7 @@ SPEC = re.compile(r"(?<![\w/.])spec(?: section|\s*§|)\s*(?P<nums>" + _NUM +
                   r"(?:\s*(?:-|–|,|/|and)\s*§?" + _NUM + r")*)", re.I)
 KINDS = [
     ("case", re.compile(r"\bR\d{2}\b(?: ?[a-d](?:/[a-d])*\b)?")),
-    ("issue", re.compile(r"\b[Ii]ssues? ?(?:\[\d+\]|#?\d+)")),
+    ("issue", re.compile(r"\b[Ii]ssues? ?(?:\[\d+\]|#?\d{1,3}\b)")),
     ("finding", re.compile(r"\b[Ff]indings? ?\d+")),
     ("outside", re.compile(r"shared/spec|shared/cases|\.\./shared/|field-reports\.md|"
                            r"torch-dataparallel\.md")),

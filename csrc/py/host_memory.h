@@ -1,15 +1,12 @@
 /* host_memory.h - the module functions over memory that host_memory.c
  * defines and device_module.c lists in dp_device_methods (their docstrings
- * are in that table).
- * The functions keep the names they had as file-local helpers before the
- * split; hidden visibility keeps them out of the extension's exports. */
+ * are in that table). Like every function of the extension they are hidden
+ * (setup.py: -fvisibility=hidden); only PyInit__dpmini is exported. */
 #ifndef DPMINI_HOST_MEMORY_H
 #define DPMINI_HOST_MEMORY_H
 
 #include "dpmini.h"
 #include "alloc.h"
-
-#pragma GCC visibility push(hidden)
 
 PyObject *py_memory_allocated(PyObject *m, PyObject *arg);
 PyObject *py_memory_reserved(PyObject *m, PyObject *arg);
@@ -30,7 +27,5 @@ void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded);
 void dp_vcpu_heap_free(int index, void *p, size_t rounded);
 /* Reads $DPMINI_CACHE_LIMIT once (GIL held); -1 if its warning raised. */
 int dp_host_memory_ready(void);
-
-#pragma GCC visibility pop
 
 #endif

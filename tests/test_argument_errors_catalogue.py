@@ -1,6 +1,6 @@
 """Bad-input catalogue (issue "Reliability", item 7): one table of hostile
 inputs, each with its EXACT exception type and a message fragment that names
-the argument. tests/test_bad_input.py holds the first matrix (~94 cases);
+the argument. tests/test_argument_errors.py holds the first matrix (~94 cases);
 nothing here repeats one of those. Cases marked "bug N" are regressions for
 the bugs listed in docs/reliability.md.
 
@@ -253,7 +253,7 @@ def test_bad_input_catalogue(call, exc, pattern):
 
 
 def test_catalogue_is_large_and_new():
-    from test_bad_input import CASES
+    from test_argument_errors import CASES
 
     assert len(CATALOGUE) >= 60
     ids = [c[0] for c in CATALOGUE]
