@@ -63,3 +63,16 @@ def test_restage_pitch_over_the_limit_is_the_same_error_on_every_rank():
                                    "arrays along dim 1 move as 2D copies whose rows are 160 "
                                    "bytes (40 rows of 4 bytes), more than the largest 2D copy "
                                    "pitch of the ranks' GPUs, 64 bytes"), (r, line)
+
+
+@needs_emulated
+def test_communicator_setup_that_never_connects_times_out_on_every_rank():
+    rc, lines, out = run("init_hang", DIST_TEST_TIMEOUT="3", limit=60)
+    assert rc == 0, out
+    for r in range(4):
+        got = lines[r]
+        assert got[0].startswith("ERR init TimeoutError: dpmini.distributed: ncclCommInitRank on "
+                                 f"rank {r} (cuda:{r}) did not complete within the timeout of 3 s"), out
+        assert 2.5 < float(got[1].split()[1]) < 20, got
+        assert got[2].startswith("ERR after RuntimeError: "), got
+        assert got[-1] == "OK init_hang", got

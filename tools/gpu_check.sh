@@ -10,7 +10,7 @@
 #                     folder holding _dpmini*.so [and _dist*.so] for this
 #                     Python), else build_ext -j 16 for sm_90 only    <=150 s
 #   2. gpu tests      pytest -m gpu, one GPU's files, 60 s a test     <=120 s
-#   3. interop        tests/interop on the real torch / JAX / CuPy     <=90 s
+#   3. interop        tests/interop on the real torch / JAX / CuPy    <=100 s
 #   4. probes         tools/gpu_probes.py (C1, W2, W3, #8, #13, H3)    <=120 s
 #   5. sanitizer      compute-sanitizer memcheck on the kernel tests   <=90 s
 #   6. distributed    mpirun -np 1 on the real NCCL (when mpirun and
@@ -162,7 +162,7 @@ trc=$(stage "gpu tests" 120 tests.txt "$PY" -m pytest -q -m "gpu or not gpu" -p 
       -rs "${PT_TIMEOUT[@]}" $GPU_FILES | tail -1)
 
 # ---------------------------------------------------------------- 3. interop
-irc=$(stage "interop (torch/JAX/CuPy)" 90 interop.txt "$PY" -m pytest -q -p no:cacheprovider -rs \
+irc=$(stage "interop (torch/JAX/CuPy)" 100 interop.txt "$PY" -m pytest -q -p no:cacheprovider -rs \
       "${PT_TIMEOUT[@]}" tests/interop | tail -1)
 
 # ---------------------------------------------------------------- 4. probes

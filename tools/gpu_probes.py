@@ -190,10 +190,13 @@ def max_pitch_of_this_gpu():
 
 def main(names):
     failed = 0
+    gpus = dpmini.device_count() if dpmini._dpmini.cuda_backend == "cuda" else 0
     for finding, fn in PROBES:
         if names and fn.__name__ not in names:
             continue
         try:
+            if gpus == 0:
+                raise Skip(f"no CUDA device for dpmini (backend {dpmini._dpmini.cuda_backend})")
             line = fn()
         except Skip as exc:
             line = f"SKIP {exc}"

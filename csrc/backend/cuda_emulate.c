@@ -51,7 +51,8 @@
  *     cudaMalloc, cudaFree or device sync of another thread during one is
  *     counted (dpc_emu_launch_overlaps), a deadlock on hardware.
  *   - dpc_emu_queue: another library's kernel queued on any stream handle,
- *     pending until that stream (or the device) is synchronised. Handle 2
+ *     pending until that stream (or the device) is synchronised; a query
+ *     of that stream says "not ready" meanwhile. Handle 2
  *     (the per-thread default stream) is the calling thread's own stream.
  * What it does not keep: real asynchrony (every call completes before it
  * returns, so a read racing a producer is caught only through the records
@@ -93,6 +94,8 @@ typedef struct emu_pend {
     struct emu_pend *next;
     dpc_stream s;
     int dev;
+    int foreign;      /* another library's work (dpc_emu_queue): a query of
+                         its stream says "not ready" until a sync */
     const char *lo, *hi;
 } emu_pend;
 
@@ -224,6 +227,7 @@ void note_pending(dpc_stream s, int dev, const char *lo, const char *hi)
         return;
     q->s = resolve_stream(s);
     q->dev = dev;
+    q->foreign = 0;
     q->lo = lo;
     q->hi = hi;
     pthread_mutex_lock(&emu_mu);
@@ -373,6 +377,22 @@ void dpc_emu_queue(int dev, dpc_stream s, const void *p, size_t n)
 {
     char *h = (char *)((uintptr_t)p & EMU_ADDR_MASK);
     note_pending(s, dev, h, h + n);
+    pthread_mutex_lock(&emu_mu);
+    if (emu_pending != NULL)
+        emu_pending->foreign = 1;   /* the record just added */
+    pthread_mutex_unlock(&emu_mu);
+}
+
+/* Another library's work still queued on s (unfinished until a sync). */
+static int foreign_pending(dpc_stream s)
+{
+    int found = 0;
+    s = resolve_stream(s);
+    pthread_mutex_lock(&emu_mu);
+    for (emu_pend *q = emu_pending; q != NULL && !found; q = q->next)
+        found = q->foreign && q->s == s;
+    pthread_mutex_unlock(&emu_mu);
+    return found;
 }
 
 static char *to_host(const void *p) { return (char *)((uintptr_t)p & EMU_ADDR_MASK); }
@@ -607,7 +627,7 @@ dpc_status dpc_stream_query(int dev, dpc_stream s, int *done)
     ctx_on(dev);
     if (poisoned(s))
         return EMU_FAIL(E_INVALID_HANDLE, "cudaStreamQuery(s)", dev, emu_msg(E_INVALID_HANDLE));
-    *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST);
+    *done = !__atomic_load_n(&emu_stuck[dev], __ATOMIC_SEQ_CST) && !foreign_pending(s);
     if (*done)
         forget_pending(0, dev, s);
     return dpc_ok();

@@ -35,6 +35,10 @@
  * the two staging halves use their own slots. */
 #define DP_GPU_SLOTS 12
 #define DP_STAGE_SLOT 12
+/* NCCL's own slot (after the two staging halves): its completion wait polls
+ * this stream only, not copy work that other threads queue on slot 0. The
+ * buffers a collective reads were written by copies already synchronised. */
+#define DP_NCCL_SLOT 14
 
 /* ---- device memory: a per-device caching allocator (never frees on the
  * hot path; cudaFree synchronises the whole device) ---- */

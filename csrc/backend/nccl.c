@@ -15,7 +15,7 @@
  * that finds the cache full gets communicators that are destroyed after the
  * call. One process-wide lock (nccl_run_mu) is held from taking the
  * communicators through the final stream syncs: collectives of two threads
- * on overlapping device lists ([0, 1] and [1, 0]) share stream slot 0 of
+ * on overlapping device lists ([0, 1] and [1, 0]) share NCCL's stream slot of
  * each device, and if they were queued there in different orders each
  * device would wait in one collective for ranks that wait in the other (a
  * hang). So collectives run one at a time, in one order on every device
@@ -297,7 +297,7 @@ static dpc_status run_group(int n, const int *devs, int root, rank_fn op, void *
     st = dpc_ok();
     for (int i = 0; i < n && st.code == 0; i++) {
         dpc_stream s;
-        st = dpc_stream_get(devs[i], 0, &s);
+        st = dpc_stream_get(devs[i], DP_NCCL_SLOT, &s);
         if (st.code == 0) {
             r = op(ctx, i, L.comms[i], s);
             if (r != 0) {

@@ -52,7 +52,7 @@ dpc_status dp_nccl_wait(int n, const int *devs, dp_nccl_async_err_fn async_err, 
         for (int i = 0; i < n; i++) {
             dpc_stream s;
             int done = 0;
-            DPC_TRY(dpc_stream_get(devs[i], 0, &s));
+            DPC_TRY(dpc_stream_get(devs[i], DP_NCCL_SLOT, &s));
             DPC_TRY(dpc_stream_query(devs[i], s, &done));
             all = all && done;
         }

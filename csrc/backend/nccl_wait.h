@@ -7,7 +7,7 @@
 /* The asynchronous NCCL error of rank i (ncclCommGetAsyncError), 0: none. */
 typedef int (*dp_nccl_async_err_fn)(void *ctx, int i);
 
-/* Wait until stream slot 0 of every devs[i] has finished; fails on an
+/* Wait until NCCL's stream (slot DP_NCCL_SLOT) of every devs[i] has finished; fails on an
  * asynchronous NCCL error, after $DPMINI_NCCL_TIMEOUT seconds, or when a
  * signal handler raised (DPC_DPMINI_INTERRUPTED, its exception left set). */
 dpc_status dp_nccl_wait(int n, const int *devs, dp_nccl_async_err_fn async_err, void *ctx);

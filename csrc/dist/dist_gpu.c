@@ -15,7 +15,8 @@
  *      id on one host: with a per-rank CUDA_VISIBLE_DEVICES every rank may
  *      call its GPU cuda:0) the same ValueError everywhere (NCCL refuses
  *      that); then rank 0's ncclGetUniqueId is broadcast over MPI and
- *      every rank calls ncclCommInitRank.
+ *      every rank calls ncclCommInitRank, polled against the deadline
+ *      (a TimeoutError, GPU collectives off, when a rank never connects).
  *   2. the NCCL call queued on the stream with the communicator's device
  *      current (stream 0 is the legacy stream of the current device, and
  *      the caller's may be another), and its completion polled with
@@ -32,6 +33,8 @@
 #include "dist.h"
 #include "dist_nccl.h"
 
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -298,6 +301,69 @@ void dist_gpu_free(dist_comm *c, int abort)
     c->nccl = NULL;
 }
 
+/* ncclCommInitRank blocks until every rank has connected, and a rank that
+ * died never connects: it runs on a thread of its own while the caller
+ * polls it against the deadline (GIL released, signal handlers run). On a
+ * timeout or an interrupt the thread is abandoned: it aborts whatever
+ * communicator it gets and frees its job. It takes no launch lock (an
+ * abandoned thread would hold it for ever); NCCL's own set-up is all it
+ * does. */
+enum { INIT_RUNNING = 0, INIT_DONE = 1, INIT_ABANDONED = 2 };
+
+typedef struct {
+    const dist_nccl_api *api;
+    dist_ncclUniqueId id;
+    int nranks, rank, dev, rc, state;
+    dist_ncclComm_t comm;
+} init_job;
+
+static void *init_thread(void *arg)
+{
+    init_job *j = arg;
+    j->rc = j->api->SetDevice(j->dev) == CUDA_OK
+            ? j->api->CommInitRank(&j->comm, j->nranks, j->id, j->rank) : NCCL_UNHANDLED_CUDA;
+    if (__atomic_exchange_n(&j->state, INIT_DONE, __ATOMIC_SEQ_CST) == INIT_ABANDONED) {
+        if (j->rc == NCCL_OK && j->comm != NULL)
+            j->api->CommAbort(j->comm);
+        free(j);
+    }
+    return NULL;
+}
+
+/* 0 with *comm and *rc (NCCL's result), 1 past the deadline, -1 a signal
+ * handler raised (its exception set). */
+static int init_rank(dist_comm *c, const dist_nccl_api *api, int dev, const id_msg *idm,
+                     double deadline, dist_ncclComm_t *comm, int *rc)
+{
+    init_job *j = calloc(1, sizeof *j);
+    pthread_t t;
+    if (j == NULL) {
+        *rc = NCCL_SYSTEM;
+        return 0;
+    }
+    *j = (init_job){api, idm->id, c->size, c->rank, dev, NCCL_OK, INIT_RUNNING, NULL};
+    if (pthread_create(&t, NULL, init_thread, j) != 0) {
+        free(j);
+        *rc = NCCL_SYSTEM;
+        return 0;
+    }
+    pthread_detach(t);
+    int pause = 0;
+    double start = dist_now(), next_signals = start + 0.05;
+    PyThreadState *ts = PyEval_SaveThread();
+    while (__atomic_load_n(&j->state, __ATOMIC_SEQ_CST) != INIT_DONE &&
+           (pause = dist_poll_pause(&ts, deadline, start, &next_signals)) == 0) {
+    }
+    PyEval_RestoreThread(ts);
+    if (pause != 0 &&
+        __atomic_exchange_n(&j->state, INIT_ABANDONED, __ATOMIC_SEQ_CST) == INIT_RUNNING)
+        return pause;   /* the thread frees j when NCCL returns */
+    *comm = j->comm;
+    *rc = j->rc;
+    free(j);
+    return 0;
+}
+
 /* This rank's NCCL communicator on `dev` (-1: the CUDA current device).
  * Collective: every rank calls it at the same call. */
 int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
@@ -382,11 +448,19 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
     if (api->emulated)
         dist_nccl_emu_set_parent(c->comm);
     dist_ncclComm_t comm = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    dist_launch_begin();   /* it allocates and connects */
-    rc = api->CommInitRank(&comm, P, idm->id, c->rank);
-    dist_launch_end();
-    Py_END_ALLOW_THREADS
+    int waited = init_rank(c, api, dev, idm, deadline, &comm, &rc);
+    if (waited != 0) {
+        char secs[32];
+        snprintf(secs, sizeof secs, "%g", c->timeout);
+        if (waited > 0)
+            PyErr_Format(PyExc_TimeoutError, "dpmini.distributed: ncclCommInitRank on rank %d "
+                         "(cuda:%d) did not complete within the timeout of %s s (a rank died "
+                         "or cannot connect); GPU collectives are off on this rank", c->rank,
+                         dev, secs);
+        snprintf(c->nccl_broken, sizeof c->nccl_broken, "%s in ncclCommInitRank",
+                 waited > 0 ? "a TimeoutError" : "an interrupt");
+        goto fail;
+    }
     if (rc != NCCL_OK) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: ncclCommInitRank on rank %d "
                      "(cuda:%d) failed: %s", c->rank, dev, api->GetErrorString(rc));

@@ -35,7 +35,9 @@
  *   - Faults, from $DPMINI_DIST_NCCL_FAULT at each collective: "fail" (the
  *     call returns ncclSystemError), "error" (the call is queued but never
  *     completes and ncclCommGetAsyncError reports ncclRemoteError, as when a
- *     peer dies), "hang" (never completes, no error: the timeout path).
+ *     peer dies), "hang" (never completes, no error: the timeout path),
+ *     "init_hang" (ncclCommInitRank never returns, as when a rank died
+ *     before connecting).
  * What it does not keep: GPU memory, NVLink or network speed, NCCL's
  * blocking ncclCommInitRank across machines (MPI_Comm_dup here).
  */
@@ -399,6 +401,11 @@ static int emu_get_unique_id(dist_ncclUniqueId *id)
 static int emu_comm_init_rank(dist_ncclComm_t *out, int nranks, dist_ncclUniqueId id, int rank)
 {
     *out = NULL;
+    const char *f = getenv("DPMINI_DIST_NCCL_FAULT");
+    while (f != NULL && strcmp(f, "init_hang") == 0) {
+        struct timespec nap = {0, 10000000};
+        nanosleep(&nap, NULL);   /* a peer that never connects */
+    }
     if (strncmp(id.internal, EMU_ID_MAGIC, strlen(EMU_ID_MAGIC)) != 0 || emu_parent == MPI_COMM_NULL)
         return NCCL_INVALID_ARGUMENT;
     struct dist_nccl_comm_s *c = calloc(1, sizeof *c);

@@ -8,6 +8,7 @@ $DIST_TEST_OUT/rank<r>.txt (the ranks' stdout lines interleave).
 """
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -67,6 +68,25 @@ def case_pitch():
     back = dist.all_gather(piece, dim=1)
     assert np.array_equal(back.numpy(), x[:, :4 * P])
     say("OK pitch")
+
+
+def case_init_hang():
+    """ncclCommInitRank never returns (a peer that never connects): a
+    TimeoutError within the timeout, GPU collectives off, host ones still on."""
+    os.environ["DPMINI_DIST_NCCL_FAULT"] = "init_hang"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(on_gpu(np.ones(3), dist.rank()))
+    except TimeoutError as exc:
+        say(f"ERR init {type(exc).__name__}: {exc}")
+    say(f"waited {time.monotonic() - start:.1f}")
+    del os.environ["DPMINI_DIST_NCCL_FAULT"]
+    try:
+        dist.all_reduce(on_gpu(np.ones(3), dist.rank()))
+    except RuntimeError as exc:
+        say(f"ERR after {type(exc).__name__}: {exc}")
+    assert dist.all_reduce(np.ones(2)).tolist() == [dist.size()] * 2
+    say("OK init_hang")
 
 
 if __name__ == "__main__":
