@@ -154,7 +154,7 @@ int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double dea
                    int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
                    PyObject *keep3)
 {
-    int st = dist_poll(reqs, n, done, deadline);
+    int st = dist_poll_data(reqs, n, done, deadline);
     if (st == 0)
         return 0;
     for (int i = 0; i < n; i++) {
