@@ -328,6 +328,8 @@ def scatter(x, root=0, dim=0, chunk_sizes=None, weights=None, *, tag=None, out=N
     any rank, ValueError when the ranks disagree, TimeoutError.
     """
     c = _comm()
+    if out is None and tag is None and (x is None or type(x) is np.ndarray):
+        return c.scatter(x, root, dim, chunk_sizes, weights)   # no wrapper checks needed
     if _is_rank(c, root):
         x, back, gpu, error = _prepare(x)
     else:   # off root x is ignored, or names the device of a GPU result
@@ -352,6 +354,9 @@ def gather(x, root=0, dim=0, *, tag=None, out=None):
     array of x's library on root's GPU; other GPU arrays (JAX) are staged
     through the host (copied to host memory, moved by MPI, copied back).
     """
+    c = _state.comm
+    if type(x) is np.ndarray and out is None and tag is None and c is not None:
+        return c.gather(x, root, dim)   # the common case, without the wrappers' checks
     return _gather(x, out, lambda c, v, gpu, error: c.gather(v, root, dim, gpu, tag=tag,
                                                                error=error))
 
@@ -359,6 +364,9 @@ def gather(x, root=0, dim=0, *, tag=None, out=None):
 def all_gather(x, dim=0, *, tag=None, out=None):
     """gather on every rank: every rank returns the joined array (GPU arrays
     as in gather; tag and out as in :func:`all_reduce`)."""
+    c = _state.comm
+    if type(x) is np.ndarray and out is None and tag is None and c is not None:
+        return c.all_gather(x, dim)   # the common case, without the wrappers' checks
     return _gather(x, out, lambda c, v, gpu, error: c.all_gather(v, dim, gpu, tag=tag,
                                                                    error=error))
 
@@ -388,6 +396,10 @@ def broadcast(x, root=0, *, tag=None, out=None):
     ``broadcast(t, root, out=t)``.
     """
     c = _comm()
+    if out is None and tag is None and (type(x) is np.ndarray or (
+            x is None and type(root) is int and root != c.rank)):
+        arr, was_pickled = c.broadcast(x, root)   # the common case, no wrapper checks
+        return pickle.loads(arr.tobytes()) if was_pickled else arr
     mine = _is_rank(c, root)
     error = _grad_error(x, "x") if mine else None
     gpu = _gpu_args_safe(x)
@@ -444,6 +456,9 @@ def all_reduce(x, op="sum", *, tag=None, out=None):
     thread at a time: a collective called while another thread of this rank
     is in one raises RuntimeError.
     """
+    c = _state.comm
+    if type(x) is np.ndarray and out is None and tag is None and c is not None:
+        return c.all_reduce(x, op)   # the common case, without the wrappers' checks
     return _reduce(x, out, lambda c, v, gpu, error: c.all_reduce(v, op, gpu, tag=tag,
                                                                    error=error))
 

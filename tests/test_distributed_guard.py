@@ -169,3 +169,11 @@ def test_wrong_out_of_all_reduce_raises_on_every_rank(torch_users_run, case, bad
     assert got[bad_rank].startswith(own), got
     for r in set(range(4)) - {bad_rank}:
         assert f"rank {bad_rank} rejected its arguments: {own}" in got[r], got
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_", [4, 1])
+def test_values_on_both_sides_of_the_fused_size(np_):
+    rc, lines, out, _ = mpirun("sizes_both_paths", np=np_)
+    assert rc == 0, out
+    assert all(lines[r] == ["OK sizes_both_paths"] for r in range(np_)), out

@@ -59,6 +59,8 @@ typedef struct {
     int64_t dev_kind;      /* DIST_DEV_*: where this rank's array lives     */
     int64_t dev_id;        /* the CUDA device of a GPU array, else -1       */
     int64_t nccl_state;    /* 0 no NCCL communicator, 1 one, 2 aborted      */
+    int64_t fused_len;     /* payload bytes after the record, -1 none       */
+    int64_t fused_to;      /* the rank the payload went to, -1 every rank   */
     int64_t has_tag;       /* 1 tag= given, 0 None, -1 a bad one (an error) */
     uint64_t tag_hash;     /* repr(tag), hashed                             */
     uint64_t ctx_hash;     /* the context text, hashed (0: none)            */
@@ -94,6 +96,9 @@ typedef struct {
     int nccl_dev;          /* its CUDA device                               */
     long long nccl_max_pitch; /* the smallest cudaDevAttrMaxPitch of the ranks */
     char nccl_broken[160]; /* why GPU collectives are off, "" when they work */
+    char *wire;            /* size receive slots of wire_stride bytes       */
+    char *wire_out;        /* this rank's record (+ payload) being sent     */
+    size_t wire_stride;    /* sizeof(dist_meta) + DIST_FUSE_BYTES, or less  */
 } dist_comm;
 
 /* dist_guard.c ---------------------------------------------------------- */
@@ -106,6 +111,11 @@ double dist_now(void);
  * Returns 0 all done, 1 deadline passed, -1 exception set (MPI error or
  * KeyboardInterrupt). */
 int dist_poll(MPI_Request *reqs, int n, int *done, double deadline);
+/* dist_poll for the data of a collective every rank has agreed on: it
+ * yields without sleeping for the first second (MPI moves the data only
+ * inside MPI_Test; a 50-500 us nap per test stalled a 16 MiB all_reduce
+ * 5x), then naps as dist_poll does. */
+int dist_poll_data(MPI_Request *reqs, int n, int *done, double deadline);
 /* One pause of a polling loop run with the GIL released (*ts saved):
  * 1 the deadline has passed, -1 a signal handler raised (the GIL is taken
  * for it every 50 ms, *next_signals), else 0 after a yield or a short
@@ -121,6 +131,19 @@ void dist_meta_fail(dist_meta *mine, PyObject **saved);
  * Returns 0 when every rank agrees, -1 with the exception set (ValueError,
  * TimeoutError, or this rank's own saved error). Steals *saved. */
 int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline);
+/* Phase 1 carrying the data of a small collective (`payload`, `len` bytes,
+ * to rank `to` or, -1, to every rank) in the same messages as the record,
+ * so that a small all_reduce or broadcast costs one exchange, as raw MPI's
+ * does. Sent only when len <= dist_fuse_limit(c) and this rank has no
+ * argument error (else the record says fused_len = -1). After agreement,
+ * rank r's payload is at dist_fused_payload(c, r) (valid until the next
+ * collective). */
+#define DIST_FUSE_BYTES (64 << 10)
+#define DIST_FUSE_RANKS 16
+int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
+                     const void *payload, int64_t len, int to);
+int64_t dist_fuse_limit(const dist_comm *c);
+const char *dist_fused_payload(const dist_comm *c, int r);
 /* Fill shape/dtype fields of `m` from an ndarray. */
 void dist_meta_array(dist_meta *m, PyObject *arr);
 /* dist_args.c: root / dim / op of a collective. A bad one does not fail

@@ -48,8 +48,9 @@ int dist_mpi_error(int code, const char *what)
     return -1;
 }
 
-int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
-                    double *next_signals)
+/* spin: seconds without progress during which the loop only yields. */
+static int poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                      double *next_signals, double spin)
 {
     double t = dist_now();
     if (t >= deadline)
@@ -62,9 +63,10 @@ int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
             return -1;
         *next_signals = t + 0.05;
     }
-    /* Yield while data may be moving (MPI progresses inside MPI_Test);
-     * sleep once nothing has completed for 5 ms (a slow peer). */
-    if (t - last_progress < 0.005) {
+    /* Yield while data may be moving (MPI progresses inside MPI_Test, so
+     * a sleep would stall a collective that is about to finish); sleep
+     * once nothing has completed for `spin` seconds (a slow peer). */
+    if (t - last_progress < spin) {
         sched_yield();
     } else {
         struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
@@ -73,7 +75,13 @@ int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
     return 0;
 }
 
-int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
+int dist_poll_pause(PyThreadState **ts, double deadline, double last_progress,
+                    double *next_signals)
+{
+    return poll_pause(ts, deadline, last_progress, next_signals, 0.005);
+}
+
+static int poll_requests(MPI_Request *reqs, int n, int *done, double deadline, double spin)
 {
     int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
     for (int i = 0; i < n; i++)
@@ -96,7 +104,7 @@ int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
         }
         if (left == 0)
             break;
-        int pause = dist_poll_pause(&ts, deadline, last_progress, &next_signals);
+        int pause = poll_pause(&ts, deadline, last_progress, &next_signals, spin);
         if (pause != 0) {
             result = pause > 0;
             interrupted = pause < 0;
@@ -110,6 +118,16 @@ out:
     if (rc != MPI_SUCCESS)
         return dist_mpi_error(rc, "MPI_Test");
     return result;
+}
+
+int dist_poll(MPI_Request *reqs, int n, int *done, double deadline)
+{
+    return poll_requests(reqs, n, done, deadline, 0.005);
+}
+
+int dist_poll_data(MPI_Request *reqs, int n, int *done, double deadline)
+{
+    return poll_requests(reqs, n, done, deadline, 1.0);
 }
 
 void dist_meta_fail(dist_meta *mine, PyObject **saved)
@@ -148,6 +166,36 @@ static void copy_attr_str(PyObject *obj, const char *attr, char *out, size_t n)
     Py_XDECREF(s);
 }
 
+/* dtype.str and dtype.name of the last few dtypes seen (numpy computes
+ * name in Python: several microseconds a call, as much as a small
+ * collective's exchange). Holds a reference to each descr, so a cached
+ * pointer is never another dtype's. */
+#define NAME_CACHE 8
+static struct {
+    PyArray_Descr *descr;
+    char str[24], name[24];
+} names[NAME_CACHE];
+static int names_next;
+
+static void dtype_names(PyArray_Descr *d, dist_meta *m)
+{
+    for (int i = 0; i < NAME_CACHE; i++) {
+        if (names[i].descr == d) {
+            memcpy(m->dtype, names[i].str, sizeof m->dtype);
+            memcpy(m->dtype_name, names[i].name, sizeof m->dtype_name);
+            return;
+        }
+    }
+    copy_attr_str((PyObject *)d, "str", m->dtype, sizeof m->dtype);
+    copy_attr_str((PyObject *)d, "name", m->dtype_name, sizeof m->dtype_name);
+    int i = names_next;
+    names_next = (names_next + 1) % NAME_CACHE;
+    Py_INCREF(d);
+    Py_XSETREF(names[i].descr, d);
+    memcpy(names[i].str, m->dtype, sizeof names[i].str);
+    memcpy(names[i].name, m->dtype_name, sizeof names[i].name);
+}
+
 void dist_meta_array(dist_meta *m, PyObject *arr)
 {
     PyArrayObject *a = (PyArrayObject *)arr;
@@ -157,8 +205,7 @@ void dist_meta_array(dist_meta *m, PyObject *arr)
     for (int i = 0; i < PyArray_NDIM(a) && i < DIST_MAX_NDIM; i++)
         m->shape[i] = PyArray_DIM(a, i);
     m->itemsize = PyArray_ITEMSIZE(a);
-    copy_attr_str((PyObject *)PyArray_DESCR(a), "str", m->dtype, sizeof m->dtype);
-    copy_attr_str((PyObject *)PyArray_DESCR(a), "name", m->dtype_name, sizeof m->dtype_name);
+    dtype_names(PyArray_DESCR(a), m);
     if (PyArray_ISBYTESWAPPED(a)) {   /* '>f8' is named float64 too: show the byte order */
         char name[24];
         snprintf(name, sizeof name, "%s", m->dtype_name);
@@ -468,8 +515,8 @@ static void set_broken(dist_comm *c, const char *why)
     snprintf(c->broken_why, sizeof c->broken_why, "%s", why);
 }
 
-/* Cancel pending receives, release pending sends (their buffer is
- * c->peers[rank], kept alive for good once the comm is broken). */
+/* Cancel pending receives, release pending sends (their buffers,
+ * c->wire and c->wire_out, are kept alive for good once the comm is broken). */
 static void abandon(dist_comm *c, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -481,13 +528,61 @@ static void abandon(dist_comm *c, int n)
     }
 }
 
+/* The agreement's buffers, made at the first call: P receive slots of
+ * c->wire_stride bytes (a record, then a fused payload when P is small
+ * enough for DIST_FUSE_BYTES per rank) and one send buffer. */
+static int wire_buffers(dist_comm *c)
+{
+    if (c->wire != NULL)
+        return 0;
+    size_t stride = sizeof(dist_meta) + (c->size <= DIST_FUSE_RANKS ? DIST_FUSE_BYTES : 0);
+    c->wire = PyMem_Malloc(stride * (size_t)c->size);
+    c->wire_out = PyMem_Malloc(stride);
+    if (c->wire == NULL || c->wire_out == NULL) {
+        PyMem_Free(c->wire);
+        PyMem_Free(c->wire_out);
+        c->wire = c->wire_out = NULL;
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->wire_stride = stride;
+    return 0;
+}
+
+int64_t dist_fuse_limit(const dist_comm *c)
+{
+    return c->size <= DIST_FUSE_RANKS ? DIST_FUSE_BYTES : -1;
+}
+
+const char *dist_fused_payload(const dist_comm *c, int r)
+{
+    return c->wire + (size_t)r * c->wire_stride + sizeof(dist_meta);
+}
+
 int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
 {
+    return dist_agree_fused(c, mine, saved, deadline, NULL, -1, -1);
+}
+
+int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
+                     const void *payload, int64_t len, int to)
+{
     int P = c->size, me = c->rank, rc = MPI_SUCCESS;
+    if (wire_buffers(c) < 0) {
+        Py_CLEAR(*saved);
+        return -1;
+    }
+    if (payload == NULL || len < 0 || len > dist_fuse_limit(c) || mine->err[0])
+        len = -1;
     mine->magic = DIST_MAGIC;
     mine->call = ++c->calls;
     mine->nccl_state = c->nccl_broken[0] ? 2 : c->nccl != NULL ? 1 : 0;
+    mine->fused_len = len;
+    mine->fused_to = to;
     c->peers[me] = *mine;
+    memcpy(c->wire_out, mine, sizeof(dist_meta));
+    if (len > 0)
+        memcpy(c->wire_out + sizeof(dist_meta), payload, (size_t)len);
     for (int i = 0; i < 2 * P; i++) {
         c->reqs[i] = MPI_REQUEST_NULL;
         c->done[i] = 1;
@@ -495,15 +590,16 @@ int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
     for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
         if (r == me)
             continue;
-        rc = MPI_Irecv(&c->peers[r], (int)sizeof(dist_meta), MPI_BYTE, r, DIST_TAG_META,
-                       c->comm, &c->reqs[r]);
+        rc = MPI_Irecv(c->wire + (size_t)r * c->wire_stride, (int)c->wire_stride, MPI_BYTE, r,
+                       DIST_TAG_META, c->comm, &c->reqs[r]);
         c->done[r] = rc != MPI_SUCCESS;
     }
     for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
         if (r == me)
             continue;
-        rc = MPI_Isend(&c->peers[me], (int)sizeof(dist_meta), MPI_BYTE, r, DIST_TAG_META,
-                       c->comm, &c->reqs[P + r]);
+        int64_t n = sizeof(dist_meta) + (len > 0 && (to < 0 || to == r) ? len : 0);
+        rc = MPI_Isend(c->wire_out, (int)n, MPI_BYTE, r, DIST_TAG_META, c->comm,
+                       &c->reqs[P + r]);
         c->done[P + r] = rc != MPI_SUCCESS;
     }
     int st = rc == MPI_SUCCESS ? dist_poll(c->reqs, 2 * P, c->done, deadline) : -1;
@@ -551,6 +647,9 @@ int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
         *saved = NULL;
         return -1;
     }
+    for (int r = 0; r < P; r++)
+        if (r != me)
+            memcpy(&c->peers[r], c->wire + (size_t)r * c->wire_stride, sizeof(dist_meta));
     int v = verdict(c, mine, saved);
     Py_XDECREF(*saved);
     *saved = NULL;

@@ -218,6 +218,8 @@ static void Comm_dealloc(dist_comm *c)
     if (!c->broken) {   /* broken: MPI may still read peers[rank] */
         PyMem_Free(c->peers);
         PyMem_Free(c->reqs);
+        PyMem_Free(c->wire);
+        PyMem_Free(c->wire_out);
     }
     PyMem_Free(c->done);
     tp->tp_free((PyObject *)c);

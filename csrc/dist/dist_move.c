@@ -154,7 +154,7 @@ int dist_wait_data(dist_comm *c, MPI_Request *reqs, int *done, int n, double dea
                    int64_t call, int64_t kind, PyObject *keep1, PyObject *keep2,
                    PyObject *keep3)
 {
-    int st = dist_poll(reqs, n, done, deadline);
+    int st = dist_poll_data(reqs, n, done, deadline);
     if (st == 0)
         return 0;
     for (int i = 0; i < n; i++) {
@@ -281,6 +281,53 @@ static PyObject *new_stage(const geometry *g)
     return PyArray_SimpleNew(1, &nbytes, NPY_UINT8);
 }
 
+/* The bytes of arr to send with the record, -1: none (no array, or one
+ * past DIST_MOVE_FUSE_BYTES: moving data needs no reduction on arrival, so
+ * past MPI's eager size one message straight into the result is faster
+ * than a copy out of the record's buffer). */
+#define DIST_MOVE_FUSE_BYTES (8 << 10)
+static int64_t fused_bytes(PyObject *arr)
+{
+    if (arr == NULL || PyArray_NBYTES((PyArrayObject *)arr) > DIST_MOVE_FUSE_BYTES)
+        return -1;
+    return (int64_t)PyArray_NBYTES((PyArrayObject *)arr);
+}
+
+/* `rows` rows of each of g->outer blocks from a contiguous piece into
+ * blocks of `stride` rows at dst (stride == rows: contiguous too). */
+static void copy_rows(char *dst, const char *piece, const geometry *g, int64_t rows,
+                      int64_t stride)
+{
+    size_t n = (size_t)(rows * g->inner_bytes);
+    if (stride == rows) {
+        memcpy(dst, piece, n * (size_t)g->outer);
+        return;
+    }
+    for (int64_t o = 0; o < g->outer; o++)
+        memcpy(dst + (size_t)(o * stride * g->inner_bytes), piece + (size_t)o * n, n);
+}
+
+/* gather's result from the fused pieces (rank r's at dist_fused_payload,
+ * this rank's own in arr), ranks in order along dim d. */
+static PyObject *join_fused(dist_comm *c, const dist_meta *mine, PyObject *arr, int d,
+                            int64_t total, const geometry *g)
+{
+    PyObject *out = dist_empty_like_meta(mine, d, total, (PyArrayObject *)arr);
+    if (out == NULL)
+        return NULL;
+    char *base = PyArray_DATA((PyArrayObject *)out);
+    int64_t off = 0;
+    for (int r = 0; r < c->size; r++) {
+        int64_t rows = c->peers[r].shape[d];
+        const char *piece = r == c->rank ? PyArray_DATA((PyArrayObject *)arr)
+                                         : dist_fused_payload(c, r);
+        if (rows > 0)
+            copy_rows(base + (size_t)(off * g->inner_bytes), piece, g, rows, total);
+        off += rows;
+    }
+    return out;
+}
+
 /* ------------------------------------------------------------------ */
 /* scatter                                                             */
 /* ------------------------------------------------------------------ */
@@ -366,11 +413,14 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
         goto fail;
     }
     int n = 0, rc = MPI_SUCCESS;
-    if (rows_type(&g, sizes[me], sizes[me], &types[ntypes]) < 0)
-        goto fail;
-    rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)out), 1, types[ntypes++], root, DIST_TAG_DATA,
-                   c->comm, &reqs[n++]);
+    if (me != root) {
+        if (rows_type(&g, sizes[me], sizes[me], &types[ntypes]) < 0)
+            goto fail;
+        rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)out), 1, types[ntypes++], root,
+                       DIST_TAG_DATA, c->comm, &reqs[n++]);
+    }
     int64_t off = 0;
+    const char *own = NULL;   /* root's own piece, copied once the sends are posted */
     if (me == root && g.outer > 1) {
         if ((stage = new_stage(&g)) == NULL)
             goto fail;
@@ -388,9 +438,16 @@ PyObject *dist_scatter(dist_comm *c, PyObject *args, PyObject *kw)
             if (rows_type(&g, sizes[r], g.rows, &types[ntypes]) < 0)
                 goto fail;
         }
-        rc = MPI_Isend(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+        if (r == me)
+            own = base;
+        else
+            rc = MPI_Isend(base, 1, types[ntypes], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+        ntypes++;
         off += sizes[r];
     }
+    if (own != NULL && rc == MPI_SUCCESS)   /* contiguous: staged, or outer == 1 */
+        memcpy(PyArray_DATA((PyArrayObject *)out), own,
+               (size_t)(g.outer * sizes[me] * g.inner_bytes));
     if (rc != MPI_SUCCESS) {
         dist_mpi_error(rc, "posting the scatter messages");
         c->broken = 1;
@@ -465,7 +522,10 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
-    if (dist_agree(c, &mine, &saved, deadline) < 0)
+    /* A small piece travels with the record (dist_agree_fused). */
+    if (dist_agree_fused(c, &mine, &saved, deadline,
+                         arr != NULL ? PyArray_DATA((PyArrayObject *)arr) : NULL,
+                         fused_bytes(arr), all ? -1 : root) < 0)
         goto fail;
 
     int d = (int)mine.dim;
@@ -474,12 +534,22 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
         goto done;
     }
     int64_t total = 0;
-    for (int r = 0; r < P; r++)
+    int fused = 1;
+    for (int r = 0; r < P; r++) {
         total += c->peers[r].shape[d];
+        fused &= c->peers[r].fused_len >= 0;
+    }
     geometry g;
     if (geometry_of(&mine, d, total, &g) < 0)
         goto fail;
     int receives = all || me == root;
+    if (fused) {   /* every piece came with its record */
+        if (receives && (out = join_fused(c, &mine, arr, d, total, &g)) == NULL)
+            goto fail;
+        if (out == NULL)
+            out = Py_NewRef(Py_None);
+        goto done;
+    }
     types = PyMem_Calloc((size_t)P + 1, sizeof(MPI_Datatype));
     reqs = PyMem_Calloc((size_t)P * 2, sizeof(MPI_Request));
     done = PyMem_Calloc((size_t)P * 2, sizeof(int));
@@ -506,7 +576,12 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
                 if (rows_type(&g, rows_of[r], total, &types[ntypes]) < 0)
                     goto fail;
             }
-            rc = MPI_Irecv(base, 1, types[ntypes++], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+            if (r == me)   /* this rank's own piece: copied, not messaged */
+                copy_rows(base, PyArray_DATA((PyArrayObject *)arr), &g, rows_of[r],
+                          stage != NULL ? rows_of[r] : total);
+            else
+                rc = MPI_Irecv(base, 1, types[ntypes], r, DIST_TAG_DATA, c->comm, &reqs[n++]);
+            ntypes++;
             off += rows_of[r];
         }
     }
@@ -517,7 +592,7 @@ static PyObject *gather_common(dist_comm *c, PyObject *x, int root, int dim, int
     }
     MPI_Datatype piece = types[ntypes - 1];
     for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
-        if (!all && r != root)
+        if ((!all && r != root) || r == me)
             continue;
         rc = MPI_Isend(PyArray_DATA((PyArrayObject *)arr), 1, piece, r, DIST_TAG_DATA,
                        c->comm, &reqs[n++]);
@@ -628,7 +703,10 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
     }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
-    if (dist_agree(c, &mine, &saved, deadline) < 0)
+    /* A small array travels with root's record (dist_agree_fused). */
+    if (dist_agree_fused(c, &mine, &saved, deadline,
+                         arr != NULL ? PyArray_DATA((PyArrayObject *)arr) : NULL,
+                         fused_bytes(arr), -1) < 0)
         goto fail;
     const dist_meta *rm = &c->peers[root];
     if (rm->dev_kind == DIST_DEV_GPU) {
@@ -637,10 +715,18 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
             res = Py_BuildValue("(OO)", out, Py_False);
         goto fail;
     }
-    out = me == root ? PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER)
+    out = me == root ? PyArray_NewLikeArray((PyArrayObject *)arr, NPY_CORDER, NULL, 0)
                      : dist_empty_like_meta(rm, -1, 0, NULL);
     if (out == NULL)
         goto fail;
+    char *dst = PyArray_DATA((PyArrayObject *)out);
+    size_t nbytes = (size_t)PyArray_NBYTES((PyArrayObject *)out);
+    if (rm->fused_len >= 0) {   /* root's bytes came with its record */
+        memcpy(dst, me == root ? PyArray_DATA((PyArrayObject *)arr)
+                               : dist_fused_payload(c, root), nbytes);
+        res = Py_BuildValue("(OO)", out, rm->is_object ? Py_True : Py_False);
+        goto fail;
+    }
     npy_intp count = PyArray_SIZE((PyArrayObject *)out);
     if (count > INT_MAX || rm->itemsize > INT_MAX) {
         PyErr_Format(PyExc_OverflowError, "dpmini.distributed.broadcast: %lld elements do "
@@ -648,18 +734,35 @@ PyObject *dist_broadcast(dist_comm *c, PyObject *args, PyObject *kw)
         goto fail;
     }
     if (count > 0 && rm->itemsize > 0) {
-        int rc = MPI_Type_contiguous((int)rm->itemsize, MPI_BYTE, &unit);
-        if (rc == MPI_SUCCESS)
+        /* Root sends from x itself and copies x into its result while the
+         * others receive (both only read x). Plain bytes when they fit one
+         * int count: Open MPI moves MPI_BYTE faster than a derived type. */
+        int rc = MPI_SUCCESS;
+        if (nbytes <= INT_MAX) {
+            unit = MPI_BYTE;
+            count = (npy_intp)nbytes;
+        } else if ((rc = MPI_Type_contiguous((int)rm->itemsize, MPI_BYTE, &unit)) == MPI_SUCCESS) {
             rc = MPI_Type_commit(&unit);
+        }
         if (rc == MPI_SUCCESS)
-            rc = MPI_Ibcast(PyArray_DATA((PyArrayObject *)out), (int)count, unit, root,
-                            c->comm, &req);
+            rc = MPI_Ibcast(me == root ? PyArray_DATA((PyArrayObject *)arr) : dst, (int)count,
+                            unit, root, c->comm, &req);
+        if (unit == MPI_BYTE)
+            unit = MPI_DATATYPE_NULL;   /* not ours to free */
         if (rc != MPI_SUCCESS) {
             dist_mpi_error(rc, "MPI_Ibcast");
             goto fail;
         }
-        if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, DIST_BROADCAST, out, NULL, NULL) < 0)
+        if (me == root) {
+            const char *src = PyArray_DATA((PyArrayObject *)arr);
+            Py_BEGIN_ALLOW_THREADS
+            memcpy(dst, src, nbytes);
+            Py_END_ALLOW_THREADS
+        }
+        if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, DIST_BROADCAST, out, arr, NULL) < 0)
             goto fail;
+    } else if (me == root) {
+        memcpy(dst, PyArray_DATA((PyArrayObject *)arr), nbytes);
     }
     res = Py_BuildValue("(OO)", out, rm->is_object ? Py_True : Py_False);
 fail:

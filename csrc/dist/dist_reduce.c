@@ -192,6 +192,40 @@ static PyArray_Descr *widen_small_int_sum(PyObject **arr, int op, MPI_Datatype *
     return d;
 }
 
+/* Whether every rank's data came with its record (the arrays agree, so
+ * either every rank fused or none did; the records say it identically on
+ * every rank). */
+static int every_rank_fused(const dist_comm *c)
+{
+    for (int r = 0; r < c->size; r++)
+        if (c->peers[r].fused_len < 0)
+            return 0;
+    return 1;
+}
+
+/* The reduction of the fused payloads, in rank order on every rank (so
+ * every rank's result is the same, bit for bit): a new array like arr. */
+static PyObject *reduce_fused(dist_comm *c, PyObject *arr, int count, MPI_Datatype t, MPI_Op o)
+{
+    PyObject *out = PyArray_NewLikeArray((PyArrayObject *)arr, NPY_CORDER, NULL, 0);
+    if (out == NULL)
+        return NULL;
+    char *acc = PyArray_DATA((PyArrayObject *)out);
+    const char *mine = PyArray_DATA((PyArrayObject *)arr);
+    memcpy(acc, c->rank == 0 ? mine : dist_fused_payload(c, 0),
+           (size_t)PyArray_NBYTES((PyArrayObject *)arr));
+    for (int r = 1; r < c->size; r++) {
+        int rc = MPI_Reduce_local(r == c->rank ? mine : dist_fused_payload(c, r), acc, count,
+                                  t, o);
+        if (rc != MPI_SUCCESS) {
+            Py_DECREF(out);
+            dist_mpi_error(rc, "MPI_Reduce_local");
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* argerr: a bad root or op (dist_args.c), raised at the guard; stolen. */
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
                                int64_t kind, PyObject *gpu, const dist_guard_kw *gk,
@@ -226,33 +260,39 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
         if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
             nccl_op = dist_gpu_op(&mine, op);
     } else if (op >= 0 && (arr = dist_as_array(x, "x", 1, DIST_WHOLE)) != NULL
-               && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0)
-        dist_meta_array(&mine, arr);
+               && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0) {
+        dist_meta_array(&mine, arr);   /* the caller's dtype, before any widening */
+        narrow = widen_small_int_sum(&arr, op, &t, &o);
+    }
     if (PyErr_Occurred())
         dist_meta_fail(&mine, &saved);
-    if (dist_agree(c, &mine, &saved, deadline) < 0)
+    /* A small array travels with the record (dist_agree_fused). */
+    const void *payload = gpu == Py_None && arr != NULL ? PyArray_DATA((PyArrayObject *)arr) : NULL;
+    int64_t nbytes = payload != NULL ? (int64_t)PyArray_NBYTES((PyArrayObject *)arr) : -1;
+    if (dist_agree_fused(c, &mine, &saved, deadline, payload, nbytes, all ? -1 : root) < 0)
         goto fail;
     if (gpu != Py_None) {   /* every rank's is (the guard compared the device kinds) */
         out = dist_gpu_reduce(c, &mine, &g, nccl_op, all ? -1 : root, deadline);
         goto done;
     }
-
-    narrow = widen_small_int_sum(&arr, op, &t, &o);
-    if (narrow == NULL && PyErr_Occurred())
-        goto fail;
     int count = (int)PyArray_SIZE((PyArrayObject *)arr);
     int rc;
-    if (all || me == root) {   /* a widened arr is already this call's own copy */
-        out = narrow != NULL ? Py_NewRef(arr) : PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER);
+    if (every_rank_fused(c)) {
+        if ((all || me == root) && (out = reduce_fused(c, arr, count, t, o)) == NULL)
+            goto fail;
+        goto finish;
+    }
+    if (all || me == root) {   /* MPI writes the result there: no copy of x first */
+        out = PyArray_NewLikeArray((PyArrayObject *)arr, NPY_CORDER, NULL, 0);
         if (out == NULL)
             goto fail;
     }
     if (all)
-        rc = MPI_Iallreduce(MPI_IN_PLACE, PyArray_DATA((PyArrayObject *)out), count, t, o,
-                            c->comm, &req);
+        rc = MPI_Iallreduce(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)out),
+                            count, t, o, c->comm, &req);
     else if (me == root)
-        rc = MPI_Ireduce(MPI_IN_PLACE, PyArray_DATA((PyArrayObject *)out), count, t, o, root,
-                         c->comm, &req);
+        rc = MPI_Ireduce(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)out),
+                         count, t, o, root, c->comm, &req);
     else
         rc = MPI_Ireduce(PyArray_DATA((PyArrayObject *)arr), NULL, count, t, o, root,
                          c->comm, &req);
@@ -262,6 +302,7 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     }
     if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, kind, arr, out, NULL) < 0)
         goto fail;
+finish:
     if (out == NULL) {
         out = Py_NewRef(Py_None);
     } else if (narrow != NULL) {   /* back to 8 or 16 bits, wrapping */

@@ -880,6 +880,39 @@ def case_torch_users():
     say("OK torch_users")
 
 
+def case_sizes_both_paths():
+    """Every collective's values on both sides of the size up to which the data
+    travels with the guard's record (64 KiB): small pieces fused, large ones
+    by MPI's own messages; dims 0 and 1, ragged splits, the root's own piece."""
+    P = dist.size()
+    rng = np.random.default_rng(7)
+    for rows in (5, 3000):   # 5 x 40 float64 = 1.6 KB; 3000 x 40 = 960 KB
+        full = rng.random((rows, 40))
+        for dim in (0, 1):
+            for root in (0, P - 1):
+                n = full.shape[dim]
+                sizes, off = pieces_of(n, P)
+                piece = dist.scatter(full if RANK == root else None, root=root, dim=dim)
+                want = np.take(full, range(off[RANK], off[RANK + 1]), axis=dim)
+                assert np.array_equal(piece, want), (rows, dim, root)
+                back = dist.gather(piece, root=root, dim=dim)
+                assert (back is None) == (RANK != root)
+                assert back is None or np.array_equal(back, full), (rows, dim, root)
+                assert np.array_equal(dist.all_gather(piece, dim=dim), full), (rows, dim)
+                got = dist.broadcast(full if RANK == root else None, root=root)
+                assert np.array_equal(got, full) and got is not full, (rows, root)
+        mine = full * (RANK + 1)
+        total = full * (P * (P + 1) / 2)
+        assert np.allclose(dist.all_reduce(mine), total), rows
+        assert np.array_equal(dist.all_reduce(mine, "max"), full * P), rows
+        r = dist.reduce(mine, root=P - 1)
+        assert (r is None) == (RANK != P - 1) and (r is None or np.allclose(r, total)), rows
+        ints = np.full(rows * 40, 100, np.int8)   # widened sum: wraps as NumPy's
+        want = np.full(rows * 40, 100 * P, np.int64).astype(np.int8)
+        assert np.array_equal(dist.all_reduce(ints), want), rows
+    say("OK sizes_both_paths")
+
+
 def init_with_missing_rank():
     """Rank P-1 fails before init() (skip_init) or is late to it (late_init); the
     others' init must be bounded by its timeout (DIST_TEST_TIMEOUT)."""
