@@ -180,7 +180,10 @@ class DistributedDataParallel:
         mean over this rank's rows; call ``optimizer.zero_grad()`` every step.
         With autograd on and one local device the module runs itself (torch's
         graph intact); several local devices need a DataParallel that keeps
-        torch's graph.
+        torch's graph. ``step`` counts the calls made with grad mode on; each
+        bucket's all_reduce carries it as its tag, so a rank that skipped a
+        backward pass (a NaN loss) meets the others' next step as a ValueError
+        on every rank naming the tags, not as silently mixed steps.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
@@ -218,10 +221,12 @@ class DistributedDataParallel:
         self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
         if self.reducer is None:
             return self.local(*args, **kwargs)
+        torch = sys.modules["torch"]
+        if not torch.is_grad_enabled():   # evaluation: no backward follows, no step
+            return self.local(*args, **kwargs)
         self.reducer.prepare(self.last_rows, self.step)
         self.step += 1
-        torch = sys.modules["torch"]
-        if torch.is_grad_enabled() and len(self.device_ids) == 1:
+        if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)
 

@@ -138,6 +138,7 @@ class GradientReducer:
             b.result = b.error = None
             b.flat[-1] = float(self.rows)
         self._done = queue.Queue()
+        self._pass_error = None
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._reduce_loop, daemon=True,
                                             name="dpmini-ddp-reduce")
@@ -170,13 +171,19 @@ class GradientReducer:
             self._next += 1
 
     def _reduce_loop(self):
+        """The reducing thread: buckets in order. After a bucket's error (the same
+        on every rank) the pass's later buckets are not sent, on any rank, so the
+        next pass pairs again (and a timeout is waited for once, not per bucket)."""
         while True:
             b, step = self._queue.get()
-            try:
-                b.result = self._all_reduce(b.flat, op="sum",
-                                            **self._tag(f"ddp step {step} bucket {b.index}"))
-            except BaseException as exc:   # raised on the backward's thread at the end
-                b.error = exc
+            if self._pass_error is not None:
+                b.error = self._pass_error
+            else:
+                try:
+                    b.result = self._all_reduce(
+                        b.flat, op="sum", **self._tag(f"ddp step {step} bucket {b.index}"))
+                except BaseException as exc:   # raised on the backward's thread at the end
+                    b.error = self._pass_error = exc
             self._done.put(b)
 
     def _finish_pass(self):
@@ -190,9 +197,8 @@ class GradientReducer:
         self._launch_ready()
         for _ in self.buckets:
             self._done.get()
-        errors = [b.error for b in self.buckets if b.error is not None]
-        if errors:
-            raise errors[0]
+        if self._pass_error is not None:
+            raise self._pass_error
         for b in self.buckets:
             self._write_back(b)
 

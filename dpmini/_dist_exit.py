@@ -10,7 +10,7 @@ So at exit each initialized rank takes part in an **exit agreement** on a
 communicator of its own (made at init, used for nothing else, so that no
 message of an unfinished collective can be paired with it): a non-blocking
 all_gather of one flag per rank ("my dpmini communicator is broken"), polled
-against the collective timeout.
+with the GIL released between tests.
 
 * Every rank arrives and no flag is set: every rank goes on to
   ``MPI_Finalize`` normally (a rank's own exit code is kept).
@@ -18,9 +18,13 @@ against the collective timeout.
   left messages in flight, which ``MPI_Finalize`` could wait on forever):
   every rank knows it, and the job is ended with ``MPI_Abort`` while no rank is
   in ``MPI_Finalize``.
-* A rank does not arrive within the timeout (it failed, is stuck, or left
-  without dpmini): ``MPI_Abort``, again before any rank finalizes; a rank
-  that failed with an exception has already aborted the job itself.
+
+It waits for every rank without a deadline, as ``MPI_Finalize`` itself would:
+a rank still working (rank 0 writing a checkpoint) is waited for; a rank
+that fails aborts the job itself (the hook of dpmini.distributed) while this
+one is still in the agreement; a rank whose collective times out either
+aborts (the error uncaught) or arrives with its flag set. Ctrl-C while
+waiting aborts: this rank must not reach ``MPI_Finalize`` unagreed.
 """
 import sys
 import time
@@ -39,31 +43,27 @@ def make_exit_comm(parent, timeout):
     return None
 
 
-def wait(req, timeout):
+def wait(req, timeout=None):
     """Poll an mpi4py request until it completes (True) or `timeout` seconds
-    pass (False). Sleeps grow from 50 us to 2 ms so a prompt peer costs little."""
-    deadline = time.monotonic() + timeout
+    pass (False; None: no deadline). Sleeps grow from 50 us to 2 ms so a prompt
+    peer costs little."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     pause = 50e-6
     while not req.Test():
-        if time.monotonic() >= deadline:
+        if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)
     return True
 
 
-def agree_to_end(exit_comm, broken, timeout):
+def agree_to_end(exit_comm, broken):
     """The exit agreement (collective on exit_comm). broken: this rank's dpmini
-    communicator cannot be finalized safely. Returns None when every rank
-    arrived and none is broken (finalize normally); otherwise a sentence saying
-    why the job must be aborted (which ranks are broken, or that not every rank
-    arrived within `timeout` seconds)."""
+    communicator cannot be finalized safely. Returns None when none is broken
+    (finalize normally); otherwise a sentence saying which ranks are broken."""
     mine = np.array([1 if broken else 0], dtype=np.int32)
     every = np.zeros(exit_comm.Get_size(), dtype=np.int32)
-    req = exit_comm.Iallgather(mine, every)
-    if not wait(req, timeout):
-        return (f"not every rank reached the end of the job within the timeout of "
-                f"{timeout:g} s (a rank failed, is still busy, or left without dpmini)")
+    wait(exit_comm.Iallgather(mine, every))
     bad = [int(r) for r in np.flatnonzero(every)]
     if bad:
         return (f"the dpmini communicator of rank(s) {bad} is broken by a TimeoutError "
@@ -71,12 +71,12 @@ def agree_to_end(exit_comm, broken, timeout):
     return None
 
 
-def end(exit_comm, broken, timeout):
+def end(exit_comm, broken):
     """At exit: run the agreement; MPI_Abort (exit code 1) unless it says that
     every rank may finalize. An interrupt while waiting also aborts: this rank
     must not reach MPI_Finalize without the agreement."""
     try:
-        why = agree_to_end(exit_comm, broken, timeout)
+        why = agree_to_end(exit_comm, broken)
     except BaseException as exc:   # Ctrl-C, an MPI error: never finalize unagreed
         why = f"the exit agreement was interrupted ({type(exc).__name__})"
     if why is None:

@@ -37,9 +37,9 @@ init to keep Python's own hook).
 
 At exit the ranks agree before any of them enters ``MPI_Finalize``
 (``dpmini/_dist_exit.py``): all arrived and healthy, every rank finalizes
-normally; a rank missing past the timeout, or a communicator broken by a
-``TimeoutError``, ends the job with ``MPI_Abort`` while no rank is finalizing
-(Open MPI's launcher can hang when a rank aborts after another finalized).
+normally; a communicator broken by a ``TimeoutError`` ends the job with
+``MPI_Abort`` while no rank is finalizing (Open MPI's launcher can hang when a
+rank aborts after another finalized).
 
 Splits follow dpmini's (and PyTorch's) chunk rule over ranks: ``ceil(n/size)``
 rows per rank with a shorter last piece, so 9 rows on 4 ranks give 3, 3, 3, 0
@@ -97,7 +97,6 @@ class _State:
     exit_hook = False
     stuck = None         # the parent communicator of an init() whose wait was abandoned
     exit_comm = None     # mpi4py communicator of the exit agreement (_dist_exit)
-    exit_timeout = 60.0  # seconds the exit agreement waits for every rank
 
 
 _state = _State()
@@ -124,9 +123,9 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
         ends this rank; False puts Python's own hook back.
 
     init also makes a second duplicate of `comm` for the exit agreement: at
-    exit every rank waits (at most the collective timeout) for every other
-    rank before ``MPI_Finalize``, and the job is aborted instead when a rank
-    does not arrive or a communicator was broken by a ``TimeoutError``.
+    exit every rank waits for every other rank before ``MPI_Finalize`` (a rank
+    that fails meanwhile aborts the job), and the job is aborted instead when a
+    communicator was broken by a ``TimeoutError``.
 
     Calling init again replaces the communicator. Raises TypeError (comm not
     an mpi4py communicator), ValueError (bad timeout, an intercommunicator),
@@ -155,7 +154,6 @@ def init(comm=None, timeout=60.0, abort_on_exception=True):
     if _state.comm is not None:
         _state.comm.free()
     _state.comm = new
-    _state.exit_timeout = float(timeout)
     if _state.exit_comm is None:
         _state.exit_comm = _dist_exit.make_exit_comm(parent, float(timeout))
         if _state.exit_comm is None:   # a rank vanished right after the first duplicate
@@ -217,7 +215,7 @@ def _end_job():
     comm = _state.comm
     broken = comm is not None and comm.broken
     if _state.exit_comm is not None and _state.exit_comm.Get_size() > 1:
-        _dist_exit.end(_state.exit_comm, broken, _state.exit_timeout)
+        _dist_exit.end(_state.exit_comm, broken)
         return
     if broken and comm.size > 1:
         sys.stderr.write(f"dpmini.distributed: rank {comm.rank} exits after a TimeoutError; "
@@ -295,10 +293,8 @@ def get_timeout():
 
 
 def set_timeout(seconds):
-    """Set the timeout (seconds > 0) of the collectives that follow, on this rank
-    (and of the exit agreement)."""
+    """Set the timeout (seconds > 0) of the collectives that follow, on this rank."""
     _comm().timeout = seconds
-    _state.exit_timeout = float(seconds)
 
 
 def barrier(*, tag=None):

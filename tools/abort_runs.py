@@ -12,8 +12,6 @@ in its own process group. A case ends the job through a failure on one rank:
   finish_then_raise  rank 0 finishes, then rank 1 raises (jobs_worker.py)
   exit_before_init   the last rank returns without init(); the others' init
                      times out (3 s), caught, and they exit (jobs_worker.py)
-  leave_early     the last rank finishes while the others work 8 s past the
-                  timeout of 2 s without a collective (jobs_worker.py)
 
 Counted per case: hangs (the outer timeout had to end mpirun: exit 124/137, or
 the run took past LIMIT), segfaults (exit 139 or "Segmentation fault" in the
@@ -38,7 +36,7 @@ WORKER = ROOT / "tests" / "distributed" / "worker.py"
 JOBS_WORKER = ROOT / "tests" / "distributed" / "jobs_worker.py"
 # The collective timeout each case waits before the job must end (seconds).
 CASE_TIMEOUT = {"raise": 0.0, "skip_init": 3.0, "caught_timeout": 2.0, "skip": 3.0,
-                "finish_then_raise": 0.0, "exit_before_init": 3.0, "leave_early": 2.0}
+                "finish_then_raise": 0.0, "exit_before_init": 3.0}
 CASE_ENV = {"skip_init": {"DIST_TEST_TIMEOUT": "3"}}
 
 
@@ -49,8 +47,7 @@ def run_once(case, np_, limit, mpirun_args):
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
     env.update(CASE_ENV.get(case, {}))
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
-    worker = JOBS_WORKER if case in ("finish_then_raise", "exit_before_init",
-                                     "leave_early") else WORKER
+    worker = JOBS_WORKER if case in ("finish_then_raise", "exit_before_init") else WORKER
     cmd = ["timeout", "-k", "5", str(limit), mpirun, *mpirun_args, "-np", str(np_),
            sys.executable, str(worker), case]
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,9 +72,10 @@ def case_finish_then_raise():
     say("finished")
 
 
-def case_leave_early():
+def case_finish_while_others_work():
     """The last rank finishes while the others keep working past the timeout
-    without a collective: its exit agreement gives up after the timeout."""
+    without a collective (a checkpoint written at the end): it waits for them
+    at exit, and every rank finalizes normally."""
     dist.init(timeout=2.0)
     dist.barrier()
     if RANK != dist.size() - 1:
@@ -175,6 +176,26 @@ def case_hosts():
     if RANK == 0:
         assert np.array_equal(back, np.arange(22.0).reshape(11, 2))
     say(f"OK hosts {names[RANK]}")
+
+def case_torch_ddp_skipped_backward():
+    """Rank 3 skips the backward pass of step 1 (as for a NaN loss): at its next
+    backward every rank raises the same ValueError naming the steps' tags."""
+    import torch
+    dist.init(timeout=30.0)
+    model = _torch_model(torch, seed=0)
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for step in range(3):
+        loss = ((ddp(x) - y) ** 2).mean()
+        if step == 1 and RANK == 3:
+            continue
+        try:
+            loss.backward()
+        except ValueError as exc:
+            say(f"ERR skipped {type(exc).__name__}: {exc}")
+            break
+    assert float(dist.all_reduce(np.float64(1.0))) == dist.size()   # still usable
+    say("OK usable")
 
 if __name__ == "__main__":
     globals()["case_" + CASE]()
