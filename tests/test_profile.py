@@ -154,14 +154,19 @@ def test_standalone_functions_are_calls_of_their_own():
 def test_full_buffer_stops_recording_and_counts_the_dropped_spans():
     x = np.ones((64, 4))
     dp = round_trip(x, 0)
+    # a call records at least 13 spans: 2 device marks, 4 phases, the call,
+    # 2 scatter and 2 gather copies, 2 replicas (waits vary with scheduling)
     with dpmini.profile() as full:
         dp(x)
-    total = len(full.events)
+    assert len(full.events) >= 13 and full.dropped == 0
     with dpmini.profile(max_events=3) as prof:
         dp(x)
     assert len(prof.events) == 3
-    assert prof.dropped == total - 3
-    assert f"{total - 3} spans dropped" in prof.table()
+    assert prof.dropped >= 10
+    assert f"{prof.dropped} spans dropped" in prof.table()
+    with dpmini.profile(max_events=3) as again:   # a new buffer: nothing carried over
+        pass
+    assert again.events == [] and again.dropped == 0
 
 
 def test_max_events_is_checked():
