@@ -426,11 +426,13 @@ class Profile:
             row = 0 if e["device"] is None else rows.index(e["device"])
             key = _colour_key(e)
             colour = colours.get(key, "#999999")
-            height = 0.8 if row else 0.8 / 2 if e["root"] else 0.8
             y = len(rows) - 1 - row
+            # the calls row: each call a thin bar under its phases
+            bottom, height = (y - 0.4, 0.2) if e["root"] else \
+                (y - 0.15, 0.55) if row == 0 else (y - 0.4, 0.8)
             used[key] = colour
             ax.broken_barh([((e["start_ns"] - t0) / 1e6, max(e["duration_ns"], 1) / 1e6)],
-                           (y - height / 2, height), facecolors=colour, edgecolors="none")
+                           (bottom, height), facecolors=colour, edgecolors="none")
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels(list(reversed(rows)))
         ax.set_xlabel("ms since profile() started")

@@ -19,6 +19,7 @@ from dpmini import _profile
 
 D2 = ["cpu:0", "cpu:1"]
 ATTEMPTS = 12
+COVERAGE_ATTEMPTS = 30   # each ~30-150 ms; stops at the first that shows the coverage
 
 
 def identity(a):
@@ -51,7 +52,7 @@ def test_round_trip_spans_cover_each_devices_wall_time_within_10_percent(dim):
     x = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)   # 64 MiB
     dp = round_trip(x, dim)
     best = {}
-    for _ in range(ATTEMPTS):
+    for _ in range(COVERAGE_ATTEMPTS):
         with dpmini.profile() as prof:
             dp(x)
         c = one_call(prof)
@@ -153,14 +154,19 @@ def test_standalone_functions_are_calls_of_their_own():
 def test_full_buffer_stops_recording_and_counts_the_dropped_spans():
     x = np.ones((64, 4))
     dp = round_trip(x, 0)
+    # a call records at least 13 spans: 2 device marks, 4 phases, the call,
+    # 2 scatter and 2 gather copies, 2 replicas (waits vary with scheduling)
     with dpmini.profile() as full:
         dp(x)
-    total = len(full.events)
+    assert len(full.events) >= 13 and full.dropped == 0
     with dpmini.profile(max_events=3) as prof:
         dp(x)
     assert len(prof.events) == 3
-    assert prof.dropped == total - 3
-    assert f"{total - 3} spans dropped" in prof.table()
+    assert prof.dropped >= 10
+    assert f"{prof.dropped} spans dropped" in prof.table()
+    with dpmini.profile(max_events=3) as again:   # a new buffer: nothing carried over
+        pass
+    assert again.events == [] and again.dropped == 0
 
 
 def test_max_events_is_checked():

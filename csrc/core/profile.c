@@ -21,8 +21,7 @@ struct dp_prof_session {
     dp_prof_event *events;
 };
 
-/* Threads whose session is set: the one flag the hot paths read. */
-static int threads_recording;
+int dp_prof_threads_recording;
 
 static __thread dp_prof_session *thread_session;
 static __thread uint32_t thread_call;
@@ -101,7 +100,7 @@ dp_prof_session *dp_prof_thread_push(dp_prof_session *s)
 {
     dp_prof_session *prev = thread_session;
     if (prev == NULL && s != NULL) {
-        __atomic_add_fetch(&threads_recording, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&dp_prof_threads_recording, 1, __ATOMIC_RELAXED);
     }
     thread_session = s;
     thread_call = 0;
@@ -112,17 +111,17 @@ dp_prof_session *dp_prof_thread_push(dp_prof_session *s)
 void dp_prof_thread_pop(dp_prof_session *prev)
 {
     if (thread_session != NULL && prev == NULL) {
-        __atomic_sub_fetch(&threads_recording, 1, __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&dp_prof_threads_recording, 1, __ATOMIC_RELAXED);
     }
     thread_session = prev;
     thread_call = 0;
     thread_phase = -1;
 }
 
-dp_prof_ctx dp_prof_current(void)
+dp_prof_ctx dp_prof_current_thread(void)
 {
     dp_prof_ctx c = {NULL, 0, -1};
-    if (__atomic_load_n(&threads_recording, __ATOMIC_RELAXED) != 0 && thread_session != NULL) {
+    if (thread_session != NULL) {
         c.s = thread_session;
         c.call = thread_call;
         c.phase = thread_phase;
@@ -187,9 +186,9 @@ void dp_prof_record_since(const dp_prof_ctx *ctx, int kind, int dev_kind, int de
     }
 }
 
-void dp_prof_begin(dp_prof_span *sp, int kind)
+void dp_prof_begin_thread(dp_prof_span *sp, int kind)
 {
-    sp->ctx = dp_prof_current();
+    sp->ctx = dp_prof_current_thread();
     if (sp->ctx.s == NULL) {
         return;
     }
@@ -204,7 +203,7 @@ void dp_prof_begin(dp_prof_span *sp, int kind)
     sp->start_ns = dp_prof_now();
 }
 
-void dp_prof_end(dp_prof_span *sp, const char *label)
+void dp_prof_end_thread(dp_prof_span *sp, const char *label)
 {
     if (sp->ctx.s == NULL || thread_session != sp->ctx.s) {
         return;   /* not recording, or the session ended inside the span */

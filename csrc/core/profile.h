@@ -14,6 +14,7 @@
 #ifndef DPMINI_PROFILE_H
 #define DPMINI_PROFILE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* What a span measures. A phase span (CALL .. REDUCE) is recorded on the
@@ -107,9 +108,23 @@ const dp_prof_event *dp_prof_session_events(const dp_prof_session *s);
 dp_prof_session *dp_prof_thread_push(dp_prof_session *s);
 void dp_prof_thread_pop(dp_prof_session *prev);
 
+/* How many threads have a session: the one flag the hot paths read
+ * (relaxed) before anything else. */
+extern int dp_prof_threads_recording;
+
+/* The calling thread's context (dp_prof_current past the flag). */
+dp_prof_ctx dp_prof_current_thread(void);
+
 /* The calling thread's recording context: s NULL outside any session (one
  * relaxed atomic load when no thread has a session). */
-dp_prof_ctx dp_prof_current(void);
+static inline dp_prof_ctx dp_prof_current(void)
+{
+    if (__atomic_load_n(&dp_prof_threads_recording, __ATOMIC_RELAXED) == 0) {
+        dp_prof_ctx none = {NULL, 0, -1};
+        return none;
+    }
+    return dp_prof_current_thread();
+}
 
 /* Append one span to ctx's session (nothing when ctx->s is NULL). */
 void dp_prof_record(const dp_prof_ctx *ctx, const dp_prof_event *ev);
@@ -127,7 +142,23 @@ void dp_prof_record_since(const dp_prof_ctx *ctx, int kind, int dev_kind, int de
  * none open (a standalone scatter is its own call), makes `kind` the
  * thread's phase and reads the clock; end records the span (label may be
  * NULL) and restores both. Nothing but a flag check outside a session. */
-void dp_prof_begin(dp_prof_span *sp, int kind);
-void dp_prof_end(dp_prof_span *sp, const char *label);
+void dp_prof_begin_thread(dp_prof_span *sp, int kind);
+void dp_prof_end_thread(dp_prof_span *sp, const char *label);
+
+static inline void dp_prof_begin(dp_prof_span *sp, int kind)
+{
+    if (__atomic_load_n(&dp_prof_threads_recording, __ATOMIC_RELAXED) == 0) {
+        sp->ctx.s = NULL;
+        return;
+    }
+    dp_prof_begin_thread(sp, kind);
+}
+
+static inline void dp_prof_end(dp_prof_span *sp, const char *label)
+{
+    if (sp->ctx.s != NULL) {
+        dp_prof_end_thread(sp, label);
+    }
+}
 
 #endif

@@ -159,7 +159,8 @@ static void DataParallel_dealloc(dp_DataParallelObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *DataParallel_call_steps(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *DataParallel_call_steps(dp_DataParallelObject *self, PyObject *args,
+                                         PyObject *kwargs)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));
     if (st == NULL) {

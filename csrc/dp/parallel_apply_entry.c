@@ -99,8 +99,8 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
  * entries, must equal the module count) when given, else from `devices`
  * (None or a sequence, None entries allowed), else auto_device. */
 static PyObject *parallel_apply_run_steps(dp_state *st, PyObject *modules, PyObject *inputs,
-                             PyObject *kwargs_tup, PyObject *devices,
-                             const dp_device *cdevs, Py_ssize_t ncdevs)
+                                          PyObject *kwargs_tup, PyObject *devices,
+                                          const dp_device *cdevs, Py_ssize_t ncdevs)
 {
     PyObject *mods = NULL, *ins = NULL, *kws = NULL, *devseq = NULL, *result = NULL;
     apply_job small[DP_SMALL_JOBS];
@@ -215,7 +215,8 @@ PyObject *parallel_apply_run(dp_state *st, PyObject *modules, PyObject *inputs,
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_APPLY);
-    PyObject *res = parallel_apply_run_steps(st, modules, inputs, kwargs_tup, devices, cdevs, ncdevs);
+    PyObject *res = parallel_apply_run_steps(st, modules, inputs, kwargs_tup, devices, cdevs,
+                                             ncdevs);
     dp_prof_end(&sp, NULL);
     return res;
 }

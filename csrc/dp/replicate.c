@@ -213,7 +213,7 @@ fail:
 /* replicate(module, devs[0..ndev)) -> list of ndev replicas (spec 5,
  * dpmini's rules in the header comment). ndev may be 0. */
 static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_device *devs,
-                         Py_ssize_t ndev)
+                                      Py_ssize_t ndev)
 {
     rep_walk w;
     PyObject *result = NULL, *bc = NULL;

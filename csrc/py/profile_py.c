@@ -259,7 +259,8 @@ PyMethodDef dp_profile_methods[] = {
      "_profile_begin($module, kind, /)\n--\n\nOpen a phase span on the calling thread "
      "(private; dpmini._profile.phase uses it)."},
     {"_profile_end", profile_end, METH_VARARGS,
-     "_profile_end($module, token, label, /)\n--\n\nClose the span _profile_begin opened (private)."},
+     "_profile_end($module, token, label, /)\n--\n\nClose the span _profile_begin opened "
+     "(private)."},
     {"_copy_limit_seconds", copy_limit_seconds, METH_VARARGS,
      "_copy_limit_seconds($module, bytes, threads, streaming, repeat, /)\n--\n\nBest time "
      "(s) of `threads` threads copying `bytes` in all with memcpy or streaming stores "

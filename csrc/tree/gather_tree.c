@@ -261,7 +261,7 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
 }
 
 static PyObject *dp_gather_outputs_ex_steps(dp_state *st, PyObject *outputs, dp_device target,
-                               int dim, PyObject *out_dims)
+                                            int dim, PyObject *out_dims)
 {
     if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
         if (dp_check_dims_spec(out_dims == Py_None ? NULL : out_dims, "out_dims", 1) < 0)

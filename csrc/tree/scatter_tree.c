@@ -315,9 +315,9 @@ int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
 }
 
 static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *kwargs,
-                         const dp_device *devs, Py_ssize_t ndev,
-                         const dp_split_opts *opts,
-                         PyObject **inputs_out, PyObject **kwargs_out)
+                                      const dp_device *devs, Py_ssize_t ndev,
+                                      const dp_split_opts *opts,
+                                      PyObject **inputs_out, PyObject **kwargs_out)
 {
     scatter_ctx c;
     PyObject *ins = NULL, *kws = NULL, **tmp = NULL;
@@ -446,7 +446,8 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_SCATTER);
-    int rc = dp_scatter_kwargs_ex_steps(st, inputs, kwargs, devs, ndev, opts, inputs_out, kwargs_out);
+    int rc = dp_scatter_kwargs_ex_steps(st, inputs, kwargs, devs, ndev, opts, inputs_out,
+                                        kwargs_out);
     dp_prof_end(&sp, NULL);
     return rc;
 }
