@@ -464,15 +464,19 @@ PyDoc_STRVAR(device_doc,
 "A place where arrays live and replicas run.\n\n"
 "spec: 'cpu' or -1 (the host: ordinary NumPy memory); 'cpu:N' (virtual CPU\n"
 "device N, 0 <= N < 256: its own allocations and its own worker thread);\n"
-"'cuda', 'cuda:N' or an int N >= 0 (CUDA device N). A Device may name a CUDA\n"
-"device that does not exist; using it raises ValueError.\n\n"
+"'cuda', 'cuda:N' or an int N >= 0 (CUDA device N); a torch.device, read as\n"
+"the string it prints (torch.device('cpu') the host, torch.device('cpu', 1)\n"
+"'cpu:1', torch.device('cuda', 1) 'cuda:1'; told by its type's name and module,\n"
+"torch is never imported). A Device may name a CUDA device that does not\n"
+"exist; using it raises ValueError.\n\n"
 "Attributes: type ('cpu' or 'cuda'), index (int, None for the host).\n"
 "Compares equal to another Device or to its spec string ('cpu:1'), and\n"
 "hashes as that string. Strings are accepted only in that canonical\n"
 "spelling (plus 'cuda' for cuda:0): 'cpu:00', ' cpu:0', 'cpu:+1' raise\n"
 "ValueError, so a string names a device exactly when it equals it. NumPy\n"
 "integers are accepted where ints are.\n"
-"Raises ValueError for an unknown spec, TypeError for a wrong type.\n"
+"Raises ValueError for an unknown spec (a torch.device of another type:\n"
+"meta, mps), TypeError for a wrong type.\n"
 "Rule source: torch.device strings; 'cpu:N' is dpmini's virtual device.");
 
 static PyType_Slot device_slots[] = {
