@@ -9,7 +9,7 @@ only known at run time (``asarray``, ``empty``, ``comm.gather`` ...) the result
 is typed :data:`_AnyArray` (``Any``), as typeshed does for value-dependent
 return types, rather than a union every caller would have to narrow.
 
-DeviceLike (like the _-prefixed aliases and _Comm) exists only in this stub,
+DeviceLike (like the _-prefixed aliases, _TorchDeviceLike and _Comm) exists only in this stub,
 not at run time: import it under ``if typing.TYPE_CHECKING:``.
 """
 from collections.abc import Callable, Mapping, Sequence
