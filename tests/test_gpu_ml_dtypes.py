@@ -63,6 +63,8 @@ def test_gpu_arrays_keep_the_dtype_and_export_its_dlpack_code(name):
     assert a.dtype == x.dtype
     assert np.array_equal(a.numpy().view(np.uint8), x.view(np.uint8))
     assert capsule_dtype(a.__dlpack__()) == CODES[name] + (1,)
+    host_cap = a.__dlpack__(dl_device=(1, 0), copy=True)   # a host copy, exported by dpmini
+    assert capsule_dtype(host_cap) == CODES[name] + (1,)
     back = dpmini.asarray(GpuArray(a))          # dpmini's CUDA DLPack import
     assert back.dtype == x.dtype
     assert np.array_equal(back.numpy().view(np.uint8), x.view(np.uint8))
