@@ -10,7 +10,7 @@ only known at run time (``asarray``, ``empty``, ``comm.gather`` ...) the result
 is typed :data:`_AnyArray` (``Any``), as typeshed does for value-dependent
 return types, rather than a union every caller would have to narrow.
 
-DeviceLike (like the _-prefixed aliases and _Comm) exists only in this stub,
+DeviceLike (like the _-prefixed aliases, _TorchDeviceLike and _Comm) exists only in this stub,
 not at run time: import it under ``if typing.TYPE_CHECKING:``.
 """
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,8 +22,17 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 # ----------------------------------------------------------------- stub-only
-DeviceLike: TypeAlias = str | SupportsIndex | Device
-"""'cpu' or -1 (the host), 'cpu:N', 'cuda', 'cuda:N', an int N >= 0 (NumPy integers too), or a Device."""
+class _TorchDeviceLike(Protocol):
+    """A torch.device: told at run time by its type's name and module, read through these."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def index(self) -> int | None: ...
+
+DeviceLike: TypeAlias = str | SupportsIndex | Device | _TorchDeviceLike
+"""'cpu' or -1 (the host), 'cpu:N', 'cuda', 'cuda:N', an int N >= 0 (NumPy integers too), a Device,
+or a torch.device (torch.device('cpu') is the host, torch.device('cpu', N) is 'cpu:N')."""
 
 # numpy.ndarray (host, cpu:N) or dpmini.Array (cuda:N), decided at run time.
 _AnyArray: TypeAlias = Any
@@ -122,7 +131,7 @@ class DataParallel:
         inputs: Any,
         kwargs: Mapping[str, Any] | None = None,
         device_ids: Sequence[DeviceLike] | None = None,
-    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]: ...
+    ) -> tuple[tuple[tuple[Any, ...] | list[Any], ...], tuple[dict[str, Any], ...]]: ...
     def replicate(self, module: Any, device_ids: Sequence[DeviceLike]) -> list[Any]: ...
     def parallel_apply(
         self,
@@ -237,7 +246,7 @@ def scatter_kwargs(
     in_dims: Any = None,
     chunk_sizes: Sequence[SupportsIndex] | None = None,
     weights: Sequence[SupportsFloat] | None = None,
-) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]: ...
+) -> tuple[tuple[tuple[Any, ...] | list[Any], ...], tuple[dict[str, Any], ...]]: ...
 def gather(
     outputs: Sequence[Any], target_device: DeviceLike, dim: SupportsIndex = 0, out_dims: Any = None
 ) -> Any: ...
@@ -263,7 +272,7 @@ def empty(
     pin_memory: bool = False,
 ) -> _AnyArray: ...
 def from_dlpack(obj: Any, /) -> _AnyArray: ...
-def device_of(array: NDArray[Any]) -> Device: ...
+def device_of(array: Any) -> Device: ...
 def device_count() -> int: ...
 def cpu_device_count() -> int: ...
 def memory_allocated(device: DeviceLike) -> int: ...

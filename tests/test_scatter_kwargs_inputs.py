@@ -1,11 +1,13 @@
 """What scatter_kwargs takes as `inputs` (issue 8 item 11), matched to PyTorch.
 
 torch's scatter_kwargs scatters `inputs` as a structure: a list [x] gives
-[x_i] per replica, which parallel_apply unpacks (module(x_i)); a bare array
-gives x_i, which parallel_apply wraps as (x_i,) (spec 3.1, 3.3, 6.3). dpmini
-returns each replica's positional arguments as a tuple, so both give (x_i,).
-(The functional data_parallel differs on purpose, as PyTorch's does: a
-non-tuple `inputs` there, a list included, is one argument, spec 2.9.)
+[x_i] per replica, which parallel_apply unpacks (module(x_i)); a tuple gives
+(x_i,); a bare array gives x_i, which parallel_apply wraps as (x_i,) (spec
+3.1, 3.3, 6.3). dpmini keeps the container (a list per replica for a list)
+and gives a bare array as (x_i,) (PyTorch's own scatter_kwargs fails on it:
+'if inputs' is ambiguous). (The functional data_parallel differs on purpose,
+as PyTorch's does: a non-tuple `inputs` there, a list included, is one
+argument, spec 2.9.)
 """
 import numpy as np
 import pytest
@@ -15,10 +17,10 @@ import dpmini
 D2 = ["cpu:0", "cpu:1"]
 
 
-def _check(ins, expected):
+def _check(ins, expected, container=tuple):
     assert len(ins) == len(expected)
     for got, want in zip(ins, expected):
-        assert type(got) is tuple and len(got) == len(want)
+        assert type(got) is container and len(got) == len(want)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
 
@@ -26,20 +28,21 @@ def _check(ins, expected):
 def test_list_inputs_are_the_positional_arguments():
     x = np.arange(4.0)
     ins, kws = dpmini.scatter_kwargs([x], None, D2)
-    _check(ins, [(x[:2],), (x[2:],)])
+    _check(ins, [(x[:2],), (x[2:],)], list)
     assert kws == ({}, {})
 
 
 def test_list_of_two_inputs():
     x, y = np.arange(4.0), np.arange(8.0).reshape(4, 2)
     ins, _ = dpmini.scatter_kwargs([x, y], {"k": 1}, D2)
-    _check(ins, [(x[:2], y[:2]), (x[2:], y[2:])])
+    _check(ins, [(x[:2], y[:2]), (x[2:], y[2:])], list)
 
 
-def test_list_equals_tuple():
+def test_list_and_tuple_split_alike_each_in_its_container():
     x = np.arange(6.0)
     a, _ = dpmini.scatter_kwargs([x, "s"], None, D2)
     b, _ = dpmini.scatter_kwargs((x, "s"), None, D2)
+    assert [type(r) for r in a] == [list, list] and [type(r) for r in b] == [tuple, tuple]
     assert [len(r) for r in a] == [len(r) for r in b] == [2, 2]
     for ra, rb in zip(a, b):
         np.testing.assert_array_equal(ra[0], rb[0])
@@ -72,7 +75,15 @@ def test_data_parallel_keeps_a_list_as_one_argument():
 def test_dataparallel_scatter_takes_a_list_as_the_arguments():
     dp = dpmini.DataParallel(lambda a: a, D2)
     ins, _ = dp.scatter([np.arange(4.0)], None)
+    _check(ins, [(np.arange(2.0),), (np.arange(2.0, 4.0),)], list)
+    ins, _ = dp.scatter((np.arange(4.0),), None)
     _check(ins, [(np.arange(2.0),), (np.arange(2.0, 4.0),)])
+
+
+def test_an_empty_list_with_kwargs_gives_empty_tuples_as_pytorch():
+    ins, kws = dpmini.scatter_kwargs([], {"k": np.arange(4.0)}, D2)
+    assert ins == ((), ())
+    assert [k["k"].tolist() for k in kws] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 @pytest.mark.parametrize("inputs", [None, ()])

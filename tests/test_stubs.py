@@ -29,7 +29,7 @@ from dpmini import _dpmini
 STUB = Path(__file__).resolve().parents[1] / "dpmini" / "_dpmini.pyi"
 
 # Declared in the stub for typing only; absent from the runtime module.
-STUB_ONLY = {"DeviceLike", "_AnyArray", "_ArrayIn", "_Comm"}
+STUB_ONLY = {"DeviceLike", "_TorchDeviceLike", "_AnyArray", "_ArrayIn", "_Comm"}
 # Private runtime names the stub declares on purpose (used by dpmini's own code).
 PRIVATE_TYPED = {"_plan", "_Buffer", "_profile_start", "_profile_stop", "_profile_counts",
                  "_profile_events", "_profile_record", "_profile_begin", "_profile_end",

@@ -278,8 +278,9 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     }
     call_opts o = dp_snap_opts(&snap);
     if (dp_scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : snap.devs,
-                     devs ? ndev : snap.ndev, &o, &ins, &kws) < 0) {
-        goto fail;
+                     devs ? ndev : snap.ndev, &o, &ins, &kws) < 0 ||
+        (ins = dp_inputs_as_lists(inputs, ins)) == NULL) {
+        goto fail;   /* a list of inputs gives lists, as PyTorch's scatter_kwargs */
     }
     res = PyTuple_Pack(2, ins, kws);
 fail:

@@ -82,6 +82,23 @@ static int parse_chunk_sizes(PyObject *obj, Py_ssize_t ndev, int64_t n, int dim,
     return 0;
 }
 
+/* An out= array: an ndarray, a GPU array, or an array of another library
+ * (a torch CPU tensor: written in place through the view its DLPack export
+ * gives, as comm.broadcast's out= does). 0, or -1 with TypeError naming
+ * argname and the object's type by module and qualified name. */
+static int check_out_kind(dp_state *st, PyObject *o, const char *argname)
+{
+    if (PyArray_Check(o) || dp_is_device_object(st, o)) {
+        return 0;
+    }
+    int foreign = dp_is_foreign_array(st, o);
+    if (foreign != 0) {
+        return foreign < 0 ? -1 : 0;
+    }
+    dp_refuse_out_array(o, argname);
+    return -1;
+}
+
 /* comm.scatter with out=: copy chunk i of src into out[i] in place. */
 static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObject *out_obj)
 {
@@ -91,9 +108,16 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     Py_ssize_t n = 0, i;
     int nd = PyArray_NDIM(src);
 
-    if (PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj)) {
-        PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %.100s",
-                     Py_TYPE(out_obj)->tp_name);
+    int single = PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj);
+    if (!single && (single = dp_is_foreign_array(st, out_obj)) < 0) {
+        return NULL;
+    }
+    if (single) {   /* one array (a torch tensor is a sequence too): no list of outs */
+        PyObject *tn = dp_type_name(out_obj);
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %U", tn);
+            Py_DECREF(tn);
+        }
         return NULL;
     }
     seq = PySequence_Fast(out_obj, "out: expected a sequence of arrays");
@@ -113,13 +137,12 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     int64_t total = 0;
     for (i = 0; i < n; i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyArray_Check(o) && !dp_is_device_object(st, o)) {
-            char name[48];
-            snprintf(name, sizeof name, "out[%zd]", i);
-            dp_refuse_out_array(o, name);
+        char name[48];
+        snprintf(name, sizeof name, "out[%zd]", i);
+        if (check_out_kind(st, o, name) < 0) {
             goto done;
         }
-        outs[i] = dp_as_array(st, o, "out", 0); /* a GPU array: its shadow */
+        outs[i] = dp_as_array(st, o, name, 0); /* a GPU array: its shadow; torch: a view */
         if (outs[i] == NULL) {
             goto done;
         }
@@ -148,8 +171,6 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
             PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
             goto done;
         }
-        char name[48];
-        PyOS_snprintf(name, sizeof name, "out[%zd]", i);
         if (check_out_overlap(outs[i], &src, 1, name, "array") < 0) {
             goto done;
         }
@@ -397,8 +418,7 @@ static PyObject *comm_gather_steps(PyObject *m, PyObject *args, PyObject *kw)
                         "out: 'destination' must not be given together with 'out'");
         return NULL;
     }
-    if (out_obj != Py_None && !PyArray_Check(out_obj) && !dp_is_device_object(st, out_obj)) {
-        dp_refuse_out_array(out_obj, "out");
+    if (out_obj != Py_None && check_out_kind(st, out_obj, "out") < 0) {
         return NULL;
     }
     if (parse_destination(st, dest_obj, "destination", host, &dest) < 0) {

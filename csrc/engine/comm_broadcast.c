@@ -214,10 +214,13 @@ DP_COMM_DOC(comm_reduce_add_doc,
 "spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
 "device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
 "returned as is. Arrays of another library (torch, JAX, CuPy) are read without a\n"
-"copy; the sum comes back in arrays[0]'s library.\n"
+"copy; the sum comes back in arrays[0]'s library. Sums of ml_dtypes' floating\n"
+"dtypes (bfloat16, float8_*, float6/float4; torch.bfloat16 and float8 tensors\n"
+"are read as them) accumulate in float32 (complex32 in complex64) on the host and\n"
+"are rounded to the dtype once (README, \"Dtypes NumPy lacks\").\n"
 "Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
-"dtypes).");
+"dtypes, ml_dtypes' small integers such as int4).");
 
 static PyObject *comm_reduce_add_steps(PyObject *m, PyObject *args, PyObject *kw)
 {

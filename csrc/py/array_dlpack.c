@@ -222,6 +222,10 @@ PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
             }
             dp_device host = {DP_HOST, -1};
             PyObject *h = st->copy_to_device(st, self->meta, host);
+            if (h != NULL && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)h))) {
+                /* NumPy's own __dlpack__ refuses ml_dtypes' dtypes */
+                Py_SETREF(h, dp_host_dlpack_export(st, (PyArrayObject *)h));
+            }
             if (h == NULL) {
                 return NULL;
             }

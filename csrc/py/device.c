@@ -1,5 +1,6 @@
 /* device.c - the device model: dpmini.Device and device parsing ("cpu",
- * "cpu:N", "cuda:N", ints, Device objects, lists of them). Host memory and
+ * "cpu:N", "cuda:N", ints, Device objects, torch.device objects, lists of
+ * them). Host memory and
  * dpmini._Buffer are in host_memory.c; device counts and the module
  * functions in device_module.c.
  *
@@ -41,8 +42,8 @@ void dp_device_format(dp_device d, char *buf, size_t size)
 
 static const char DEVICE_FORMS[] =
     "'cpu' (the host), 'cpu:N' (virtual CPU device, 0 <= N < 256), 'cuda:N', "
-    "an int (CUDA device; -1 is the host) or a dpmini.Device; strings exactly as "
-    "str(Device) prints them (no spaces, signs or leading zeros)";
+    "an int (CUDA device; -1 is the host), a dpmini.Device or a torch.device; strings "
+    "exactly as str(Device) prints them (no spaces, signs or leading zeros)";
 
 static int check_cuda_index(long index, const char *argname)
 {
@@ -120,6 +121,55 @@ static int parse_device_text(const char *s, dp_device *out)
 static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
                               int flags, dp_device *out);
 
+/* Is obj a torch.device? Told by its type's name and module ("device" in
+ * "torch"), so that dpmini never imports torch. */
+static int is_torch_device(PyObject *obj)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (strcmp(tp->tp_name, "torch.device") == 0)
+        return 1;
+    if (strcmp(tp->tp_name, "device") != 0 || tp->tp_dict == NULL)
+        return 0;
+    PyObject *mod = PyDict_GetItemString(tp->tp_dict, "__module__");   /* borrowed */
+    return mod != NULL && PyUnicode_Check(mod) &&
+           PyUnicode_CompareWithASCIIString(mod, "torch") == 0;
+}
+
+/* A torch.device read through its `type` and `index` attributes as the
+ * device string it prints: torch.device("cpu") is the host (PyTorch's "cpu"
+ * in gather), torch.device("cpu", 1) virtual CPU device cpu:1,
+ * torch.device("cuda", 1) cuda:1, torch.device("cuda") cuda:0. Other
+ * device types (mps, meta, xpu) are a ValueError naming argname. */
+static int torch_device(PyObject *obj, const char *argname, dp_device *out)
+{
+    PyObject *type = PyObject_GetAttrString(obj, "type");
+    PyObject *index = type != NULL ? PyObject_GetAttrString(obj, "index") : NULL;
+    int r = -1;
+    if (index == NULL)
+        goto done;
+    long idx = index == Py_None ? -1 : PyLong_AsLong(index);
+    if (idx == -1 && PyErr_Occurred())
+        goto done;
+    const char *t = PyUnicode_Check(type) ? PyUnicode_AsUTF8(type) : NULL;
+    char text[64];
+    if (t != NULL && strlen(t) < 16 && idx >= -1) {
+        if (idx < 0)
+            snprintf(text, sizeof text, "%s", t);
+        else
+            snprintf(text, sizeof text, "%s:%ld", t, idx);
+        r = parse_device_text(text, out);
+    }
+    PyErr_Clear();
+    if (r < 0)
+        PyErr_Format(PyExc_ValueError, "%s: unsupported torch.device %R: dpmini takes "
+                     "torch.device('cpu') (the host), torch.device('cpu', N) (virtual CPU "
+                     "device, 0 <= N < 256) and torch.device('cuda', N)", argname, obj);
+done:
+    Py_XDECREF(type);
+    Py_XDECREF(index);
+    return r;
+}
+
 int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
                           int flags, dp_device *out)
 {
@@ -162,6 +212,13 @@ static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
         if (d.kind == DP_CUDA && check_cuda_index(v, argname) < 0) {
             return -1;
         }
+    } else if (is_torch_device(obj)) {
+        if (torch_device(obj, argname, &d) < 0) {
+            return -1;
+        }
+        if (d.kind == DP_CUDA && check_cuda_index(d.index, argname) < 0) {
+            return -1;
+        }
     } else if (PyUnicode_Check(obj)) {
         const char *s = device_utf8(obj);
         if (s == NULL) {
@@ -194,7 +251,8 @@ static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
 int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
                                dp_device **out, Py_ssize_t *n)
 {
-    if (PyUnicode_Check(obj) || PyLong_Check(obj) || PyObject_TypeCheck(obj, st->DeviceType)) {
+    if (PyUnicode_Check(obj) || PyLong_Check(obj) || PyObject_TypeCheck(obj, st->DeviceType) ||
+        is_torch_device(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got a single %.100s",
                      argname, Py_TYPE(obj)->tp_name);
         return -1;
@@ -287,6 +345,10 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         d.kind = v == -1 ? DP_HOST : DP_CUDA;
         d.index = (int)v;
+    } else if (is_torch_device(spec)) {
+        if (torch_device(spec, "spec", &d) < 0) {
+            return NULL;
+        }
     } else if (dp_device_from_object(st, spec, "spec", DP_DEV_ALLOW_HOST, &d) < 0) {
         return NULL;
     }
@@ -402,15 +464,19 @@ PyDoc_STRVAR(device_doc,
 "A place where arrays live and replicas run.\n\n"
 "spec: 'cpu' or -1 (the host: ordinary NumPy memory); 'cpu:N' (virtual CPU\n"
 "device N, 0 <= N < 256: its own allocations and its own worker thread);\n"
-"'cuda', 'cuda:N' or an int N >= 0 (CUDA device N). A Device may name a CUDA\n"
-"device that does not exist; using it raises ValueError.\n\n"
+"'cuda', 'cuda:N' or an int N >= 0 (CUDA device N); a torch.device, read as\n"
+"the string it prints (torch.device('cpu') the host, torch.device('cpu', 1)\n"
+"'cpu:1', torch.device('cuda', 1) 'cuda:1'; told by its type's name and module,\n"
+"torch is never imported). A Device may name a CUDA device that does not\n"
+"exist; using it raises ValueError.\n\n"
 "Attributes: type ('cpu' or 'cuda'), index (int, None for the host).\n"
 "Compares equal to another Device or to its spec string ('cpu:1'), and\n"
 "hashes as that string. Strings are accepted only in that canonical\n"
 "spelling (plus 'cuda' for cuda:0): 'cpu:00', ' cpu:0', 'cpu:+1' raise\n"
 "ValueError, so a string names a device exactly when it equals it. NumPy\n"
 "integers are accepted where ints are.\n"
-"Raises ValueError for an unknown spec, TypeError for a wrong type.\n"
+"Raises ValueError for an unknown spec (a torch.device of another type:\n"
+"meta, mps), TypeError for a wrong type.\n"
 "Rule source: torch.device strings; 'cpu:N' is dpmini's virtual device.");
 
 static PyType_Slot device_slots[] = {

@@ -104,6 +104,30 @@ static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
     return PyLong_FromLong(n);
 }
 
+/* The device of a host array of another library (a torch CPU tensor, a
+ * JAX array): where the memory its DLPack export hands over lives (a shard
+ * dpmini made on cpu:1 is on cpu:1, others on the host). A tensor that
+ * requires grad is read detached (the same memory). */
+static PyObject *foreign_device_of(dp_state *st, PyObject *arg)
+{
+    PyObject *rg = PyObject_GetAttrString(arg, "requires_grad");
+    int detach = rg == Py_True;
+    Py_XDECREF(rg);
+    PyErr_Clear();
+    PyObject *obj = detach ? PyObject_CallMethod(arg, "detach", NULL) : Py_NewRef(arg);
+    PyArrayObject *a = obj != NULL ? dp_import_foreign(st, obj, "array") : NULL;
+    Py_XDECREF(obj);
+    if (a == NULL) {
+        return NULL;
+    }
+    dp_device d = dp_array_device(st, a);
+    if (d.kind == DP_HOST) {
+        (void)dp_vcpu_device_of_ptr(PyArray_DATA(a), &d);   /* a shard dpmini made */
+    }
+    Py_DECREF(a);
+    return dp_device_to_object(st, d);
+}
+
 static PyObject *py_device_of(PyObject *m, PyObject *arg)
 {
     dp_state *st = dp_state_from_module(m);
@@ -116,9 +140,20 @@ static PyObject *py_device_of(PyObject *m, PyObject *arg)
         Py_DECREF(meta);
         return r;
     }
+    int foreign = PyArray_Check(arg) ? 0 : dp_is_foreign_array(st, arg);
+    if (foreign < 0) {
+        return NULL;
+    }
+    if (foreign) {
+        return foreign_device_of(st, arg);
+    }
     if (!PyArray_Check(arg)) {
-        PyErr_Format(PyExc_TypeError, "array: expected a numpy.ndarray or a GPU array, got "
-                     "%.100s", Py_TYPE(arg)->tp_name);
+        PyObject *tn = dp_type_name(arg);
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError, "array: expected a numpy.ndarray, a GPU array or an "
+                         "array of another library (torch, JAX), got %U", tn);
+            Py_DECREF(tn);
+        }
         return NULL;
     }
     return dp_device_to_object(st, dp_array_device(st, (PyArrayObject *)arg));
@@ -140,10 +175,13 @@ PyMethodDef dp_device_methods[] = {
      "else the host ('cpu'). A GPU array: a dpmini.Array, or any object with\n"
      "__cuda_array_interface__ or a CUDA __dlpack_device__() (CuPy, PyTorch CUDA tensors,\n"
      "Numba): its CUDA device, e.g. Device('cuda:1'), read through the same zero-copy\n"
-     "import dpmini uses for arguments (no data is copied).\n"
+     "import dpmini uses for arguments (no data is copied). A host array of another\n"
+     "library (a torch CPU tensor, a JAX array): the device of the memory it shares, so\n"
+     "a shard that dpmini.scatter made on 'cpu:1' is on Device('cpu:1'), other tensors\n"
+     "on the host ('cpu').\n"
      "Rule source: torch.Tensor.device (a view lives where its base's memory lives).\n"
-     "Raises TypeError when array is neither a numpy.ndarray nor a GPU array (a list,\n"
-     "a NumPy scalar), and the producer's own error (or TypeError/BufferError naming\n"
+     "Raises TypeError when array is none of these (a list, a NumPy scalar), naming its\n"
+     "type by module and qualified name, and the producer's own error (or TypeError/BufferError naming\n"
      "'array') when a GPU object's protocol fails."},
     {"memory_allocated", py_memory_allocated, METH_O,
      "memory_allocated(device)\n--\n\nReturns an int: bytes (rounded to the allocator's block sizes) "

@@ -21,6 +21,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <search.h>
 #include <sys/mman.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -277,6 +278,74 @@ int dp_host_memory_ready(void)
     return cache_limit_read ? 0 : read_cache_limit();
 }
 
+/* ------------------------------------------------------------------ */
+/* Live virtual-device buffers by address                              */
+/* ------------------------------------------------------------------ */
+
+/* The live _Buffers of virtual CPU devices, in a search tree keyed by their
+ * address range (live blocks never overlap), so that memory reached through
+ * another library (a torch tensor over a shard, whose DLPack chain hides
+ * the _Buffer) can be told to be on its device (device_of). Changed and
+ * read with the GIL held (buffers are made and freed with it). */
+typedef struct {
+    const char *start;
+    size_t nbytes;
+    dp_device dev;
+} live_range;
+
+static void *live_root;   /* only blocks of at least one byte */
+
+static int range_cmp(const void *a, const void *b)
+{
+    const live_range *x = a, *y = b;
+    if (x->start + x->nbytes <= y->start) {
+        return -1;
+    }
+    if (y->start + y->nbytes <= x->start) {
+        return 1;
+    }
+    return 0;   /* overlapping: the same live block */
+}
+
+/* Record a live block; a failure to record only means device_of says host. */
+static void live_add(const void *p, size_t nbytes, dp_device d)
+{
+    live_range *r = PyMem_RawMalloc(sizeof *r);
+    if (r == NULL) {
+        return;
+    }
+    r->start = p;
+    r->nbytes = nbytes;
+    r->dev = d;
+    live_range **slot = tsearch(r, &live_root, range_cmp);
+    if (slot == NULL || *slot != r) {
+        PyMem_RawFree(r);   /* out of memory, or already there */
+    }
+}
+
+static void live_remove(const void *p)
+{
+    live_range key = {p, 1, {DP_HOST, -1}};
+    live_range **slot = tfind(&key, &live_root, range_cmp);
+    if (slot == NULL) {
+        return;
+    }
+    live_range *r = *slot;
+    tdelete(&key, &live_root, range_cmp);
+    PyMem_RawFree(r);
+}
+
+int dp_vcpu_device_of_ptr(const void *p, dp_device *out)
+{
+    live_range key = {p, 1, {DP_HOST, -1}};
+    live_range **slot = p != NULL ? tfind(&key, &live_root, range_cmp) : NULL;
+    if (slot == NULL) {
+        return 0;
+    }
+    *out = (*slot)->dev;
+    return 1;
+}
+
 PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
 {
     if (!cache_limit_read && read_cache_limit() < 0) {
@@ -318,6 +387,9 @@ PyObject *dp_buffer_new(dp_state *st, dp_device d, size_t nbytes)
                      "dpmini: cannot allocate %zu bytes on device %s", nbytes, name);
         return NULL;
     }
+    if (d.kind == DP_VCPU && self->rounded > 0 && nbytes > 0) {
+        live_add(self->base.ptr, nbytes, d);
+    }
     return (PyObject *)self;
 }
 
@@ -345,6 +417,9 @@ static void buffer_dealloc(PyObject *op)
             Py_END_ALLOW_THREADS
         }
     } else if (self->base.ptr != NULL) {
+        if (self->base.dev.kind == DP_VCPU && self->rounded > 0 && self->base.nbytes > 0) {
+            live_remove(self->base.ptr);
+        }
         raw_free(self->base.dev, self->base.ptr, self->rounded);
     }
     PyObject_Free(op);

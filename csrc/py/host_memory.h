@@ -25,6 +25,9 @@ long dp_host_fail_alloc_after(long n);
 void *dp_vcpu_heap_alloc(int index, size_t nbytes, size_t *rounded);
 /* Give a dp_vcpu_heap_alloc block back (any thread). */
 void dp_vcpu_heap_free(int index, void *p, size_t rounded);
+/* The virtual CPU device whose live _Buffer holds address p: 1 with *out
+ * set, 0 when none does (GIL held). */
+int dp_vcpu_device_of_ptr(const void *p, dp_device *out);
 /* Reads $DPMINI_CACHE_LIMIT once (GIL held); -1 if its warning raised. */
 int dp_host_memory_ready(void);
 

@@ -175,10 +175,13 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "torch.nn.parallel.scatter_kwargs (spec 2.7, 3) with dpmini's replica count.\n"
 "\n"
 "inputs: the positional arguments, a tuple or a list of them; None means\n"
-"  none, and any other object (a bare array) is one positional argument\n"
-"  (inputs,). This is what PyTorch's scatter_kwargs gives once\n"
-"  parallel_apply has unpacked or wrapped each replica's piece (spec 3.1,\n"
-"  6.3): [x] and x both make replica i's arguments (x_i,).\n"
+"  none. A tuple gives each replica a tuple (x_i,), a list a list [x_i], as\n"
+"  PyTorch's scatter_kwargs does (its scatter keeps the container type).\n"
+"  Any other object (a bare array) is one positional argument: replica i\n"
+"  gets (x_i,), which is what PyTorch's parallel_apply makes of the x_i its\n"
+"  scatter gives (spec 3.1, 6.3); PyTorch's scatter_kwargs itself fails on\n"
+"  a bare array of more than one element ('if inputs' asks for its truth\n"
+"  value: RuntimeError/ValueError 'ambiguous'), a documented difference.\n"
 "kwargs: a dict or None.\n"
 "target_devices, dim, strict, chunk_sizes, weights: as in dpmini.scatter.\n"
 "in_dims: None (every array split along dim), an int or None for every\n"
@@ -190,7 +193,8 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "  (ValueError naming it, e.g. in_dims['mask']).\n"
 "\n"
 "Returns (inputs_tuple, kwargs_tuple), each with exactly k entries: a tuple\n"
-"of positional arguments and a dict of keyword arguments per replica. k is\n"
+"(a list when inputs is a list) of positional arguments and a dict of\n"
+"keyword arguments per replica. k is\n"
 "the smallest chunk count over ALL arrays of inputs and kwargs together, or\n"
 "len(target_devices) when there is no array: non-array values never add\n"
 "replicas, so no replica runs without its inputs (R04; PyTorch pads the\n"
@@ -232,6 +236,8 @@ static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *k
     opts.strict = strict;
     opts.in_dims = in_dims;
     if (dp_scatter_kwargs_ex(st, ins, kw, devs, ndev, &opts, &in_out, &kw_out) < 0)
+        goto done;
+    if ((in_out = dp_inputs_as_lists(inputs, in_out)) == NULL)
         goto done;
     res = PyTuple_Pack(2, in_out, kw_out);
 done:

@@ -22,9 +22,10 @@ int parse_dim(PyObject *obj, int *dim)
 }
 
 /* scatter_kwargs' inputs: None -> empty, a tuple as is, a list as the tuple
- * of its items, anything else one positional argument (inputs,). That is
- * what torch's scatter_kwargs gives once parallel_apply has called the
- * module (spec 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
+ * of its items (each replica's piece is made a list again afterwards,
+ * dp_inputs_as_lists), anything else one positional argument (inputs,).
+ * That is what torch's scatter_kwargs gives once parallel_apply has called
+ * the module (spec 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
  * parallel_apply unpacks, and scatter(x) makes x_i, which it wraps as
  * (x_i,). New reference. */
 PyObject *normalize_inputs(PyObject *inputs)
@@ -36,6 +37,23 @@ PyObject *normalize_inputs(PyObject *inputs)
     if (PyList_Check(inputs))
         return PyList_AsTuple(inputs);
     return PyTuple_Pack(1, inputs);
+}
+
+PyObject *dp_inputs_as_lists(PyObject *inputs, PyObject *per_replica)
+{
+    if (per_replica == NULL || !PyList_Check(inputs) || PyList_GET_SIZE(inputs) == 0)
+        return per_replica;
+    Py_ssize_t k = PyTuple_GET_SIZE(per_replica);
+    PyObject *res = PyTuple_New(k);
+    for (Py_ssize_t i = 0; res != NULL && i < k; i++) {
+        PyObject *row = PySequence_List(PyTuple_GET_ITEM(per_replica, i));
+        if (row == NULL)
+            Py_CLEAR(res);
+        else
+            PyTuple_SET_ITEM(res, i, row);
+    }
+    Py_DECREF(per_replica);
+    return res;
 }
 
 /* kwargs: None -> NULL (no kwargs); a dict as is (borrowed). */

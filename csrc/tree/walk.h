@@ -59,6 +59,13 @@ int dp_scatter_kwargs_ex(dp_state *st, PyObject *inputs, PyObject *kwargs,
  * ndev numbers; at most one given) into caller arrays of DP_MAX_DEVICES
  * entries, and point opts->chunk_sizes / opts->weights at them (NULL when
  * not given). ValueError/TypeError naming the argument and entry. */
+/* scatter_kwargs' per-replica positional arguments (a tuple of tuples,
+ * stolen) in the container inputs came in: each replica's tuple made a list
+ * when inputs is a non-empty list, as PyTorch's scatter_kwargs gives ([x]
+ * -> [x_i] per replica; [] -> () as for no inputs); else per_replica
+ * itself. New reference, NULL on error (tree_args.c). */
+PyObject *dp_inputs_as_lists(PyObject *inputs, PyObject *per_replica);
+
 int dp_parse_split_sizes(PyObject *chunk_sizes, PyObject *weights, Py_ssize_t ndev,
                          int64_t *sizes_buf, double *weights_buf,
                          dp_split_opts *opts);
