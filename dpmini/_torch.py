@@ -205,11 +205,16 @@ def _pass_generator(generator, func, args, kwargs):
     return func(*args, **kwargs)
 
 
-def _bound(func, args, kwargs, names, defaults):
-    """(value of each name) from a call of func(*args, **kwargs)."""
-    values = dict(zip(names, args))
+def _bound(func, args, kwargs):
+    """The values of func's parameters (a Python function's, defaults
+    included) in a call func(*args, **kwargs), in order."""
+    code = func.__code__
+    names = code.co_varnames[:code.co_argcount]
+    defaults = func.__defaults__ or ()
+    values = dict(zip(names[len(names) - len(defaults):], defaults))
+    values.update(zip(names, args))
     values.update(kwargs)
-    return [values.get(n, d) for n, d in zip(names, defaults)]
+    return [values.get(n) for n in names]
 
 
 def _dropout(generator, func, args, kwargs, alpha=False):
@@ -218,8 +223,7 @@ def _dropout(generator, func, args, kwargs, alpha=False):
     noise tensor, scaled; for alpha dropout, SELU's affine correction).
     Without a draw (not training, p 0 or 1, an empty input, a bad p): torch's
     own function."""
-    x, p, training, inplace = _bound(func, args, kwargs, ("input", "p", "training", "inplace"),
-                                     (None, 0.5, True, False))
+    x, p, training, inplace = _bound(func, args, kwargs)   # (input, p, training, inplace)
     if not isinstance(x, torch.Tensor) or type(p) not in (int, float) or \
             not training or not 0 < p < 1 or x.numel() == 0:
         return func(*args, **kwargs)

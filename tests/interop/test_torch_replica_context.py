@@ -266,3 +266,13 @@ def test_a_replica_error_in_a_random_function_is_its_error(torch):
         return torch.nn.functional.dropout(torch.ones(3), p=1.5)
     with pytest.raises(ValueError, match="(?s)Caught ValueError in replica 0.*dropout probability has to be"):
         dpmini.parallel_apply([replica] * 2, [(0,), (1,)], devices=DEVS)
+
+
+def test_replica_dropout_keeps_torchs_defaults(torch):
+    # F.alpha_dropout's training defaults to False, F.dropout's to True
+    def replica(_):
+        x = torch.ones(50)
+        return (torch.equal(torch.nn.functional.alpha_dropout(x, 0.5), x),
+                torch.equal(torch.nn.functional.dropout(x, 0.5), x))
+    got = dpmini.parallel_apply([replica] * 2, [(0,), (1,)], devices=DEVS)
+    assert got == [(True, False)] * 2
