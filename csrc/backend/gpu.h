@@ -60,6 +60,9 @@ dpc_status dp_gpu_release_deferred(int dev);
 void dp_launch_begin(void);
 /* lib_search.c: capi.h's search for a shared library (GIL held). */
 void *dp_find_library(dp_lib_search *s, char *found, size_t found_len);
+/* nccl_lib.c: libnccl.so.2 bound once for the process (GIL held on the
+ * first call); NULL with the reason in `why`. */
+const dp_nccl_lib *dp_nccl_lib_load(char *why, size_t why_len);
 void dp_launch_end(void);
 void dp_device_call_begin(void);
 void dp_device_call_end(void);

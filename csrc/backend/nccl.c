@@ -1,7 +1,8 @@
 /* nccl.c - NCCL, loaded with dlopen on first use (never at import), for
  * comm.broadcast / broadcast_coalesced / reduce_add on distinct GPUs.
  *
- * Search order for libnccl.so.2 (lib_search.c, shared with dpmini._dist):
+ * The library is nccl_lib.c's, bound once for both extensions; its search
+ * order for libnccl.so.2 (lib_search.c):
  * $DPMINI_NCCL_LIBRARY (a full path), the nvidia-nccl wheel's folder
  * (site-packages/nvidia/nccl/lib, found on sys.path), $CUDA_HOME/lib64,
  * /usr/local/cuda/lib64, then the default loader path. Not loaded: callers
@@ -36,14 +37,13 @@
 #include "nccl_api.h"
 #include "plan.h" /* DP_MAX_DEVICES */
 
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
-static dp_nccl_fns nccl;
+static dp_nccl_lib nccl;   /* nccl_lib.c's, or the stand-in under emulation */
 
 static pthread_mutex_t nccl_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t nccl_run_mu = PTHREAD_MUTEX_INITIALIZER; /* one collective at a time */
@@ -70,54 +70,24 @@ static void comm_init(void)
     }
 }
 
-/* Every symbol nccl.c calls from the handle h (found at `path`); 0 with
- * nccl_desc saying which one is missing. */
-static int bind_nccl(void *h, const char *path)
-{
-#define SYM(field, name)                                                        \
-    *(void **)&nccl.field = dlsym(h, name);                                     \
-    if (nccl.field == NULL) {                                                   \
-        snprintf(nccl_desc, sizeof nccl_desc, "%s lacks %s", path, name);       \
-        dlclose(h);                                                             \
-        return 0;                                                               \
-    }
-    SYM(GetVersion, "ncclGetVersion");
-    SYM(CommInitAll, "ncclCommInitAll");
-    SYM(CommDestroy, "ncclCommDestroy");
-    SYM(CommAbort, "ncclCommAbort");
-    SYM(Broadcast, "ncclBroadcast");
-    SYM(Reduce, "ncclReduce");
-    SYM(GroupStart, "ncclGroupStart");
-    SYM(GroupEnd, "ncclGroupEnd");
-    SYM(GetErrorString, "ncclGetErrorString");
-    SYM(CommGetAsyncError, "ncclCommGetAsyncError");
-#undef SYM
-    int v = 0;
-    nccl.GetVersion(&v);
-    /* NCCL >= 2.9 encodes MAJOR*10000 + MINOR*100 + PATCH */
-    snprintf(nccl_desc, sizeof nccl_desc, "%d.%d.%d (%s)", v / 10000, (v / 100) % 100,
-             v % 100, path);
-    return 1;
-}
-
-/* With the GIL held (lib_search.c reads sys.path). */
+/* With the GIL held (nccl_lib.c's first load reads sys.path). */
 static void nccl_load(void)
 {
-    static const char *const names[] = {"libnccl.so.2", NULL};
-    dp_lib_search search = {"DPMINI_NCCL_LIBRARY", "nvidia/nccl/lib", names, 0, ""};
-    char path[200] = "";
+    char why[200] = "";
     if (strcmp(dpc_backend(), "cuda") != 0 || dpc_device_count() == 0) {
         snprintf(nccl_desc, sizeof nccl_desc, "not loaded (%s backend)", dpc_backend());
         nccl_state = -1;
         return;
     }
-    void *h = dp_find_library(&search, path, sizeof path);
-    if (h == NULL) {
-        snprintf(nccl_desc, sizeof nccl_desc, "not found: %.230s", search.tried);
+    const dp_nccl_lib *lib = dp_nccl_lib_load(why, sizeof why);
+    if (lib == NULL) {
+        snprintf(nccl_desc, sizeof nccl_desc, "%s", why);
         nccl_state = -1;
         return;
     }
-    nccl_state = bind_nccl(h, path) ? 1 : -1;
+    nccl = *lib;
+    snprintf(nccl_desc, sizeof nccl_desc, "%s", lib->desc);
+    nccl_state = 1;
 }
 
 int dp_nccl_available(void)

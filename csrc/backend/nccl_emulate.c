@@ -23,10 +23,10 @@
  * cuda_api.h copies and the add kernel, checking what NCCL checks: every
  * rank of a communicator set called, the same op, root and count. */
 enum { EMU_BCAST = 1, EMU_REDUCE = 2 };
-typedef struct dp_ncclComm {
+typedef struct dp_nccl_comm {
     int rank, nranks, dev;
     int async_err;                /* ncclCommGetAsyncError's answer          */
-    struct dp_ncclComm **set;     /* comms[0 .. nranks-1]                    */
+    struct dp_nccl_comm **set;     /* comms[0 .. nranks-1]                    */
     int *alive;                   /* shared: ranks not yet destroyed         */
 } emu_comm;
 typedef struct {
@@ -326,7 +326,7 @@ static const char *emu_error_string(ncclResult_t r)
     }
 }
 
-int dp_nccl_emu_install(dp_nccl_fns *nccl, char *nccl_desc, size_t desc_size)
+int dp_nccl_emu_install(dp_nccl_lib *nccl, char *nccl_desc, size_t desc_size)
 {
     nccl->GetVersion = emu_version;
     nccl->CommInitAll = emu_init_all;

@@ -2,9 +2,11 @@
  * dlopen on the first GPU collective (never at import), or the emulation
  * (dist_nccl_emu.c) when dpmini.distributed chose it.
  *
- * The search is dpmini._dpmini's (csrc/backend/lib_search.c, lent through
- * its C API capsule, core/capi.h), so both extensions find the same
- * libraries: libnccl.so.2 in $DPMINI_NCCL_LIBRARY (a full
+ * NCCL is dpmini._dpmini's table (csrc/backend/nccl_lib.c, bound once for
+ * the process and lent through its C API capsule, core/capi.h), and the
+ * CUDA runtime is found by the same search (csrc/backend/lib_search.c), so
+ * both extensions use the same libraries: libnccl.so.2 in
+ * $DPMINI_NCCL_LIBRARY (a full
  * path), the nvidia-nccl wheel (<sys.path entry>/nvidia/nccl/lib),
  * $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the loader's default path.
  * The CUDA runtime likewise ($DPMINI_CUDART_LIBRARY, the nvidia-cuda-runtime
@@ -76,34 +78,26 @@ void dist_launch_end(void)
         capi->launch_end();
 }
 
-/* Every symbol of the table from the two handles; 0, or -1 naming the
- * missing one in `why`. */
-static int bind(void *nccl, void *cudart, char *why, size_t n)
+/* The CUDA runtime's symbols of the table from its handle; 0, or -1 naming
+ * the missing one in `why`. */
+static int bind_cudart(void *cudart, char *why, size_t n)
 {
     static const struct {
-        int from_nccl;
         const char *name;
         size_t offset;
     } syms[] = {
-#define S(lib, field, name) {lib, name, offsetof(dist_nccl_api, field)}
-        S(1, GetUniqueId, "ncclGetUniqueId"), S(1, CommInitRank, "ncclCommInitRank"),
-        S(1, AllReduce, "ncclAllReduce"), S(1, Broadcast, "ncclBroadcast"),
-        S(1, Reduce, "ncclReduce"), S(1, Send, "ncclSend"), S(1, Recv, "ncclRecv"),
-        S(1, GroupStart, "ncclGroupStart"), S(1, GroupEnd, "ncclGroupEnd"),
-        S(1, CommGetAsyncError, "ncclCommGetAsyncError"), S(1, CommAbort, "ncclCommAbort"),
-        S(1, CommDestroy, "ncclCommDestroy"), S(1, GetErrorString, "ncclGetErrorString"),
-        S(0, SetDevice, "cudaSetDevice"), S(0, GetDevice, "cudaGetDevice"),
-        S(0, StreamQuery, "cudaStreamQuery"), S(0, StreamSynchronize, "cudaStreamSynchronize"),
-        S(0, CudaErrorString, "cudaGetErrorString"), S(0, Memcpy2DAsync, "cudaMemcpy2DAsync"),
-        S(0, DeviceGetAttribute, "cudaDeviceGetAttribute"),
-        S(0, DeviceGetPCIBusId, "cudaDeviceGetPCIBusId"),
+#define S(field, name) {name, offsetof(dist_nccl_api, field)}
+        S(SetDevice, "cudaSetDevice"), S(GetDevice, "cudaGetDevice"),
+        S(StreamQuery, "cudaStreamQuery"), S(StreamSynchronize, "cudaStreamSynchronize"),
+        S(CudaErrorString, "cudaGetErrorString"), S(Memcpy2DAsync, "cudaMemcpy2DAsync"),
+        S(DeviceGetAttribute, "cudaDeviceGetAttribute"),
+        S(DeviceGetPCIBusId, "cudaDeviceGetPCIBusId"),
 #undef S
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
-        void *p = dlsym(syms[i].from_nccl ? nccl : cudart, syms[i].name);
+        void *p = dlsym(cudart, syms[i].name);
         if (p == NULL) {
-            snprintf(why, n, "%s lacks %s (NCCL >= 2.7 and a CUDA runtime are needed)",
-                     syms[i].from_nccl ? "libnccl" : "libcudart", syms[i].name);
+            snprintf(why, n, "libcudart lacks %s", syms[i].name);
             return -1;
         }
         memcpy((char *)&real_api + syms[i].offset, &p, sizeof p);
@@ -111,14 +105,30 @@ static int bind(void *nccl, void *cudart, char *why, size_t n)
     return 0;
 }
 
+/* The NCCL functions of the table from dpmini._dpmini's. */
+static void take_nccl(const dp_nccl_lib *lib)
+{
+    real_api.GetUniqueId = lib->GetUniqueId;
+    real_api.CommInitRank = lib->CommInitRank;
+    real_api.AllReduce = lib->AllReduce;
+    real_api.Broadcast = lib->Broadcast;
+    real_api.Reduce = lib->Reduce;
+    real_api.Send = lib->Send;
+    real_api.Recv = lib->Recv;
+    real_api.GroupStart = lib->GroupStart;
+    real_api.GroupEnd = lib->GroupEnd;
+    real_api.CommGetAsyncError = lib->CommGetAsyncError;
+    real_api.CommAbort = lib->CommAbort;
+    real_api.CommDestroy = lib->CommDestroy;
+    real_api.GetErrorString = lib->GetErrorString;
+}
+
 static const dist_nccl_api *load_real(void)
 {
-    static const char *const nccl_names[] = {"libnccl.so.2", "libnccl.so", NULL};
     static const char *const cudart_names[] = {"libcudart.so.13", "libcudart.so.12",
                                                "libcudart.so.11.0", "libcudart.so", NULL};
-    dp_lib_search ns = {"DPMINI_NCCL_LIBRARY", "nvidia/nccl/lib", nccl_names, 0, ""};
     dp_lib_search cs = {"DPMINI_CUDART_LIBRARY", "nvidia/cuda_runtime/lib", cudart_names, 1, ""};
-    char nccl_at[200] = "", cudart_at[200] = "", why[200] = "";
+    char cudart_at[200] = "", why[300] = "";
     void *cudart = capi->find_library(&cs, cudart_at, sizeof cudart_at);
     if (cudart == NULL) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: GPU arrays need the CUDA runtime "
@@ -127,29 +137,24 @@ static const dist_nccl_api *load_real(void)
                      "loader's path): %.300s", cs.tried);
         return NULL;
     }
-    void *nccl = capi->find_library(&ns, nccl_at, sizeof nccl_at);
-    if (nccl == NULL) {
+    const dp_nccl_lib *lib = capi->nccl(why, sizeof why);
+    if (lib == NULL) {
         dlclose(cudart);
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: GPU arrays need NCCL "
-                     "(libnccl.so.2), which was not found ($DPMINI_NCCL_LIBRARY, the "
-                     "nvidia-nccl wheel, $CUDA_HOME/lib64, /usr/local/cuda/lib64, the loader's "
-                     "path): %.300s; install it (pip install nvidia-nccl-cu12) or pass host "
-                     "arrays", ns.tried);
+                     "(libnccl.so.2), which was not found or not usable ($DPMINI_NCCL_LIBRARY, "
+                     "the nvidia-nccl wheel, $CUDA_HOME/lib64, /usr/local/cuda/lib64, the "
+                     "loader's path): %.300s; install it (pip install nvidia-nccl-cu12) or pass "
+                     "host arrays", why);
         return NULL;
     }
-    if (bind(nccl, cudart, why, sizeof why) < 0) {
-        dlclose(nccl);
+    if (bind_cudart(cudart, why, sizeof why) < 0) {
         dlclose(cudart);
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: %s", why);
         return NULL;
     }
-    int v = 0;
-    int (*version)(int *) = (int (*)(int *))dlsym(nccl, "ncclGetVersion");
-    if (version != NULL)
-        version(&v);
-    /* NCCL >= 2.9 encodes MAJOR*10000 + MINOR*100 + PATCH */
-    snprintf(real_api.desc, sizeof real_api.desc, "NCCL %d.%d.%d (%.160s); CUDA runtime (%.160s)",
-             v / 10000, (v / 100) % 100, v % 100, nccl_at, cudart_at);
+    take_nccl(lib);
+    snprintf(real_api.desc, sizeof real_api.desc, "NCCL %.200s; CUDA runtime (%.160s)",
+             lib->desc, cudart_at);
     real_api.emulated = 0;
     return &real_api;
 }

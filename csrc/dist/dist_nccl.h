@@ -1,8 +1,10 @@
 /* dist_nccl.h - NCCL (and the few CUDA runtime calls it needs) for the GPU
  * collectives of dpmini._dist, as a table of function pointers.
  *
- * Two tables fill it: dist_nccl.c loads the real libnccl.so.2 and
- * libcudart with dlopen on the first GPU collective (never at import), and
+ * Two tables fill it: dist_nccl.c takes the real libnccl.so.2 from
+ * dpmini._dpmini (bound once for the process, lent through its C API
+ * capsule) and loads libcudart with dlopen on the first GPU collective
+ * (never at import), and
  * dist_nccl_emu.c implements the same calls over MPI on host memory, for the
  * emulated build of dpmini (its "cuda:N" arrays) so that the GPU logic runs
  * in CI. The signatures are NCCL's and the CUDA runtime's public ABI
@@ -20,11 +22,9 @@
 #include "capi.h"
 #include <stdint.h>
 
-typedef struct dist_nccl_comm_s *dist_ncclComm_t;
+typedef dp_nccl_comm_t dist_ncclComm_t;         /* core/capi.h's NCCL ABI */
 typedef void *dist_stream_t;
-typedef struct {
-    char internal[128];
-} dist_ncclUniqueId;
+typedef dp_nccl_unique_id dist_ncclUniqueId;
 
 /* ncclResult_t */
 enum { NCCL_OK = 0, NCCL_UNHANDLED_CUDA = 1, NCCL_SYSTEM = 2, NCCL_INTERNAL = 3,

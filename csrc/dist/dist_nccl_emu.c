@@ -62,7 +62,7 @@
  * a 2D copy that runs once every operation queued before it is done. */
 typedef struct emu_op {
     struct emu_op *next;
-    struct dist_nccl_comm_s *comm;
+    struct dp_nccl_comm *comm;
     dist_stream_t stream;   /* the stream it was queued on ...         */
     int dev;                /* ... and, for stream 0, whose legacy one  */
     MPI_Request req;
@@ -75,7 +75,7 @@ typedef struct emu_op {
     size_t dpitch, spitch, width, height;
 } emu_op;
 
-struct dist_nccl_comm_s {
+struct dp_nccl_comm {
     MPI_Comm comm;
     int rank, size, dev, async_error;
 };
@@ -97,7 +97,7 @@ void dist_nccl_emu_set_parent(MPI_Comm parent)
 
 /* The host address of a buffer of `comm`'s device; -1 when it is on
  * another emulated device. */
-static int host_of(const struct dist_nccl_comm_s *c, const void *p, void **host)
+static int host_of(const struct dp_nccl_comm *c, const void *p, void **host)
 {
     uintptr_t u = (uintptr_t)p;
     if (u & EMU_TAG) {
@@ -136,7 +136,7 @@ static void append(emu_op *o)
 }
 
 /* A new queued op, or NULL (the caller returns its code in *rc). */
-static emu_op *queue(struct dist_nccl_comm_s *c, int dtype, size_t count, dist_stream_t st,
+static emu_op *queue(struct dp_nccl_comm *c, int dtype, size_t count, dist_stream_t st,
                      int *rc)
 {
     *rc = NCCL_OK;
@@ -279,7 +279,7 @@ static void copy_2d(const emu_op *o)
 typedef struct {
     dist_stream_t st;
     int dev;
-    const struct dist_nccl_comm_s *of;
+    const struct dp_nccl_comm *of;
 } emu_selection;
 
 static int selected(const emu_op *o, const emu_selection *in)
@@ -408,7 +408,7 @@ static int emu_comm_init_rank(dist_ncclComm_t *out, int nranks, dist_ncclUniqueI
     }
     if (strncmp(id.internal, EMU_ID_MAGIC, strlen(EMU_ID_MAGIC)) != 0 || emu_parent == MPI_COMM_NULL)
         return NCCL_INVALID_ARGUMENT;
-    struct dist_nccl_comm_s *c = calloc(1, sizeof *c);
+    struct dp_nccl_comm *c = calloc(1, sizeof *c);
     if (c == NULL)
         return NCCL_SYSTEM;
     if (MPI_Comm_dup(emu_parent, &c->comm) != MPI_SUCCESS) {

@@ -1,6 +1,6 @@
 /* capi.c - the C API capsule dpmini._dpmini lends dpmini._dist
- * (core/capi.h): the NCCL launch lock and the library search, so that the
- * process has one of each whichever extension calls. */
+ * (core/capi.h): the NCCL launch lock, the library search and the NCCL
+ * table, so that the process has one of each whichever extension calls. */
 #include "dpmini.h"
 #include "capi.h"
 #include "gpu.h"
@@ -10,6 +10,7 @@ static const dp_capi capi = {
     dp_launch_begin,
     dp_launch_end,
     dp_find_library,
+    dp_nccl_lib_load,
 };
 
 int dp_capi_add(PyObject *m)
