@@ -76,7 +76,7 @@ demo-distributed: deps-mpi
 # tests/test_distributed.py launches mpirun -np 4 and -np 1 itself (each in `timeout`);
 # its GPU-array cases run on the emulated build (NCCL emulated over MPI).
 test-distributed: deps-mpi build-emulated
-	timeout 900 $(PY) -m pytest -q tests/test_distributed.py
+	timeout 900 $(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_guard.py
 
 bench-distributed: deps-mpi
 	$(MPI_ENV) timeout 600 mpirun -np $(MPI_NP) $(PY) benchmarks/bench_distributed.py
