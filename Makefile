@@ -93,7 +93,8 @@ demo-distributed: deps-mpi
 # multi-host tests skip, saying why).
 test-distributed: deps-mpi build-emulated
 	timeout 1800 $(PY) tools/multihost.py run -- \
-	  $(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_multihost.py
+	  $(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_guard.py \
+	  tests/test_distributed_multihost.py
 
 bench-distributed: deps-mpi
 	$(MPI_ENV) timeout 600 mpirun -np $(MPI_NP) $(PY) benchmarks/bench_distributed.py
