@@ -207,9 +207,9 @@ def _install_abort_hook():
 
 def _end_job():
     """At exit, before mpi4py's MPI_Finalize: after an unfinished init, straight
-    to MPI_Finalize (see init); else the exit agreement of _dist_exit decides between MPI_Finalize on every rank
-    and MPI_Abort (a missing rank, or a communicator broken by a TimeoutError
-    whose messages in flight MPI_Finalize could wait on forever)."""
+    to MPI_Finalize (see init); else the exit agreement of _dist_exit decides
+    between MPI_Finalize on every rank and MPI_Abort (a communicator broken by a
+    TimeoutError, whose messages in flight MPI_Finalize could wait on forever)."""
     if _state.stuck is not None:
         return
     comm = _state.comm
