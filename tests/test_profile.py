@@ -401,3 +401,15 @@ def test_replicate_copies_are_spans_of_each_device_with_its_bytes():
     for dev in D2:
         assert sum(e["bytes"] for e in copies(prof, "replicate", dev)) == want
     assert [c["name"] for c in prof.calls()] == ["replicate"]
+
+
+def test_gather_onto_one_device_copies_on_one_thread_per_part():
+    # both parts go to cpu:0 (the output device); each is copied by its own
+    # worker thread, not both by cpu:0's (the gather took twice the scatter)
+    x = np.ones((2048, 1024), dtype=np.float32)   # 8 MiB: copied on the workers
+    dp = round_trip(x, 0)
+    with dpmini.profile() as prof:
+        dp(x)
+    threads = {dev: {e["thread"] for e in copies(prof, "gather", dev)} for dev in D2}
+    assert all(len(t) == 1 for t in threads.values()), threads
+    assert threads["cpu:0"] != threads["cpu:1"]
