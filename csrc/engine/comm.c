@@ -222,7 +222,7 @@ PyDoc_STRVAR(comm_scatter_doc,
 "an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
 "IndexError (dim out of range).");
 
-static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_scatter_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "streams", "out", NULL};
     PyObject *obj, *devices_obj = Py_None, *sizes_obj = Py_None, *dim_obj = NULL,
@@ -318,6 +318,15 @@ done:
     return result;
 }
 
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_scatter. */
+static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_scatter_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_scatter", args, kw);
+}
+
 /* ------------------------------------------------------------------ */
 /* Gather                                                              */
 /* ------------------------------------------------------------------ */
@@ -363,7 +372,7 @@ PyDoc_STRVAR(comm_gather_doc,
 "destination, read-only out, out overlapping arrays[i] or itself), IndexError (dim),\n"
 "TypeError (not arrays, object dtype, MaskedArray/matrix).");
 
-static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_gather_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "dim", "destination", "out", NULL};
     PyObject *arrays_obj, *dim_obj = NULL, *dest_obj = Py_None, *out_obj = Py_None;
@@ -419,6 +428,15 @@ static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 done:
     arrays_free(parts, n);
     return result;
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_gather. */
+static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_gather_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_gather", args, kw);
 }
 
 /* The functions of dpmini.comm (module.c makes the submodule; self is the

@@ -31,7 +31,7 @@ DP_COMM_DOC(comm_broadcast_doc,
 "out[i] overlapping array, another out[j] or itself), TypeError (not an array, object\n"
 "dtype, MaskedArray/matrix).");
 
-PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_broadcast_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"array", "devices", "out", NULL};
     PyObject *obj, *devices_obj = Py_None, *out_obj = Py_None, *result = NULL;
@@ -124,6 +124,15 @@ done:
     return result;
 }
 
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_broadcast. */
+PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_broadcast_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast", args, kw);
+}
+
 static int parse_buffer_size(PyObject *obj, size_t *out)
 {
     if (obj == NULL) {
@@ -157,7 +166,7 @@ DP_COMM_DOC(comm_broadcast_coalesced_doc,
 "Raises ValueError (no devices, bad buffer_size), TypeError (not arrays, object\n"
 "dtype).");
 
-PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_broadcast_coalesced_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "devices", "buffer_size", NULL};
     PyObject *arrays_obj, *devices_obj, *bs_obj = NULL, *result;
@@ -180,6 +189,15 @@ PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
     return result;
 }
 
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_broadcast_coalesced. */
+PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_broadcast_coalesced_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast_coalesced", args, kw);
+}
+
 /* ------------------------------------------------------------------ */
 /* Reduce                                                              */
 /* ------------------------------------------------------------------ */
@@ -198,7 +216,7 @@ DP_COMM_DOC(comm_reduce_add_doc,
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
 "dtypes).");
 
-PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_reduce_add_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"arrays", "destination", NULL};
     PyObject *arrays_obj, *dest_obj = Py_None;
@@ -226,6 +244,15 @@ PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
     return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_reduce_add. */
+PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_reduce_add_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add", args, kw);
+}
+
 DP_COMM_DOC(comm_reduce_add_coalesced_doc,
 "reduce_add_coalesced(per_device, destination=None, buffer_size=10485760)\n"
 "--\n"
@@ -237,7 +264,7 @@ DP_COMM_DOC(comm_reduce_add_coalesced_doc,
 "Raises ValueError (empty, lengths or sizes that differ, bad buffer_size), TypeError\n"
 "(as reduce_add).");
 
-PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+static PyObject *comm_reduce_add_coalesced_once(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"per_device", "destination", "buffer_size", NULL};
     PyObject *pd_obj, *dest_obj = Py_None, *bs_obj = NULL, *seq = NULL, *result = NULL;
@@ -320,4 +347,13 @@ done:
     Py_XDECREF(column);
     Py_DECREF(seq);
     return result;
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.comm_reduce_add_coalesced. */
+PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
+{
+    PyObject *res = comm_reduce_add_coalesced_once(m, args, kw);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add_coalesced", args, kw);
 }

@@ -87,7 +87,7 @@ PyDoc_STRVAR(scatter_doc,
 "    the rows dropped. An array with 0 rows along its dim (one empty chunk\n"
 "    per device) loses nothing: no warning, and no error under strict.");
 
-static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
+static PyObject *py_scatter_once(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"inputs", "target_devices", "dim", "strict", "in_dims",
                              "chunk_sizes", "weights", NULL};
@@ -155,6 +155,15 @@ done:
     return out;
 }
 
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.scatter. */
+static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    PyObject *res = py_scatter_once(module, args, kwds);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "scatter", args, kwds);
+}
+
 PyDoc_STRVAR(scatter_kwargs_doc,
 "scatter_kwargs($module, inputs, kwargs, target_devices, dim=0, strict=False,\n"
 "               in_dims=None, chunk_sizes=None, weights=None)\n"
@@ -190,7 +199,7 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "Raises and warns as dpmini.scatter; paths name the argument, e.g. args[0],\n"
 "args[1]['img'], args[0].a (namedtuple field) or kwargs['mask'].");
 
-static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
+static PyObject *py_scatter_kwargs_once(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"inputs", "kwargs", "target_devices", "dim", "strict",
                              "in_dims", "chunk_sizes", "weights", NULL};
@@ -229,6 +238,15 @@ done:
     Py_DECREF(ins);
     PyMem_Free(devs);
     return res;
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.scatter_kwargs. */
+static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    PyObject *res = py_scatter_kwargs_once(module, args, kwds);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "scatter_kwargs", args, kwds);
 }
 
 PyMethodDef dp_scatter_methods[] = {
