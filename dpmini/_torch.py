@@ -384,7 +384,11 @@ def scatter_kwargs(*args: Any, **kwargs: Any) -> Any:
 def _attach_scatter_kwargs(inputs: Any, kw: Any, ins: Any, kws: Any) -> tuple[Any, Any]:
     if not _needs_grad((inputs, kw)) or len(ins) != len(kws):
         return ins, kws
-    src = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (), kw or {})
+    if inputs is None:
+        inputs = ()
+    elif not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)          # a bare array is one positional argument
+    src = (tuple(inputs), kw or {})
     pairs = _attach_scatter(src, [(i, k) for i, k in zip(ins, kws)])
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 

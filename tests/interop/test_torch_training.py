@@ -278,3 +278,10 @@ def test_replicas_parameter_gradients_sum_onto_the_original(torch):
     x = torch.ones(1, 2, dtype=torch.float64)
     sum(r(x).sum() for r in reps).backward()
     assert model.weight.grad.tolist() == [[3.0, 3.0]]
+
+
+def test_scatter_kwargs_of_a_bare_tensor_is_differentiable(torch):
+    x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).requires_grad_()
+    ins, kws = dpmini.scatter_kwargs(x, None, _devs(2))
+    (ins[0][0].sum() + 2 * ins[1][0].sum()).backward()
+    assert x.grad.tolist() == [[1.0, 1.0]] * 2 + [[2.0, 2.0]] * 2
