@@ -41,9 +41,9 @@ _comm = _dpmini.comm
 
 def _device_arg(t: torch.Tensor) -> str:
     """The dpmini device of a tensor's memory: "cpu" (the host) or "cuda:N"."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return "cpu"
-    return f"{t.device.type}:{t.device.index}"
+    return f"{t.device.type}:{t.get_device()}"
 
 
 def _on_host(tensors: Any) -> bool:
@@ -530,7 +530,8 @@ def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> l
     param_index = {id(p): i for i, p in enumerate(params)}
     buffer_index = {id(b): i for i, b in enumerate(buffers)}
     return [_replica_tree(modules, param_copies[j], param_index, buffer_copies[j],
-                          buffer_index) for j in range(len(devices))]
+                          buffer_index, register=detach and j == 0)
+            for j in range(len(devices))]
 
 
 def _replicate_tensors(tensors: list[torch.Tensor], devices: list[Any], detach: bool,
@@ -560,15 +561,39 @@ def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], lis
             for j in range(ndev)]
 
 
+_MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
+
+
+def _shallow_replica(module: nn.Module) -> nn.Module:
+    """module._replicate_for_data_parallel() plus torch replicate's
+    _former_parameters. When the module's class does not override that method, the
+    same __dict__ is built directly (nn.Module.__setattr__ per field costs more than
+    the copy)."""
+    if type(module)._replicate_for_data_parallel is not _MODULE_REPLICATE:
+        replica = module._replicate_for_data_parallel()
+        replica._former_parameters = OrderedDict()
+        return replica
+    state = module.__dict__.copy()
+    state["_parameters"] = {}
+    state["_buffers"] = state["_buffers"].copy()
+    state["_modules"] = state["_modules"].copy()
+    state["_is_replica"] = True
+    state["_former_parameters"] = OrderedDict()
+    replica = module.__new__(type(module))
+    object.__setattr__(replica, "__dict__", state)
+    return replica
+
+
 def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
                   param_index: dict[int, int], buffers: list[torch.Tensor],
-                  buffer_index: dict[int, int]) -> nn.Module:
+                  buffer_index: dict[int, int], register: bool) -> nn.Module:
     """One device's replica of modules[0]: every module's replica, linked to its
-    children's replicas, holding that device's parameters and buffers."""
-    replicas = [m._replicate_for_data_parallel() for m in modules]
+    children's replicas, holding that device's parameters and buffers. register: params
+    are the original Parameters (detached replica 0), registered as parameters as
+    setattr does in PyTorch; otherwise plain attributes (spec 5.5)."""
+    replicas = [_shallow_replica(m) for m in modules]
     index = {id(m): i for i, m in enumerate(modules)}
     for module, replica in zip(modules, replicas):
-        replica._former_parameters = OrderedDict()
         for key, child in module._modules.items():
             value = None if child is None else replicas[index[id(child)]]
             if isinstance(replica, _DP):
@@ -577,7 +602,7 @@ def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
                 replica._modules[key] = value
         for key, param in module._parameters.items():
             copy = None if param is None else params[param_index[id(param)]]
-            if isinstance(copy, nn.Parameter):
+            if register and copy is not None:
                 replica._parameters[key] = copy
             else:
                 replica.__dict__[key] = copy
