@@ -1,8 +1,769 @@
-"""What dpmini needs to know about PyTorch (imported only once torch is).
+"""dpmini._torch: what is specific to PyTorch, in one module.
 
-(The torch adapter's own part of this module goes above; the lead merges the
-two parts. This part: the replica context.)
+Imported only when a torch module or a tensor that requires grad reaches dpmini (the C
+entry points import it then; ``import dpmini`` never imports torch). It holds:
+
+- the autograd Functions around dpmini's C copies (spec §7): a scatter's backward
+  gathers the gradient back onto the input's device, a gather's backward scatters it
+  with the replicas' sizes, a broadcast's backward sums the copies' gradients onto the
+  source (PyTorch's ReduceAddCoalesced), a reduce_add's backward hands the gradient to
+  every input. The copies themselves are always dpmini's C functions, called on detached
+  tensors under ``torch.no_grad()``; the Functions only record the graph.
+- the differentiable forms of ``scatter``, ``scatter_kwargs``, ``gather``,
+  ``data_parallel`` and the ``comm`` functions, which the C entry points call when they
+  meet a tensor that requires grad with grad mode on (``_RequiresGradError``).
+- ``replicate``: PyTorch's replicate rules for a ``torch.nn.Module`` (spec §5).
+- the ``torch.nn.Module`` adapter: ``dpmini.DataParallel(torch_module)`` is made of
+  ``adapter_type(dpmini.DataParallel)``, a subclass of the C type that is also an
+  ``nn.Module`` whose one child is ``module`` (spec 1.8).
+- the replica context (registered with ``register_replica_context`` when this module
+  is imported): torch's per-thread state (grad and inference mode, autocast, current
+  streams, intra-op threads) carried into each replica's thread, and the rule that
+  makes random numbers in replicas on virtual CPU devices reproducible.
+
+Under ``torch.no_grad()`` none of this runs per call except the replicate rules: the C
+paths are used as they are.
 """
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as _F
+from torch import nn
+from torch.overrides import TorchFunctionMode as _TorchFunctionMode
+
+from . import _blas, _dpmini
+from ._dpmini import register_replica_context
+
+_DP = _dpmini.DataParallel
+_comm = _dpmini.comm
+
+# ---------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------
+
+
+def _device_arg(t: torch.Tensor) -> str:
+    """The dpmini device of a tensor's memory: "cpu" (the host) or "cuda:N"."""
+    if t.is_cpu:
+        return "cpu"
+    return f"{t.device.type}:{t.get_device()}"
+
+
+def _on_host(tensors: Any) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _is_virtual_cpu(device: Any) -> bool:
+    return str(device).startswith("cpu:")
+
+
+# ---------------------------------------------------------------------------
+# Autograd Functions (spec §7)
+# ---------------------------------------------------------------------------
+
+
+def _zeros_for(like: list[tuple[Any, ...]], grads: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The gradients of the pieces, a zero tensor where a piece got none (like: each
+    piece's (shape, dtype, device))."""
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for (shape, dtype, device), g in zip(like, grads)]
+
+
+class _Scatter(torch.autograd.Function):
+    """Pieces of one tensor on the replicas' devices (made by dpmini's C scatter or
+    broadcast before apply, passed in a list so autograd does not track them).
+
+    dim: the split dimension, or None when every piece is a whole copy. Backward
+    (PyTorch's Scatter.backward = Gather): the pieces' gradients concatenated along dim
+    onto the source's device (rows a split dropped get zeros), or summed for copies.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, pieces: list[torch.Tensor], dim: int | None):
+        ctx.dim = dim
+        ctx.dest = _device_arg(src)
+        ctx.src_shape = src.shape
+        ctx.like = [(p.shape, p.dtype, p.device) for p in pieces]
+        return tuple(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        if all(g is None for g in grads):
+            return None, None, None
+        if ctx.dim is None:
+            present = [g for g in grads if g is not None]
+            if len(present) == 1 and _device_arg(present[0]) == ctx.dest:
+                return present[0], None, None
+            return _comm.reduce_add(present, destination=ctx.dest), None, None
+        full = _zeros_for(ctx.like, grads)
+        missing = ctx.src_shape[ctx.dim] - sum(g.shape[ctx.dim] for g in full)
+        if missing > 0:
+            shape = list(ctx.src_shape)
+            shape[ctx.dim] = missing
+            full.append(full[0].new_zeros(shape))
+        return _comm.gather(full, dim=ctx.dim, destination=ctx.dest), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """The gathered tensor (made by dpmini's C gather before apply, in a list) as a
+    function of the replicas' outputs.
+
+    rule: ("dim", d) concatenated along d; ("scalar",) 0-dim outputs made a vector;
+    ("first",) replica 0's value (out_dims None); ("sum",) their sum. Backward (PyTorch's
+    Gather.backward = Scatter): the gradient split with the replicas' sizes and sent to
+    each replica's device; g[i] for scalars; all of it to replica 0; all of it to each.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, result: list[torch.Tensor], rule: tuple[Any, ...], *outs: torch.Tensor):
+        ctx.rule = rule
+        ctx.sizes = [o.shape[rule[1]] for o in outs] if rule[0] == "dim" else None
+        ctx.devices = [_device_arg(o) for o in outs]
+        return result[0]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        kind, k = ctx.rule[0], len(ctx.devices)
+        if kind == "first":
+            grads: list[Any] = [g] + [None] * (k - 1)
+        elif kind == "sum":
+            grads = _fan_out(g, ctx.devices)
+        elif kind == "scalar":
+            grads = [g[i] for i in range(k)]
+        elif all(d == "cpu" for d in ctx.devices):
+            grads = list(g.split(ctx.sizes, ctx.rule[1]))   # views, no copy
+        else:
+            grads = list(_comm.scatter(g.contiguous(), devices=ctx.devices,
+                                       chunk_sizes=ctx.sizes, dim=ctx.rule[1]))
+        return (None, None, *grads)
+
+
+def _fan_out(g: torch.Tensor, devices: list[str]) -> list[torch.Tensor]:
+    """g on each of devices: the tensor itself on the host, dpmini's broadcast else."""
+    if all(d == "cpu" for d in devices):
+        return [g] * len(devices)
+    copies = _comm.broadcast(g, devices=[d for d in devices if d != "cpu"])
+    it = iter(copies)
+    return [g if d == "cpu" else next(it) for d in devices]
+
+
+class _ReduceAdd(torch.autograd.Function):
+    """dpmini's reduce_add result (in a list) as a function of its inputs; backward
+    hands the gradient to every input (on its device)."""
+
+    @staticmethod
+    def forward(ctx: Any, result: list[torch.Tensor], *inputs: torch.Tensor):
+        ctx.devices = [_device_arg(t) for t in inputs]
+        return result[0]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        return (None, *_fan_out(g, ctx.devices))
+
+
+class _Broadcast(torch.autograd.Function):
+    """Parameters on every replica's device (spec 5.2, 7.3): devices[0]'s are the
+    parameters' own memory (spec 5.6), the others dpmini's C copies
+    (broadcast_coalesced). Outputs are device-major (all of devices[0], then
+    devices[1], ...). Backward (ReduceAddCoalesced): each parameter's gradients from
+    all replicas summed onto the parameter's device; the sum accumulates into .grad."""
+
+    @staticmethod
+    def forward(ctx: Any, devices: list[Any], *params: torch.Tensor):
+        ctx.n = len(params)
+        ctx.dests = [_device_arg(p) for p in params]
+        detached = [p.detach() for p in params]
+        copies = _copies(detached, devices)
+        ctx.mark_non_differentiable(*[c for row in copies for c, p in zip(row, params)
+                                      if not p.requires_grad])
+        return tuple(c for row in copies for c in row)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        n = ctx.n
+        per_param = [[grads[d * n + i] for d in range(len(grads) // n)] for i in range(n)]
+        sums = []
+        for i, gs in enumerate(per_param):
+            present = [g for g in gs if g is not None]
+            if not present:
+                sums.append(None)
+            elif len(present) == 1 and _device_arg(present[0]) == ctx.dests[i]:
+                sums.append(present[0])
+            else:
+                sums.append(_comm.reduce_add(present, destination=ctx.dests[i]))
+        return (None, *sums)
+
+
+def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.Tensor]]:
+    """Per device, the tensors there: devices[0] the tensors themselves (spec 5.3,
+    5.6), the others dpmini's C broadcast_coalesced copies."""
+    rows = [list(tensors)]
+    if len(devices) > 1 and tensors:
+        rows.extend(_comm.broadcast_coalesced(tensors, list(devices[1:])))
+    elif len(devices) > 1:
+        rows.extend([] for _ in devices[1:])
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Walking a structure beside its per-replica pieces
+# ---------------------------------------------------------------------------
+
+
+def _needs_grad(obj: Any, depth: int = 0) -> bool:
+    """Does obj hold a tensor that requires grad (tuples, lists, dicts, dataclasses)?"""
+    if isinstance(obj, torch.Tensor):
+        return obj.requires_grad
+    if depth > 512:
+        return False
+    if isinstance(obj, (tuple, list)):
+        return any(_needs_grad(v, depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        return any(_needs_grad(v, depth + 1) for v in obj.values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_needs_grad(getattr(obj, f.name), depth + 1)
+                   for f in dataclasses.fields(obj))
+    return False
+
+
+def _children(obj: Any) -> list[tuple[Any, Any]] | None:
+    """(key, child) pairs of a container, or None for a leaf."""
+    if isinstance(obj, (tuple, list)):
+        return list(enumerate(obj))
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return None
+
+
+def _child(obj: Any, key: Any) -> Any:
+    if isinstance(obj, (tuple, list, dict)):
+        return obj[key]
+    return getattr(obj, key)
+
+
+def _rebuild(like: Any, new: dict[Any, Any]) -> Any:
+    """like with the children in new replaced (same type)."""
+    if not new:
+        return like
+    if isinstance(like, tuple):
+        items = [new.get(i, v) for i, v in enumerate(like)]
+        if hasattr(like, "_fields"):
+            return type(like)(*items)
+        return type(like)(items) if type(like) is not tuple else tuple(items)
+    if isinstance(like, list):
+        out = list(like) if type(like) is list else type(like)(like)
+        for i, v in new.items():
+            out[i] = v
+        return out
+    if isinstance(like, dict):
+        out = like.copy()
+        out.update(new)
+        return out
+    return dataclasses.replace(like, **new)
+
+
+def _fits(src: Any, outs: list[Any]) -> bool:
+    """Do the per-replica pieces have src's container shape at this level?"""
+    if isinstance(src, (tuple, list)):
+        return all(isinstance(o, (tuple, list)) and len(o) == len(src) for o in outs)
+    if isinstance(src, dict):
+        return all(isinstance(o, dict) and all(k in o for k in src) for o in outs)
+    return all(type(o) is type(src) for o in outs)
+
+
+def _split_dim(src: torch.Tensor, pieces: list[torch.Tensor]) -> int | None:
+    """The dim src was split along (the one where a piece's size differs), or None
+    when every piece is whole (a broadcast, or one piece)."""
+    for d in range(src.dim()):
+        if any(p.dim() != src.dim() or p.shape[d] != src.shape[d] for p in pieces):
+            return d
+    return None
+
+
+def _attach_scatter(src: Any, outs: list[Any], depth: int = 0) -> list[Any]:
+    """outs (one structure per replica, made from src by the C scatter) with each
+    piece of a tensor that requires grad recorded as a _Scatter of it."""
+    if isinstance(src, torch.Tensor):
+        if not src.requires_grad or not all(isinstance(o, torch.Tensor) for o in outs):
+            return outs
+        return list(_Scatter.apply(src, list(outs), _split_dim(src, outs)))
+    kids = _children(src)
+    if kids is None or depth > 512 or not outs or not _fits(src, outs):
+        return outs
+    new: list[dict[Any, Any]] = [{} for _ in outs]
+    for key, value in kids:
+        if not _needs_grad(value):
+            continue
+        column = _attach_scatter(value, [_child(o, key) for o in outs], depth + 1)
+        for j, v in enumerate(column):
+            new[j][key] = v
+    return [_rebuild(o, n) for o, n in zip(outs, new)]
+
+
+_DEFAULT = object()   # out_dims not given at this level: gather along dim
+
+
+def _spec_child(spec: Any, key: Any, container: Any) -> Any:
+    """The out_dims entry for a child: tuples/lists are a prefix of a sequence,
+    dicts address keys (and dataclass fields); anything else applies below."""
+    if isinstance(spec, (tuple, list)):
+        if isinstance(container, (tuple, list)) and isinstance(key, int) and key < len(spec):
+            return spec[key]
+        return _DEFAULT
+    if isinstance(spec, dict):
+        return spec.get(key, _DEFAULT)
+    return spec
+
+
+def _gather_rule(spec: Any, dim: int, outs: list[torch.Tensor], result: torch.Tensor):
+    if isinstance(spec, str) and spec == "sum":
+        return ("sum",)
+    if spec is None:
+        return ("first",)
+    d = dim if spec is _DEFAULT else int(spec)
+    if all(o.dim() == 0 for o in outs) and result.dim() == 1:
+        return ("scalar",)
+    return ("dim", d % outs[0].dim())
+
+
+def _attach_gather(outs: list[Any], result: Any, spec: Any, dim: int, depth: int = 0) -> Any:
+    """result (the C gather of outs) with each tensor gathered from replicas' tensors
+    that require grad recorded as a _Gather of them."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        if not isinstance(result, torch.Tensor) or not any(
+                isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            return result
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            return result
+        return _Gather.apply([result], _gather_rule(spec, dim, outs, result), *outs)
+    kids = _children(first)
+    if kids is None or depth > 512 or result is None or _children(result) is None:
+        return result
+    new = {}
+    for key, _ in kids:
+        column = [_child(o, key) for o in outs]
+        if not any(_needs_grad(v) for v in column):
+            continue
+        try:
+            sub = _child(result, key)
+        except (KeyError, IndexError, AttributeError):
+            continue
+        new[key] = _attach_gather(column, sub, _spec_child(spec, key, first), dim, depth + 1)
+    return _rebuild(result, new)
+
+
+# ---------------------------------------------------------------------------
+# Differentiable forms of the module-level functions (called by the C entry
+# points with the caller's arguments when a tensor requires grad)
+# ---------------------------------------------------------------------------
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None):
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def scatter(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.scatter with autograd: pieces of tensors that require grad are
+    differentiable (spec 7.1)."""
+    with torch.no_grad():
+        res = _dpmini.scatter(*args, **kwargs)
+    outs = _attach_scatter(_arg(args, kwargs, 0, "inputs"), list(res))
+    return type(res)(outs) if isinstance(res, tuple) else outs
+
+
+def scatter_kwargs(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.scatter_kwargs with autograd (spec 7.1)."""
+    with torch.no_grad():
+        ins, kws = _dpmini.scatter_kwargs(*args, **kwargs)
+    return _attach_scatter_kwargs(_arg(args, kwargs, 0, "inputs"),
+                                  _arg(args, kwargs, 1, "kwargs"), ins, kws)
+
+
+def _attach_scatter_kwargs(inputs: Any, kw: Any, ins: Any, kws: Any) -> tuple[Any, Any]:
+    if not _needs_grad((inputs, kw)) or len(ins) != len(kws):
+        return ins, kws
+    if inputs is None:
+        inputs = ()
+    elif not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)          # a bare array is one positional argument
+    src = (tuple(inputs), kw or {})
+    pairs = _attach_scatter(src, [(i, k) for i, k in zip(ins, kws)])
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+def gather(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.gather with autograd: the result is differentiable in the replicas'
+    outputs (spec 7.2)."""
+    with torch.no_grad():
+        res = _dpmini.gather(*args, **kwargs)
+    outs = list(_arg(args, kwargs, 0, "outputs"))
+    if not outs:
+        return res
+    dim = int(_arg(args, kwargs, 2, "dim", 0))
+    spec = _arg(args, kwargs, 3, "out_dims", None)
+    return _attach_gather(outs, res, _DEFAULT if spec is None else spec, dim)
+
+
+def data_parallel(module: Callable[..., Any], inputs: Any, device_ids: Any = None,
+                  output_device: Any = None, dim: Any = 0, module_kwargs: Any = None, *,
+                  in_dims: Any = None, out_dims: Any = None, chunk_sizes: Any = None,
+                  weights: Any = None) -> Any:
+    """dpmini.data_parallel of a torch.nn.Module with grad mode on: the steps of
+    DataParallel.forward with autograd (spec 2.9, §7)."""
+    wrapper = DataParallel(module, device_ids, output_device, dim, False, in_dims, out_dims,
+                           chunk_sizes, weights)
+    if inputs is None:
+        inputs = ()
+    elif not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    return _DP.forward(wrapper, *inputs, **(module_kwargs or {}))
+
+
+def comm_scatter(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.scatter with autograd (into out=, no graph is recorded)."""
+    with torch.no_grad():
+        res = _comm.scatter(*args, **kwargs)
+    src = _arg(args, kwargs, 0, "array")
+    if kwargs.get("out") is not None or not isinstance(src, torch.Tensor):
+        return res
+    return tuple(_attach_scatter(src, list(res)))
+
+
+def comm_gather(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.gather with autograd (into out=, no graph is recorded)."""
+    with torch.no_grad():
+        res = _comm.gather(*args, **kwargs)
+    outs = list(_arg(args, kwargs, 0, "arrays"))
+    if kwargs.get("out") is not None or not outs:
+        return res
+    return _attach_gather(outs, res, _DEFAULT, int(_arg(args, kwargs, 1, "dim", 0)))
+
+
+def comm_broadcast(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.broadcast with autograd: backward sums the copies' gradients."""
+    with torch.no_grad():
+        res = _comm.broadcast(*args, **kwargs)
+    src = _arg(args, kwargs, 0, "array")
+    if kwargs.get("out") is not None or not isinstance(src, torch.Tensor):
+        return res
+    return tuple(_Scatter.apply(src, list(res), None))
+
+
+def comm_broadcast_coalesced(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.broadcast_coalesced with autograd (per tensor, as comm_broadcast)."""
+    with torch.no_grad():
+        res = _comm.broadcast_coalesced(*args, **kwargs)
+    rows = [list(r) for r in res]
+    for i, src in enumerate(_arg(args, kwargs, 0, "arrays")):
+        if isinstance(src, torch.Tensor) and src.requires_grad:
+            column = _Scatter.apply(src, [r[i] for r in rows], None)
+            for r, c in zip(rows, column):
+                r[i] = c
+    return rows
+
+
+def comm_reduce_add(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.reduce_add with autograd: backward gives each input the gradient."""
+    with torch.no_grad():
+        res = _comm.reduce_add(*args, **kwargs)
+    inputs = list(_arg(args, kwargs, 0, "arrays"))
+    if not all(isinstance(t, torch.Tensor) for t in inputs):
+        return res
+    return _ReduceAdd.apply([res], *inputs)
+
+
+def comm_reduce_add_coalesced(*args: Any, **kwargs: Any) -> Any:
+    """dpmini.comm.reduce_add_coalesced with autograd (per tensor, as reduce_add)."""
+    with torch.no_grad():
+        res = _comm.reduce_add_coalesced(*args, **kwargs)
+    per_device = [list(row) for row in _arg(args, kwargs, 0, "per_device")]
+    out = list(res)
+    for i in range(len(out)):
+        column = [row[i] for row in per_device]
+        if all(isinstance(t, torch.Tensor) for t in column):
+            out[i] = _ReduceAdd.apply([out[i]], *column)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# replicate: PyTorch's rules for a torch.nn.Module (spec §5)
+# ---------------------------------------------------------------------------
+
+
+def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> list[nn.Module]:
+    """One replica of network per device, made as torch.nn.parallel.replicate makes
+    them (spec 5.2-5.7).
+
+    Each module's replica is module._replicate_for_data_parallel() (a shallow copy of
+    its __dict__: Python attributes and containers are shared with the original).
+    Parameters: with autograd (detach False, or None with grad mode on) a _Broadcast:
+    devices[0]'s replica uses the parameters' own memory, the others dpmini's C
+    copies, and backward sums the replicas' gradients onto the parameters. Detached
+    (detach True, or None under torch.no_grad()): on virtual CPU devices ("cpu:N")
+    every replica uses the parameters' host memory (devices[0] the Parameters
+    themselves, the others detached aliases): nothing is copied and
+    dpmini.memory_allocated does not change; elsewhere plain C copies. Buffers:
+    devices[0]'s replica holds the original buffers (in-place updates such as
+    BatchNorm's running statistics persist, spec 5.6), the others get C copies;
+    buffers that require grad follow the parameters' rule. An empty devices list
+    gives [].
+    Errors: those of dpmini.comm.broadcast_coalesced for bad devices.
+    """
+    devices = list(devices)
+    if not devices:
+        return []
+    if detach is None:
+        detach = not torch.is_grad_enabled()
+    share = detach and all(_is_virtual_cpu(d) for d in devices)
+    modules = list(network.modules())
+    params = list(network.parameters())
+    param_copies = _replicate_tensors(params, devices, detach, share)
+    buffers = list(network.buffers())
+    grad_buffers = [b for b in buffers if b.requires_grad]
+    plain_buffers = [b for b in buffers if not b.requires_grad]
+    buffer_copies = _merge_rows(
+        buffers,
+        (grad_buffers, _replicate_tensors(grad_buffers, devices, detach, False)),
+        (plain_buffers, _replicate_tensors(plain_buffers, devices, True, False)))
+    param_index = {id(p): i for i, p in enumerate(params)}
+    buffer_index = {id(b): i for i, b in enumerate(buffers)}
+    return [_replica_tree(modules, param_copies[j], param_index, buffer_copies[j],
+                          buffer_index, register=detach and j == 0)
+            for j in range(len(devices))]
+
+
+def _replicate_tensors(tensors: list[torch.Tensor], devices: list[Any], detach: bool,
+                       share: bool) -> list[list[torch.Tensor]]:
+    """Per device, the replicas' tensors (device-major rows)."""
+    if not tensors:
+        return [[] for _ in devices]
+    if share:
+        aliases = [t.detach() for t in tensors]
+        return [list(tensors)] + [aliases for _ in devices[1:]]
+    if detach:
+        with torch.no_grad():
+            return _copies([t.detach() for t in tensors], devices)
+    flat = _Broadcast.apply(devices, *tensors)
+    n = len(tensors)
+    return [list(flat[j * n:(j + 1) * n]) for j in range(len(devices))]
+
+
+def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], list[list[Any]]]):
+    """Per device, the copies of order's tensors, taken from parts (tensors, rows)."""
+    where = {}
+    for p, (tensors, _) in enumerate(parts):
+        for i, t in enumerate(tensors):
+            where[id(t)] = (p, i)
+    ndev = len(parts[0][1])
+    return [[parts[where[id(t)][0]][1][j][where[id(t)][1]] for t in order]
+            for j in range(ndev)]
+
+
+_MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
+
+
+def _shallow_replica(module: nn.Module) -> nn.Module:
+    """module._replicate_for_data_parallel() plus torch replicate's
+    _former_parameters. When the module's class does not override that method, the
+    same __dict__ is built directly (nn.Module.__setattr__ per field costs more than
+    the copy)."""
+    if type(module)._replicate_for_data_parallel is not _MODULE_REPLICATE:
+        replica = module._replicate_for_data_parallel()
+        replica._former_parameters = OrderedDict()
+        return replica
+    state = module.__dict__.copy()
+    state["_parameters"] = {}
+    state["_buffers"] = state["_buffers"].copy()
+    state["_modules"] = state["_modules"].copy()
+    state["_is_replica"] = True
+    state["_former_parameters"] = OrderedDict()
+    replica = module.__new__(type(module))
+    object.__setattr__(replica, "__dict__", state)
+    return replica
+
+
+def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
+                  param_index: dict[int, int], buffers: list[torch.Tensor],
+                  buffer_index: dict[int, int], register: bool) -> nn.Module:
+    """One device's replica of modules[0]: every module's replica, linked to its
+    children's replicas, holding that device's parameters and buffers. register: params
+    are the original Parameters (detached replica 0), registered as parameters as
+    setattr does in PyTorch; otherwise plain attributes (spec 5.5)."""
+    replicas = [_shallow_replica(m) for m in modules]
+    index = {id(m): i for i, m in enumerate(modules)}
+    for module, replica in zip(modules, replicas):
+        for key, child in module._modules.items():
+            value = None if child is None else replicas[index[id(child)]]
+            if isinstance(replica, _DP):
+                setattr(replica, key, value)   # keeps the wrapper's own module in step
+            else:
+                replica._modules[key] = value
+        for key, param in module._parameters.items():
+            copy = None if param is None else params[param_index[id(param)]]
+            if register and copy is not None:
+                replica._parameters[key] = copy
+            else:
+                replica.__dict__[key] = copy
+            replica._former_parameters[key] = copy
+        for key, buf in module._buffers.items():
+            replica._buffers[key] = None if buf is None else buffers[buffer_index[id(buf)]]
+    return replicas[0]
+
+
+# ---------------------------------------------------------------------------
+# The nn.Module adapter (spec 1.8)
+# ---------------------------------------------------------------------------
+
+_OPTIONS = ("dim", "strict", "in_dims", "out_dims", "chunk_sizes", "weights")
+
+
+def _settings(dp: Any) -> dict[str, Any]:
+    """The C part's settings, as DataParallel.__init__ takes them (devices as text)."""
+    out = {name: getattr(dp, name) for name in _OPTIONS}
+    out["device_ids"] = [str(d) for d in dp.device_ids]
+    out["output_device"] = str(dp.output_device)
+    return out
+
+
+class DataParallel(_DP, nn.Module):
+    """dpmini.DataParallel over a torch.nn.Module: the C type (its forward, scatter and
+    parallel_apply) and a torch.nn.Module whose one child is ``module`` (spec 1.8), as
+    torch.nn.DataParallel is. ``dpmini.DataParallel(torch_module, ...)`` makes one;
+    the arguments, attributes and call are DataParallel's.
+
+    From nn.Module: parameters()/state_dict() with keys "module.*", nesting in a
+    parent, train()/eval(), hooks (run once per call on the wrapper, as in PyTorch),
+    get_submodule, named_modules, to(), repr, copy/deepcopy/pickle/torch.save.
+    With grad mode on the call records autograd (spec §7): scatter and gather are
+    differentiable and replicas' parameters are broadcast copies whose gradients are
+    summed onto the original parameters, so loss.backward() after dp(x) leaves in
+    each parameter's .grad what a single-device run gives. Under torch.no_grad() the C
+    steps run as they are.
+    Errors: those of dpmini.DataParallel; TypeError when ``module`` is assigned
+    something that is not an nn.Module (nn.Module's rule).
+    """
+
+    _dpmini_user_class: type = _DP
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None,
+                 dim: Any = 0, strict: bool = False, in_dims: Any = None, out_dims: Any = None,
+                 chunk_sizes: Any = None, weights: Any = None) -> None:
+        nn.Module.__init__(self)
+        _DP.__init__(self, module, device_ids, output_device, dim, strict, in_dims, out_dims,
+                     chunk_sizes, weights)
+        self._modules["module"] = module
+
+    # The C type's own attributes come before nn.Module's in the MRO: the ones that
+    # must be nn.Module's are named here.
+    __call__ = nn.Module.__call__
+    __repr__ = nn.Module.__repr__
+    __getstate__ = nn.Module.__getstate__
+
+    @property
+    def module(self) -> Any:   # type: ignore[override]
+        """The wrapped module: the child "module" (kept in step with the C part)."""
+        mods = self.__dict__.get("_modules")
+        if mods is not None and "module" in mods:
+            return mods["module"]
+        return _DP.module.__get__(self)
+
+    @module.setter
+    def module(self, value: Any) -> None:
+        self.__setattr__("module", value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "module":
+            nn.Module.__setattr__(self, name, value)
+            return
+        if self.__dict__.get("_modules") is not None:
+            nn.Module.__setattr__(self, name, value)   # registers (or raises TypeError)
+        _DP.module.__set__(self, value)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        state = {"module_state": nn.Module.__getstate__(self), "settings": _settings(self)}
+        return (_rebuild_adapter, (self._dpmini_user_class,), state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__setstate__(self, state["module_state"])
+        settings = dict(state["settings"])
+        _DP.__init__(self, self._modules["module"], settings.pop("device_ids"),
+                     settings.pop("output_device"), **settings)
+
+    def _replicate_for_data_parallel(self) -> Any:
+        replica = nn.Module._replicate_for_data_parallel(self)
+        settings = _settings(self)
+        _DP.__init__(replica, self._modules["module"], settings.pop("device_ids"),
+                     settings.pop("output_device"), **settings)
+        return replica
+
+    def scatter(self, inputs: Any, kwargs: Any = None, device_ids: Any = None) -> Any:
+        """DataParallel.scatter; with grad mode on, pieces of tensors that require grad
+        are differentiable (spec 7.1)."""
+        if not torch.is_grad_enabled():
+            return _DP.scatter(self, inputs, kwargs, device_ids)
+        with torch.no_grad():
+            ins, kws = _DP.scatter(self, inputs, kwargs, device_ids)
+        return _attach_scatter_kwargs(inputs, kwargs, ins, kws)
+
+    def replicate(self, module: Any, device_ids: Any) -> Any:
+        """dpmini.replicate(module, device_ids): PyTorch's replicate rules (spec §5),
+        differentiable with grad mode on."""
+        if not isinstance(module, nn.Module):
+            return _DP.replicate(self, module, device_ids)
+        return replicate(module, device_ids, detach=not torch.is_grad_enabled())
+
+    def gather(self, outputs: Any, output_device: Any = None) -> Any:
+        """DataParallel.gather; with grad mode on, differentiable in the replicas'
+        outputs (spec 7.2)."""
+        if not torch.is_grad_enabled() or not _needs_grad(outputs):
+            return _DP.gather(self, outputs, output_device)
+        with torch.no_grad():
+            res = _DP.gather(self, outputs, output_device)
+        spec = self.out_dims
+        return _attach_gather(list(outputs), res, _DEFAULT if spec is None else spec,
+                              self.dim)
+
+
+DataParallel.__module__ = "dpmini"
+DataParallel.__qualname__ = "DataParallel"
+
+_ADAPTERS: dict[type, type] = {}
+
+
+def adapter_type(cls: type) -> type:
+    """The adapter class for a DataParallel class cls: cls itself when it is
+    already an nn.Module, DataParallel for dpmini.DataParallel, else a class made
+    once per cls with bases (cls, DataParallel), so cls's own methods come first,
+    then the adapter's, then the C type's and nn.Module's."""
+    if issubclass(cls, nn.Module):
+        return cls
+    if cls is _DP:
+        return DataParallel
+    made = _ADAPTERS.get(cls)
+    if made is None:
+        made = type(cls.__name__, (cls, DataParallel),
+                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                     "_dpmini_user_class": cls, "__doc__": cls.__doc__})
+        _ADAPTERS[cls] = made
+    return made
+
+
+def _rebuild_adapter(cls: type) -> Any:
+    """For pickle and copy: an uninitialised adapter object of cls's adapter type;
+    __setstate__ then restores it."""
+    return _DP.__new__(adapter_type(cls))
+
 
 # ---------------------------------------------------------------------------
 # Replica context: torch's per-thread state in the replica threads
@@ -24,11 +785,6 @@ two parts. This part: the replica context.)
 # inference mode is carried (torch's workers start outside it), and the
 # intra-op thread count of replicas on virtual CPU devices is cut to
 # cores // replicas while they run, as dpmini/_blas.py cuts the BLAS pools.
-import torch
-
-from . import _blas
-from ._dpmini import register_replica_context
-
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
 
@@ -188,12 +944,6 @@ def _replica_context(devices):
 # and draws made by other threads while a swapped function runs. With one
 # replica, or replicas on GPUs, nothing changes (the replica draws as torch
 # would). DPMINI_TORCH_RNG=0 turns the rule off (read at every call).
-import os
-import threading
-
-import torch.nn.functional as _F
-from torch.overrides import TorchFunctionMode as _TorchFunctionMode
-
 _rng_local = threading.local()   # .mode: this replica thread's _ReplicaRandom
 _swap_lock = threading.Lock()    # one swapped random function at a time
 

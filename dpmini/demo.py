@@ -3,7 +3,6 @@
 Run as `python -m dpmini.demo` (`make demo`). The model is written once against
 the Python array API standard (`xp = array_namespace(x)`), so the same code
 trains with NumPy on the virtual CPU devices (the default, `--library numpy`),
-with PyTorch CPU tensors (`--library torch`: the replicas receive torch tensors)
 and with CuPy on the GPUs (`--library cupy`, needs a GPU and CuPy). It trains a
 64 -> 64 (tanh) -> 10
 (softmax) network, float64, on scikit-learn's bundled digits data (1,797 real
@@ -11,7 +10,10 @@ and with CuPy on the GPUs (`--library cupy`, needs a GPU and CuPy). It trains a
 gradient of every batch computed by a dpmini.DataParallel whose replicas each
 return the summed loss and gradients of their shard, with
 out_dims={'loss_sum': 'sum', 'grads': 'sum'} so that the gather adds them up
-(what PyTorch's Broadcast backward does, spec 7.3). It
+(what PyTorch's Broadcast backward does, spec 7.3). With `--library torch` the
+same network is a torch.nn.Module trained as PyTorch users train: the loss of
+dpmini.DataParallel(net)(x), loss.backward() (torch's autograd through the
+scatter, replicate and gather) and a torch.optim.SGD step. Either way it
 then trains the same network from the same seed on one device, with plain
 calls on the whole batch, and compares the parameters. The output ends with
 
@@ -169,6 +171,12 @@ def take_rows(a, idx):
     return xp.take(a, xp.asarray(idx, device=xp_device(xp, a)), axis=0)
 
 
+def batch_step_numpy(model, step, lr):
+    """The training step of one batch for train(): an SGD step of model with the
+    summed loss and gradients that step(x, y) gives (DataParallel or the model)."""
+    return lambda x, y: sgd_step(model, step, x, y, lr)
+
+
 def sgd_step(model, step, x, y, lr):
     """One SGD step on a batch: step(x, y) gives summed loss and gradients.
 
@@ -182,8 +190,9 @@ def sgd_step(model, step, x, y, lr):
     return out["loss_sum"]
 
 
-def train(model, step, x, y, args, desc, bar_per_epoch):
-    """Train model in place for args.epochs epochs.
+def train(batch_step, x, y, args, desc, bar_per_epoch):
+    """Train for args.epochs epochs; batch_step(x, y) trains on one batch and
+    returns its summed loss.
 
     bar_per_epoch: one tqdm bar per epoch (ticking per batch, showing the
     running mean loss), else a single bar ticking once per epoch.
@@ -198,7 +207,7 @@ def train(model, step, x, y, args, desc, bar_per_epoch):
                  if bar_per_epoch else parts)
         total = seen = 0
         for idx in inner:
-            total += sgd_step(model, step, take_rows(x, idx), take_rows(y, idx), args.lr)
+            total += batch_step(take_rows(x, idx), take_rows(y, idx))
             seen += len(idx)
             if bar_per_epoch:
                 inner.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
@@ -233,6 +242,61 @@ def choose_devices(n_devices, library="numpy"):
     return None, "no CUDA device, so DataParallel's default: the virtual CPU devices"
 
 
+def torch_mlp(seed):
+    """MLP as a torch.nn.Module (float64): Linear(64, 64), Tanh, Linear(64, 10), with
+    the same initial weights as MLP(seed=seed)."""
+    import torch
+
+    init = MLP(seed=seed).parameters()
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                              torch.nn.Linear(64, 10)).double()
+    with torch.no_grad():
+        for layer, w, b in ((net[0], "W1", "b1"), (net[2], "W2", "b2")):
+            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(init[w].T)))
+            layer.bias.copy_(torch.from_numpy(init[b]))
+    return net
+
+
+def batch_step_torch(model, optimizer):
+    """The training step of one batch for train(), as PyTorch users write it: the
+    mean cross-entropy of model(x) (a DataParallel or the module), backward, an
+    optimizer step. Returns the batch's summed loss (float)."""
+    import torch
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return float(loss) * len(x)
+    return step
+
+
+def main_torch(args, device_ids, why, data):
+    """--library torch: train torch_mlp through DataParallel with autograd and
+    torch.optim.SGD, then on one device; returns (accuracy, max parameter
+    difference, data-parallel seconds, single-device seconds)."""
+    import torch
+
+    x_train, x_test, y_train, y_test = data
+    net = torch_mlp(args.seed)
+    parallel = dpmini.DataParallel(net, device_ids=device_ids)
+    print_setup(parallel, why, x_train, y_train, args)
+    start = time.perf_counter()
+    train(batch_step_torch(parallel, torch.optim.SGD(parallel.parameters(), lr=args.lr)),
+          x_train, y_train, args, "data-parallel", bar_per_epoch=True)
+    parallel_s = time.perf_counter() - start
+    with torch.no_grad():
+        accuracy = float((net(x_test).argmax(1) == y_test).double().mean())
+    single = torch_mlp(args.seed)
+    start = time.perf_counter()
+    train(batch_step_torch(single, torch.optim.SGD(single.parameters(), lr=args.lr)),
+          x_train, y_train, args, "single device", bar_per_epoch=False)
+    single_s = time.perf_counter() - start
+    diff = max(float((a - b).abs().max()) for a, b in zip(net.parameters(), single.parameters()))
+    return accuracy, diff, parallel_s, single_s
+
+
 def max_param_diff(a, b):
     """Largest |a.p - b.p| over every parameter of two models (float)."""
     diffs = []
@@ -259,6 +323,40 @@ def parse_args(argv):
     return args
 
 
+def print_setup(parallel, why, x, y, args):
+    """The devices used and why, and how the first batch is split."""
+    print(f"devices: {', '.join(str(d) for d in parallel.device_ids)} ({why})")
+    first = batches(len(x), args.batch_size, 0, args.seed)[0]
+    print(dpmini.explain((take_rows(x, first), take_rows(y, first)), parallel.device_ids))
+    print()
+
+
+def main_numpy(args, device_ids, why, data):
+    """Train MLP (hand-written gradients) through DataParallel with out_dims sums,
+    then on one device; returns (accuracy, max parameter difference, data-parallel
+    seconds, single-device seconds)."""
+    x_train, x_test, y_train, y_test = data
+    model = MLP(seed=args.seed, library=args.library)
+    parallel = dpmini.DataParallel(model, device_ids=device_ids, out_dims=OUT_DIMS)
+    print_setup(parallel, why, x_train, y_train, args)
+
+    start = time.perf_counter()
+    train(batch_step_numpy(model, parallel, args.lr), x_train, y_train, args, "data-parallel",
+          bar_per_epoch=True)
+    parallel_s = time.perf_counter() - start
+    xp = array_namespace(x_test)
+    accuracy = float(xp.mean(xp.astype(model.predict(x_test) == y_test, xp.float64)))
+
+    start = time.perf_counter()
+    single = MLP(seed=args.seed, library=args.library)
+    train(batch_step_numpy(single, single, args.lr), x_train, y_train, args, "single device",
+          bar_per_epoch=False)
+    single_s = time.perf_counter() - start
+    diff = max_param_diff(model, single)
+
+    return accuracy, diff, parallel_s, single_s
+
+
 def main(argv=None):
     """Run the demo; returns 0 when both expectations hold, else 1."""
     args = parse_args(argv)
@@ -269,26 +367,12 @@ def main(argv=None):
         raise SystemExit(f"--library {args.library}: {e}") from None
     x_train, x_test, y_train, y_test = (to_library(a, args.library)
                                         for a in load_digits_split())
-    model = MLP(seed=args.seed, library=args.library)
-    parallel = dpmini.DataParallel(model, device_ids=device_ids, out_dims=OUT_DIMS)
-    print(f"devices: {', '.join(str(d) for d in parallel.device_ids)} ({why})")
-    first = batches(len(x_train), args.batch_size, 0, args.seed)[0]
-    print(dpmini.explain((take_rows(x_train, first), take_rows(y_train, first)),
-                         parallel.device_ids))
-    print()
-
-    start = time.perf_counter()
-    train(model, parallel, x_train, y_train, args, "data-parallel", bar_per_epoch=True)
-    parallel_s = time.perf_counter() - start
-    xp = array_namespace(x_test)
-    accuracy = float(xp.mean(xp.astype(model.predict(x_test) == y_test, xp.float64)))
-
-    start = time.perf_counter()
-    single = MLP(seed=args.seed, library=args.library)
-    train(single, single, x_train, y_train, args, "single device", bar_per_epoch=False)
-    single_s = time.perf_counter() - start
-    diff = max_param_diff(model, single)
-
+    if args.library == "torch":
+        accuracy, diff, parallel_s, single_s = main_torch(
+            args, device_ids, why, (x_train, x_test, y_train, y_test))
+    else:
+        accuracy, diff, parallel_s, single_s = main_numpy(
+            args, device_ids, why, (x_train, x_test, y_train, y_test))
     print(f"trained {args.epochs} epochs: data-parallel {parallel_s:.2f} s, "
           f"single device {single_s:.2f} s (a tiny model: DataParallel's per-call "
           "scatter/replicate/gather dominates; the point here is exactness)")

@@ -13,8 +13,9 @@
  * This file: the DataParallel type (construction, GC, the step methods, the
  * docstring). One call (the settings snapshot, forward) and module-level
  * data_parallel are in dataparallel_call.c; repr, attributes and pickling in
- * dataparallel_attrs.c; torch.nn.Module's methods in dataparallel_module.c and
- * dataparallel_state_dict.c; the object layout in dataparallel_type.h.
+ * dataparallel_attrs.c; the object layout in dataparallel_type.h. A torch
+ * module is wrapped by a subclass that is also a torch.nn.Module
+ * (dpmini/_torch.py), chosen here in tp_new.
  */
 #include "dpmini.h"
 #include "dataparallel.h"
@@ -30,14 +31,61 @@
 /* Public functions: the DataParallel type                             */
 /* ------------------------------------------------------------------ */
 
+static PyObject *DataParallel_new_fill(dp_DataParallelObject *self);
+
+/* The module argument of a constructor call (borrowed; NULL when absent). */
+static PyObject *module_argument(PyObject *args, PyObject *kwargs)
+{
+    if (args != NULL && PyTuple_GET_SIZE(args) > 0) {
+        return PyTuple_GET_ITEM(args, 0);
+    }
+    return kwargs != NULL ? PyDict_GetItemString(kwargs, "module") : NULL;
+}
+
+/* A torch.nn.Module to wrap: the object is made of the torch adapter type for
+ * type (dpmini._torch.adapter_type: a subclass of type that is also an
+ * nn.Module, spec 1.8), whose __init__ Python then runs. NULL with no error
+ * for any other module (or a type that is already an adapter). */
+static PyTypeObject *torch_adapter_for(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *module = module_argument(args, kwargs);
+    int torch_mod = module != NULL ? dp_is_torch_module(module) : 0;
+    if (torch_mod <= 0) {
+        return NULL;
+    }
+    PyObject *targs = PyTuple_Pack(1, (PyObject *)type);
+    PyObject *adapter = targs != NULL ? dp_torch_call("adapter_type", targs, NULL) : NULL;
+    Py_XDECREF(targs);
+    if (adapter != NULL && (!PyType_Check(adapter) ||
+                            !PyType_IsSubtype((PyTypeObject *)adapter, type))) {
+        PyErr_Format(PyExc_TypeError, "DataParallel: dpmini._torch.adapter_type(%.100s) "
+                     "returned %R, not a subclass", type->tp_name, adapter);
+        Py_CLEAR(adapter);
+    }
+    return (PyTypeObject *)adapter;
+}
+
 static PyObject *DataParallel_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     /* Arguments are parsed by __init__, so subclasses may change the
      * constructor's signature. */
-    dp_DataParallelObject *self = (dp_DataParallelObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
+    PyTypeObject *adapter = torch_adapter_for(type, args, kwargs);
+    if (adapter == NULL && PyErr_Occurred()) {
         return NULL;
     }
+    if (adapter != NULL && adapter != type) {
+        PyObject *obj = adapter->tp_alloc(adapter, 0);
+        Py_DECREF(adapter);
+        return obj != NULL ? DataParallel_new_fill((dp_DataParallelObject *)obj) : NULL;
+    }
+    Py_XDECREF(adapter);
+    dp_DataParallelObject *self = (dp_DataParallelObject *)type->tp_alloc(type, 0);
+    return self != NULL ? DataParallel_new_fill(self) : NULL;
+}
+
+/* The fields of a new object before __init__. */
+static PyObject *DataParallel_new_fill(dp_DataParallelObject *self)
+{
     self->module = Py_NewRef(Py_None);
     self->devs = NULL;
     self->ndev = 0;
@@ -441,7 +489,10 @@ PyDoc_STRVAR(DataParallel_doc,
 "             in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n--\n\n"
 "Run module data-parallel over devices, as torch.nn.DataParallel does for\n"
 "tensors (spec §1-§2), with NumPy arrays as the tensors.\n"
-"module: any callable (TypeError otherwise). device_ids: a non-empty\n"
+"module: any callable (TypeError otherwise); a torch.nn.Module gives an\n"
+"object of a subclass that is also a torch.nn.Module whose child is module\n"
+"(dpmini._torch.DataParallel; spec 1.8), which records autograd with grad\n"
+"mode on (spec 7). device_ids: a non-empty\n"
 "sequence of devices ('cpu:N', 'cuda:N', int N, dpmini.Device; the host is\n"
 "refused); None means every CUDA device, else cpu:0..cpu_device_count()-1.\n"
 "output_device: where outputs are gathered; None means device_ids[0]; 'cpu'\n"

@@ -394,10 +394,6 @@ PyGetSetDef dp_DataParallel_getset[] = {
      "None, or a tuple of per-device sizes along the split dim.", NULL},
     {"weights", (getter)DataParallel_get_weights, (setter)DataParallel_set_weights,
      "None, or a tuple of per-device weights (sizes proportional to them).", NULL},
-    {"training", (getter)dp_DataParallel_get_training, (setter)dp_DataParallel_set_training,
-     "The wrapper's own training flag, as torch.nn.DataParallel's (an nn.Module's):\n"
-     "True until train(mode)/eval() set it together with module's; assigning it\n"
-     "sets the wrapper's flag only, as in PyTorch.", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -491,6 +491,14 @@ static PyObject *dp_data_parallel_steps(PyObject *mod, PyObject *args, PyObject 
                      Py_TYPE(module)->tp_name);
         return NULL;
     }
+    /* A torch.nn.Module with grad mode on: the differentiable steps (spec 7). */
+    int torch_mod = dp_is_torch_module(module);
+    if (torch_mod < 0) {
+        return NULL;
+    }
+    if (torch_mod && dp_torch_grad_enabled() == 1) {
+        return dp_torch_call("data_parallel", args, kwargs);
+    }
     if (mkw != Py_None && !PyDict_Check(mkw)) {
         PyErr_Format(PyExc_TypeError, "data_parallel: module_kwargs must be a dict or None, "
                      "got %.100s", Py_TYPE(mkw)->tp_name);

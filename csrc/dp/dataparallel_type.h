@@ -106,19 +106,6 @@ extern PyGetSetDef dp_DataParallel_getset[];
 PyObject *dp_DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused);
 extern const char dp_DataParallel_reduce_doc[];
 
-/* dataparallel_module.c: the torch.nn.Module methods forwarded to .module.
- * self.module.<name>, or NULL with AttributeError naming what was forwarded */
-PyObject *dp_wrapper_module_method(dp_DataParallelObject *self, const char *name);
-/* self.module.<name>(*args, **kwargs) (args NULL: no positional) */
-PyObject *dp_wrapper_forward_call(dp_DataParallelObject *self, const char *name, PyObject *args,
-                                  PyObject *kwargs);
-PyObject *dp_DataParallel_get_training(dp_DataParallelObject *self, void *closure);
-int dp_DataParallel_set_training(dp_DataParallelObject *self, PyObject *value, void *closure);
-/* dataparallel_state_dict.c */
-PyObject *dp_DataParallel_state_dict(dp_DataParallelObject *self, PyObject *args, PyObject *kw);
-PyObject *dp_DataParallel_load_state_dict(dp_DataParallelObject *self, PyObject *args,
-                                          PyObject *kw);
-
 #pragma GCC visibility pop
 
 #endif

@@ -1,7 +1,7 @@
 /* dp.h - what dp/ offers the module's init (module/module.c): the
- * DataParallel type (its spec, and the torch.nn.Module methods added to it)
- * and the method tables of dpmini.replicate, parallel_apply (with the
- * replica context registry) and data_parallel. dp/'s own shared declarations are in
+ * DataParallel type (its spec) and the method tables of dpmini.replicate,
+ * parallel_apply (with the replica context registry) and data_parallel.
+ * dp/'s own shared declarations are in
  * dataparallel.h and dataparallel_type.h.
  */
 #ifndef DPMINI_DP_H
@@ -14,8 +14,5 @@ extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply_entry.c */
 extern PyMethodDef dp_replica_context_methods[]; /* parallel_apply_context.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
-/* adds the torch.nn.Module methods (parameters, state_dict, train, ...) to
- * the DataParallel type made from dp_dataparallel_spec (dataparallel_module.c) */
-int dp_DataParallel_add_module_methods(PyTypeObject *tp);
 
 #endif

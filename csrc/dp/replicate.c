@@ -210,6 +210,34 @@ fail:
     return NULL;
 }
 
+/* dpmini._torch.replicate(module, devices, detach=None): a torch.nn.Module's
+ * replicas by torch's rules (spec 5); detach None follows grad mode. */
+static PyObject *replicate_torch(dp_state *st, PyObject *module, const dp_device *devs,
+                                 Py_ssize_t ndev)
+{
+    PyObject *ids = PyList_New(ndev), *args = NULL, *res = NULL;
+    for (Py_ssize_t d = 0; ids != NULL && d < ndev; d++) {
+        PyObject *dev = dp_device_to_object(st, devs[d]);
+        if (dev == NULL) {
+            Py_CLEAR(ids);
+            break;
+        }
+        PyList_SET_ITEM(ids, d, dev);
+    }
+    args = ids != NULL ? PyTuple_Pack(3, module, ids, Py_None) : NULL;
+    if (args != NULL) {
+        res = dp_torch_call("replicate", args, NULL);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(ids);
+    if (res != NULL && !PyList_Check(res)) {
+        PyErr_Format(PyExc_TypeError, "replicate: dpmini._torch.replicate returned %.100s, "
+                     "not a list", Py_TYPE(res)->tp_name);
+        Py_CLEAR(res);
+    }
+    return res;
+}
+
 /* replicate(module, devs[0..ndev)) -> list of ndev replicas (spec 5,
  * dpmini's rules in the header comment). ndev may be 0. */
 static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_device *devs,
@@ -228,14 +256,13 @@ static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_d
     if (ndev == 0) {
         goto done;
     }
-    /* A torch.nn.Module: its own rule (interop.c, docs/design.md). */
+    /* A torch.nn.Module: torch's own rule (spec 5), in dpmini/_torch.py. */
     int torch_mod = dp_is_torch_module(module);
     if (torch_mod < 0) {
         goto fail;
     }
     if (torch_mod) {
-        Py_DECREF(result);
-        result = dp_replicate_torch_module(st, module, devs, ndev);
+        Py_SETREF(result, replicate_torch(st, module, devs, ndev));
         if (result == NULL) {
             goto fail;
         }
@@ -363,11 +390,15 @@ PyDoc_STRVAR(replicate_doc,
 "device. The replica on devices[0] holds the original arrays where they\n"
 "already live there (spec 5.6). Arrays of other libraries (torch, JAX, CuPy,\n"
 "dpmini.Array: anything with __dlpack__/__dlpack_device__ or\n"
-"__cuda_array_interface__) are copied the same way and stay of their type; a\n"
-"torch.nn.Module is the module itself on the first virtual CPU device and a\n"
-"per-call copy.deepcopy on the others, and is replicated with\n"
-"torch.nn.parallel.replicate on CUDA devices (README, 'With PyTorch, JAX,\n"
-"CuPy'). detach is accepted for PyTorch compatibility and ignored. Errors:\n"
+"__cuda_array_interface__) are copied the same way and stay of their type. A\n"
+"torch.nn.Module is replicated by PyTorch's rules (spec 5.5-5.7, dpmini._torch):\n"
+"module._replicate_for_data_parallel() per submodule and device (a shallow\n"
+"__dict__ copy: Python attributes and containers are shared), parameters as\n"
+"differentiable broadcast copies (their gradients summed onto the original;\n"
+"with detach=True, or detach=None under torch.no_grad(), plain copies, which\n"
+"on virtual CPU devices share the original's host memory), buffers shared by\n"
+"the replica on devices[0] and copied for the others (README, 'With PyTorch,\n"
+"JAX, CuPy'). detach applies to torch modules only. Errors:\n"
 "ValueError/TypeError for bad devices; TypeError when an object with arrays\n"
 "cannot be copied, or for a tensor that requires grad (naming its path,\n"
 "e.g. module.w); a non-AttributeError raised while probing an attribute for\n"
@@ -399,6 +430,10 @@ static PyObject *dp_replicate(PyObject *mod, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|p:replicate", kwlist,
                                      &module, &devices, &detach)) {
         return NULL;
+    }
+    int torch_mod = dp_is_torch_module(module);
+    if (torch_mod) {
+        return torch_mod < 0 ? NULL : dp_torch_call("replicate", args, kwargs);
     }
     return replicate_common(st, module, devices);
 }

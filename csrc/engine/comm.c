@@ -340,14 +340,17 @@ done:
     return result;
 }
 
-/* comm_scatter under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_scatter. */
 static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_SCATTER);
     PyObject *res = comm_scatter_steps(m, args, kw);
     dp_prof_end(&sp, "comm.scatter");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_scatter", args, kw);
 }
 
 /* ------------------------------------------------------------------ */
@@ -452,14 +455,17 @@ done:
     return result;
 }
 
-/* comm_gather under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_gather. */
 static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_GATHER);
     PyObject *res = comm_gather_steps(m, args, kw);
     dp_prof_end(&sp, "comm.gather");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_gather", args, kw);
 }
 
 /* The functions of dpmini.comm (module.c makes the submodule; self is the

@@ -125,14 +125,17 @@ done:
     return result;
 }
 
-/* comm_broadcast under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_broadcast. */
 PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_BROADCAST);
     PyObject *res = comm_broadcast_steps(m, args, kw);
     dp_prof_end(&sp, "comm.broadcast");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast", args, kw);
 }
 
 static int parse_buffer_size(PyObject *obj, size_t *out)
@@ -191,14 +194,17 @@ static PyObject *comm_broadcast_coalesced_steps(PyObject *m, PyObject *args, PyO
     return result;
 }
 
-/* comm_broadcast_coalesced under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_broadcast_coalesced. */
 PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_BROADCAST);
     PyObject *res = comm_broadcast_coalesced_steps(m, args, kw);
     dp_prof_end(&sp, "comm.broadcast_coalesced");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast_coalesced", args, kw);
 }
 
 /* ------------------------------------------------------------------ */
@@ -250,14 +256,17 @@ static PyObject *comm_reduce_add_steps(PyObject *m, PyObject *args, PyObject *kw
     return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
-/* comm_reduce_add under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_reduce_add. */
 PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_REDUCE);
     PyObject *res = comm_reduce_add_steps(m, args, kw);
     dp_prof_end(&sp, "comm.reduce_add");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add", args, kw);
 }
 
 DP_COMM_DOC(comm_reduce_add_coalesced_doc,
@@ -356,12 +365,15 @@ done:
     return result;
 }
 
-/* comm_reduce_add_coalesced under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.comm_reduce_add_coalesced. */
 PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_REDUCE);
     PyObject *res = comm_reduce_add_coalesced_steps(m, args, kw);
     dp_prof_end(&sp, "comm.reduce_add_coalesced");
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add_coalesced", args, kw);
 }

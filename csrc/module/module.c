@@ -155,13 +155,17 @@ static int dp_exec(PyObject *m)
                       "chunk count over the split arrays), and they were dropped (PyTorch "
                       "drops them silently, spec 3.2). strict=True raises ValueError "
                       "instead, on exactly the same condition.",
-                      &st->SplitWarning) < 0) {
+                      &st->SplitWarning) < 0 ||
+        add_exception(m, "dpmini._dpmini._RequiresGradError", PyExc_TypeError,
+                      "A torch tensor that requires grad, met with grad mode on by a step\n"
+                      "that cannot record autograd (internal: the module-level functions\n"
+                      "catch it and run their differentiable form in dpmini._torch).",
+                      &st->RequiresGradError) < 0) {
         return -1;
     }
     if (add_type(m, &dp_device_spec, NULL, &st->DeviceType) < 0 ||
         add_type(m, &dp_buffer_spec, NULL, &st->BufferType) < 0 ||
         add_type(m, &dp_dataparallel_spec, NULL, &st->DataParallelType) < 0 ||
-        dp_DataParallel_add_module_methods(st->DataParallelType) < 0 ||
         add_type(m, &dp_array_spec, NULL, &st->ArrayType) < 0) {
         return -1;
     }

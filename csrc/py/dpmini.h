@@ -66,6 +66,9 @@ typedef struct dp_state {
     PyObject *CudaError;             /* dpmini.CudaError(DPError)          */
     PyObject *NcclError;             /* dpmini.NcclError(DPError)          */
     PyObject *SplitWarning;          /* dpmini.SplitWarning(UserWarning)   */
+    PyObject *RequiresGradError;     /* dpmini._dpmini._RequiresGradError(TypeError):
+                                        a torch tensor that requires grad met in
+                                        grad mode; entry points retry in dpmini._torch */
     PyObject *copy_copy;             /* copy.copy                          */
     PyObject *dataclasses_fields;    /* dataclasses.fields                 */
     PyObject *format_exception;      /* traceback.format_exception         */
@@ -341,9 +344,9 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
 int dp_convert_all(dp_state *st, PyObject *origin, PyObject **items, Py_ssize_t n,
                    const char *argname);
 
-/* torch.set_grad_enabled(on) in this thread; returns the previous mode (1/0),
- * or -1 when torch is not imported or the call failed (never an exception). */
-int dp_torch_set_grad(int on);
+/* torch.is_grad_enabled() in this thread: 1/0; -1 when torch is not
+ * imported (never an exception). */
+int dp_torch_grad_enabled(void);
 
 /* When torch is imported and its adapter not loaded yet: import
  * dpmini._torch, which registers torch's replica context provider
@@ -354,11 +357,15 @@ int dp_torch_context_load(dp_state *st);
  * imported)? 1/0/-1. */
 int dp_is_torch_module(PyObject *obj);
 
-/* replicate of a torch.nn.Module (list of ndev replicas): on virtual CPU
- * devices the module itself for every device; on CUDA devices
- * torch.nn.parallel.replicate(module, ids, detach=True); a mix is TypeError. */
-PyObject *dp_replicate_torch_module(dp_state *st, PyObject *module, const dp_device *devs,
-                                    Py_ssize_t ndev);
+/* dpmini._torch.<name>(*args, **kwargs) (kwargs may be NULL): the
+ * torch-specific rules (autograd, nn.Module replicas) live in Python. */
+PyObject *dp_torch_call(const char *name, PyObject *args, PyObject *kwargs);
+
+/* After an entry point returned NULL: when the pending exception is
+ * st->RequiresGradError (a tensor that requires grad, grad mode on), clear
+ * it and return dpmini._torch.<name>(*args, **kwargs), the differentiable
+ * form of the same call; otherwise NULL with the exception left pending. */
+PyObject *dp_autograd_retry(dp_state *st, const char *name, PyObject *args, PyObject *kwargs);
 
 /* After replicate's broadcast, one device's row (a list, changed in place):
  * an entry that is the import itself (already on that device) becomes the

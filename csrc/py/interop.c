@@ -258,11 +258,6 @@ PyObject *dp_array_type_name(dp_state *st, PyObject *obj)
     return res;
 }
 
-/* A tensor that requires grad (torch). With grad mode off in this thread
- * (torch.no_grad(), inference_mode) nothing that dpmini copies would need a
- * graph, so it is read detached (x.detach(): a view, no copy): 2. With grad
- * mode on: 1 with TypeError naming argname (dpmini has no autograd). 0: not
- * such a tensor; -1: an error from asking. */
 /* module.attr, or NULL with no exception when either is missing. */
 PyObject *dp_import_attr_quiet(const char *module, const char *attr)
 {
@@ -279,7 +274,12 @@ PyObject *dp_import_attr_quiet(const char *module, const char *attr)
     return r;
 }
 
-
+/* A tensor that requires grad (torch). With grad mode off in this thread
+ * (torch.no_grad(), inference_mode) nothing that dpmini copies would need a
+ * graph, so it is read detached (x.detach(): a view, no copy): 2. With grad
+ * mode on: 1 with st->RequiresGradError (a TypeError) naming argname; the
+ * entry points catch it and run their differentiable form in dpmini._torch
+ * (dp_autograd_retry). 0: not such a tensor; -1: an error from asking. */
 static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
 {
     PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
@@ -307,20 +307,21 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
                                             argname[3] == '.')) {
         /* A replica's output (gather's paths start with "out"): the inputs
          * need not have required grad; the module's parameters did. */
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->RequiresGradError,
                      "%s: a replica returned a %U that requires grad (computed from "
-                     "parameters that require grad, with grad mode on): dpmini has no "
-                     "autograd, so gathering it would cut the graph; call the model under "
-                     "torch.no_grad() (or torch.inference_mode()), or compute the gradients "
-                     "inside the replica with torch.func and return them (README, \"Training "
-                     "without autograd\")", argname, name);
+                     "parameters that require grad, with grad mode on): this step cannot "
+                     "record autograd, because the module is not a torch.nn.Module "
+                     "(dpmini.DataParallel and data_parallel record the graph for one, as "
+                     "torch.nn.DataParallel does); wrap the model in a torch.nn.Module, or "
+                     "call it under torch.no_grad()", argname, name);
         Py_DECREF(name);
         return 1;
     }
-    PyErr_Format(PyExc_TypeError,
-                 "%s: a %U that requires grad: dpmini has no autograd (its copies would cut "
-                 "the graph); pass x.detach(), or call under torch.no_grad() (where it is "
-                 "read detached)", argname, name);
+    PyErr_Format(st->RequiresGradError,
+                 "%s: a %U that requires grad: this step cannot record autograd (the "
+                 "module-level functions and DataParallel over a torch.nn.Module do); pass "
+                 "x.detach(), or call under torch.no_grad() (where it is read detached)",
+                 argname, name);
     Py_DECREF(name);
     return 1;
 }
@@ -476,6 +477,30 @@ static PyArrayObject *read_host_dlpack(dp_state *st, PyObject *obj, const char *
     PyErr_Restore(t, v, tb);
     refuse_missing_dtype(st, obj, argname, missing);
     return NULL;
+}
+
+PyObject *dp_torch_call(const char *name, PyObject *args, PyObject *kwargs)
+{
+    PyObject *fn = NULL, *mod = PyImport_ImportModule("dpmini._torch");
+    if (mod != NULL) {
+        fn = PyObject_GetAttrString(mod, name);
+        Py_DECREF(mod);
+    }
+    if (fn == NULL) {
+        return NULL;
+    }
+    PyObject *res = PyObject_Call(fn, args, kwargs);
+    Py_DECREF(fn);
+    return res;
+}
+
+PyObject *dp_autograd_retry(dp_state *st, const char *name, PyObject *args, PyObject *kwargs)
+{
+    if (!PyErr_ExceptionMatches(st->RequiresGradError)) {
+        return NULL;
+    }
+    PyErr_Clear();
+    return dp_torch_call(name, args, kwargs);
 }
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);

@@ -377,7 +377,7 @@ PyDoc_STRVAR(gather_doc,
 "    dim (spec 4.6), no outputs.\n"
 "  IndexError: dim out of range.");
 
-static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
+static PyObject *py_gather_once(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"outputs", "target_device", "dim", "out_dims", NULL};
     PyObject *outputs, *target_obj, *dimobj = NULL, *out_dims = Py_None;
@@ -401,6 +401,15 @@ static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
                      "a device object or string instead, e.g., \"cpu\".", 1) < 0)
         return NULL;
     return dp_gather_outputs_ex(st, outputs, target, dim, out_dims);
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.gather. */
+static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    PyObject *res = py_gather_once(module, args, kwds);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "gather", args, kwds);
 }
 
 

@@ -156,14 +156,17 @@ done:
     return out;
 }
 
-/* py_scatter under dpmini.profile(): one span around it (profile.h). */
+/* The call, one span under dpmini.profile() (profile.h); with a torch
+ * tensor that requires grad (grad mode on), its differentiable form
+ * dpmini._torch.scatter. */
 static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
 {
     dp_prof_span sp;
     dp_prof_begin(&sp, DP_PROF_SCATTER);
     PyObject *res = py_scatter_steps(module, args, kwds);
     dp_prof_end(&sp, NULL);
-    return res;
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "scatter", args, kwds);
 }
 
 PyDoc_STRVAR(scatter_kwargs_doc,
@@ -205,7 +208,7 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "Raises and warns as dpmini.scatter; paths name the argument, e.g. args[0],\n"
 "args[1]['img'], args[0].a (namedtuple field) or kwargs['mask'].");
 
-static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
+static PyObject *py_scatter_kwargs_once(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"inputs", "kwargs", "target_devices", "dim", "strict",
                              "in_dims", "chunk_sizes", "weights", NULL};
@@ -246,6 +249,15 @@ done:
     Py_DECREF(ins);
     PyMem_Free(devs);
     return res;
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.scatter_kwargs. */
+static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    PyObject *res = py_scatter_kwargs_once(module, args, kwds);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "scatter_kwargs", args, kwds);
 }
 
 PyMethodDef dp_scatter_methods[] = {

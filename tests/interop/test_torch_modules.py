@@ -1,7 +1,7 @@
-"""torch.nn.Module replicas on the virtual CPU devices: replica 0 is the
-module itself, replicas 1..k-1 per-call deep copies, so forwards that write to
-their module do not race (spec 5.6: only replica 0's buffer updates persist).
-CPU autocast in the caller holds in the replica threads."""
+"""torch.nn.Module replicas on the virtual CPU devices, made by PyTorch's rules
+(spec 5.5-5.7): each module's replica is a shallow __dict__ copy, parameters are
+broadcast copies (shared host memory under no_grad), replica 0 shares the original's
+buffers. CPU autocast in the caller holds in the replica threads."""
 import contextlib
 import os
 
@@ -23,16 +23,29 @@ def replica_threads(torch, replicas=2):
         torch.set_num_threads(threads)
 
 
-def test_replica_zero_is_the_module_the_others_are_copies(torch):
+def test_replicas_are_shallow_copies_with_their_own_parameters(torch):
     model = torch.nn.Linear(3, 2)
     reps = dpmini.replicate(model, DEVS)
-    assert reps[0] is model and reps[1] is not model
-    assert type(reps[1]) is torch.nn.Linear
+    assert all(type(r) is torch.nn.Linear and r is not model for r in reps)
+    assert all(r._is_replica for r in reps)
+    # with grad mode on: differentiable copies, replica 0 on the original memory
+    assert reps[0].weight.data_ptr() == model.weight.data_ptr()
     assert reps[1].weight.data_ptr() != model.weight.data_ptr()
     assert torch.equal(reps[1].weight, model.weight)
-    assert dpmini.replicate(model, ["cpu:0"]) == [model]     # one device: no copy
+    assert reps[1].weight.grad_fn is not None and list(reps[1].parameters()) == []
     # made per call, as PyTorch's replicate is
     assert dpmini.replicate(model, DEVS)[1] is not reps[1]
+
+
+def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
+    model = torch.nn.Linear(300, 200)
+    before = dpmini.memory_allocated("cpu:1")
+    with torch.no_grad():
+        reps = dpmini.replicate(model, DEVS, detach=True)
+    assert dpmini.memory_allocated("cpu:1") == before
+    assert reps[0].weight is model.weight          # spec 5.3: devices[0] keeps the tensors
+    assert reps[1].weight.data_ptr() == model.weight.data_ptr()
+    assert not reps[1].weight.requires_grad
 
 
 def test_functional_call_grads_per_replica_equal_the_single_call(torch):
@@ -78,14 +91,18 @@ def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):
         assert int(bn.num_batches_tracked) == 1
 
 
-def test_counter_changes_the_original_once(torch):
+def test_counter_rebinding_is_lost_containers_keep_every_replica(torch):
+    # spec 5.5/9.6: rebinding an attribute in forward touches the replica only;
+    # a list is shared by the replicas' shallow copies, so it keeps all entries
     class Counter(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.calls = 0
+            self.seen = []
 
         def forward(self, x):
             self.calls += 1
+            self.seen.append(x.shape[0])
             return x * 2
 
     c = Counter()
@@ -93,9 +110,8 @@ def test_counter_changes_the_original_once(torch):
         for _ in range(5):
             out = dpmini.DataParallel(c, DEVS)(torch.ones(4, 2))
             assert torch.equal(out, torch.full((4, 2), 2.0))
-    # replica 0 is the module itself: its rebinding persists; replica 1's copy
-    # is dropped (PyTorch's replica 0 is a new object, so there it stays 0)
-    assert c.calls == 5
+    assert c.calls == 0
+    assert c.seen == [2, 2] * 5
 
 
 def test_cpu_autocast_holds_in_the_replica_threads(torch):
@@ -114,7 +130,7 @@ def test_cpu_autocast_holds_in_the_replica_threads(torch):
         assert dpmini.DataParallel(m, DEVS)(x).dtype == torch.float32
 
 
-def test_attributes_deepcopy_cannot_copy_are_shared_as_in_pytorch(torch):
+def test_other_attributes_are_shared_as_in_pytorch(torch):
     # spec 5.5: PyTorch's replicas share the module's other Python attributes
     import threading
 
@@ -123,7 +139,7 @@ def test_attributes_deepcopy_cannot_copy_are_shared_as_in_pytorch(torch):
             super().__init__()
             self.lin = torch.nn.Linear(2, 2)
             self.lock = threading.Lock()
-            self.log = open(__file__)          # an open file: not deep-copyable either
+            self.locks = [threading.Lock()]
             self.lin.tag = threading.Lock()    # in a submodule too
 
         def forward(self, x):
@@ -131,34 +147,13 @@ def test_attributes_deepcopy_cannot_copy_are_shared_as_in_pytorch(torch):
                 return self.lin(x)
 
     model = WithLock()
-    try:
-        with torch.no_grad():
-            x = torch.arange(8.0).reshape(4, 2)
-            out = dpmini.DataParallel(model, DEVS)(x)
-            assert torch.allclose(out, model(x))
-        reps = dpmini.replicate(model, DEVS)
-        assert reps[1].lock is model.lock and reps[1].log is model.log
-        assert reps[1].lin.tag is model.lin.tag
-        # tensors, submodules and containers are still copies of their own
-        assert reps[1].lin is not model.lin
-        assert reps[1].lin.weight.data_ptr() != model.lin.weight.data_ptr()
-    finally:
-        model.log.close()
-
-
-def test_a_deepcopy_error_names_the_module(torch):
-    import threading
-
-    class LockInList(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.locks = [threading.Lock()]   # inside a container: deep-copied, fails
-
-        def forward(self, x):
-            return x
-
-    import pytest
-    with pytest.raises(TypeError, match=r"^module: copy\.deepcopy of the .*LockInList .*raised "
-                                        r"TypeError: cannot pickle") as e:
-        dpmini.replicate(LockInList(), DEVS)
-    assert isinstance(e.value.__cause__, TypeError)
+    with torch.no_grad():
+        x = torch.arange(8.0).reshape(4, 2)
+        out = dpmini.DataParallel(model, DEVS)(x)
+        assert torch.allclose(out, model(x))
+    reps = dpmini.replicate(model, DEVS)
+    assert reps[1].lock is model.lock and reps[1].locks is model.locks
+    assert reps[1].lin.tag is model.lin.tag
+    # submodules and parameters are the replica's own
+    assert reps[1].lin is not model.lin and reps[1].lin is reps[1]._modules["lin"]
+    assert reps[1].lin.weight.data_ptr() != model.lin.weight.data_ptr()

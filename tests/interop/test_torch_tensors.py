@@ -175,9 +175,9 @@ def test_real_nn_module_equals_the_module(torch):
         got = dpmini.DataParallel(model, DEVS)(x)
     assert type(got) is torch.Tensor and got.shape == (11, 3)
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
-    # on virtual CPU devices replica 0 is the module itself, replica 1 a copy
+    # replicas are PyTorch's shallow copies (spec 5.5), never the module itself
     reps = dpmini.replicate(model, DEVS)
-    assert reps[0] is model and reps[1] is not model
+    assert all(r is not model and type(r) is type(model) for r in reps)
 
 
 def test_requires_grad_is_refused_naming_the_argument(torch):
@@ -193,10 +193,9 @@ def test_requires_grad_is_refused_naming_the_argument(torch):
             def __init__(self):
                 self.w = torch.nn.Parameter(torch.ones(2))
         dpmini.replicate(P(), DEVS)
-    # outside no_grad, an nn.Module's outputs require grad: named too
+    # outside no_grad, an nn.Module's outputs record the graph (spec 7)
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match=r"^out: .*requires grad.*no_grad"):
-        dpmini.DataParallel(model, DEVS)(torch.ones(4, 2))
+    assert dpmini.DataParallel(model, DEVS)(torch.ones(4, 2)).grad_fn is not None
 
 
 def test_an_output_that_requires_grad_is_explained_as_the_replicas_output(torch):
@@ -208,7 +207,7 @@ def test_an_output_that_requires_grad_is_explained_as_the_replicas_output(torch)
     msg = str(e.value)
     assert msg.startswith("out['y']: a replica returned a torch.Tensor that requires grad "
                           "(computed from parameters that require grad, with grad mode on)")
-    assert "torch.no_grad()" in msg and "torch.func" in msg and "detach" not in msg
+    assert "torch.no_grad()" in msg and "torch.nn.Module" in msg and "detach" not in msg
     with torch.no_grad():
         y = dpmini.DataParallel(lambda t: {"y": model(t)}, DEVS)(x)["y"]
     assert torch.allclose(y, model(x).detach())

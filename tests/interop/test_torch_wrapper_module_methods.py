@@ -92,3 +92,113 @@ def test_state_dict_positional_arguments_warn_as_torch(torch):
         with pytest.warns(FutureWarning):
             keys = list(wrapper.state_dict(None, "p."))
         assert keys[0] == "p.module.0.weight"
+
+
+def test_the_wrapper_is_an_nn_module_and_the_c_type(torch):
+    model, ours, theirs = _pair(torch)
+    assert isinstance(ours, torch.nn.Module) and isinstance(ours, dpmini.DataParallel)
+    assert type(ours).__name__ == "DataParallel"
+    assert repr(ours) == repr(theirs)
+    assert ours.get_submodule("module.0") is model[0]
+    seq = torch.nn.Sequential(ours, torch.nn.ReLU())
+    assert [n for n, _ in seq.named_parameters()] == ["0.module.0.weight", "0.module.0.bias",
+                                                        "0.module.1.weight", "0.module.1.bias"]
+
+
+def test_a_parent_sees_the_wrapped_parameters_and_reaches_train_eval(torch):
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = dpmini.DataParallel(torch.nn.Linear(2, 2), ["cpu:0", "cpu:1"])
+            self.drop = torch.nn.Dropout()
+
+    p = Parent()
+    assert list(p.state_dict()) == ["enc.module.weight", "enc.module.bias"]
+    assert len(list(p.parameters())) == 2
+    p.eval()
+    assert p.enc.training is False and p.enc.module.training is False
+
+
+def test_forward_hooks_run_once_per_call_on_the_wrapper(torch):
+    model, ours, _ = _pair(torch)
+    seen = []
+    ours.register_forward_pre_hook(lambda m, args: seen.append(("pre", args[0].shape[0])))
+    ours.register_forward_hook(lambda m, args, out: seen.append(("post", out.shape[0])))
+    with torch.no_grad():
+        ours(torch.randn(6, 4))
+    assert seen == [("pre", 6), ("post", 6)]
+
+
+def test_assigning_module_registers_the_child_and_the_call_uses_it(torch):
+    _, ours, _ = _pair(torch)
+    other = torch.nn.Linear(4, 1)
+    ours.module = other
+    assert ours.module is other and [n for n, _ in ours.named_parameters()] == [
+        "module.weight", "module.bias"]
+    with torch.no_grad():
+        assert torch.allclose(ours(torch.ones(3, 4)), other(torch.ones(3, 4)))
+    with pytest.raises(TypeError, match="child module 'module'"):
+        ours.module = lambda x: x
+    assert ours.module is other
+
+
+def test_deepcopy_pickle_and_torch_save_keep_module_and_settings(torch):
+    import copy
+    import io
+    import pickle
+
+    model, _, _ = _pair(torch)
+    ours = dpmini.DataParallel(model, ["cpu:0", "cpu:1"], output_device="cpu", dim=0,
+                               chunk_sizes=[3, 1])
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    for clone in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours)),
+                  torch.load(buf, weights_only=False)):
+        assert type(clone) is type(ours) and clone.module is not model
+        assert [str(d) for d in clone.device_ids] == ["cpu:0", "cpu:1"]
+        assert str(clone.output_device) == "cpu" and clone.chunk_sizes == (3, 1)
+        assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(),
+                                                     ours.state_dict().values()))
+        with torch.no_grad():
+            assert torch.allclose(clone.eval()(torch.ones(4, 4)), ours.eval()(torch.ones(4, 4)))
+
+
+def test_a_subclass_wrapping_a_torch_module_gets_the_adapter(torch):
+    import copy
+
+    class Doubled(dpmini.DataParallel):
+        def __init__(self, module, tag):
+            super().__init__(module, ["cpu:0", "cpu:1"])
+            self.tag = tag
+
+        def gather(self, outputs, output_device=None):
+            return super().gather(outputs, output_device) * 2
+
+    model = torch.nn.Linear(3, 2)
+    dp = Doubled(model, "t")
+    assert isinstance(dp, Doubled) and isinstance(dp, torch.nn.Module)
+    assert type(dp).__name__ == "Doubled" and type(Doubled(model, "u")) is type(dp)
+    x = torch.randn(5, 3)
+    out = dp(x)
+    assert torch.allclose(out, 2 * model(x)) and out.grad_fn is not None
+    clone = copy.deepcopy(dp)
+    assert type(clone) is type(dp) and clone.tag == "t"
+    assert [n for n, _ in dp.named_parameters()] == ["module.weight", "module.bias"]
+
+
+def test_a_wrapper_inside_a_wrapper_is_replicated_with_its_settings(torch):
+    inner = dpmini.DataParallel(torch.nn.Linear(3, 3), ["cpu:0", "cpu:1"], dim=0)
+    outer = dpmini.DataParallel(torch.nn.Sequential(inner), ["cpu:0", "cpu:1"])
+    rep = inner._replicate_for_data_parallel()
+    assert [str(d) for d in rep.device_ids] == ["cpu:0", "cpu:1"] and rep.module is inner.module
+    x = torch.randn(8, 3)
+    with torch.no_grad():
+        assert torch.allclose(outer(x), inner.module(x), atol=1e-6)
+    outer(x).sum().backward()
+    assert inner.module.weight.grad is not None
+
+
+def test_a_plain_callable_keeps_the_c_type(torch):
+    dp = dpmini.DataParallel(lambda t: t, ["cpu:0", "cpu:1"])
+    assert type(dp) is dpmini.DataParallel and not isinstance(dp, torch.nn.Module)
