@@ -48,34 +48,6 @@ def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
     assert not reps[1].weight.requires_grad
 
 
-def test_functional_call_grads_per_replica_equal_the_single_call(torch):
-    from torch.func import functional_call, grad
-    torch.manual_seed(0)
-
-    class PerShardGrad(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                           torch.nn.Linear(256, 1))
-
-        def forward(self, x, y):
-            params = {k: v.detach() for k, v in self.net.named_parameters()}
-            return grad(lambda p: ((functional_call(self.net, p, (x,)) - y) ** 2).sum())(params)
-
-    m = PerShardGrad()
-    X, Y = torch.randn(512, 64), torch.randn(512, 1)
-    with torch.no_grad(), replica_threads(torch):
-        alone = [m(X[:256], Y[:256]), m(X[256:], Y[256:])]
-    with torch.no_grad():
-        for _ in range(20):
-            outs = dpmini.parallel_apply(dpmini.replicate(m, DEVS),
-                                         [(X[:256], Y[:256]), (X[256:], Y[256:])],
-                                         devices=DEVS)
-            for o, a in zip(outs, alone):
-                assert o.keys() == a.keys()
-                assert all(torch.equal(o[k], a[k]) for k in a)
-
-
 def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):
     torch.manual_seed(0)
     x = torch.randn(64, 16) + 3
