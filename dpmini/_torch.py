@@ -837,8 +837,18 @@ class _ReplicaCall:
 
     def enter(self, index, device):
         """Set the caller's state in this replica thread (replica `index` on
-        `device`); returns the function that sets back what it had."""
+        `device`); returns the function that sets back what it had. When a
+        step raises, the steps before it are undone first."""
         undo = []
+        try:
+            self._set(index, device, undo)
+        except BaseException:
+            _Undo(undo)()
+            raise
+        return _Undo(undo)
+
+    def _set(self, index, device, undo):
+        """The steps of enter, each appending its undo to `undo`."""
         if self.inference:
             guard = torch.inference_mode(True)
             guard.__enter__()
@@ -862,7 +872,6 @@ class _ReplicaCall:
             undo.append(lambda: torch.set_num_threads(self.threads))
         if self.seed is not None and device.type == "cpu":
             undo.append(_enter_random(self.seed, index))
-        return _Undo(undo)
 
 
 def _enter_autocast(state):

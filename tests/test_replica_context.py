@@ -204,3 +204,16 @@ def test_ctrl_c_still_runs_the_exit_of_a_replica_it_stopped():
         assert sorted(exits) == [0, 1], exits
         print("OK")
     """, timeout=60)
+
+
+def test_a_provider_returning_none_beside_one_that_carries(recorder):
+    def nothing(devices):
+        return None
+    dpmini.register_replica_context(nothing)
+    try:
+        r = recorder()
+        out = dpmini.parallel_apply([ident, ident], [(1,), (2,)], devices=DEVS)
+    finally:
+        dpmini.unregister_replica_context(nothing)
+    assert sorted(i for i, _, _ in r.enters) == [0, 1]
+    assert dict(r.exits) == {0: out[0], 1: out[1]}

@@ -87,8 +87,8 @@ static PyObject *call_providers(PyObject *providers, PyObject *devs)
         Py_DECREF(enters);
         return Py_NewRef(Py_None);
     }
-    if (got < n && _PyTuple_Resize(&enters, got) < 0) {
-        return NULL;
+    if (got < n) {   /* the slots past got are empty */
+        Py_SETREF(enters, PyTuple_GetSlice(enters, 0, got));
     }
     return enters;
 }

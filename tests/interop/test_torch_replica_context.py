@@ -276,3 +276,25 @@ def test_replica_dropout_keeps_torchs_defaults(torch):
                 torch.equal(torch.nn.functional.dropout(x, 0.5), x))
     got = dpmini.parallel_apply([replica] * 2, [(0,), (1,)], devices=DEVS)
     assert got == [(True, False)] * 2
+
+
+def test_a_failing_step_of_the_context_undoes_the_steps_before_it(torch, monkeypatch):
+    # the stream step fails after grad mode was set: grad mode is set back
+    from dpmini import _torch
+
+    def failing(self, index, device, undo):
+        torch._C._set_grad_enabled(False)
+        undo.append(lambda: torch._C._set_grad_enabled(True))
+        raise RuntimeError("no stream")
+    monkeypatch.setattr(_torch._ReplicaCall, "_set", failing)
+    with pytest.raises(RuntimeError, match="Caught RuntimeError in replica 0"):
+        dpmini.parallel_apply([lambda _: 0] * 2, [(0,), (1,)], devices=DEVS)
+    monkeypatch.undo()
+    # what the worker threads were left with, seen without torch's provider
+    dpmini.unregister_replica_context(_torch._replica_context)
+    try:
+        probe = dpmini.parallel_apply([lambda _: torch.is_grad_enabled()] * 2, [(0,), (1,)],
+                                      devices=DEVS)
+    finally:
+        dpmini.register_replica_context(_torch._replica_context)
+    assert probe == [True, True]
