@@ -111,7 +111,8 @@ def main(argv=None):
     rank, P = comm.Get_rank(), comm.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     load0 = os.getloadavg()
-    say(f"{P} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, Python "
+    mpi = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
+    say(f"{P} ranks, {mpi}, Python "
         f"{sys.version.split()[0]}, NumPy {np.__version__}, {os.cpu_count()} CPUs, load "
         f"average {load0[0]:.1f} at the start")
     say("| collective | size | dpmini | raw mpi4py | dpmini / raw | target |")
