@@ -51,7 +51,8 @@ class DPError(Exception):
 class CudaError(DPError): ...
 class NcclError(DPError): ...
 
-class _RequiresGradError(TypeError): ...
+class _RequiresGradError(TypeError):
+    status: int | None
 
 class SplitWarning(UserWarning):
     status: int | None

@@ -102,8 +102,8 @@ def main(argv=None):
         # the progress bar on stdout: mpirun forwards stdout and stderr apart,
         # and the two result lines must come last
         with contextlib.redirect_stderr(sys.stdout):
-            demo.train(single, single, x_train, y_train, args, "single device",
-                       bar_per_epoch=False)
+            demo.train(demo.batch_step_numpy(single, single, args.lr), x_train, y_train, args,
+                       "single device", bar_per_epoch=False)
         single_s = time.perf_counter() - start
         diff = demo.max_param_diff(model, single)
         print(f"trained {args.epochs} epochs: {size} ranks x {len(devices)} devices "
