@@ -281,6 +281,7 @@ def test_a_dtype_numpy_cannot_hold_is_named_at_its_path(torch):
 
 
 def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
+    import gc
     import sys
     x = torch.arange(64.0).reshape(16, 4)
     holder = Holder(torch)
@@ -289,6 +290,7 @@ def test_repeated_calls_leak_neither_references_nor_device_memory(torch):
     dpr = dpmini.DataParallel(holder, DEVS)
     for _ in range(20):   # warm the caches (origins, allocator)
         dp(x), dpr(x[:, 0])
+    gc.collect()   # garbage of earlier tests must not be freed inside the measured loop
     refs = sys.getrefcount(x), sys.getrefcount(holder.w)
     mem = [dpmini.memory_allocated(d) for d in DEVS]
     for _ in range(500):
