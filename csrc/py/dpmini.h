@@ -83,6 +83,11 @@ typedef struct dp_state {
                                         providers, replaced (never mutated) on
                                         each change; NULL: none
                                         (dp/parallel_apply_context.c) */
+    PyObject *torch_host;            /* tuple (torch.Tensor, nn.Parameter,
+                                        torch.from_dlpack, torch.from_numpy,
+                                        tuple of torch dtypes NumPy holds)
+                                        once torch is imported; NULL before
+                                        (interop_torch.c, the host fast path) */
     int torch_context_loaded;        /* 1 once a call found torch imported and
                                         loaded its adapter (interop_torch.c) */
     /* A copy of src (any device) on dev, synchronously; a new shadow or
@@ -352,6 +357,20 @@ int dp_torch_grad_enabled(void);
  * dpmini._torch, which registers torch's replica context provider
  * (parallel_apply_context.c). 0, or -1 with the import's error. */
 int dp_torch_context_load(dp_state *st);
+
+/* torch's host tensors without DLPack's Python layers (interop_torch.c).
+ * dp_torch_host_view: obj.numpy() for a torch.Tensor or nn.Parameter (exact
+ * types) on the CPU whose dtype NumPy has: the same view of the same memory
+ * numpy.from_dlpack(obj) gives. NULL with no error when that does not apply
+ * (the caller then takes the DLPack path); NULL with an error only for an
+ * exception that is not an Exception (KeyboardInterrupt). */
+PyArrayObject *dp_torch_host_view(dp_state *st, PyObject *obj);
+/* dp_torch_from_host: torch.from_numpy(arr) when origin is torch.from_dlpack
+ * and arr a native, aligned, writeable ndarray of a dtype torch has, with
+ * non-negative strides: the tensor torch.from_dlpack(arr) gives (same
+ * memory). NULL with no error when that does not apply or torch refuses; the
+ * caller then takes from_dlpack. arr is borrowed. */
+PyObject *dp_torch_from_host(dp_state *st, PyObject *origin, PyArrayObject *arr);
 
 /* Is obj a torch.nn.Module instance (only looked up when torch.nn is
  * imported)? 1/0/-1. */

@@ -526,6 +526,9 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
+    PyArrayObject *view = dp_torch_host_view(st, obj);   /* what DLPack gives, in C */
+    if (view != NULL || PyErr_Occurred())
+        return view;
     PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
     if (m == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))

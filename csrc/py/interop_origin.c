@@ -98,6 +98,14 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
 {
     if (arr == NULL || origin == NULL || origin == Py_None)
         return arr;
+    if (PyArray_Check(arr)) {
+        /* torch.from_numpy: the tensor from_dlpack gives, without its Python layers */
+        PyObject *t = dp_torch_from_host(st, origin, (PyArrayObject *)arr);
+        if (t != NULL || PyErr_Occurred()) {
+            Py_DECREF(arr);
+            return t;
+        }
+    }
     /* NumPy's own __dlpack__ refuses ml_dtypes' dtypes: a bfloat16 result
      * goes back through dpmini's export, as that library's bfloat16. */
     PyObject *r, *via = PyArray_Check(arr) && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)arr))

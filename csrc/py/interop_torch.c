@@ -162,3 +162,132 @@ fail:
     Py_DECREF(rows);
     return NULL;
 }
+
+/* ------------------------------------------------------------------ */
+/* Host tensors without DLPack's Python layers                         */
+/* ------------------------------------------------------------------ */
+/* torch's __dlpack__, __dlpack_device__ and from_dlpack are Python
+ * functions; Tensor.numpy() and torch.from_numpy are C and share the same
+ * memory, for the dtypes both libraries have. Anything else (bfloat16,
+ * float8, sparse, subclasses, GPU tensors) keeps the DLPack path. */
+
+/* torch dtypes (by name) that .numpy() and from_numpy share as DLPack does */
+static const char *const host_dtype_names[] = {
+    "bool", "uint8", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64", "complex64", "complex128", NULL};
+
+/* st->torch_host (borrowed), filled the first time torch is imported; NULL
+ * with no error while it is not (or lacks a name: then never fast). */
+static PyObject *torch_host(dp_state *st)
+{
+    if (st->torch_host != NULL)
+        return st->torch_host;
+    PyObject *torch = module_if_imported("torch");
+    PyObject *nn = module_if_imported("torch.nn");
+    PyObject *th = NULL, *dtypes = NULL;
+    if (torch == NULL || nn == NULL)
+        goto done;
+    Py_ssize_t n = 0;
+    while (host_dtype_names[n] != NULL)
+        n++;
+    dtypes = PyTuple_New(n);
+    for (Py_ssize_t i = 0; dtypes != NULL && i < n; i++) {
+        PyObject *d = PyObject_GetAttrString(torch, host_dtype_names[i]);
+        if (d == NULL)
+            Py_CLEAR(dtypes);
+        else
+            PyTuple_SET_ITEM(dtypes, i, d);
+    }
+    if (dtypes != NULL)
+        th = Py_BuildValue("(NNNNO)", PyObject_GetAttrString(torch, "Tensor"),
+                           PyObject_GetAttrString(nn, "Parameter"),
+                           PyObject_GetAttrString(torch, "from_dlpack"),
+                           PyObject_GetAttrString(torch, "from_numpy"), dtypes);
+done:
+    Py_XDECREF(torch);
+    Py_XDECREF(nn);
+    Py_XDECREF(dtypes);
+    PyErr_Clear();
+    st->torch_host = th;
+    return th;
+}
+
+/* obj.<name> is Py_True (never an exception) */
+static int attr_true(PyObject *obj, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    int yes = v == Py_True;
+    Py_XDECREF(v);
+    PyErr_Clear();
+    return yes;
+}
+
+/* Is obj.dtype one of the tuple's (identity: torch dtypes are singletons)? */
+static int dtype_in(PyObject *obj, PyObject *dtypes)
+{
+    PyObject *d = PyObject_GetAttrString(obj, "dtype");
+    int found = 0;
+    for (Py_ssize_t i = 0; d != NULL && i < PyTuple_GET_SIZE(dtypes); i++)
+        found |= PyTuple_GET_ITEM(dtypes, i) == d;
+    Py_XDECREF(d);
+    PyErr_Clear();
+    return found;
+}
+
+PyArrayObject *dp_torch_host_view(dp_state *st, PyObject *obj)
+{
+    const char *name = Py_TYPE(obj)->tp_name;
+    if (strcmp(name, "Tensor") != 0 && strcmp(name, "Parameter") != 0)
+        return NULL;
+    PyObject *th = torch_host(st);
+    if (th == NULL || ((PyObject *)Py_TYPE(obj) != PyTuple_GET_ITEM(th, 0) &&
+                       (PyObject *)Py_TYPE(obj) != PyTuple_GET_ITEM(th, 1)))
+        return NULL;
+    if (!attr_true(obj, "is_cpu") || attr_true(obj, "is_sparse") ||
+        !dtype_in(obj, PyTuple_GET_ITEM(th, 4)))
+        return NULL;
+    PyObject *a = PyObject_CallMethod(obj, "numpy", NULL);
+    if (a == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_Exception))
+            PyErr_Clear();   /* torch refuses it: DLPack decides */
+        return NULL;
+    }
+    if (!PyArray_CheckExact(a)) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    return (PyArrayObject *)a;
+}
+
+/* NumPy type numbers torch.from_numpy shares as from_dlpack does */
+static int host_type_num(int t)
+{
+    switch (t) {
+    case NPY_BOOL: case NPY_UINT8: case NPY_INT8: case NPY_INT16: case NPY_INT32:
+    case NPY_INT64: case NPY_HALF: case NPY_FLOAT32: case NPY_FLOAT64:
+    case NPY_COMPLEX64: case NPY_COMPLEX128:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+PyObject *dp_torch_from_host(dp_state *st, PyObject *origin, PyArrayObject *arr)
+{
+    PyObject *th = st->torch_host != NULL ? st->torch_host : torch_host(st);
+    if (th == NULL || origin != PyTuple_GET_ITEM(th, 2) || !PyArray_CheckExact(arr))
+        return NULL;
+    PyArray_Descr *d = PyArray_DESCR(arr);
+    if (!host_type_num(d->type_num) || !PyArray_ISNOTSWAPPED(arr) ||
+        !PyArray_ISWRITEABLE(arr) || !PyArray_ISALIGNED(arr))
+        return NULL;
+    for (int i = 0; i < PyArray_NDIM(arr); i++) {
+        npy_intp s = PyArray_STRIDES(arr)[i];
+        if (s < 0 || s % PyArray_ITEMSIZE(arr) != 0)
+            return NULL;
+    }
+    PyObject *t = PyObject_CallOneArg(PyTuple_GET_ITEM(th, 3), (PyObject *)arr);
+    if (t == NULL && PyErr_ExceptionMatches(PyExc_Exception))
+        PyErr_Clear();   /* torch refuses it: from_dlpack decides */
+    return t;
+}

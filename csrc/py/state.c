@@ -69,6 +69,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->format_exception);
     Py_VISIT(st->KeyErrorMessage);
     Py_VISIT(st->origins);
+    Py_VISIT(st->torch_host);
     Py_VISIT(st->numpy_handlers);
     Py_VISIT(st->replica_contexts);
     return 0;
@@ -92,6 +93,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->format_exception);
     Py_CLEAR(st->KeyErrorMessage);
     Py_CLEAR(st->origins);
+    Py_CLEAR(st->torch_host);
     Py_CLEAR(st->numpy_handlers);
     Py_CLEAR(st->replica_contexts);
     return 0;
