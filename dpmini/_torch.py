@@ -767,6 +767,20 @@ def adapter_type(cls: type) -> type:
     return made
 
 
+def adopt(dp: Any, module: nn.Module) -> None:
+    """Make dp, an object of a DataParallel subclass made without a torch module
+    (its __init__ builds one and passes it to super().__init__), the adapter of
+    its class, as if the module had been the constructor's argument: its class
+    becomes adapter_type(type(dp)), nn.Module's state is set up and module is the
+    child "module". An object that already is an nn.Module is left as it is."""
+    cls = adapter_type(type(dp))
+    if cls is type(dp):
+        return
+    dp.__class__ = cls
+    nn.Module.__init__(dp)
+    dp._modules["module"] = module
+
+
 def _rebuild_adapter(cls: type) -> Any:
     """For pickle and copy: an uninitialised adapter object of cls's adapter type;
     __setstate__ then restores it."""
