@@ -98,9 +98,7 @@ class _Scatter(torch.autograd.Function):
             return None, None, None
         if ctx.dim is None:
             present = [g for g in grads if g is not None]
-            if len(present) == 1 and _device_arg(present[0]) == ctx.dest:
-                return present[0], None, None
-            return _comm.reduce_add(present, destination=ctx.dest), None, None
+            return _sum_grads(present, ctx.dest), None, None
         full = _zeros_for(ctx.like, grads)
         missing = ctx.src_shape[ctx.dim] - sum(g.shape[ctx.dim] for g in full)
         if missing > 0:
@@ -191,13 +189,23 @@ class _Broadcast(torch.autograd.Function):
         sums = []
         for i, gs in enumerate(per_param):
             present = [g for g in gs if g is not None]
-            if not present:
-                sums.append(None)
-            elif len(present) == 1 and _device_arg(present[0]) == ctx.dests[i]:
-                sums.append(present[0])
-            else:
-                sums.append(_comm.reduce_add(present, destination=ctx.dests[i]))
+            sums.append(_sum_grads(present, ctx.dests[i]) if present else None)
         return (None, *sums)
+
+
+def _sum_grads(grads: list[torch.Tensor], dest: str) -> torch.Tensor:
+    """The sum of copies' gradients on dest: the gradient itself when there is one
+    already there; dpmini's reduce_add for dense ones; torch's own add for sparse
+    ones (they have no DLPack export), each moved to dest first, as PyTorch's
+    reduce_add_coalesced sums sparse gradients apart (spec 7.4)."""
+    if len(grads) == 1 and _device_arg(grads[0]) == dest:
+        return grads[0]
+    if all(g.layout == torch.strided for g in grads):
+        return _comm.reduce_add(grads, destination=dest)
+    total = grads[0].to(dest)
+    for g in grads[1:]:
+        total = total + g.to(dest)
+    return total
 
 
 def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.Tensor]]:
@@ -757,6 +765,20 @@ def adapter_type(cls: type) -> type:
                      "_dpmini_user_class": cls, "__doc__": cls.__doc__})
         _ADAPTERS[cls] = made
     return made
+
+
+def adopt(dp: Any, module: nn.Module) -> None:
+    """Make dp, an object of a DataParallel subclass made without a torch module
+    (its __init__ builds one and passes it to super().__init__), the adapter of
+    its class, as if the module had been the constructor's argument: its class
+    becomes adapter_type(type(dp)), nn.Module's state is set up and module is the
+    child "module". An object that already is an nn.Module is left as it is."""
+    cls = adapter_type(type(dp))
+    if cls is type(dp):
+        return
+    dp.__class__ = cls
+    nn.Module.__init__(dp)
+    dp._modules["module"] = module
 
 
 def _rebuild_adapter(cls: type) -> Any:

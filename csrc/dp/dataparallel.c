@@ -100,6 +100,28 @@ static PyObject *DataParallel_new_fill(dp_DataParallelObject *self)
     return (PyObject *)self;
 }
 
+/* A torch.nn.Module given to __init__ of an object that tp_new made without
+ * one (a subclass whose own __init__ builds the module and passes it to
+ * super().__init__): the object becomes its type's torch adapter
+ * (dpmini._torch.adopt), as when the module is the constructor's argument.
+ * Static types cannot change an object's class; they never get here with a
+ * torch module (tp_new chose the adapter). */
+static int adopt_torch_module(dp_DataParallelObject *self, PyObject *module)
+{
+    if (!(Py_TYPE(self)->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+        return 0;
+    }
+    int torch_mod = dp_is_torch_module(module);
+    if (torch_mod <= 0) {
+        return torch_mod;
+    }
+    PyObject *targs = PyTuple_Pack(2, (PyObject *)self, module);
+    PyObject *res = targs != NULL ? dp_torch_call("adopt", targs, NULL) : NULL;
+    Py_XDECREF(targs);
+    Py_XDECREF(res);
+    return res != NULL ? 0 : -1;
+}
+
 static int DataParallel_init(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"module", "device_ids", "output_device", "dim", "strict",
@@ -121,6 +143,9 @@ static int DataParallel_init(dp_DataParallelObject *self, PyObject *args, PyObje
     if (!PyCallable_Check(module)) {
         PyErr_Format(PyExc_TypeError, "DataParallel: module must be callable, got %.100s",
                      Py_TYPE(module)->tp_name);
+        return -1;
+    }
+    if (adopt_torch_module(self, module) < 0) {
         return -1;
     }
     if (ids == Py_None) {

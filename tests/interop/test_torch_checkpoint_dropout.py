@@ -1,0 +1,61 @@
+"""torch.utils.checkpoint with dropout inside replicas on virtual CPU devices.
+
+On GPUs each replica's dropout draws from its device's generator, and checkpoint
+stashes that generator's state so the recomputation in backward draws the same
+mask: the gradients equal those of the same call without checkpoint. dpmini's
+replicas on virtual CPU devices draw from per-replica generators (the random
+numbers rule of "With PyTorch, JAX, CuPy"), which checkpoint does not stash: the
+recomputation, run by torch's autograd engine on the caller's thread, draws from
+the default generator instead, so the gradients are computed with another mask.
+Known and not fixed: see the report of this branch."""
+import copy
+
+import pytest
+
+DEVS = ["cpu:0", "cpu:1"]
+
+
+def _grads_with_and_without_checkpoint(torch, use_reentrant):
+    import torch.nn.functional as F
+    import torch.utils.checkpoint as cp
+
+    import dpmini
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 1)
+            self.checkpoint = False
+
+        def inner(self, x):
+            return F.dropout(torch.relu(self.a(x)), 0.5, self.training)
+
+        def forward(self, x):
+            if self.checkpoint:
+                h = cp.checkpoint(self.inner, x, use_reentrant=use_reentrant)
+            else:
+                h = self.inner(x)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Block().double()
+    dp = dpmini.DataParallel(model, DEVS)
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=use_reentrant)
+    grads = []
+    for checkpoint in (False, True):
+        model.zero_grad()
+        model.checkpoint = checkpoint
+        torch.manual_seed(7)
+        dp(x).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.xfail(strict=True, reason="checkpoint's recomputation does not use the "
+                   "replica's generator (dropout mask differs)")
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_with_dropout_gives_the_gradients_of_the_call_without_it(torch, use_reentrant):
+    plain, checkpointed = _grads_with_and_without_checkpoint(torch, use_reentrant)
+    for g, h in zip(plain, checkpointed):
+        assert torch.allclose(g, h, rtol=0, atol=1e-12)
