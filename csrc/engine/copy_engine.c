@@ -390,175 +390,214 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
     return dp_gather_arrays_slab(st, parts, n, dim, dest, out, argname, NULL);
 }
 
-PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
-                                dp_device dest, PyArrayObject *out, const char *argname,
-                                dp_slab *slab)
+/* The parts of a gather agree (at least one, the same ndim, no Python
+ * objects, the same shape but along dim) and their sizes along dim add up
+ * without overflow: 0 with the result's shape in shape[0..*nd), else -1. */
+static int gather_check_parts(PyArrayObject **parts, Py_ssize_t n, int dim,
+                              const char *argname, npy_intp *shape, int *nd_out)
 {
-    copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
-    job_list jobs;
-    jobs_init_fixed(&jobs, few, 2);
-    PyArrayObject *result = NULL;
-    npy_intp shape[DP_MAXDIMS];
-    Py_ssize_t i;
-
     if (n == 0) {
         PyErr_Format(PyExc_ValueError, "%s: Expected at least one array to gather from",
                      argname);
-        return NULL;
+        return -1;
     }
     int nd = PyArray_NDIM(parts[0]);
     if (dim < 0 || dim >= nd) {
         PyErr_Format(PyExc_IndexError, "%s: dim %d out of range for %d-dim arrays", argname,
                      dim, nd);
-        return NULL;
+        return -1;
     }
     memcpy(shape, PyArray_SHAPE(parts[0]), (size_t)nd * sizeof(npy_intp));
     int64_t total = 0;
-    for (i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyArrayObject *p = parts[i];
         if (PyArray_NDIM(p) != nd) {
             PyErr_Format(PyExc_ValueError,
                          "%s: Expected all arrays to have the same number of dimensions, but "
                          "array at index %zd has %d dimensions, (expected %d)",
                          argname, i, PyArray_NDIM(p), nd);
-            return NULL;
+            return -1;
         }
         if (PyDataType_REFCHK(PyArray_DESCR(p))) {
             PyErr_Format(PyExc_TypeError, "%s: array at index %zd holds Python objects "
                          "(dtype %S); they cannot be gathered", argname, i,
                          (PyObject *)PyArray_DESCR(p));
-            return NULL;
+            return -1;
         }
         shape[dim] = PyArray_DIM(p, dim);
         for (int d = 0; d < nd; d++) {
             if (PyArray_DIM(p, d) != shape[d]) {
                 shape_error(argname, i, p, shape, nd);
-                return NULL;
+                return -1;
             }
         }
         /* Shapes of strided views (zero strides) can be huge: a wrapped sum
-         * would allocate too little and copy past it (reliability.md, bug 2). */
+         * would allocate too little and copy past it. */
         if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(p, dim), &total) ||
             total > NPY_MAX_INTP) {
             PyErr_Format(PyExc_ValueError,
                          "%s: the gathered size along dimension %d is larger than %zd "
                          "(at array index %zd)", argname, dim, (Py_ssize_t)NPY_MAX_INTP, i);
-            return NULL;
+            return -1;
         }
     }
     shape[dim] = (npy_intp)total;
+    *nd_out = nd;
+    return 0;
+}
+
+/* An out= array can take the gathered result: its shape is shape, it is
+ * writeable and it overlaps no part. 0, else -1 (ValueError). */
+static int gather_check_out(PyArrayObject *out, PyArrayObject **parts, Py_ssize_t n,
+                            int nd, const npy_intp *shape, const char *argname)
+{
+    int bad = PyArray_NDIM(out) != nd;
+    for (int d = 0; !bad && d < nd; d++) {
+        bad = PyArray_DIM(out, d) != shape[d];
+    }
+    if (bad) {
+        PyObject *exp = shape_str(nd, shape);
+        PyObject *got = exp ? shape_str(PyArray_NDIM(out), PyArray_SHAPE(out)) : NULL;
+        if (got != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "out: Expected out array to have shape %U, but got %U", exp, got);
+        }
+        Py_XDECREF(exp);
+        Py_XDECREF(got);
+        return -1;
+    }
+    if (!PyArray_ISWRITEABLE(out)) {
+        PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
+        return -1;
+    }
+    return check_out_overlap(out, parts, n, "out", argname);
+}
+
+/* One gather into its result: where the parts go and the jobs that copy
+ * them there. */
+typedef struct {
+    dp_state *st;
+    PyArrayObject *result;  /* out (new reference) or a fresh array        */
+    dp_device dest;         /* where result lives                          */
+    int nd, dim;
+    int direct;             /* small and in host memory: copied right away */
+    job_list jobs;
+} gather_into;
+
+/* Part p of another dtype, cast to the result's dtype (as PyTorch does,
+ * spec 4.7) into dst, result's region for it. NumPy's own casting loop does
+ * it, with the GIL held; on a GPU side the cast is made on the host, then
+ * copied (NumPy never sees device memory). */
+static int gather_cast_part(gather_into *g, PyArrayObject *p, char *dst)
+{
+    dp_state *st = g->st;
+    PyArrayObject *result = g->result;
+    if (g->dest.kind == DP_CUDA || dp_array_device(st, p).kind == DP_CUDA) {
+        dp_device host = {DP_HOST, -1};
+        PyObject *hp = dp_array_device(st, p).kind == DP_CUDA
+                     ? dp_copy_to_device(st, p, host) : Py_NewRef(p);
+        PyArray_Descr *rd = PyArray_DESCR(result);
+        Py_XINCREF(rd);
+        PyObject *cast = hp ? PyArray_CastToType((PyArrayObject *)hp, rd, 0) : NULL;
+        if (hp == NULL) {
+            Py_DECREF(rd);
+        }
+        Py_XDECREF(hp);
+        if (cast == NULL) {
+            return -1;
+        }
+        job_list one = {0};
+        int rc = jobs_add(&one, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(result), dst,
+                          PyArray_STRIDES(result), PyArray_BYTES((PyArrayObject *)cast),
+                          PyArray_STRIDES((PyArrayObject *)cast), exec_device(host, g->dest));
+        if (rc == 0) {
+            rc = jobs_run(&one);
+        }
+        jobs_free(&one);
+        Py_DECREF(cast);
+        return rc;
+    }
+    PyObject *view = make_view(result, dst, PyArray_SHAPE(p));
+    if (view == NULL) {
+        return -1;
+    }
+    int rc = PyArray_CopyInto((PyArrayObject *)view, p);
+    Py_DECREF(view);
+    return rc;
+}
+
+/* Part p into dst, result's region for it: copied now when small and in
+ * host memory, queued as a job otherwise, cast when its dtype differs. */
+static int gather_add_part(gather_into *g, PyArrayObject *p, char *dst)
+{
+    if (!PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(g->result))) {
+        return gather_cast_part(g, p, dst);
+    }
+    dp_device pdev = dp_array_device(g->st, p);
+    if (g->direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
+        return copy_now(pdev, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                        PyArray_STRIDES(g->result), PyArray_BYTES(p), PyArray_STRIDES(p));
+    }
+    return jobs_add(&g->jobs, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                    PyArray_STRIDES(g->result), PyArray_BYTES(p), PyArray_STRIDES(p),
+                    exec_device(pdev, g->dest));
+}
+
+/* Every part into its region of g->result, one after the other along dim,
+ * and the queued jobs run. */
+static int gather_add_parts(gather_into *g, PyArrayObject **parts, Py_ssize_t n)
+{
+    if (!g->direct && jobs_reserve(&g->jobs, n) < 0) {
+        return -1;
+    }
+    npy_intp stride = PyArray_STRIDES(g->result)[g->dim];
+    int64_t offset = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dst = PyArray_BYTES(g->result) + offset * stride;
+        offset += PyArray_DIM(parts[i], g->dim);
+        if (gather_add_part(g, parts[i], dst) < 0) {
+            return -1;
+        }
+    }
+    return jobs_run(&g->jobs);
+}
+
+PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
+                                dp_device dest, PyArrayObject *out, const char *argname,
+                                dp_slab *slab)
+{
+    npy_intp shape[DP_MAXDIMS];
+    int nd;
+    if (gather_check_parts(parts, n, dim, argname, shape, &nd) < 0) {
+        return NULL;
+    }
+    gather_into g = {.st = st, .nd = nd, .dim = dim};
     if (out != NULL) {
-        int bad = PyArray_NDIM(out) != nd;
-        for (int d = 0; !bad && d < nd; d++) {
-            bad = PyArray_DIM(out, d) != shape[d];
-        }
-        if (bad) {
-            PyObject *exp = shape_str(nd, shape);
-            PyObject *got = exp ? shape_str(PyArray_NDIM(out), PyArray_SHAPE(out)) : NULL;
-            if (got != NULL) {
-                PyErr_Format(PyExc_ValueError,
-                             "out: Expected out array to have shape %U, but got %U", exp, got);
-            }
-            Py_XDECREF(exp);
-            Py_XDECREF(got);
+        if (gather_check_out(out, parts, n, nd, shape, argname) < 0) {
             return NULL;
         }
-        if (!PyArray_ISWRITEABLE(out)) {
-            PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
-            return NULL;
-        }
-        if (check_out_overlap(out, parts, n, "out", argname) < 0) {
-            return NULL;
-        }
-        Py_INCREF(out);
-        result = out;
-        dest = dp_array_device(st, out);
+        g.result = (PyArrayObject *)Py_NewRef(out);
+        g.dest = dp_array_device(st, out);
     } else {
         PyArray_Descr *descr = PyArray_DESCR(parts[0]);
         Py_INCREF(descr);
-        result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
-        if (result == NULL) {
+        g.result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
+        if (g.result == NULL) {
             return NULL;
         }
+        g.dest = dest;
     }
-    int direct = dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(result) <= DP_DIRECT_BYTES;
-    if (!direct && jobs_reserve(&jobs, n) < 0) {
-        goto fail;
+    copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
+    jobs_init_fixed(&g.jobs, few, 2);
+    g.direct = g.dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(g.result) <= DP_DIRECT_BYTES;
+    int rc = gather_add_parts(&g, parts, n);
+    jobs_free(&g.jobs);
+    if (rc < 0) {
+        Py_DECREF(g.result);
+        return NULL;
     }
-    npy_intp stride = PyArray_STRIDES(result)[dim];
-    int64_t offset = 0;
-    for (i = 0; i < n; i++) {
-        PyArrayObject *p = parts[i];
-        char *dst = PyArray_BYTES(result) + offset * stride;
-        offset += PyArray_DIM(p, dim);
-        if (PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(result))) {
-            dp_device pdev = dp_array_device(st, p);
-            if (direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
-                if (copy_now(pdev, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
-                             PyArray_STRIDES(result), PyArray_BYTES(p),
-                             PyArray_STRIDES(p)) < 0) {
-                    goto fail;
-                }
-                continue;
-            }
-            if (jobs_add(&jobs, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
-                         PyArray_STRIDES(result), PyArray_BYTES(p), PyArray_STRIDES(p),
-                         exec_device(pdev, dest)) < 0) {
-                goto fail;
-            }
-            continue;
-        }
-        /* Other dtypes are cast to the result's dtype, as PyTorch does (spec
-         * 4.7); NumPy's own casting loop does it, with the GIL held. On a GPU
-         * side: cast on the host, then copy (NumPy never sees device memory). */
-        if (dest.kind == DP_CUDA || dp_array_device(st, p).kind == DP_CUDA) {
-            dp_device host = {DP_HOST, -1};
-            PyObject *hp = dp_array_device(st, p).kind == DP_CUDA
-                         ? dp_copy_to_device(st, p, host) : Py_NewRef(p);
-            PyArray_Descr *rd = PyArray_DESCR(result);
-            Py_XINCREF(rd);
-            PyObject *cast = hp ? PyArray_CastToType((PyArrayObject *)hp, rd, 0) : NULL;
-            if (hp == NULL) {
-                Py_DECREF(rd);
-            }
-            Py_XDECREF(hp);
-            if (cast == NULL) {
-                goto fail;
-            }
-            job_list one = {0};
-            int rc = jobs_add(&one, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(result), dst,
-                              PyArray_STRIDES(result), PyArray_BYTES((PyArrayObject *)cast),
-                              PyArray_STRIDES((PyArrayObject *)cast), exec_device(host, dest));
-            if (rc == 0) {
-                rc = jobs_run(&one);
-            }
-            jobs_free(&one);
-            Py_DECREF(cast);
-            if (rc < 0) {
-                goto fail;
-            }
-            continue;
-        }
-        PyObject *view = make_view(result, dst, PyArray_SHAPE(p));
-        if (view == NULL) {
-            goto fail;
-        }
-        int rc = PyArray_CopyInto((PyArrayObject *)view, p);
-        Py_DECREF(view);
-        if (rc < 0) {
-            goto fail;
-        }
+    if (out != NULL || g.dest.kind != DP_CUDA) {
+        return (PyObject *)g.result;
     }
-    if (jobs_run(&jobs) < 0) {
-        goto fail;
-    }
-    jobs_free(&jobs);
-    if (out != NULL || dest.kind != DP_CUDA) {
-        return (PyObject *)result;
-    }
-    return dp_export(st, (PyObject *)result);
-fail:
-    jobs_free(&jobs);
-    Py_DECREF(result);
-    return NULL;
+    return dp_export(st, (PyObject *)g.result);
 }
