@@ -205,136 +205,188 @@ static int copy_now(dp_device dev, int nd, const npy_intp *shape, size_t itemsiz
     return rc;
 }
 
-int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
-{
-    job_list jobs = {0};
-    int i, j, maxk = 0;
-    Py_ssize_t njobs = 0;
+/* One scatter: where its chunks go, the slabs that hold a device's small
+ * host chunks together, and the jobs that copy them there. */
+typedef struct {
+    dp_state *st;
+    const dp_device *devs;
+    int maxk;                      /* the most chunks of any item          */
     dp_slab slabs[DP_MAX_DEVICES];
-    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs */
-    int pieces[DP_MAX_DEVICES];
-    size_t total = 0;              /* bytes copied between host memory */
-    for (i = 0; i < nitems; i++) {
-        for (j = 0; j < items[i].nchunks; j++) {
+    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs   */
+    int pieces[DP_MAX_DEVICES];    /* chunks each device's slab will hold  */
+    Py_ssize_t njobs;              /* jobs to reserve                      */
+    int direct;                    /* small host total: copied right away  */
+    job_list jobs;
+} scatter_run;
+
+/* Every chunk's output NULL, and r->maxk: no more chunks than devices. */
+static int scatter_start(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    for (int i = 0; i < nitems; i++) {
+        for (int j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
-        maxk = items[i].nchunks > maxk ? items[i].nchunks : maxk;
+        r->maxk = items[i].nchunks > r->maxk ? items[i].nchunks : r->maxk;
     }
-    if (maxk > DP_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", maxk,
+    if (r->maxk > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", r->maxk,
                      DP_MAX_DEVICES);
         return -1;
     }
-    memset(slabs, 0, (size_t)maxk * sizeof slabs[0]);
-    memset(left, 0, (size_t)maxk * sizeof left[0]);
-    memset(pieces, 0, (size_t)maxk * sizeof pieces[0]);
-    for (i = 0; i < nitems; i++) {
+    return 0;
+}
+
+/* The sizes before anything is allocated: the bytes each device's slab
+ * needs and how many chunks it holds, whether the host copies are small
+ * enough to run right away, and how many jobs to reserve. */
+static void scatter_measure(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    size_t total = 0;              /* bytes copied between host memory */
+    for (int i = 0; i < nitems; i++) {
         dp_scatter_item *it = &items[i];
         npy_intp shape[DP_MAXDIMS];
         memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
-        dp_device home = dp_array_device(st, it->src);
-        for (j = 0; j < it->nchunks; j++) {
-            if (dp_device_eq(devs[j], home)) {
+        dp_device home = dp_array_device(r->st, it->src);
+        for (int j = 0; j < it->nchunks; j++) {
+            if (dp_device_eq(r->devs[j], home)) {
                 continue;   /* a view */
             }
             shape[it->dim] = (npy_intp)it->sizes[j];
             size_t nb = region_bytes(it->src, shape);
-            if (home.kind == DP_CUDA || devs[j].kind == DP_CUDA) {
-                njobs++;
+            if (home.kind == DP_CUDA || r->devs[j].kind == DP_CUDA) {
+                r->njobs++;
                 continue;
             }
             total = total + nb >= total ? total + nb : SIZE_MAX;
-            if (slab_piece(devs[j], nb)) {
-                left[j] += DP_SLAB_ROUND(nb);
-                pieces[j]++;
+            if (slab_piece(r->devs[j], nb)) {
+                r->left[j] += DP_SLAB_ROUND(nb);
+                r->pieces[j]++;
             }
         }
     }
-    int direct = total <= DP_DIRECT_BYTES;
-    if (!direct) {   /* then every copy is queued */
-        for (i = 0; i < nitems; i++) {
-            njobs += items[i].nchunks;
+    r->direct = total <= DP_DIRECT_BYTES;
+    if (!r->direct) {   /* then every copy is queued */
+        for (int i = 0; i < nitems; i++) {
+            r->njobs += items[i].nchunks;
         }
     }
-    if (njobs > 0 && jobs_reserve(&jobs, njobs) < 0) {
-        return -1;
-    }
-    for (i = 0; i < nitems; i++) {
-        dp_scatter_item *it = &items[i];
-        PyArrayObject *src = it->src;
-        int nd = PyArray_NDIM(src);
-        npy_intp shape[DP_MAXDIMS];
-        memcpy(shape, PyArray_SHAPE(src), (size_t)nd * sizeof(npy_intp));
-        dp_device home = dp_array_device(st, src);
-        npy_intp stride = PyArray_STRIDES(src)[it->dim];
-        int64_t offset = 0;
-        for (j = 0; j < it->nchunks; j++) {
-            char *data = PyArray_BYTES(src) + offset * stride;
-            shape[it->dim] = (npy_intp)it->sizes[j];
-            offset += it->sizes[j];
-            if (dp_device_eq(devs[j], home)) {
-                it->out[j] = make_view(src, data, shape);
-                if (it->out[j] == NULL) {
-                    goto fail;
-                }
-                continue;
+}
+
+/* The chunks of one item: a view where the chunk stays on the source's
+ * device, else a fresh array (in the device's slab when it holds several
+ * small host chunks) and its copy, made now or queued. */
+static int scatter_add_item(scatter_run *r, dp_scatter_item *it)
+{
+    PyArrayObject *src = it->src;
+    int nd = PyArray_NDIM(src);
+    npy_intp shape[DP_MAXDIMS];
+    memcpy(shape, PyArray_SHAPE(src), (size_t)nd * sizeof(npy_intp));
+    dp_device home = dp_array_device(r->st, src);
+    npy_intp stride = PyArray_STRIDES(src)[it->dim];
+    int64_t offset = 0;
+    for (int j = 0; j < it->nchunks; j++) {
+        dp_device dev = r->devs[j];
+        char *data = PyArray_BYTES(src) + offset * stride;
+        shape[it->dim] = (npy_intp)it->sizes[j];
+        offset += it->sizes[j];
+        if (dp_device_eq(dev, home)) {
+            it->out[j] = make_view(src, data, shape);
+            if (it->out[j] == NULL) {
+                return -1;
             }
-            dp_slab *slab = NULL;
-            size_t hint = 0;
-            int host = home.kind != DP_CUDA && devs[j].kind != DP_CUDA;
-            if (host && pieces[j] >= 2) {
-                size_t nb = region_bytes(src, shape);
-                if (slab_piece(devs[j], nb)) {
-                    slab = &slabs[j];
-                    hint = left[j];
-                    left[j] -= DP_SLAB_ROUND(nb);
-                }
-            }
-            PyArrayObject *dst = region_in_slab(st, slab, hint, devs[j], src, shape,
-                                                PyArray_STRIDES(src));
-            if (dst == NULL) {
-                goto fail;
-            }
-            it->out[j] = (PyObject *)dst;
-            int rc = direct && host
-                ? copy_now(devs[j], nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
-                           PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
-                : jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
-                           PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
-                           PyArray_STRIDES(src), exec_device(home, devs[j]));
-            if (rc < 0) {
-                goto fail;
+            continue;
+        }
+        dp_slab *slab = NULL;
+        size_t hint = 0;
+        int host = home.kind != DP_CUDA && dev.kind != DP_CUDA;
+        if (host && r->pieces[j] >= 2) {
+            size_t nb = region_bytes(src, shape);
+            if (slab_piece(dev, nb)) {
+                slab = &r->slabs[j];
+                hint = r->left[j];
+                r->left[j] -= DP_SLAB_ROUND(nb);
             }
         }
-    }
-    for (j = 0; j < maxk; j++) {
-        dp_slab_clear(&slabs[j]);
-    }
-    if (jobs_run(&jobs) < 0) {
-        goto fail;
-    }
-    jobs_free(&jobs);
-    for (j = 0; j < maxk; j++) {   /* chunks on GPUs leave as dpmini.Array */
-        if (devs[j].kind != DP_CUDA) {
-            continue;   /* a view on the source's device or a host copy: as it is */
+        PyArrayObject *dst = region_in_slab(r->st, slab, hint, dev, src, shape,
+                                            PyArray_STRIDES(src));
+        if (dst == NULL) {
+            return -1;
         }
-        for (i = 0; i < nitems; i++) {
+        it->out[j] = (PyObject *)dst;
+        int rc = r->direct && host
+            ? copy_now(dev, nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
+                       PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
+            : jobs_add(&r->jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
+                       PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
+                       PyArray_STRIDES(src), exec_device(home, dev));
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Chunks on GPUs leave as dpmini.Array; a view on the source's device or a
+ * host copy as it is. */
+static int scatter_export_gpu_chunks(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    for (int j = 0; j < r->maxk; j++) {
+        if (r->devs[j].kind != DP_CUDA) {
+            continue;
+        }
+        for (int i = 0; i < nitems; i++) {
             if (j < items[i].nchunks) {
-                items[i].out[j] = dp_export(st, items[i].out[j]);
+                items[i].out[j] = dp_export(r->st, items[i].out[j]);
                 if (items[i].out[j] == NULL) {
-                    goto fail;
+                    return -1;
                 }
             }
         }
     }
     return 0;
-fail:
-    jobs_free(&jobs);
-    for (j = 0; j < maxk; j++) {
-        dp_slab_clear(&slabs[j]);
+}
+
+static void scatter_clear_slabs(scatter_run *r)
+{
+    for (int j = 0; j < r->maxk; j++) {
+        dp_slab_clear(&r->slabs[j]);
     }
-    for (i = 0; i < nitems; i++) {
-        for (j = 0; j < items[i].nchunks; j++) {
+}
+
+/* Every chunk made and copied, in the order: measure, reserve, add each
+ * item, run the jobs, export the GPU chunks. */
+static int scatter_make_chunks(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    scatter_measure(r, items, nitems);
+    if (r->njobs > 0 && jobs_reserve(&r->jobs, r->njobs) < 0) {
+        return -1;
+    }
+    for (int i = 0; i < nitems; i++) {
+        if (scatter_add_item(r, &items[i]) < 0) {
+            return -1;
+        }
+    }
+    scatter_clear_slabs(r);
+    if (jobs_run(&r->jobs) < 0) {
+        return -1;
+    }
+    jobs_free(&r->jobs);
+    return scatter_export_gpu_chunks(r, items, nitems);
+}
+
+int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
+{
+    scatter_run r = {.st = st, .devs = devs};
+    if (scatter_start(&r, items, nitems) < 0) {
+        return -1;
+    }
+    if (scatter_make_chunks(&r, items, nitems) == 0) {
+        return 0;
+    }
+    jobs_free(&r.jobs);
+    scatter_clear_slabs(&r);
+    for (int i = 0; i < nitems; i++) {
+        for (int j = 0; j < items[i].nchunks; j++) {
             Py_CLEAR(items[i].out[j]);
         }
     }
