@@ -199,135 +199,173 @@ static PyArrayObject *make_shadow(dp_state *st, int dev, void *ptr, PyArray_Desc
     return (PyArrayObject *)arr;
 }
 
-static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
-                                 const char *argname)
-{
-    PyArray_Descr *descr = NULL;
+/* What a __cuda_array_interface__ dict says, read and checked. */
+typedef struct {
+    PyArray_Descr *descr;   /* owned */
     npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
-    int nd = 0, nst = 0, has_strides = 0;
+    int nd, has_strides;
+    void *ptr;              /* NULL: an empty array, no memory            */
+    int readonly;
+    PyObject *stream;       /* borrowed from the dict; NULL when absent   */
+    long version;
+    int dev;                /* the CUDA device of ptr                     */
+} cai_fields;
+
+/* The dict's keys into f (f->descr owned on success): shape, strides,
+ * typestr, data, mask refused, stream and version. 0, or -1 with the
+ * exception set naming argname. */
+static int cai_read(PyObject *cai, const char *argname, cai_fields *f)
+{
     if (!PyDict_Check(cai)) {
         PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ must be a dict", argname);
-        return NULL;
+        return -1;
     }
     PyObject *shape_o = PyDict_GetItemString(cai, "shape");
     PyObject *typestr = PyDict_GetItemString(cai, "typestr");
     PyObject *data = PyDict_GetItemString(cai, "data");
     PyObject *strides_o = PyDict_GetItemString(cai, "strides");
     PyObject *mask = PyDict_GetItemString(cai, "mask");
-    PyObject *stream = PyDict_GetItemString(cai, "stream");
     PyObject *version = PyDict_GetItemString(cai, "version");
-    long ver = version != NULL && PyLong_Check(version) ? PyLong_AsLong(version) : 0;
-    if (ver == -1 && PyErr_Occurred()) {
-        return NULL;
+    f->stream = PyDict_GetItemString(cai, "stream");
+    f->version = version != NULL && PyLong_Check(version) ? PyLong_AsLong(version) : 0;
+    if (f->version == -1 && PyErr_Occurred()) {
+        return -1;
     }
     if (shape_o == NULL || typestr == NULL || data == NULL || !PyTuple_Check(data) ||
         PyTuple_GET_SIZE(data) != 2) {
         PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ lacks 'shape', 'typestr' "
                      "or a (pointer, read_only) 'data'", argname);
-        return NULL;
+        return -1;
     }
     if (mask != NULL && mask != Py_None) {
         PyErr_Format(PyExc_BufferError, "%s: masked CUDA arrays are not supported", argname);
-        return NULL;
+        return -1;
     }
-    if (tuple_of_intp(shape_o, "shape", argname, shape, &nd) < 0) {
-        return NULL;
+    if (tuple_of_intp(shape_o, "shape", argname, f->shape, &f->nd) < 0) {
+        return -1;
     }
     if (strides_o != NULL && strides_o != Py_None) {
-        if (tuple_of_intp(strides_o, "strides", argname, strides, &nst) < 0) {
-            return NULL;
+        int nst = 0;
+        if (tuple_of_intp(strides_o, "strides", argname, f->strides, &nst) < 0) {
+            return -1;
         }
-        if (nst != nd) {
+        if (nst != f->nd) {
             PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ has %d strides for "
-                         "%d dims", argname, nst, nd);
-            return NULL;
+                         "%d dims", argname, nst, f->nd);
+            return -1;
         }
-        has_strides = 1;
+        f->has_strides = 1;
     }
-    if (!PyArray_DescrConverter(typestr, &descr)) {
-        return NULL;
+    if (!PyArray_DescrConverter(typestr, &f->descr)) {
+        return -1;
     }
-    if (PyDataType_REFCHK(descr)) {
-        Py_DECREF(descr);
+    if (PyDataType_REFCHK(f->descr)) {
+        Py_CLEAR(f->descr);
         PyErr_Format(PyExc_TypeError, "%s: object dtypes cannot live on a GPU", argname);
-        return NULL;
+        return -1;
     }
-    void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
-    int readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
-    if ((ptr == NULL && PyErr_Occurred()) || readonly < 0) {
-        Py_DECREF(descr);
-        return NULL;
+    f->ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+    f->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if ((f->ptr == NULL && PyErr_Occurred()) || f->readonly < 0) {
+        Py_CLEAR(f->descr);
+        return -1;
     }
-    /* A NULL pointer (an empty array) has no memory: no device to ask and
-     * nothing to wait for; it is taken to be on the caller's current device
-     * (cudaGetDevice, which creates no context). */
-    int dev = ptr == NULL ? dpc_current_device() : 0;
+    return 0;
+}
+
+/* f->dev: the CUDA device that holds f->ptr, one dpmini sees. A NULL
+ * pointer (an empty array) has no memory: no device to ask; it is taken to
+ * be on the caller's current device (cudaGetDevice, which creates no
+ * context). 0, or -1 with BufferError. */
+static int cai_device(cai_fields *f, const char *argname)
+{
+    int dev = f->ptr == NULL ? dpc_current_device() : 0;
     if (dev < 0) {
         dev = 0;
     }
-    if (ptr != NULL && !dpc_is_device_ptr(ptr, &dev)) {
-        Py_DECREF(descr);
+    if (f->ptr != NULL && !dpc_is_device_ptr(f->ptr, &dev)) {
         PyErr_Format(PyExc_BufferError, "%s: __cuda_array_interface__ pointer %p is not CUDA "
-                     "device memory that dpmini can see", argname, ptr);
-        return NULL;
+                     "device memory that dpmini can see", argname, f->ptr);
+        return -1;
     }
     if (dev >= dpc_device_count()) {
-        Py_DECREF(descr);
         PyErr_Format(PyExc_BufferError, "%s: memory on CUDA device %d, but dpmini sees %d",
                      argname, dev, dpc_device_count());
-        return NULL;
+        return -1;
     }
-    if (ptr == NULL) {
-        /* nothing to wait for */
-    } else if (stream == NULL || ver < 3) {
-        /* No 'stream' key (CAI v2, e.g. PyTorch) or version < 3: the producer
-         * promises nothing. Its work is most likely on the legacy default
-         * stream (PyTorch's and CuPy's default), which dpmini's non-blocking
-         * streams do not wait for: synchronise it (GIL released). */
-        dpc_status s;
+    f->dev = dev;
+    return 0;
+}
+
+/* Wait for the producer's work on the memory (GIL released): nothing for an
+ * empty array; the legacy default stream when the dict promises nothing
+ * (no 'stream' key, as CAI v2 of PyTorch, or version < 3); else the stream
+ * it names (None: nothing to wait for). 0, or -1 with the exception set. */
+static int cai_wait(dp_state *st, const cai_fields *f, const char *argname)
+{
+    if (f->ptr == NULL) {
+        return 0;
+    }
+    dpc_status s;
+    if (f->stream == NULL || f->version < 3) {
+        /* The producer's work is most likely on the legacy default stream
+         * (PyTorch's and CuPy's default), which dpmini's non-blocking
+         * streams do not wait for. */
         Py_BEGIN_ALLOW_THREADS
-        s = dpc_stream_sync(dev, DPC_STREAM_LEGACY);
+        s = dpc_stream_sync(f->dev, DPC_STREAM_LEGACY);
         Py_END_ALLOW_THREADS
         __atomic_add_fetch(&dp_gpu_stat_legacy_syncs, 1, __ATOMIC_RELAXED);
         if (s.code != 0) {
-            Py_DECREF(descr);
             dp_gpu_raise(st, s, "import __cuda_array_interface__ (no 'stream' key): wait for "
                          "the legacy default stream");
-            return NULL;
+            return -1;
         }
-    } else if (stream != Py_None) {
-        /* v3: the producer's work is ordered on this stream; wait for it */
-        void *sp = PyLong_AsVoidPtr(stream);
-        if (sp == NULL && PyErr_Occurred()) {
-            Py_DECREF(descr);
-            return NULL;
-        }
-        if (sp == NULL) {
-            Py_DECREF(descr);
-            PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ stream 0 is "
-                         "disallowed (ambiguous)", argname);
-            return NULL;
-        }
-        dpc_status s;
-        Py_BEGIN_ALLOW_THREADS
-        if (sp == DPC_STREAM_PER_THREAD) {
-            /* the per-thread default stream of the PRODUCER's thread, which
-             * need not be this one (a replica's output, gathered on the
-             * caller's thread): this thread cannot name it, so the device is
-             * synchronised */
-            s = dpc_device_sync(dev);
-        } else {
-            s = dpc_stream_sync(dev, sp); /* on dev, the caller's device left as it was */
-        }
-        Py_END_ALLOW_THREADS
-        if (s.code != 0) {
-            Py_DECREF(descr);
-            dp_gpu_raise(st, s, "import __cuda_array_interface__: wait for the producer's stream");
-            return NULL;
-        }
+        return 0;
     }
-    return make_shadow(st, dev, ptr, descr, nd, shape, has_strides ? strides : NULL, readonly,
-                       obj);
+    if (f->stream == Py_None) {
+        return 0;
+    }
+    /* v3: the producer's work is ordered on this stream; wait for it */
+    void *sp = PyLong_AsVoidPtr(f->stream);
+    if (sp == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (sp == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ stream 0 is "
+                     "disallowed (ambiguous)", argname);
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (sp == DPC_STREAM_PER_THREAD) {
+        /* the per-thread default stream of the PRODUCER's thread, which
+         * need not be this one (a replica's output, gathered on the
+         * caller's thread): this thread cannot name it, so the device is
+         * synchronised */
+        s = dpc_device_sync(f->dev);
+    } else {
+        s = dpc_stream_sync(f->dev, sp); /* on dev, the caller's device left as it was */
+    }
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        dp_gpu_raise(st, s, "import __cuda_array_interface__: wait for the producer's stream");
+        return -1;
+    }
+    return 0;
+}
+
+static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
+                                 const char *argname)
+{
+    cai_fields f = {0};
+    if (cai_read(cai, argname, &f) < 0) {
+        return NULL;
+    }
+    if (cai_device(&f, argname) < 0 || cai_wait(st, &f, argname) < 0) {
+        Py_DECREF(f.descr);
+        return NULL;
+    }
+    return make_shadow(st, f.dev, f.ptr, f.descr, f.nd, f.shape,
+                       f.has_strides ? f.strides : NULL, f.readonly, obj);
 }
 
 /* ------------------------------------------------------------------ */
