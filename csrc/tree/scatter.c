@@ -1202,6 +1202,79 @@ int dp_scatter_kwargs(dp_state *st, PyObject *inputs, PyObject *kwargs,
                                 kwargs_out);
 }
 
+/* scatter_kwargs' inputs is a tuple (or NULL) and kwargs a dict (or NULL):
+ * 0, else TypeError naming the argument. */
+static int check_inputs_kwargs(PyObject *inputs, PyObject *kwargs)
+{
+    if (inputs != NULL && !PyTuple_Check(inputs)) {
+        PyErr_Format(PyExc_TypeError, "inputs: expected a tuple, got %.100s",
+                     Py_TYPE(inputs)->tp_name);
+        return -1;
+    }
+    if (kwargs != NULL && !PyDict_Check(kwargs)) {
+        PyErr_Format(PyExc_TypeError, "kwargs: expected a dict, got %.100s",
+                     Py_TYPE(kwargs)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Pass (d) for one side: the c->k groups of obj (is_args: the positional
+ * arguments' tuple, else the kwargs dict) built in tmp and moved into side
+ * (a new tuple of c->k), or c->k empty ones, () or {}, when obj is NULL. */
+static int build_side(scatter_ctx *c, PyObject *obj, int is_args, const path_seg *root,
+                      PyObject **tmp, PyObject *side)
+{
+    if (obj != NULL) {
+        int rc = is_args ? build_container(c, obj, S_TUPLE, root, tmp)
+                         : scatter_build(c, obj, root, tmp);
+        if (rc < 0)
+            return -1;
+    }
+    else {
+        for (int j = 0; j < c->k; j++)
+            tmp[j] = is_args ? PyTuple_New(0) : PyDict_New();
+    }
+    for (int j = 0; j < c->k; j++) {
+        if (tmp[j] == NULL)
+            return -1;
+        PyTuple_SET_ITEM(side, j, tmp[j]);
+        tmp[j] = NULL;
+    }
+    return 0;
+}
+
+/* spec 2.7: nothing to scatter gives no groups at all, () and (); DataParallel
+ * then runs one replica with ((),), ({},) (spec 2.4). */
+static int no_groups(PyObject **inputs_out, PyObject **kwargs_out)
+{
+    PyObject *ins = PyTuple_New(0), *kws = PyTuple_New(0);
+    if (ins == NULL || kws == NULL) {
+        Py_XDECREF(ins);
+        Py_XDECREF(kws);
+        return -1;
+    }
+    *inputs_out = ins;
+    *kwargs_out = kws;
+    return 0;
+}
+
+/* Passes (a)-(c) over the positional arguments (NULL: none) and kwargs
+ * (NULL: none), together: one replica count for both. */
+static int scatter_collect_copy(scatter_ctx *c, PyObject *inputs, PyObject *args_spec,
+                                PyObject *kwargs, const path_seg *kw_root,
+                                PyObject *kw_spec, const path_seg *sroot, int strict)
+{
+    if (inputs != NULL && collect_args(c, inputs, args_spec) < 0)    /* (a) */
+        return -1;
+    if (kwargs != NULL && collect(c, kwargs, kw_root, kw_spec, sroot) < 0)
+        return -1;
+    scatter_count(c);                                                /* (b) */
+    if (scatter_check(c, strict) < 0)
+        return -1;
+    return scatter_copy(c);                                          /* (c) */
+}
+
 static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *kwargs,
                                       const dp_device *devs, Py_ssize_t ndev,
                                       const dp_split_opts *opts,
@@ -1218,16 +1291,8 @@ static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *
     memset(&c, 0, sizeof c);
 
     *inputs_out = *kwargs_out = NULL;
-    if (inputs != NULL && !PyTuple_Check(inputs)) {
-        PyErr_Format(PyExc_TypeError, "inputs: expected a tuple, got %.100s",
-                     Py_TYPE(inputs)->tp_name);
+    if (check_inputs_kwargs(inputs, kwargs) < 0)
         return -1;
-    }
-    if (kwargs != NULL && !PyDict_Check(kwargs)) {
-        PyErr_Format(PyExc_TypeError, "kwargs: expected a dict, got %.100s",
-                     Py_TYPE(kwargs)->tp_name);
-        return -1;
-    }
     Py_ssize_t nin = inputs != NULL ? PyTuple_GET_SIZE(inputs) : 0;
     int has_kw = kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0;
 
@@ -1237,17 +1302,8 @@ static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *
                        own) < 0)
         goto fail;
 
-    /* spec 2.7: nothing to scatter gives no groups at all; DataParallel then
-     * runs one replica with ((),), ({},) (spec 2.4). */
     if (nin == 0 && !has_kw) {
-        ins = PyTuple_New(0);
-        kws = PyTuple_New(0);
-        if (ins == NULL || kws == NULL)
-            goto fail;
-        *inputs_out = ins;
-        *kwargs_out = kws;
-        ins = kws = NULL;
-        rc = 0;
+        rc = no_groups(inputs_out, kwargs_out);
         goto fail;
     }
 
@@ -1255,15 +1311,8 @@ static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *
         goto fail;
     c.chunk_sizes = opts->chunk_sizes;
     c.weights = opts->weights;
-    /* (a) args and kwargs together: one replica count for both (R04). */
-    if (nin > 0 && collect_args(&c, inputs, args_spec) < 0)
-        goto fail;
-    if (has_kw && collect(&c, kwargs, &kw_root, kw_spec, &sroot) < 0)
-        goto fail;
-    scatter_count(&c);                       /* (b) */
-    if (scatter_check(&c, strict) < 0)
-        goto fail;
-    if (scatter_copy(&c) < 0)                /* (c) */
+    if (scatter_collect_copy(&c, nin > 0 ? inputs : NULL, args_spec,
+                             has_kw ? kwargs : NULL, &kw_root, kw_spec, &sroot, strict) < 0)
         goto fail;
 
     /* (d) exactly k groups on each side; a missing side is padded with ()
@@ -1276,34 +1325,9 @@ static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *
             PyErr_NoMemory();
         goto fail;
     }
-    if (nin > 0) {
-        if (build_container(&c, inputs, S_TUPLE, &args_root, tmp) < 0)
-            goto fail;
-    }
-    else {
-        for (int j = 0; j < c.k; j++)
-            tmp[j] = PyTuple_New(0);
-    }
-    for (int j = 0; j < c.k; j++) {
-        if (tmp[j] == NULL)
-            goto fail;
-        PyTuple_SET_ITEM(ins, j, tmp[j]);
-        tmp[j] = NULL;
-    }
-    if (has_kw) {
-        if (scatter_build(&c, kwargs, &kw_root, tmp) < 0)
-            goto fail;
-    }
-    else {
-        for (int j = 0; j < c.k; j++)
-            tmp[j] = PyDict_New();
-    }
-    for (int j = 0; j < c.k; j++) {
-        if (tmp[j] == NULL)
-            goto fail;
-        PyTuple_SET_ITEM(kws, j, tmp[j]);
-        tmp[j] = NULL;
-    }
+    if (build_side(&c, nin > 0 ? inputs : NULL, 1, &args_root, tmp, ins) < 0 ||
+        build_side(&c, has_kw ? kwargs : NULL, 0, &kw_root, tmp, kws) < 0)
+        goto fail;
     if (scatter_check_all_taken(&c) < 0)
         goto fail;
 
