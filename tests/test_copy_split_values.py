@@ -1,5 +1,5 @@
 """Copies between host and virtual CPU devices are split by cores, not by
-device (csrc/engine: group_cpu in copy_jobs.c, the feed in copy_feed.c): a
+device (csrc/engine: group_cpu in copy_jobs.c, the feed also in copy_jobs.c): a
 broadcast's copies of one array run on the same worker, scatter and gather
 jobs are cut into as many groups as the machine has cores (a job straddling
 a cut is split by rows), and a broadcast of many arrays is fed to one

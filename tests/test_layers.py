@@ -70,7 +70,7 @@ def test_no_call_points_up_a_layer(real_graph):
     # the graph is real: a few edges that must be there
     pairs = {(check_layers.rel(a), check_layers.rel(b)) for a, b in found}
     assert ("engine/copy_engine.c", "core/copy.c") in pairs
-    assert ("tree/scatter_walk.c", "core/plan.c") in pairs
+    assert ("tree/scatter.c", "core/plan.c") in pairs
 
 
 def _fake_tree(tmp_path, files):

@@ -1,5 +1,5 @@
 """SplitWarning and strict=True follow one rule (leaf_drops_rows in
-csrc/tree/scatter_count.c): both fire exactly when some split array loses rows,
+csrc/tree/scatter.c): both fire exactly when some split array loses rows,
 that is, has rows in chunks past the replica count k (the smallest chunk
 count over the split arrays). An array with 0 rows along its dim makes one
 empty chunk per device but loses nothing, so it triggers neither.

@@ -190,7 +190,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     /* Between virtual CPU devices, copies start while the rest are still
      * being set up (a module of many parameters), when there is enough to
      * copy for streaming stores to pay (DP_STREAM_MIN_JOB a device): the
-     * jobs go to the copying workers every MiB (copy_feed.c). */
+     * jobs go to the copying workers every MiB (copy_jobs.c). */
     int all_vcpu = 1, any_cuda = 0;
     uint64_t src_bytes = 0;
     for (Py_ssize_t d = 0; d < ndev; d++) {

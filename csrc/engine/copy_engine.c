@@ -205,136 +205,188 @@ static int copy_now(dp_device dev, int nd, const npy_intp *shape, size_t itemsiz
     return rc;
 }
 
-int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
-{
-    job_list jobs = {0};
-    int i, j, maxk = 0;
-    Py_ssize_t njobs = 0;
+/* One scatter: where its chunks go, the slabs that hold a device's small
+ * host chunks together, and the jobs that copy them there. */
+typedef struct {
+    dp_state *st;
+    const dp_device *devs;
+    int maxk;                      /* the most chunks of any item          */
     dp_slab slabs[DP_MAX_DEVICES];
-    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs */
-    int pieces[DP_MAX_DEVICES];
-    size_t total = 0;              /* bytes copied between host memory */
-    for (i = 0; i < nitems; i++) {
-        for (j = 0; j < items[i].nchunks; j++) {
+    size_t left[DP_MAX_DEVICES];   /* slab bytes each device still needs   */
+    int pieces[DP_MAX_DEVICES];    /* chunks each device's slab will hold  */
+    Py_ssize_t njobs;              /* jobs to reserve                      */
+    int direct;                    /* small host total: copied right away  */
+    job_list jobs;
+} scatter_run;
+
+/* Every chunk's output NULL, and r->maxk: no more chunks than devices. */
+static int scatter_start(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    for (int i = 0; i < nitems; i++) {
+        for (int j = 0; j < items[i].nchunks; j++) {
             items[i].out[j] = NULL;
         }
-        maxk = items[i].nchunks > maxk ? items[i].nchunks : maxk;
+        r->maxk = items[i].nchunks > r->maxk ? items[i].nchunks : r->maxk;
     }
-    if (maxk > DP_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", maxk,
+    if (r->maxk > DP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "scatter: %d chunks is more than %d devices", r->maxk,
                      DP_MAX_DEVICES);
         return -1;
     }
-    memset(slabs, 0, (size_t)maxk * sizeof slabs[0]);
-    memset(left, 0, (size_t)maxk * sizeof left[0]);
-    memset(pieces, 0, (size_t)maxk * sizeof pieces[0]);
-    for (i = 0; i < nitems; i++) {
+    return 0;
+}
+
+/* The sizes before anything is allocated: the bytes each device's slab
+ * needs and how many chunks it holds, whether the host copies are small
+ * enough to run right away, and how many jobs to reserve. */
+static void scatter_measure(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    size_t total = 0;              /* bytes copied between host memory */
+    for (int i = 0; i < nitems; i++) {
         dp_scatter_item *it = &items[i];
         npy_intp shape[DP_MAXDIMS];
         memcpy(shape, PyArray_SHAPE(it->src), (size_t)PyArray_NDIM(it->src) * sizeof(npy_intp));
-        dp_device home = dp_array_device(st, it->src);
-        for (j = 0; j < it->nchunks; j++) {
-            if (dp_device_eq(devs[j], home)) {
+        dp_device home = dp_array_device(r->st, it->src);
+        for (int j = 0; j < it->nchunks; j++) {
+            if (dp_device_eq(r->devs[j], home)) {
                 continue;   /* a view */
             }
             shape[it->dim] = (npy_intp)it->sizes[j];
             size_t nb = region_bytes(it->src, shape);
-            if (home.kind == DP_CUDA || devs[j].kind == DP_CUDA) {
-                njobs++;
+            if (home.kind == DP_CUDA || r->devs[j].kind == DP_CUDA) {
+                r->njobs++;
                 continue;
             }
             total = total + nb >= total ? total + nb : SIZE_MAX;
-            if (slab_piece(devs[j], nb)) {
-                left[j] += DP_SLAB_ROUND(nb);
-                pieces[j]++;
+            if (slab_piece(r->devs[j], nb)) {
+                r->left[j] += DP_SLAB_ROUND(nb);
+                r->pieces[j]++;
             }
         }
     }
-    int direct = total <= DP_DIRECT_BYTES;
-    if (!direct) {   /* then every copy is queued */
-        for (i = 0; i < nitems; i++) {
-            njobs += items[i].nchunks;
+    r->direct = total <= DP_DIRECT_BYTES;
+    if (!r->direct) {   /* then every copy is queued */
+        for (int i = 0; i < nitems; i++) {
+            r->njobs += items[i].nchunks;
         }
     }
-    if (njobs > 0 && jobs_reserve(&jobs, njobs) < 0) {
-        return -1;
-    }
-    for (i = 0; i < nitems; i++) {
-        dp_scatter_item *it = &items[i];
-        PyArrayObject *src = it->src;
-        int nd = PyArray_NDIM(src);
-        npy_intp shape[DP_MAXDIMS];
-        memcpy(shape, PyArray_SHAPE(src), (size_t)nd * sizeof(npy_intp));
-        dp_device home = dp_array_device(st, src);
-        npy_intp stride = PyArray_STRIDES(src)[it->dim];
-        int64_t offset = 0;
-        for (j = 0; j < it->nchunks; j++) {
-            char *data = PyArray_BYTES(src) + offset * stride;
-            shape[it->dim] = (npy_intp)it->sizes[j];
-            offset += it->sizes[j];
-            if (dp_device_eq(devs[j], home)) {
-                it->out[j] = make_view(src, data, shape);
-                if (it->out[j] == NULL) {
-                    goto fail;
-                }
-                continue;
+}
+
+/* The chunks of one item: a view where the chunk stays on the source's
+ * device, else a fresh array (in the device's slab when it holds several
+ * small host chunks) and its copy, made now or queued. */
+static int scatter_add_item(scatter_run *r, dp_scatter_item *it)
+{
+    PyArrayObject *src = it->src;
+    int nd = PyArray_NDIM(src);
+    npy_intp shape[DP_MAXDIMS];
+    memcpy(shape, PyArray_SHAPE(src), (size_t)nd * sizeof(npy_intp));
+    dp_device home = dp_array_device(r->st, src);
+    npy_intp stride = PyArray_STRIDES(src)[it->dim];
+    int64_t offset = 0;
+    for (int j = 0; j < it->nchunks; j++) {
+        dp_device dev = r->devs[j];
+        char *data = PyArray_BYTES(src) + offset * stride;
+        shape[it->dim] = (npy_intp)it->sizes[j];
+        offset += it->sizes[j];
+        if (dp_device_eq(dev, home)) {
+            it->out[j] = make_view(src, data, shape);
+            if (it->out[j] == NULL) {
+                return -1;
             }
-            dp_slab *slab = NULL;
-            size_t hint = 0;
-            int host = home.kind != DP_CUDA && devs[j].kind != DP_CUDA;
-            if (host && pieces[j] >= 2) {
-                size_t nb = region_bytes(src, shape);
-                if (slab_piece(devs[j], nb)) {
-                    slab = &slabs[j];
-                    hint = left[j];
-                    left[j] -= DP_SLAB_ROUND(nb);
-                }
-            }
-            PyArrayObject *dst = region_in_slab(st, slab, hint, devs[j], src, shape,
-                                                PyArray_STRIDES(src));
-            if (dst == NULL) {
-                goto fail;
-            }
-            it->out[j] = (PyObject *)dst;
-            int rc = direct && host
-                ? copy_now(devs[j], nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
-                           PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
-                : jobs_add(&jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
-                           PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
-                           PyArray_STRIDES(src), exec_device(home, devs[j]));
-            if (rc < 0) {
-                goto fail;
+            continue;
+        }
+        dp_slab *slab = NULL;
+        size_t hint = 0;
+        int host = home.kind != DP_CUDA && dev.kind != DP_CUDA;
+        if (host && r->pieces[j] >= 2) {
+            size_t nb = region_bytes(src, shape);
+            if (slab_piece(dev, nb)) {
+                slab = &r->slabs[j];
+                hint = r->left[j];
+                r->left[j] -= DP_SLAB_ROUND(nb);
             }
         }
-    }
-    for (j = 0; j < maxk; j++) {
-        dp_slab_clear(&slabs[j]);
-    }
-    if (jobs_run(&jobs) < 0) {
-        goto fail;
-    }
-    jobs_free(&jobs);
-    for (j = 0; j < maxk; j++) {   /* chunks on GPUs leave as dpmini.Array */
-        if (devs[j].kind != DP_CUDA) {
-            continue;   /* a view on the source's device or a host copy: as it is */
+        PyArrayObject *dst = region_in_slab(r->st, slab, hint, dev, src, shape,
+                                            PyArray_STRIDES(src));
+        if (dst == NULL) {
+            return -1;
         }
-        for (i = 0; i < nitems; i++) {
+        it->out[j] = (PyObject *)dst;
+        int rc = r->direct && host
+            ? copy_now(dev, nd, shape, (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(dst),
+                       PyArray_STRIDES(dst), data, PyArray_STRIDES(src))
+            : jobs_add(&r->jobs, nd, shape, (size_t)PyArray_ITEMSIZE(src),
+                       PyArray_BYTES(dst), PyArray_STRIDES(dst), data,
+                       PyArray_STRIDES(src), exec_device(home, dev));
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Chunks on GPUs leave as dpmini.Array; a view on the source's device or a
+ * host copy as it is. */
+static int scatter_export_gpu_chunks(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    for (int j = 0; j < r->maxk; j++) {
+        if (r->devs[j].kind != DP_CUDA) {
+            continue;
+        }
+        for (int i = 0; i < nitems; i++) {
             if (j < items[i].nchunks) {
-                items[i].out[j] = dp_export(st, items[i].out[j]);
+                items[i].out[j] = dp_export(r->st, items[i].out[j]);
                 if (items[i].out[j] == NULL) {
-                    goto fail;
+                    return -1;
                 }
             }
         }
     }
     return 0;
-fail:
-    jobs_free(&jobs);
-    for (j = 0; j < maxk; j++) {
-        dp_slab_clear(&slabs[j]);
+}
+
+static void scatter_clear_slabs(scatter_run *r)
+{
+    for (int j = 0; j < r->maxk; j++) {
+        dp_slab_clear(&r->slabs[j]);
     }
-    for (i = 0; i < nitems; i++) {
-        for (j = 0; j < items[i].nchunks; j++) {
+}
+
+/* Every chunk made and copied, in the order: measure, reserve, add each
+ * item, run the jobs, export the GPU chunks. */
+static int scatter_make_chunks(scatter_run *r, dp_scatter_item *items, int nitems)
+{
+    scatter_measure(r, items, nitems);
+    if (r->njobs > 0 && jobs_reserve(&r->jobs, r->njobs) < 0) {
+        return -1;
+    }
+    for (int i = 0; i < nitems; i++) {
+        if (scatter_add_item(r, &items[i]) < 0) {
+            return -1;
+        }
+    }
+    scatter_clear_slabs(r);
+    if (jobs_run(&r->jobs) < 0) {
+        return -1;
+    }
+    jobs_free(&r->jobs);
+    return scatter_export_gpu_chunks(r, items, nitems);
+}
+
+int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems, const dp_device *devs)
+{
+    scatter_run r = {.st = st, .devs = devs};
+    if (scatter_start(&r, items, nitems) < 0) {
+        return -1;
+    }
+    if (scatter_make_chunks(&r, items, nitems) == 0) {
+        return 0;
+    }
+    jobs_free(&r.jobs);
+    scatter_clear_slabs(&r);
+    for (int i = 0; i < nitems; i++) {
+        for (int j = 0; j < items[i].nchunks; j++) {
             Py_CLEAR(items[i].out[j]);
         }
     }
@@ -390,175 +442,214 @@ PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n, in
     return dp_gather_arrays_slab(st, parts, n, dim, dest, out, argname, NULL);
 }
 
-PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
-                                dp_device dest, PyArrayObject *out, const char *argname,
-                                dp_slab *slab)
+/* The parts of a gather agree (at least one, the same ndim, no Python
+ * objects, the same shape but along dim) and their sizes along dim add up
+ * without overflow: 0 with the result's shape in shape[0..*nd), else -1. */
+static int gather_check_parts(PyArrayObject **parts, Py_ssize_t n, int dim,
+                              const char *argname, npy_intp *shape, int *nd_out)
 {
-    copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
-    job_list jobs;
-    jobs_init_fixed(&jobs, few, 2);
-    PyArrayObject *result = NULL;
-    npy_intp shape[DP_MAXDIMS];
-    Py_ssize_t i;
-
     if (n == 0) {
         PyErr_Format(PyExc_ValueError, "%s: Expected at least one array to gather from",
                      argname);
-        return NULL;
+        return -1;
     }
     int nd = PyArray_NDIM(parts[0]);
     if (dim < 0 || dim >= nd) {
         PyErr_Format(PyExc_IndexError, "%s: dim %d out of range for %d-dim arrays", argname,
                      dim, nd);
-        return NULL;
+        return -1;
     }
     memcpy(shape, PyArray_SHAPE(parts[0]), (size_t)nd * sizeof(npy_intp));
     int64_t total = 0;
-    for (i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyArrayObject *p = parts[i];
         if (PyArray_NDIM(p) != nd) {
             PyErr_Format(PyExc_ValueError,
                          "%s: Expected all arrays to have the same number of dimensions, but "
                          "array at index %zd has %d dimensions, (expected %d)",
                          argname, i, PyArray_NDIM(p), nd);
-            return NULL;
+            return -1;
         }
         if (PyDataType_REFCHK(PyArray_DESCR(p))) {
             PyErr_Format(PyExc_TypeError, "%s: array at index %zd holds Python objects "
                          "(dtype %S); they cannot be gathered", argname, i,
                          (PyObject *)PyArray_DESCR(p));
-            return NULL;
+            return -1;
         }
         shape[dim] = PyArray_DIM(p, dim);
         for (int d = 0; d < nd; d++) {
             if (PyArray_DIM(p, d) != shape[d]) {
                 shape_error(argname, i, p, shape, nd);
-                return NULL;
+                return -1;
             }
         }
         /* Shapes of strided views (zero strides) can be huge: a wrapped sum
-         * would allocate too little and copy past it (reliability.md, bug 2). */
+         * would allocate too little and copy past it. */
         if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(p, dim), &total) ||
             total > NPY_MAX_INTP) {
             PyErr_Format(PyExc_ValueError,
                          "%s: the gathered size along dimension %d is larger than %zd "
                          "(at array index %zd)", argname, dim, (Py_ssize_t)NPY_MAX_INTP, i);
-            return NULL;
+            return -1;
         }
     }
     shape[dim] = (npy_intp)total;
+    *nd_out = nd;
+    return 0;
+}
+
+/* An out= array can take the gathered result: its shape is shape, it is
+ * writeable and it overlaps no part. 0, else -1 (ValueError). */
+static int gather_check_out(PyArrayObject *out, PyArrayObject **parts, Py_ssize_t n,
+                            int nd, const npy_intp *shape, const char *argname)
+{
+    int bad = PyArray_NDIM(out) != nd;
+    for (int d = 0; !bad && d < nd; d++) {
+        bad = PyArray_DIM(out, d) != shape[d];
+    }
+    if (bad) {
+        PyObject *exp = shape_str(nd, shape);
+        PyObject *got = exp ? shape_str(PyArray_NDIM(out), PyArray_SHAPE(out)) : NULL;
+        if (got != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "out: Expected out array to have shape %U, but got %U", exp, got);
+        }
+        Py_XDECREF(exp);
+        Py_XDECREF(got);
+        return -1;
+    }
+    if (!PyArray_ISWRITEABLE(out)) {
+        PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
+        return -1;
+    }
+    return check_out_overlap(out, parts, n, "out", argname);
+}
+
+/* One gather into its result: where the parts go and the jobs that copy
+ * them there. */
+typedef struct {
+    dp_state *st;
+    PyArrayObject *result;  /* out (new reference) or a fresh array        */
+    dp_device dest;         /* where result lives                          */
+    int nd, dim;
+    int direct;             /* small and in host memory: copied right away */
+    job_list jobs;
+} gather_into;
+
+/* Part p of another dtype, cast to the result's dtype (as PyTorch does,
+ * spec 4.7) into dst, result's region for it. NumPy's own casting loop does
+ * it, with the GIL held; on a GPU side the cast is made on the host, then
+ * copied (NumPy never sees device memory). */
+static int gather_cast_part(gather_into *g, PyArrayObject *p, char *dst)
+{
+    dp_state *st = g->st;
+    PyArrayObject *result = g->result;
+    if (g->dest.kind == DP_CUDA || dp_array_device(st, p).kind == DP_CUDA) {
+        dp_device host = {DP_HOST, -1};
+        PyObject *hp = dp_array_device(st, p).kind == DP_CUDA
+                     ? dp_copy_to_device(st, p, host) : Py_NewRef(p);
+        PyArray_Descr *rd = PyArray_DESCR(result);
+        Py_XINCREF(rd);
+        PyObject *cast = hp ? PyArray_CastToType((PyArrayObject *)hp, rd, 0) : NULL;
+        if (hp == NULL) {
+            Py_DECREF(rd);
+        }
+        Py_XDECREF(hp);
+        if (cast == NULL) {
+            return -1;
+        }
+        job_list one = {0};
+        int rc = jobs_add(&one, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(result), dst,
+                          PyArray_STRIDES(result), PyArray_BYTES((PyArrayObject *)cast),
+                          PyArray_STRIDES((PyArrayObject *)cast), exec_device(host, g->dest));
+        if (rc == 0) {
+            rc = jobs_run(&one);
+        }
+        jobs_free(&one);
+        Py_DECREF(cast);
+        return rc;
+    }
+    PyObject *view = make_view(result, dst, PyArray_SHAPE(p));
+    if (view == NULL) {
+        return -1;
+    }
+    int rc = PyArray_CopyInto((PyArrayObject *)view, p);
+    Py_DECREF(view);
+    return rc;
+}
+
+/* Part p into dst, result's region for it: copied now when small and in
+ * host memory, queued as a job otherwise, cast when its dtype differs. */
+static int gather_add_part(gather_into *g, PyArrayObject *p, char *dst)
+{
+    if (!PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(g->result))) {
+        return gather_cast_part(g, p, dst);
+    }
+    dp_device pdev = dp_array_device(g->st, p);
+    if (g->direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
+        return copy_now(pdev, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                        PyArray_STRIDES(g->result), PyArray_BYTES(p), PyArray_STRIDES(p));
+    }
+    return jobs_add(&g->jobs, g->nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
+                    PyArray_STRIDES(g->result), PyArray_BYTES(p), PyArray_STRIDES(p),
+                    exec_device(pdev, g->dest));
+}
+
+/* Every part into its region of g->result, one after the other along dim,
+ * and the queued jobs run. */
+static int gather_add_parts(gather_into *g, PyArrayObject **parts, Py_ssize_t n)
+{
+    if (!g->direct && jobs_reserve(&g->jobs, n) < 0) {
+        return -1;
+    }
+    npy_intp stride = PyArray_STRIDES(g->result)[g->dim];
+    int64_t offset = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dst = PyArray_BYTES(g->result) + offset * stride;
+        offset += PyArray_DIM(parts[i], g->dim);
+        if (gather_add_part(g, parts[i], dst) < 0) {
+            return -1;
+        }
+    }
+    return jobs_run(&g->jobs);
+}
+
+PyObject *dp_gather_arrays_slab(dp_state *st, PyArrayObject **parts, Py_ssize_t n, int dim,
+                                dp_device dest, PyArrayObject *out, const char *argname,
+                                dp_slab *slab)
+{
+    npy_intp shape[DP_MAXDIMS];
+    int nd;
+    if (gather_check_parts(parts, n, dim, argname, shape, &nd) < 0) {
+        return NULL;
+    }
+    gather_into g = {.st = st, .nd = nd, .dim = dim};
     if (out != NULL) {
-        int bad = PyArray_NDIM(out) != nd;
-        for (int d = 0; !bad && d < nd; d++) {
-            bad = PyArray_DIM(out, d) != shape[d];
-        }
-        if (bad) {
-            PyObject *exp = shape_str(nd, shape);
-            PyObject *got = exp ? shape_str(PyArray_NDIM(out), PyArray_SHAPE(out)) : NULL;
-            if (got != NULL) {
-                PyErr_Format(PyExc_ValueError,
-                             "out: Expected out array to have shape %U, but got %U", exp, got);
-            }
-            Py_XDECREF(exp);
-            Py_XDECREF(got);
+        if (gather_check_out(out, parts, n, nd, shape, argname) < 0) {
             return NULL;
         }
-        if (!PyArray_ISWRITEABLE(out)) {
-            PyErr_SetString(PyExc_ValueError, "out: output array is read-only");
-            return NULL;
-        }
-        if (check_out_overlap(out, parts, n, "out", argname) < 0) {
-            return NULL;
-        }
-        Py_INCREF(out);
-        result = out;
-        dest = dp_array_device(st, out);
+        g.result = (PyArrayObject *)Py_NewRef(out);
+        g.dest = dp_array_device(st, out);
     } else {
         PyArray_Descr *descr = PyArray_DESCR(parts[0]);
         Py_INCREF(descr);
-        result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
-        if (result == NULL) {
+        g.result = dp_empty_slab(st, slab, dest, descr, nd, shape, NULL, 0);
+        if (g.result == NULL) {
             return NULL;
         }
+        g.dest = dest;
     }
-    int direct = dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(result) <= DP_DIRECT_BYTES;
-    if (!direct && jobs_reserve(&jobs, n) < 0) {
-        goto fail;
+    copy_job few[2];   /* a gather per leaf from 2 devices allocates no job list */
+    jobs_init_fixed(&g.jobs, few, 2);
+    g.direct = g.dest.kind != DP_CUDA && (size_t)PyArray_NBYTES(g.result) <= DP_DIRECT_BYTES;
+    int rc = gather_add_parts(&g, parts, n);
+    jobs_free(&g.jobs);
+    if (rc < 0) {
+        Py_DECREF(g.result);
+        return NULL;
     }
-    npy_intp stride = PyArray_STRIDES(result)[dim];
-    int64_t offset = 0;
-    for (i = 0; i < n; i++) {
-        PyArrayObject *p = parts[i];
-        char *dst = PyArray_BYTES(result) + offset * stride;
-        offset += PyArray_DIM(p, dim);
-        if (PyArray_EquivTypes(PyArray_DESCR(p), PyArray_DESCR(result))) {
-            dp_device pdev = dp_array_device(st, p);
-            if (direct && pdev.kind != DP_CUDA) {   /* a small copy in host memory */
-                if (copy_now(pdev, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
-                             PyArray_STRIDES(result), PyArray_BYTES(p),
-                             PyArray_STRIDES(p)) < 0) {
-                    goto fail;
-                }
-                continue;
-            }
-            if (jobs_add(&jobs, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(p), dst,
-                         PyArray_STRIDES(result), PyArray_BYTES(p), PyArray_STRIDES(p),
-                         exec_device(pdev, dest)) < 0) {
-                goto fail;
-            }
-            continue;
-        }
-        /* Other dtypes are cast to the result's dtype, as PyTorch does (spec
-         * 4.7); NumPy's own casting loop does it, with the GIL held. On a GPU
-         * side: cast on the host, then copy (NumPy never sees device memory). */
-        if (dest.kind == DP_CUDA || dp_array_device(st, p).kind == DP_CUDA) {
-            dp_device host = {DP_HOST, -1};
-            PyObject *hp = dp_array_device(st, p).kind == DP_CUDA
-                         ? dp_copy_to_device(st, p, host) : Py_NewRef(p);
-            PyArray_Descr *rd = PyArray_DESCR(result);
-            Py_XINCREF(rd);
-            PyObject *cast = hp ? PyArray_CastToType((PyArrayObject *)hp, rd, 0) : NULL;
-            if (hp == NULL) {
-                Py_DECREF(rd);
-            }
-            Py_XDECREF(hp);
-            if (cast == NULL) {
-                goto fail;
-            }
-            job_list one = {0};
-            int rc = jobs_add(&one, nd, PyArray_SHAPE(p), (size_t)PyArray_ITEMSIZE(result), dst,
-                              PyArray_STRIDES(result), PyArray_BYTES((PyArrayObject *)cast),
-                              PyArray_STRIDES((PyArrayObject *)cast), exec_device(host, dest));
-            if (rc == 0) {
-                rc = jobs_run(&one);
-            }
-            jobs_free(&one);
-            Py_DECREF(cast);
-            if (rc < 0) {
-                goto fail;
-            }
-            continue;
-        }
-        PyObject *view = make_view(result, dst, PyArray_SHAPE(p));
-        if (view == NULL) {
-            goto fail;
-        }
-        int rc = PyArray_CopyInto((PyArrayObject *)view, p);
-        Py_DECREF(view);
-        if (rc < 0) {
-            goto fail;
-        }
+    if (out != NULL || g.dest.kind != DP_CUDA) {
+        return (PyObject *)g.result;
     }
-    if (jobs_run(&jobs) < 0) {
-        goto fail;
-    }
-    jobs_free(&jobs);
-    if (out != NULL || dest.kind != DP_CUDA) {
-        return (PyObject *)result;
-    }
-    return dp_export(st, (PyObject *)result);
-fail:
-    jobs_free(&jobs);
-    Py_DECREF(result);
-    return NULL;
+    return dp_export(st, (PyObject *)g.result);
 }

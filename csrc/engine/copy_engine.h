@@ -1,5 +1,5 @@
 /* copy_engine.h - internal: the copy engine's jobs and helpers, shared by
- * the engine's files: copy_jobs.c (the jobs), copy_feed.c (jobs_launch),
+ * the engine's files: copy_jobs.c (the jobs, jobs_launch's feed),
  * copy_overlap.c (out= checks),
  * copy_engine.c (scatter, gather), copy_broadcast.c, comm.c and
  * comm_broadcast.c (the dpmini.comm functions) and reduce.c.
@@ -58,23 +58,9 @@ typedef struct {
     Py_ssize_t launched;     /* jobs [0, launched) already handed to the
                                 workers by jobs_launch                      */
     size_t launched_bytes;   /* their bytes                                 */
-    struct job_feed *feed;   /* the consumers jobs_launch started (copy_feed.c), or NULL */
+    struct job_feed *feed;   /* the consumers jobs_launch started (copy_jobs.c), or NULL */
 } job_list;
 
-/* Copy spans of one thread under dpmini.profile(): the time it spent on
- * each device's copies (a scatter's destination, a gather's source) and
- * their bytes, recorded as one span a device (copy_jobs.c). */
-#define COPY_SPAN_DEVICES 8
-typedef struct {
-    dp_prof_ctx ctx;        /* ctx.s NULL: not recording                    */
-    int path;               /* dp_prof_path                                 */
-    int n;
-    struct {
-        dp_device dev;
-        uint64_t start, busy, bytes;
-        int strided;
-    } dev[COPY_SPAN_DEVICES];
-} copy_spans;
 
 /* ------------------------------------------------------------------ */
 /* Functions                                                           */
@@ -99,7 +85,7 @@ int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t
 int check_outs_disjoint(PyArrayObject *const *outs, Py_ssize_t n);
 /* copy_jobs.c: run every queued job on the device workers (GIL released; small totals inline). */
 int jobs_run(job_list *l);
-/* copy_feed.c: start the jobs queued since the last launch on the device
+/* copy_jobs.c: start the jobs queued since the last launch on the device
  * workers now, while the caller goes on queuing (GIL held): copies between
  * host and virtual CPU memory only, and only in a list that will not move
  * (jobs_reserve'd for all its jobs). The first call starts one consumer per
@@ -107,19 +93,6 @@ int jobs_run(job_list *l);
  * for jobs_run, -1 on error. jobs_run (or jobs_free, on an error path)
  * waits for them. */
 int jobs_launch(job_list *l);
-/* copy_feed.c: close the feed jobs_launch started (if any), wait for its
- * consumers (GIL released) and free it; drop: jobs not claimed yet are not
- * copied (an error path). */
-void jobs_feed_end(job_list *l, int drop);
-/* copy_jobs.c: start collecting copy spans for ctx (path: dp_prof_path). */
-void copy_spans_init(copy_spans *cs, dp_prof_ctx ctx, int path);
-/* copy_jobs.c: job j copied from t0 to t1 (ns). */
-void copy_spans_add(copy_spans *cs, const copy_job *j, uint64_t t0, uint64_t t1);
-/* copy_jobs.c: record the collected spans (end_ns > 0: each ends there, a
- * GPU copy's stream sync) and start over. */
-void copy_spans_flush(copy_spans *cs, uint64_t end_ns);
-/* copy_jobs.c: run one host copy job here (no GIL needed), with dp_copy_run_mode's mode. */
-void job_run_host(const copy_job *j, int mode);
 /* copy_engine.c: the route of a copy between src and dst (which device's worker runs it). */
 copy_route exec_device(dp_device src, dp_device dst);
 /* copy_engine.c: ValueError "<argname>: Expected at least one device to scatter to"; NULL. */

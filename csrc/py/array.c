@@ -1,8 +1,9 @@
 /* array.c - dpmini.Array (an array in CUDA device memory): the type, its
- * getters and methods, and its __cuda_array_interface__ (v3) export. The
- * imports of other libraries' GPU arrays (CUDA Array Interface, DLPack) are
- * in array_import.c, the __dlpack__ export in array_dlpack.c, the module
- * functions from_dlpack, empty and cuda_build_info in array_module.c.
+ * getters and methods, and its __cuda_array_interface__ (v3) export; the
+ * imports of other libraries' GPU arrays (CUDA Array Interface, DLPack) as
+ * shadow ndarrays; the __dlpack__ export (versioned and legacy capsules,
+ * copy=True to the host) and __dlpack_device__; the module functions
+ * from_dlpack, empty, cuda_build_info, _gpu_at_exit (dp_array_methods).
  *
  * Synchronisation contract: every dpmini operation that writes device memory
  * has synchronised its streams before it returns, so a dpmini.Array is always
@@ -24,13 +25,799 @@
  * release then waits for; a CAI read (a property: a hasattr probe cannot be
  * told from a use) without a stream, so the release waits for a device sync
  * shared with other such blocks.
+ *
+ * Sections: imports (asking an object for its device, CAI, DLPack); the
+ * DLPack export; the type; module functions.
  */
 #include "dpmini.h"
 #include "dlpack.h"
 #include "gpu.h"
-#include "array.h"
+#include "interop.h"
 
 #include <string.h>
+
+/* Mark the buffer that owns a's memory as exported (this file's comment;
+ * gpu_export.c waits before its block is reused): known 1 with the stream a
+ * DLPack consumer named (its release waits on that stream), 0 for none (a
+ * device sync shared with other such blocks). */
+static void mark_exported(dp_state *st, PyArrayObject *a, int known, void *stream);
+
+/* dpmini.Array.__dlpack__ and __dlpack_device__, in the type's method
+ * table. */
+static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw);
+static PyObject *array_dlpack_device(PyObject *op, PyObject *unused);
+
+/* (device_type, device_id) from obj.__dlpack_device__(), or -1 with no error
+ * set (none, or it raised). */
+static int dlpack_device(PyObject *obj, int *type, int *id);
+
+/* ------------------------------------------------------------------ */
+/* Asking an object for its device                                     */
+/* ------------------------------------------------------------------ */
+
+/* obj.__dlpack_device__(): 1 with (type, id); 0 when obj has none
+ * (AttributeError); -1 with the exception set otherwise. */
+static int dlpack_device_ex(PyObject *obj, int *type, int *id)
+{
+    PyObject *m = PyObject_GetAttrString(obj, "__dlpack_device__");
+    if (m == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    PyObject *r = PyObject_CallNoArgs(m);
+    Py_DECREF(m);
+    if (r == NULL) {
+        return -1;
+    }
+    int ok = PyTuple_Check(r) && PyArg_ParseTuple(r, "ii", type, id);
+    Py_DECREF(r);
+    if (!ok) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "__dlpack_device__() must return a tuple "
+                            "(device_type, device_id)");
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* The pending exception, re-raised (same type, the original as __cause__)
+ * with the argument path and the failing protocol named. */
+static void reraise_named(const char *argname, PyObject *obj, const char *what)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v == NULL) {
+        Py_XDECREF(t);
+        Py_XDECREF(tb);
+        PyErr_Format(PyExc_TypeError, "%s: %.100s.%s failed", argname, Py_TYPE(obj)->tp_name,
+                     what);
+        return;
+    }
+    if (tb != NULL) {
+        PyException_SetTraceback(v, tb);
+    }
+    PyErr_Format(t, "%s: cannot use %.100s as a GPU array: its %s raised %.100s: %S", argname,
+                 Py_TYPE(obj)->tp_name, what, Py_TYPE(v)->tp_name, v);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && PyExceptionInstance_Check(v2)) {
+        PyException_SetCause(v2, Py_NewRef(v));
+    }
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
+int dp_is_device_object(dp_state *st, PyObject *obj)
+{
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        return 1;
+    }
+    if (PyArray_Check(obj) || PyType_Check(obj)) {
+        return 0;
+    }
+    /* Only AttributeError means "no such protocol" (a torch CPU tensor's
+     * property raises it). Any other error (a CUDA tensor that requires
+     * grad, a dtype the exporter cannot describe) makes obj a device object,
+     * so that dp_device_object_meta, which knows the argument's name, raises
+     * it instead of obj being silently treated as a non-array. */
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+        Py_DECREF(cai);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    PyErr_Clear();
+    int type, id, r = dlpack_device_ex(obj, &type, &id);
+    if (r < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    return r == 1 && (type == kDLCUDA || type == kDLCUDAManaged);
+}
+
+/* ------------------------------------------------------------------ */
+/* Import: CUDA Array Interface                                         */
+/* ------------------------------------------------------------------ */
+
+static int tuple_of_intp(PyObject *t, const char *what, const char *argname, npy_intp *out,
+                         int *n)
+{
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) > NPY_MAXDIMS) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__['%s'] must be a tuple "
+                     "of ints", argname, what);
+        return -1;
+    }
+    *n = (int)PyTuple_GET_SIZE(t);
+    for (int i = 0; i < *n; i++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        out[i] = (npy_intp)v;
+    }
+    return 0;
+}
+
+/* Build a shadow ndarray over device memory at ptr, owned by `owner`. */
+static PyArrayObject *make_shadow(dp_state *st, int dev, void *ptr, PyArray_Descr *descr,
+                                  int nd, npy_intp *shape, npy_intp *strides, int readonly,
+                                  PyObject *owner)
+{
+    dp_device d = {DP_CUDA, dev};
+    size_t itemsize = (size_t)PyDataType_ELSIZE(descr);
+    /* bytes the view spans from ptr (for the buffer's record only) */
+    size_t nbytes = itemsize;
+    for (int i = 0; i < nd; i++) {
+        nbytes *= (size_t)shape[i];
+    }
+    PyObject *buf = dp_buffer_wrap(st, d, ptr, nbytes, owner);
+    if (buf == NULL) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, shape, strides, ptr,
+                                         readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
+    if (arr == NULL) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, buf) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return (PyArrayObject *)arr;
+}
+
+/* What a __cuda_array_interface__ dict says, read and checked. */
+typedef struct {
+    PyArray_Descr *descr;   /* owned */
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    int nd, has_strides;
+    void *ptr;              /* NULL: an empty array, no memory            */
+    int readonly;
+    PyObject *stream;       /* borrowed from the dict; NULL when absent   */
+    long version;
+    int dev;                /* the CUDA device of ptr                     */
+} cai_fields;
+
+/* The dict's keys into f (f->descr owned on success): shape, strides,
+ * typestr, data, mask refused, stream and version. 0, or -1 with the
+ * exception set naming argname. */
+static int cai_read(PyObject *cai, const char *argname, cai_fields *f)
+{
+    if (!PyDict_Check(cai)) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ must be a dict", argname);
+        return -1;
+    }
+    PyObject *shape_o = PyDict_GetItemString(cai, "shape");
+    PyObject *typestr = PyDict_GetItemString(cai, "typestr");
+    PyObject *data = PyDict_GetItemString(cai, "data");
+    PyObject *strides_o = PyDict_GetItemString(cai, "strides");
+    PyObject *mask = PyDict_GetItemString(cai, "mask");
+    PyObject *version = PyDict_GetItemString(cai, "version");
+    f->stream = PyDict_GetItemString(cai, "stream");
+    f->version = version != NULL && PyLong_Check(version) ? PyLong_AsLong(version) : 0;
+    if (f->version == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (shape_o == NULL || typestr == NULL || data == NULL || !PyTuple_Check(data) ||
+        PyTuple_GET_SIZE(data) != 2) {
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ lacks 'shape', 'typestr' "
+                     "or a (pointer, read_only) 'data'", argname);
+        return -1;
+    }
+    if (mask != NULL && mask != Py_None) {
+        PyErr_Format(PyExc_BufferError, "%s: masked CUDA arrays are not supported", argname);
+        return -1;
+    }
+    if (tuple_of_intp(shape_o, "shape", argname, f->shape, &f->nd) < 0) {
+        return -1;
+    }
+    if (strides_o != NULL && strides_o != Py_None) {
+        int nst = 0;
+        if (tuple_of_intp(strides_o, "strides", argname, f->strides, &nst) < 0) {
+            return -1;
+        }
+        if (nst != f->nd) {
+            PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ has %d strides for "
+                         "%d dims", argname, nst, f->nd);
+            return -1;
+        }
+        f->has_strides = 1;
+    }
+    if (!PyArray_DescrConverter(typestr, &f->descr)) {
+        return -1;
+    }
+    if (PyDataType_REFCHK(f->descr)) {
+        Py_CLEAR(f->descr);
+        PyErr_Format(PyExc_TypeError, "%s: object dtypes cannot live on a GPU", argname);
+        return -1;
+    }
+    f->ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+    f->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if ((f->ptr == NULL && PyErr_Occurred()) || f->readonly < 0) {
+        Py_CLEAR(f->descr);
+        return -1;
+    }
+    return 0;
+}
+
+/* f->dev: the CUDA device that holds f->ptr, one dpmini sees. A NULL
+ * pointer (an empty array) has no memory: no device to ask; it is taken to
+ * be on the caller's current device (cudaGetDevice, which creates no
+ * context). 0, or -1 with BufferError. */
+static int cai_device(cai_fields *f, const char *argname)
+{
+    int dev = f->ptr == NULL ? dpc_current_device() : 0;
+    if (dev < 0) {
+        dev = 0;
+    }
+    if (f->ptr != NULL && !dpc_is_device_ptr(f->ptr, &dev)) {
+        PyErr_Format(PyExc_BufferError, "%s: __cuda_array_interface__ pointer %p is not CUDA "
+                     "device memory that dpmini can see", argname, f->ptr);
+        return -1;
+    }
+    if (dev >= dpc_device_count()) {
+        PyErr_Format(PyExc_BufferError, "%s: memory on CUDA device %d, but dpmini sees %d",
+                     argname, dev, dpc_device_count());
+        return -1;
+    }
+    f->dev = dev;
+    return 0;
+}
+
+/* Wait for the producer's work on the memory (GIL released): nothing for an
+ * empty array; the legacy default stream when the dict promises nothing
+ * (no 'stream' key, as CAI v2 of PyTorch, or version < 3); else the stream
+ * it names (None: nothing to wait for). 0, or -1 with the exception set. */
+static int cai_wait(dp_state *st, const cai_fields *f, const char *argname)
+{
+    if (f->ptr == NULL) {
+        return 0;
+    }
+    dpc_status s;
+    if (f->stream == NULL || f->version < 3) {
+        /* The producer's work is most likely on the legacy default stream
+         * (PyTorch's and CuPy's default), which dpmini's non-blocking
+         * streams do not wait for. */
+        Py_BEGIN_ALLOW_THREADS
+        s = dpc_stream_sync(f->dev, DPC_STREAM_LEGACY);
+        Py_END_ALLOW_THREADS
+        __atomic_add_fetch(&dp_gpu_stat_legacy_syncs, 1, __ATOMIC_RELAXED);
+        if (s.code != 0) {
+            dp_gpu_raise(st, s, "import __cuda_array_interface__ (no 'stream' key): wait for "
+                         "the legacy default stream");
+            return -1;
+        }
+        return 0;
+    }
+    if (f->stream == Py_None) {
+        return 0;
+    }
+    /* v3: the producer's work is ordered on this stream; wait for it */
+    void *sp = PyLong_AsVoidPtr(f->stream);
+    if (sp == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (sp == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: __cuda_array_interface__ stream 0 is "
+                     "disallowed (ambiguous)", argname);
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (sp == DPC_STREAM_PER_THREAD) {
+        /* the per-thread default stream of the PRODUCER's thread, which
+         * need not be this one (a replica's output, gathered on the
+         * caller's thread): this thread cannot name it, so the device is
+         * synchronised */
+        s = dpc_device_sync(f->dev);
+    } else {
+        s = dpc_stream_sync(f->dev, sp); /* on dev, the caller's device left as it was */
+    }
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        dp_gpu_raise(st, s, "import __cuda_array_interface__: wait for the producer's stream");
+        return -1;
+    }
+    return 0;
+}
+
+static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
+                                 const char *argname)
+{
+    cai_fields f = {0};
+    if (cai_read(cai, argname, &f) < 0) {
+        return NULL;
+    }
+    if (cai_device(&f, argname) < 0 || cai_wait(st, &f, argname) < 0) {
+        Py_DECREF(f.descr);
+        return NULL;
+    }
+    return make_shadow(st, f.dev, f.ptr, f.descr, f.nd, f.shape,
+                       f.has_strides ? f.strides : NULL, f.readonly, obj);
+}
+
+/* ------------------------------------------------------------------ */
+/* Import: DLPack                                                      */
+/* ------------------------------------------------------------------ */
+
+/* Owner of an imported DLPack tensor: a capsule whose destructor calls the
+ * producer's deleter. */
+static void owner_versioned(PyObject *cap)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner_v");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static void owner_legacy(PyObject *cap)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner");
+    if (m != NULL && m->deleter != NULL) {
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
+                                    const char *argname)
+{
+    PyObject *cap = NULL, *owner = NULL, *stream = NULL, *kw = NULL, *meth = NULL;
+    PyArrayObject *res = NULL;
+    int readonly = 0;
+    dpc_stream s = NULL;
+    dpc_status status = dpc_stream_get(dev_hint, 0, &s);
+    if (status.code != 0) {
+        dp_gpu_raise(st, status, "import __dlpack__: get a stream");
+        return NULL;
+    }
+    stream = PyLong_FromVoidPtr(s);
+    kw = Py_BuildValue("{sOs(ii)}", "stream", stream, "max_version", 1, 0);
+    meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (stream == NULL || kw == NULL || meth == NULL) {
+        goto done;
+    }
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) {
+        goto done;
+    }
+    /* The producer's device current while it runs: PyTorch's __dlpack__
+     * orders its work through an event recorded on the current stream of
+     * the CURRENT device, so with another device current it would wait for
+     * the wrong GPU's work (and the import would read while kernels run). */
+    dpc_device_guard guard;
+    status = dpc_guard_enter(dev_hint, &guard);
+    if (status.code != 0) {
+        Py_DECREF(empty);
+        dp_gpu_raise(st, status, "import __dlpack__: make the producer's device current");
+        goto done;
+    }
+    cap = PyObject_Call(meth, empty, kw);
+    if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear(); /* a pre-1.0 producer: no max_version keyword */
+        PyDict_DelItemString(kw, "max_version");
+        cap = PyObject_Call(meth, empty, kw);
+    }
+    dpc_guard_leave(&guard);
+    Py_DECREF(empty);
+    if (cap == NULL) {
+        reraise_named(argname, obj, "__dlpack__()");
+        goto done;
+    }
+    DLTensor *t;
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        if (m->version.major > DP_DLPACK_MAJOR) {
+            PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than dpmini "
+                         "understands (%d.x)", argname, m->version.major, m->version.minor,
+                         DP_DLPACK_MAJOR);
+            goto done;
+        }
+        owner = PyCapsule_New(m, "dpmini.dlpack_owner_v", owner_versioned);
+        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) {
+            goto done;
+        }
+        t = &m->dl_tensor;
+        readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0; /* a read-only shadow */
+    } else if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+        owner = PyCapsule_New(m, "dpmini.dlpack_owner", owner_legacy);
+        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor") < 0) {
+            goto done;
+        }
+        t = &m->dl_tensor;
+    } else {
+        PyErr_Format(PyExc_BufferError, "%s: __dlpack__ did not return a DLPack capsule",
+                     argname);
+        goto done;
+    }
+    if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack tensor is not on a CUDA device "
+                     "(device type %d)", argname, (int)t->device.device_type);
+        goto done;
+    }
+    if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack ndim %d out of range", argname, t->ndim);
+        goto done;
+    }
+    PyArray_Descr *descr = dp_descr_from_dl(t->dtype);
+    if (descr == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s: DLPack dtype (code %d, bits %d, lanes %d) has no "
+                     "NumPy equivalent", argname, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        goto done;
+    }
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    for (int i = 0; i < t->ndim; i++) {
+        shape[i] = (npy_intp)t->shape[i];
+        if (t->strides != NULL) {
+            strides[i] = (npy_intp)(t->strides[i] * (int64_t)PyDataType_ELSIZE(descr));
+        }
+    }
+    {
+        Py_BEGIN_ALLOW_THREADS
+        status = dpc_stream_sync(t->device.device_id, s);
+        Py_END_ALLOW_THREADS
+        if (status.code != 0) {
+            Py_DECREF(descr);
+            dp_gpu_raise(st, status, "import __dlpack__: wait for the producer");
+            goto done;
+        }
+    }
+    if (t->device.device_id != dev_hint) {
+        Py_DECREF(descr);
+        PyErr_Format(PyExc_BufferError, "%s: __dlpack_device__ said CUDA device %d, the tensor "
+                     "is on %d", argname, dev_hint, (int)t->device.device_id);
+        goto done;
+    }
+    res = make_shadow(st, t->device.device_id, (char *)t->data + t->byte_offset, descr,
+                      t->ndim, shape, t->strides ? strides : NULL, readonly, owner);
+done:
+    Py_XDECREF(owner);
+    Py_XDECREF(cap);
+    Py_XDECREF(meth);
+    Py_XDECREF(kw);
+    Py_XDECREF(stream);
+    return res;
+}
+
+/* (device_type, device_id) from obj.__dlpack_device__(), or -1 (no error). */
+static int dlpack_device(PyObject *obj, int *type, int *id)
+{
+    int r = dlpack_device_ex(obj, type, id);
+    if (r < 0) {
+        PyErr_Clear();
+    }
+    return r == 1 ? 0 : -1;
+}
+
+PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *argname)
+{
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        PyArrayObject *m = ((dp_ArrayObject *)obj)->meta;
+        Py_INCREF(m);
+        return m;
+    }
+    /* DLPack first: __dlpack__(stream=ours) lets the producer order its work
+     * before our stream (CAI v2 producers such as PyTorch promise nothing). */
+    int type, id, r = dlpack_device_ex(obj, &type, &id);
+    if (r < 0) {
+        reraise_named(argname, obj, "__dlpack_device__()");
+        return NULL;
+    }
+    if (r == 1 && (type == kDLCUDA || type == kDLCUDAManaged)) {
+        if (id < 0 || id >= dpc_device_count()) {
+            PyErr_Format(PyExc_BufferError, "%s: DLPack tensor on CUDA device %d, but dpmini "
+                         "sees %d", argname, id, dpc_device_count());
+            return NULL;
+        }
+        return import_dlpack(st, obj, id, argname);
+    }
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+        PyArrayObject *a = import_cai(st, obj, cai, argname);
+        Py_DECREF(cai);
+        return a;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        reraise_named(argname, obj, "__cuda_array_interface__");
+        return NULL;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s: %.100s is not a GPU array (no __cuda_array_interface__ "
+                 "or CUDA __dlpack_device__)", argname, Py_TYPE(obj)->tp_name);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Export: DLPack                                                      */
+/* ------------------------------------------------------------------ */
+
+/* One allocation per export: the managed tensor, its shape and strides, and
+ * a strong reference to the exported dpmini.Array. */
+typedef struct {
+    union {
+        DLManagedTensorVersioned v;
+        DLManagedTensor legacy;
+    } mt;
+    int versioned;
+    int unconsumed;          /* set when the capsule dies never taken    */
+    int stream_known;        /* the consumer named a stream to wait on   */
+    void *stream;            /* that stream (1: the legacy default)      */
+    PyObject *owner;
+    int64_t shape[NPY_MAXDIMS];
+    int64_t strides[NPY_MAXDIMS];
+} export_ctx;
+
+static void export_release(export_ctx *ctx)
+{
+    /* The deleter may run on any thread (a consumer's), GIL or not. */
+    if (!Py_IsInitialized()) {
+        return; /* interpreter gone: leak rather than crash */
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (!ctx->unconsumed && ctx->owner != NULL) {
+        /* a consumer had the memory: its work on ctx->stream must finish
+         * before the block is reused (marked now, waited for at the free) */
+        mark_exported(dp_state_from_type(Py_TYPE(ctx->owner)),
+                      ((dp_ArrayObject *)ctx->owner)->meta, ctx->stream_known, ctx->stream);
+    }
+    Py_XDECREF(ctx->owner);
+    PyMem_RawFree(ctx);
+    PyGILState_Release(g);
+}
+
+static void deleter_versioned(DLManagedTensorVersioned *self)
+{
+    export_release((export_ctx *)self->manager_ctx);
+}
+
+static void deleter_legacy(DLManagedTensor *self)
+{
+    export_release((export_ctx *)self->manager_ctx);
+}
+
+/* Destructor of an exported capsule: delete only when never consumed. */
+static void capsule_versioned(PyObject *cap)
+{
+    if (PyCapsule_IsValid(cap, "used_dltensor_versioned")) {
+        return;
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (m != NULL && m->deleter != NULL) {
+        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static void capsule_legacy(PyObject *cap)
+{
+    if (PyCapsule_IsValid(cap, "used_dltensor")) {
+        return;
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m != NULL && m->deleter != NULL) {
+        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
+        m->deleter(m);
+    }
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+}
+
+static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied, int stream_known,
+                            void *stream)
+{
+    PyArrayObject *a = self->meta;
+    DLDataType dt;
+    if (dp_dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
+        PyErr_Format(PyExc_BufferError, "__dlpack__: dtype %S has no DLPack equivalent",
+                     (PyObject *)PyArray_DESCR(a));
+        return NULL;
+    }
+    npy_intp is = PyArray_ITEMSIZE(a);
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        if (is > 0 && PyArray_STRIDES(a)[i] % is != 0) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: strides that are not a multiple "
+                            "of the item size cannot be expressed in DLPack");
+            return NULL;
+        }
+    }
+    export_ctx *ctx = PyMem_RawCalloc(1, sizeof *ctx);
+    if (ctx == NULL) {
+        return PyErr_NoMemory();
+    }
+    DLTensor *t = versioned ? &ctx->mt.v.dl_tensor : &ctx->mt.legacy.dl_tensor;
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        ctx->shape[i] = PyArray_DIM(a, i);
+        ctx->strides[i] = is > 0 ? PyArray_STRIDES(a)[i] / is : 0;
+    }
+    t->data = PyArray_DATA(a);
+    t->device.device_type = kDLCUDA;
+    t->device.device_id = self->dev.index;
+    t->ndim = PyArray_NDIM(a);
+    t->dtype = dt;
+    t->shape = ctx->shape;
+    t->strides = ctx->strides;
+    t->byte_offset = 0;
+    ctx->versioned = versioned;
+    ctx->stream_known = stream_known;
+    ctx->stream = stream;
+    ctx->owner = (PyObject *)self; /* marked exported when a consumer releases it */
+    Py_INCREF(self);
+    PyObject *cap;
+    if (versioned) {
+        ctx->mt.v.version.major = DP_DLPACK_MAJOR;
+        ctx->mt.v.version.minor = DP_DLPACK_MINOR;
+        ctx->mt.v.manager_ctx = ctx;
+        ctx->mt.v.deleter = deleter_versioned;
+        ctx->mt.v.flags = (copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0) |
+                          (PyArray_ISWRITEABLE(a) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY);
+        cap = PyCapsule_New(&ctx->mt.v, "dltensor_versioned", capsule_versioned);
+    } else {
+        ctx->mt.legacy.manager_ctx = ctx;
+        ctx->mt.legacy.deleter = deleter_legacy;
+        cap = PyCapsule_New(&ctx->mt.legacy, "dltensor", capsule_legacy);
+    }
+    if (cap == NULL) {
+        Py_DECREF(self);
+        PyMem_RawFree(ctx);
+    }
+    return cap;
+}
+
+static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    int stream_known = 0;       /* a stream the consumer will use the tensor on */
+    void *consumer = NULL;
+    dp_ArrayObject *self = (dp_ArrayObject *)op;
+    dp_state *st = dp_state_from_type(Py_TYPE(op));
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream,
+                                     &max_version, &dl_device, &copy)) {
+        return NULL;
+    }
+    if (stream != Py_None) {
+        if (!PyLong_Check(stream)) {
+            PyErr_Format(PyExc_TypeError, "__dlpack__: stream must be None or an int, got "
+                         "%.100s", Py_TYPE(stream)->tp_name);
+            return NULL;
+        }
+        long v = PyLong_AsLong(stream);
+        if (v == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (v == 0) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: stream 0 is disallowed for CUDA "
+                            "(ambiguous; use 1 for the legacy default stream)");
+            return NULL;
+        }
+        /* Nothing to order: dpmini arrays are always ready (see file comment).
+         * Kept to wait on before the memory is reused: a handle, or 1 (the
+         * legacy default stream); -1 (no synchronisation) and 2 (the
+         * consumer thread's per-thread default stream) name nothing dpmini
+         * can wait on later. */
+        if (v > 0 && v != 2) {
+            stream_known = 1;
+            consumer = PyLong_AsVoidPtr(stream);
+            if (consumer == NULL && PyErr_Occurred()) {
+                return NULL;
+            }
+        }
+    }
+    int versioned = 0;
+    if (max_version != Py_None) {
+        int major, minor;
+        if (!PyArg_ParseTuple(max_version, "ii:max_version", &major, &minor)) {
+            return NULL;
+        }
+        versioned = major >= 1;
+    }
+    int want_copy = -1; /* -1: None (copy only if needed) */
+    if (copy != Py_None) {
+        want_copy = PyObject_IsTrue(copy);
+        if (want_copy < 0) {
+            return NULL;
+        }
+    }
+    if (dl_device != Py_None) {
+        int type, id;
+        if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &type, &id)) {
+            return NULL;
+        }
+        if (type == kDLCPU) {
+            if (want_copy == 0) {
+                PyErr_SetString(PyExc_BufferError, "__dlpack__: the array is on a CUDA "
+                                "device; exporting to the CPU needs copy=True");
+                return NULL;
+            }
+            dp_device host = {DP_HOST, -1};
+            PyObject *h = st->copy_to_device(st, self->meta, host);
+            if (h != NULL && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)h))) {
+                /* NumPy's own __dlpack__ refuses ml_dtypes' dtypes */
+                Py_SETREF(h, dp_host_dlpack_export(st, (PyArrayObject *)h));
+            }
+            if (h == NULL) {
+                return NULL;
+            }
+            PyObject *kwargs = max_version == Py_None ? NULL
+                             : Py_BuildValue("{sO}", "max_version", max_version);
+            PyObject *m = PyObject_GetAttrString(h, "__dlpack__");
+            PyObject *empty = PyTuple_New(0);
+            PyObject *cap = (m && empty && (max_version == Py_None || kwargs))
+                          ? PyObject_Call(m, empty, kwargs) : NULL;
+            Py_XDECREF(empty);
+            Py_XDECREF(m);
+            Py_XDECREF(kwargs);
+            Py_DECREF(h);
+            return cap;
+        }
+        if (type != kDLCUDA || id != self->dev.index) {
+            PyErr_Format(PyExc_BufferError, "__dlpack__: cannot export to device (%d, %d); "
+                         "the array is on (%d, %d)", type, id, (int)kDLCUDA, self->dev.index);
+            return NULL;
+        }
+    }
+    if (want_copy == 1) {
+        PyObject *c = dp_export(st, st->copy_to_device(st, self->meta, self->dev));
+        if (c == NULL) {
+            return NULL;
+        }
+        PyObject *cap = to_capsule((dp_ArrayObject *)c, versioned, 1, stream_known, consumer);
+        Py_DECREF(c);
+        return cap;
+    }
+    return to_capsule(self, versioned, 0, stream_known, consumer);
+}
+
+static PyObject *array_dlpack_device(PyObject *op, PyObject *unused)
+{
+    return Py_BuildValue("(ii)", (int)kDLCUDA, ((dp_ArrayObject *)op)->dev.index);
+}
 
 /* ------------------------------------------------------------------ */
 /* Wrapping shadows                                                    */
@@ -63,7 +850,7 @@ PyObject *dp_export(dp_state *st, PyObject *obj)
 /* Mark the buffer that owns a's memory as exported (see the file comment):
  * known 1 with the stream a DLPack consumer named, else 0. Exports to
  * different streams, or one without, leave no single stream to wait for. */
-void mark_exported(dp_state *st, PyArrayObject *a, int known, void *stream)
+static void mark_exported(dp_state *st, PyArrayObject *a, int known, void *stream)
 {
     PyObject *b = (PyObject *)a;
     while (PyArray_Check(b) && PyArray_BASE((PyArrayObject *)b) != NULL) {
@@ -256,4 +1043,147 @@ PyType_Spec dp_array_spec = {
     .basicsize = sizeof(dp_ArrayObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = array_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module functions                                                    */
+/* ------------------------------------------------------------------ */
+
+PyDoc_STRVAR(from_dlpack_doc,
+"from_dlpack(obj, /)\n--\n\n"
+"Returns a dpmini.Array (CUDA memory) or a numpy.ndarray (host memory).\n"
+"Import obj without a copy through DLPack (or the CUDA Array Interface): CUDA memory\n"
+"becomes a dpmini.Array that keeps obj's memory alive; host memory becomes a\n"
+"numpy.ndarray (numpy.from_dlpack). Raises TypeError (not a DLPack/CAI object),\n"
+"BufferError (dtype or device dpmini cannot hold).");
+
+static PyObject *py_from_dlpack(PyObject *m, PyObject *obj)
+{
+    dp_state *st = dp_state_from_module(m);
+    int type, id;
+    if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        return Py_NewRef(obj);
+    }
+    if (dlpack_device(obj, &type, &id) == 0 && (type == kDLCPU || type == kDLCUDAHost)) {
+        PyObject *np = PyImport_ImportModule("numpy");
+        PyObject *r = np ? PyObject_CallMethod(np, "from_dlpack", "O", obj) : NULL;
+        Py_XDECREF(np);
+        return r;
+    }
+    PyArrayObject *meta = dp_device_object_meta(st, obj, "obj");
+    return meta ? dp_export(st, (PyObject *)meta) : NULL;
+}
+
+PyDoc_STRVAR(empty_doc,
+"empty(shape, dtype=None, device='cpu', pin_memory=False)\n--\n\n"
+"An uninitialised array (dtype None means float64): on a CUDA device a dpmini.Array; on the host a\n"
+"numpy.ndarray, in page-locked (pinned) memory when pin_memory=True (needs CUDA),\n"
+"so host<->GPU copies of it are direct DMA with no staging.\n"
+"shape: an int (a 1-dim array of that many elements) or a tuple of ints, each >= 0, in\n"
+"elements (not bytes), as numpy.empty; () is a 0-dim array. C-contiguous.\n"
+"dtype: anything numpy.dtype accepts except object. device: 'cpu' (the host), 'cpu:N' (a\n"
+"numpy.ndarray in that virtual device's memory), 'cuda:N', an int N or a dpmini.Device.\n"
+"Raises ValueError (a negative size, a bad device), TypeError (a shape that is not an\n"
+"int or a tuple of ints, an object or unknown dtype), MemoryError, dpmini.CudaError.");
+
+static PyObject *py_empty(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"shape", "dtype", "device", "pin_memory", NULL};
+    PyObject *shape_obj, *dtype_obj = Py_None, *dev_obj = NULL;
+    int pin = 0;
+    PyArray_Dims shape = {NULL, 0};
+    PyArray_Descr *descr = NULL;
+    dp_state *st = dp_state_from_module(m);
+    dp_device dev = {DP_HOST, -1};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOp:empty", kwlist, &shape_obj, &dtype_obj,
+                                     &dev_obj, &pin)) {
+        return NULL;
+    }
+    if (!PyArray_IntpConverter(shape_obj, &shape)) {
+        return NULL;
+    }
+    if (!PyArray_DescrConverter(dtype_obj, &descr)) {
+        goto done;
+    }
+    if (PyDataType_REFCHK(descr)) {
+        PyErr_SetString(PyExc_TypeError, "dtype: object dtypes are not supported");
+        goto done;
+    }
+    if (dev_obj != NULL && dev_obj != Py_None &&
+        dp_device_from_object(st, dev_obj, "device", DP_DEV_ALLOW_HOST, &dev) < 0) {
+        goto done;
+    }
+    if (pin && dev.kind != DP_HOST) {
+        PyErr_SetString(PyExc_ValueError, "pin_memory: only host memory ('cpu') can be pinned");
+        goto done;
+    }
+    if (!pin) {
+        Py_INCREF(descr);
+        res = dp_export(st, (PyObject *)dp_empty(st, dev, descr, shape.len, shape.ptr, NULL));
+        goto done;
+    }
+    size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
+    for (int i = 0; i < shape.len; i++) {
+        if (shape.ptr[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "shape: negative dimensions are not allowed");
+            goto done;
+        }
+        nbytes *= (size_t)shape.ptr[i];
+    }
+    PyObject *buf = dp_buffer_new_pinned(st, nbytes);
+    if (buf == NULL) {
+        goto done;
+    }
+    Py_INCREF(descr);
+    res = PyArray_NewFromDescr(&PyArray_Type, descr, shape.len, shape.ptr, NULL,
+                               ((dp_BufferObject *)buf)->ptr,
+                               NPY_ARRAY_WRITEABLE | NPY_ARRAY_ALIGNED, NULL);
+    if (res == NULL || PyArray_SetBaseObject((PyArrayObject *)res, buf) < 0) {
+        if (res == NULL) {
+            Py_DECREF(buf);
+        }
+        Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(descr);
+    PyDimMem_FREE(shape.ptr);
+    return res;
+}
+
+static PyObject *py_cuda_build_info(PyObject *m, PyObject *unused)
+{
+    int rt = 0, drv = 0;
+    dpc_versions(&rt, &drv);
+    const char *nccl = dp_nccl_describe();
+    char why[512] = "";
+    (void)dp_cuda_unusable(why, sizeof why);
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:s,s:i,s:s}", "backend", dpc_backend(),
+                         "runtime_version", rt, "driver_version", drv, "device_count",
+                         dpc_device_count(), "nccl", nccl, "2d_min_run_default",
+                         DP_2D_MIN_RUN_DEFAULT, "cuda_unusable", why);
+}
+
+/* Registered with atexit by dpmini/__init__.py: NCCL communicators hold
+ * threads, sockets and GPU memory until destroyed. */
+static PyObject *py_gpu_at_exit(PyObject *m, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS /* ncclCommDestroy waits for the communicators */
+    dp_nccl_shutdown();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyMethodDef dp_array_methods[] = {
+    {"_gpu_at_exit", py_gpu_at_exit, METH_NOARGS,
+     "Private (dpmini/__init__.py registers it with atexit): destroy the cached NCCL "
+     "communicators."},
+    {"from_dlpack", py_from_dlpack, METH_O, from_dlpack_doc},
+    {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS, empty_doc},
+    {"cuda_build_info", py_cuda_build_info, METH_NOARGS,
+     "cuda_build_info()\n--\n\nReturns a dict: backend ('cuda', 'emulated' or 'none'), CUDA runtime and "
+     "driver versions (1000*major + 10*minor; 0 unknown), device_count, nccl (version and "
+     "path once loaded, else why not), the 2D-copy run threshold, cuda_unusable (why CUDA cannot be "
+     "used although a driver is installed, e.g. a driver older than the runtime; '' otherwise)."},
+    {NULL},
 };

@@ -17,7 +17,7 @@
  * libraries", states the rule.
  *
  * Import: host memory (DLPack device kDLCPU / kDLCUDAHost) through
- * numpy.from_dlpack (a view, no copy); CUDA memory through array_import.c's
+ * numpy.from_dlpack (a view, no copy); CUDA memory through array.c's
  * DLPack/CAI import (a shadow ndarray, no copy). A producer whose DLPack
  * export refuses (JAX arrays sharded over several JAX devices) is read with
  * numpy.asarray (a copy). A tensor that requires grad is refused, and so is

@@ -1,5 +1,5 @@
 /* explain.c - dpmini._plan, the records behind dpmini.explain: runs scatter's
- * passes (a) and (b) (scatter_walk.c) without copying and describes the
+ * passes (a) and (b) (scatter.c) without copying and describes the
  * outcome as a dict (leaves, chunk sizes, replica count, warnings, errors).
  *
  * Sections: plan records; Python functions.

@@ -1,6 +1,6 @@
 /* tree.h - internal: what the tree walkers share (tree_common.c,
- * tree_containers.c, tree_dims.c, tree_args.c, scatter_walk.c,
- * scatter_tree.c, gather_*.c, explain.c). The public entry points
+ * tree_containers.c, tree_dims.c, tree_args.c, scatter.c,
+ * gather.c, explain.c). The public entry points
  * (dp_scatter_kwargs_ex, dp_gather_outputs_ex, dp_check_dims_spec,
  * dp_parse_split_sizes) are in walk.h.
  *
@@ -206,8 +206,7 @@ PyObject *normalize_inputs(PyObject *inputs);
 int normalize_kwargs(PyObject *kwargs, PyObject **out);
 
 /* ------------------------------------------------------------------ */
-/* scatter_walk.c, scatter_count.c, scatter_args.c: scatter passes (a)  */
-/* and (b), for scatter_tree.c, scatter_py.c and explain.c            */
+/* scatter.c: scatter passes (a) and (b), for explain.c too           */
 /* ------------------------------------------------------------------ */
 
 /* Set up c for ndev devices (plan: _plan mode, no copies); ctx_clear frees it. */
@@ -215,18 +214,8 @@ int ctx_init(scatter_ctx *c, dp_state *st, const dp_device *devs,
              Py_ssize_t ndev, int dim, int plan);
 /* Release everything c holds (safe after a failed ctx_init). */
 void ctx_clear(scatter_ctx *c);
-/* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
-int scatter_kind(dp_state *st, PyObject *obj);
-/* The children of a container of kind S_* (a tuple snapshot; for S_DICT
- * the flat (k0, v0, k1, v1, ...) of dict_flat). */
-PyObject *container_items(PyObject *obj, int kind);
 /* The key of child i of an S_DICT walked through container_items (borrowed). */
 #define container_key(items, i) PyTuple_GET_ITEM((items), 2 * (i))
-/* Child i of a container walked through container_items (borrowed); sets *seg. */
-PyObject *container_child(int kind, PyObject *items, PyObject *names,
-                          Py_ssize_t i, const path_seg *up, path_seg *seg);
-/* How many children container_items gave. */
-Py_ssize_t items_len(int kind, PyObject *items);
 /* The path of leaf lf as a str (borrowed from lf, made on first use). */
 PyObject *leaf_path(scatter_ctx *c, scatter_leaf *lf);
 /* Plan mode: keep the first caller error as text (0); else leave it pending (-1). */
@@ -240,26 +229,11 @@ void scatter_count(scatter_ctx *c);
 PyObject *strict_message(scatter_ctx *c);
 /* The SplitWarning text, or *out = NULL when no row is dropped. */
 int truncation_message(scatter_ctx *c, PyObject **out);
-/* Pass (b), checks: strict -> ValueError, else SplitWarning. */
-int scatter_check(scatter_ctx *c, int strict);
 /* The top of in_dims split into the positional and keyword entries. */
 int split_top_spec(PyObject *in_dims, Py_ssize_t nin, PyObject *kwargs,
                    PyObject **args_spec, PyObject **kw_spec, PyObject **own);
 /* Pass (a) for the positional arguments, each with its args_spec entry. */
 int collect_args(scatter_ctx *c, PyObject *inputs, PyObject *args_spec);
-
-/* ------------------------------------------------------------------ */
-/* scatter_tree.c: scatter passes (c) and (d), for scatter_py.c        */
-/* ------------------------------------------------------------------ */
-
-/* Pass (c): every split leaf's first c->k chunks in one dp_scatter_run,
- * and the broadcast leaves' copies. */
-int scatter_copy(scatter_ctx *c);
-/* Pass (d): res[j] = obj as replica j sees it (c->k new references; all
- * NULL on failure). */
-int scatter_build(scatter_ctx *c, PyObject *obj, const path_seg *seg, PyObject **res);
-/* After pass (d): every leaf was handed out, else RuntimeError. */
-int scatter_check_all_taken(scatter_ctx *c);
 
 #pragma GCC visibility pop
 

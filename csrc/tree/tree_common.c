@@ -1,5 +1,5 @@
-/* tree_common.c - paths in messages, for every tree walker (scatter_walk.c,
- * scatter_tree.c, gather_*.c, explain.c): the path_seg chain and its text,
+/* tree_common.c - paths in messages, for every tree walker (scatter.c,
+ * gather.c, explain.c): the path_seg chain and its text,
  * the nesting bound, and the helpers that raise or build messages naming a
  * path.
  *

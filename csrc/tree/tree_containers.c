@@ -2,7 +2,7 @@
  * for namedtuples and dataclass instances, snapshots of a sequence's items
  * and a dict's pairs (safe from user code resizing them during a walk), and
  * a dict subclass rebuilt with other values (rebuild_mapping). Used by
- * scatter_walk.c, scatter_tree.c, gather_*.c and explain.c (tree.h).
+ * scatter.c, gather.c and explain.c (tree.h).
  */
 #include "dpmini.h"
 #include "tree.h"

@@ -2,7 +2,7 @@
  * model): checking a spec (dp_check_dims_spec), the copy one call walks
  * (dims_take), and the helpers that walk a container spec beside the
  * structure it mirrors (spec_child, spec_mismatch, spec_check_children).
- * Used by scatter_walk.c, gather_tree.c and gather_containers.c (tree.h).
+ * Used by scatter.c and gather.c (tree.h).
  */
 #include "dpmini.h"
 #include "tree.h"

@@ -1,6 +1,6 @@
 /* walk.h - what tree/ offers the layers above it (dp/, module/): the
  * scatter and gather walkers over nested Python structures
- * (scatter_tree.c, gather_tree.c), their argument checks (tree_common.c)
+ * (scatter.c, gather.c), their argument checks (tree_common.c)
  * and the method tables of dpmini.scatter/gather/explain. The walkers' own
  * helpers are in tree.h.
  *
@@ -91,8 +91,8 @@ PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
                             int dim);
 
 /* Method tables (module/module.c adds them). */
-extern PyMethodDef dp_scatter_methods[];      /* scatter_tree.c */
-extern PyMethodDef dp_gather_methods[];       /* gather_tree.c */
+extern PyMethodDef dp_scatter_methods[];      /* scatter.c */
+extern PyMethodDef dp_gather_methods[];       /* gather.c */
 extern PyMethodDef dp_plan_methods[];         /* explain.c  */
 
 #endif

@@ -1,0 +1,1461 @@
+/* gather.c - gather of nested Python structures: DataParallel's gather
+ * (spec §4) with out_dims, and the Python function dpmini.gather.
+ *
+ * Gather walks the replicas' outputs side by side: outputs[0] picks the rule
+ * (as in PyTorch) but every replica is checked against it, and array
+ * positions are concatenated with dp_gather_arrays.
+ *
+ * Conventions as in tree.h: int results are 0 or -1 with an exception set
+ * unless said otherwise; PyObject* results are new references or NULL with
+ * an exception set. vals[i] is replica i's value at the position (borrowed,
+ * n >= 1), seg its path.
+ *
+ * Sections: types and the walk's declarations; leaves (arrays concatenated
+ * along dim onto the target, with the dtype check and the NumPy-scalar /
+ * Python-number rule; str, bytes and numbers returned once when every
+ * replica's value is equal; any other object when every replica returns the
+ * same one); out_dims None and "sum" (JAX pmap's out_axes as the model:
+ * every replica's value compared with replica 0's, or the values added);
+ * containers (dicts key by key, lists / tuples / namedtuples position by
+ * position, dataclass instances field by field, rebuilt in replica 0's
+ * type); the walk (the kind of value at a position, the check that every
+ * replica returned that kind, gather_map, dp_gather_outputs); the Python
+ * function dpmini.gather.
+ */
+#include "dpmini.h"
+#include "tree.h"
+#include "engine.h"
+#include "walk.h"
+#include "profile.h"
+
+#include <math.h>
+#include <string.h>
+
+/* What gather does at a leaf (out_dims; OUT_CAT is PyTorch's rule). */
+enum {
+    OUT_CAT = 0,   /* concatenate arrays along dim (the rules of spec 4)  */
+    OUT_SAME,      /* out_dims None: every replica's value must be equal  */
+    OUT_SUM        /* out_dims "sum": add the replicas' values            */
+};
+
+typedef struct {
+    dp_state *st;
+    dp_device target;   /* where arrays are gathered                      */
+    int dim;            /* as given; wrapped per array position           */
+    int mode;           /* OUT_*, from out_dims; OUT_CAT by default       */
+    dp_slab *slab;      /* the call's buffers for small results (shared by
+                           the copies of g made for out_dims entries)     */
+} gather_ctx;
+
+/* What gather does with the value at one position (outputs[0]'s kind picks
+ * the rule; every replica must have the same kind). */
+enum {
+    G_ARRAY,       /* concatenate along dim                               */
+    G_NONE,        /* None                                                */
+    G_DICT,        /* key by key, replica 0's order and type              */
+    G_NAMEDTUPLE,  /* field by field, type(out)._make                     */
+    G_DATACLASS,   /* field by field, rebuilt with the class              */
+    G_SEQ,         /* list/tuple: position by position, same length       */
+    G_VALUE,       /* str, bytes, numbers: one value if all are equal     */
+    G_OTHER        /* anything else: the same object from every replica   */
+};
+
+/* What join_each shows of each replica's value. */
+enum { SHOW_TYPE, SHOW_REPR, SHOW_NDIM, SHOW_LEN, SHOW_DTYPE };
+
+/* ------------------------------------------------------------------ */
+/* The walk (declared first: the containers call it back)             */
+/* ------------------------------------------------------------------ */
+
+/* ", ".join of one item per value (SHOW_*), for error messages. */
+static PyObject *join_each(PyObject *const *vals, Py_ssize_t n, int show);
+/* Probing a value's kind raised: re-raise it naming seg. Returns -1. */
+static int kind_error_at(gather_ctx *g, const path_seg *seg);
+/* The gathered value of one position; spec: its out_dims entry (NULL:
+ * g->mode and g->dim, inherited), sseg the entry's path. */
+static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                     const path_seg *seg, PyObject *spec, const path_seg *sseg);
+
+/* ------------------------------------------------------------------ */
+/* Leaves                                                             */
+/* ------------------------------------------------------------------ */
+
+/* A Python number (int, float, complex, bool; not a NumPy scalar)? 1 or 0. */
+static int is_py_number(PyObject *o);
+/* A NumPy scalar or Python number as a new 0-dim ndarray; NULL with no
+ * exception set for anything else. */
+static PyObject *scalar_as_array(PyObject *o);
+/* The n ndarrays can be gathered into arrs[0]'s dtype without losing data;
+ * else TypeError naming cpath and every replica's dtype. */
+static int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath);
+/* Arrays: concatenated along g->dim onto g->target (spec 4.5-4.8). */
+static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg);
+/* Two floats/complexes equal but for NaN in the same places? 1 or 0. */
+static int same_nan_value(PyObject *a, PyObject *b);
+/* str, bytes, numbers: vals[0] when every replica's value is equal. */
+static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                       const path_seg *seg);
+/* Any other object: vals[0] when every replica returns the same one (or
+ * equal values of one type hashed by value). */
+static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg);
+
+/* ------------------------------------------------------------------ */
+/* Containers rebuilt                                                 */
+/* ------------------------------------------------------------------ */
+
+/* Dicts key by key, in replica 0's key order and type (spec 4.1, R14). */
+static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg, PyObject *spec, const path_seg *sseg);
+/* Lists, tuples, namedtuples (kind G_SEQ / G_NAMEDTUPLE) position by
+ * position, same length everywhere (R18). */
+static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                     int kind, const path_seg *seg, PyObject *spec,
+                     const path_seg *sseg);
+/* Dataclass instances field by field, without running __init__ (R17). */
+static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                           const path_seg *seg, PyObject *spec,
+                           const path_seg *sseg);
+
+/* ------------------------------------------------------------------ */
+/* out_dims None and "sum"                                            */
+/* ------------------------------------------------------------------ */
+
+/* out_dims "sum" at a number: v0 + v1 + ... in replica order. */
+static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            const path_seg *seg);
+/* out_dims None at a str/number/other object: vals[0] when all are equal. */
+static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                              const path_seg *seg);
+/* An array position, gathered by g->mode, handed back in the leaves'
+ * array library. */
+static PyObject *gather_array_position(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                const path_seg *seg);
+
+/* ------------------------------------------------------------------ */
+/* Leaves                                                             */
+/* ------------------------------------------------------------------ */
+/* A Python number (int, float, complex, bool; not a NumPy scalar). */
+static int is_py_number(PyObject *o)
+{
+    return (PyLong_Check(o) || PyFloat_Check(o) || PyComplex_Check(o)) &&
+           !PyArray_IsScalar(o, Generic);
+}
+
+/* A NumPy scalar or a Python number as a new 0-dim ndarray; NULL with no
+ * exception set for anything else. */
+static PyObject *scalar_as_array(PyObject *o)
+{
+    if (PyArray_IsScalar(o, Generic))
+        return PyArray_FromScalar(o, NULL);
+    if (is_py_number(o))
+        return PyArray_FromAny(o, NULL, 0, 0, 0, NULL);
+    return NULL;
+}
+
+/* The replicas' arrays at one position can be gathered into replica 0's
+ * dtype without losing data: NumPy's same_kind casting (float64 -> float32
+ * and int -> float are fine; float -> int, int -> bool and datetimes with
+ * numbers are not), for str, bytes and structured dtypes safe casting (no
+ * truncated strings), and never real with complex, in either order (as
+ * PyTorch, whose comm functions see a complex array as its real view and
+ * fail on the extra dim). Else TypeError naming the path and every
+ * replica's dtype. arrs: n ndarrays. */
+static int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath)
+{
+    PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)arrs[0]);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyArray_Descr *di = PyArray_DESCR((PyArrayObject *)arrs[i]);
+        if (di == d0)
+            continue;   /* the same dtype object: nothing to cast */
+        NPY_CASTING rule = strchr("SUV", d0->kind) != NULL || strchr("SUV", di->kind) != NULL
+                               ? NPY_SAFE_CASTING : NPY_SAME_KIND_CASTING;
+        int mixed_complex = (d0->kind == 'c') != (di->kind == 'c');
+        if (!mixed_complex && PyArray_CanCastTypeTo(di, d0, rule))
+            continue;
+        PyObject *names = join_each(arrs, n, SHOW_DTYPE);
+        if (names != NULL && mixed_complex)
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned %S and replica 0 %S: real and complex "
+                         "arrays are not gathered together, in either order (a real "
+                         "result would drop the imaginary parts; PyTorch raises too) "
+                         "(dtypes per replica: %U); cast the outputs to one dtype in the "
+                         "replicas", cpath, i, (PyObject *)di, (PyObject *)d0, names);
+        else if (names != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned %S, which cannot be gathered into "
+                         "replica 0's dtype %S without losing data (dtypes per replica: "
+                         "%U); gather casts to replica 0's dtype only within a kind "
+                         "(NumPy's same_kind rule, e.g. float64 -> float32): cast the "
+                         "outputs to one dtype in the replicas", cpath, i, (PyObject *)di,
+                         (PyObject *)d0, names);
+        Py_XDECREF(names);
+        return -1;
+    }
+    return 0;
+}
+
+/* Replica counts up to this gather a leaf with arrays on the stack. */
+#define GATHER_FEW 8
+
+/* The usual position: every replica returned a plain ndarray (not a
+ * subclass) of one dtype object and of one rank >= 1, with the same shape
+ * outside dim. Then no check below can fail with a message that names the
+ * position, so its path is not written. 1 with *wdim set, or 0. */
+static int plain_position(const gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                          int *wdim)
+{
+    if (!PyArray_CheckExact(vals[0]))
+        return 0;
+    PyArrayObject *a0 = (PyArrayObject *)vals[0];
+    PyArray_Descr *d0 = PyArray_DESCR(a0);
+    int nd = PyArray_NDIM(a0);
+    if (nd == 0 || g->dim < -nd || g->dim >= nd || PyDataType_REFCHK(d0))
+        return 0;
+    int d = g->dim < 0 ? g->dim + nd : g->dim;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyArray_CheckExact(vals[i]))
+            return 0;
+        PyArrayObject *a = (PyArrayObject *)vals[i];
+        if (PyArray_NDIM(a) != nd || PyArray_DESCR(a) != d0)
+            return 0;
+        for (int k = 0; k < nd; k++)
+            if (k != d && PyArray_DIM(a, k) != PyArray_DIM(a0, k))
+                return 0;
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(a, d), &total) ||
+            total > NPY_MAX_INTP)
+            return 0;
+    }
+    *wdim = d;
+    return 1;
+}
+
+/* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
+static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg)
+{
+    int plain_dim;
+    if (plain_position(g, vals, n, &plain_dim))
+        /* "out": never shown, plain_position checked what would name it */
+        return dp_gather_arrays_slab(g->st, (PyArrayObject **)vals, n, plain_dim, g->target,
+                                     NULL, "out", g->slab);
+
+    PyArrayObject **parts = NULL, *parts_few[GATHER_FEW];
+    PyObject **arrs = NULL, *arrs_few[GATHER_FEW];  /* new references: vals as arrays */
+    PyObject *path = NULL, *res = NULL;
+    char buf[512];
+    const char *cpath;
+    int all0 = 1, any0 = 0, views = 0, wdim;
+
+    cpath = path_text(seg, buf, sizeof buf, &path);   /* no str object made */
+    if (cpath == NULL)
+        goto done;
+    if (n <= GATHER_FEW) {   /* the usual replica counts: no allocation */
+        memset(parts_few, 0, sizeof parts_few);
+        memset(arrs_few, 0, sizeof arrs_few);
+        parts = parts_few;
+        arrs = arrs_few;
+    } else {
+        parts = PyMem_Calloc((size_t)n, sizeof *parts);
+        arrs = parts != NULL ? PyMem_Calloc((size_t)n, sizeof *arrs) : NULL;
+        if (arrs == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
+        arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i]) : scalar_as_array(vals[i]);
+        if (arrs[i] == NULL && !PyErr_Occurred())  /* GPU arrays */
+            arrs[i] = (PyObject *)dp_as_array(g->st, vals[i], cpath, 0);
+        if (arrs[i] == NULL)
+            goto done;
+        if (PyArray_NDIM((PyArrayObject *)arrs[i]) == 0)
+            any0 = 1;
+        else
+            all0 = 0;
+    }
+    vals = arrs;
+    if (check_dtypes(arrs, n, cpath) < 0)
+        goto done;
+    if (any0 && !all0) {
+        /* PyTorch fails inside comm.gather on the rank mismatch. */
+        PyObject *dims = join_each(vals, n, SHOW_NDIM);
+        if (dims != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%s: some replicas returned 0-dim arrays and others did not "
+                         "(ndim per replica: %U); 0-dim arrays are gathered into a "
+                         "vector only when every replica returns one", cpath, dims);
+        Py_XDECREF(dims);
+        goto done;
+    }
+
+    if (all0) {
+        /* spec 4.5 / R20: only dim == 0 literally turns scalars into a vector. */
+        if (g->dim != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: every replica returned a 0-dim array, which can only "
+                         "be gathered with dim=0 (into a vector of one value per "
+                         "replica), got dim=%d", cpath, g->dim);
+            goto done;
+        }
+        npy_intp one = 1;
+        PyArray_Dims shape = {&one, 1};
+        views = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            parts[i] = (PyArrayObject *)PyArray_Newshape((PyArrayObject *)vals[i],
+                                                         &shape, NPY_CORDER);
+            if (parts[i] == NULL)
+                goto done;
+        }
+        if (PyErr_WarnEx(PyExc_UserWarning,
+                         "Was asked to gather along dimension 0, but all input "
+                         "tensors were scalars; will instead unsqueeze and return "
+                         "a vector.", 1) < 0)
+            goto done;
+        wdim = 0;
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            parts[i] = (PyArrayObject *)vals[i];
+        if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(parts[0]), cpath, &wdim) < 0)
+            goto done;
+    }
+    res = dp_gather_arrays_slab(g->st, parts, n, wdim, g->target, NULL, cpath, g->slab);
+done:
+    if (parts != NULL && views)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(parts[i]);
+    if (parts != parts_few)
+        PyMem_Free(parts);
+    if (arrs != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(arrs[i]);
+    if (arrs != arrs_few)
+        PyMem_Free(arrs);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* Two floats/complexes that differ only by being NaN in the same places
+ * (nan != nan in Python, but every replica returning nan is one value). */
+static int same_nan_value(PyObject *a, PyObject *b)
+{
+    if (!(PyFloat_Check(a) || PyComplex_Check(a)) || !(PyFloat_Check(b) || PyComplex_Check(b)))
+        return 0;
+    double ar = PyFloat_Check(a) ? PyFloat_AS_DOUBLE(a) : PyComplex_RealAsDouble(a);
+    double ai = PyFloat_Check(a) ? 0.0 : PyComplex_ImagAsDouble(a);
+    double br = PyFloat_Check(b) ? PyFloat_AS_DOUBLE(b) : PyComplex_RealAsDouble(b);
+    double bi = PyFloat_Check(b) ? 0.0 : PyComplex_ImagAsDouble(b);
+    return (ar == br || (ar != ar && br != br)) && (ai == bi || (ai != ai && bi != bi));
+}
+
+/* str, bytes, numbers: returned once when every replica's value is equal
+ * (NaN counting as equal to NaN). */
+static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                       const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return kind_error_at(g, seg), NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+        if (joined != NULL && path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned different values (%U); a str, "
+                         "bytes or number output is returned once, only when every "
+                         "replica returns an equal value: return an array to get "
+                         "one value per replica", path, joined);
+        Py_XDECREF(joined);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* Any other object: returned when every replica returns the same object,
+ * or equal values (== and the same hash) of one type hashed by value
+ * (Fraction, Decimal, date, frozenset: such types are by convention
+ * immutable, so one value stands for all). Unhashable objects (mutable
+ * ones) and objects hashed by identity must be the same object: equal but
+ * separate ones would each be a replica's own state. */
+static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg)
+{
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+    /* A value type: hashable by value, not by identity (object.__hash__). */
+    int hashable = tp->tp_hash != NULL && tp->tp_hash != PyObject_HashNotImplemented &&
+                   tp->tp_hash != PyBaseObject_Type.tp_hash;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (vals[i] == vals[0])
+            continue;
+        if (hashable && Py_TYPE(vals[i]) == tp) {
+            int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+            if (eq < 0)
+                return kind_error_at(g, seg), NULL;
+            if (eq) {
+                /* Each hash checked before the next call: a raising
+                 * __hash__ propagates, named with the path. */
+                Py_hash_t h0 = PyObject_Hash(vals[0]);
+                if (h0 == -1 && PyErr_Occurred())
+                    return kind_error_at(g, seg), NULL;
+                Py_hash_t hi = PyObject_Hash(vals[i]);
+                if (hi == -1 && PyErr_Occurred())
+                    return kind_error_at(g, seg), NULL;
+                if (h0 == hi)
+                    continue;
+            }
+        }
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned different %.100s objects; gather "
+                         "can only return such an object when every replica returns "
+                         "the same one, or equal values of one hashable type (return "
+                         "arrays, or a dict, tuple, namedtuple or dataclass of them)",
+                         path, tp->tp_name);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* ------------------------------------------------------------------ */
+/* out_dims None and "sum"                                            */
+/* ------------------------------------------------------------------ */
+/* One replica's value at an out_dims None array position as a host ndarray
+ * for comparing (new reference): an ndarray as is (virtual-device memory is
+ * host memory), a NumPy scalar as a 0-dim array, and a GPU array (dpmini,
+ * CUDA Array Interface or DLPack) copied to the host. The copy costs a
+ * device-to-host transfer per replica; dpmini has no comparison kernel. */
+static PyObject *host_for_compare(gather_ctx *g, PyObject *v, const char *cpath)
+{
+    if (PyArray_Check(v))
+        return Py_NewRef(v);
+    PyObject *s = scalar_as_array(v);
+    if (s != NULL || PyErr_Occurred())
+        return s;
+    PyArrayObject *a = dp_as_array(g->st, v, cpath, 0);
+    if (a == NULL || dp_array_device(g->st, a).kind != DP_CUDA)
+        return (PyObject *)a;
+    dp_device host = {DP_HOST, -1};
+    PyObject *h = dp_copy_to_device(g->st, a, host);
+    Py_DECREF(a);
+    return h;
+}
+
+/* Arrays holding Python objects cannot go to a device (convert.c's rule):
+ * refused naming the output path and the replica, before the copy engine
+ * would name its own argument. 0, or -1 with TypeError. */
+static int refuse_object_arrays(PyObject *const *vals, Py_ssize_t n, const char *cpath)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyArray_Check(vals[i]) &&
+            PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)vals[i]))) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: replica %zd returned an array holding Python objects "
+                         "(dtype %S), which cannot be copied between devices; use a "
+                         "numeric, bool or structured dtype without objects", cpath, i,
+                         (PyObject *)PyArray_DESCR((PyArrayObject *)vals[i]));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* d's kind, 'f' for ml_dtypes' floating dtypes (their kind is 'V' or 'f'
+ * as registered; they have NaN but no NumPy float kind). */
+static char float_kind(PyArray_Descr *d)
+{
+    PyArray_Descr *acc = dp_sum_descr(d);
+    if (acc == NULL)
+        return d->kind;
+    char k = acc->kind;   /* 'f' (float32) or 'c' (complex64) */
+    Py_DECREF(acc);
+    return k;
+}
+
+/* numpy.array_equal(a, b, equal_nan=...) with NaN equal to NaN when both
+ * dtypes are numeric and one is floating or complex (as the default gather
+ * treats float NaN values: review1 f17); other dtypes have no NaN. 1, 0 or
+ * -1. */
+static int arrays_equal(PyObject *a, PyObject *b)
+{
+    PyArray_Descr *da = PyArray_DESCR((PyArrayObject *)a);
+    PyArray_Descr *db = PyArray_DESCR((PyArrayObject *)b);
+    /* ml_dtypes' small floats (bfloat16, float8: kind 'V') count as floats */
+    char ka = float_kind(da), kb = float_kind(db);
+    int numeric = strchr("biufc", ka) != NULL && strchr("biufc", kb) != NULL;
+    /* NaT is the NaN of datetime64 / timedelta64: equal to NaT here too. */
+    int nan = (numeric && (strchr("fc", ka) != NULL || strchr("fc", kb) != NULL)) ||
+              (ka == kb && strchr("mM", ka) != NULL);
+    PyObject *np = PyImport_ImportModule("numpy"), *res = NULL;
+    if (np == NULL)
+        return -1;
+    res = PyObject_CallMethod(np, "array_equal", "OOO", a, b, nan ? Py_True : Py_False);
+    Py_DECREF(np);
+    if (res == NULL)
+        return -1;
+    int eq = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return eq;
+}
+
+/* out_dims None at an array position: every replica's array must equal
+ * replica 0's (numpy.array_equal: same shape, equal values, NaN equal to
+ * NaN in floating and complex arrays); GPU arrays are compared through host
+ * copies. The result is replica 0's array on the target device (itself when
+ * it already lives there; a NumPy scalar is returned as is). */
+static PyObject *gather_equal_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                     const path_seg *seg)
+{
+    PyObject *path = path_str(seg), *h0 = NULL, *res = NULL;
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            goto done;
+    }
+    if (refuse_object_arrays(vals, n, cpath) < 0)
+        goto done;
+    h0 = host_for_compare(g, vals[0], cpath);
+    if (h0 == NULL)
+        goto done;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *hi = host_for_compare(g, vals[i], cpath);
+        int eq = hi != NULL ? arrays_equal(h0, hi) : -1;
+        Py_XDECREF(hi);
+        if (eq < 0)
+            goto done;
+        if (eq)
+            continue;
+        PyErr_Format(PyExc_TypeError,
+                     "%U: out_dims gives None here (every replica returns the same "
+                     "value), but replica %zd returned an array that differs from "
+                     "replica 0's (shape or values); give an int to gather the "
+                     "replicas' arrays along that dim, or \"sum\" to add them",
+                     path, i);
+        goto done;
+    }
+    if (PyArray_IsScalar(vals[0], Generic) || is_py_number(vals[0])) {
+        res = Py_NewRef(vals[0]);  /* a NumPy scalar or a number: a host value */
+        goto done;
+    }
+    /* Replica 0's array onto the target: the copy engine (GPU arrays of any
+     * producer included; the array itself when it lives there already). */
+    PyObject *one = PyList_New(1), *per_dev = NULL;
+    if (one == NULL)
+        goto done;
+    PyList_SET_ITEM(one, 0, Py_NewRef(vals[0]));
+    per_dev = dp_broadcast_coalesced(g->st, one, &g->target, 1, 0);
+    if (per_dev != NULL)
+        res = Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(per_dev, 0), 0));
+    Py_DECREF(one);
+    Py_XDECREF(per_dev);
+done:
+    Py_XDECREF(h0);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* out_dims "sum" at an array position: comm.reduce_add onto the target
+ * (same shapes; replica 0's dtype). NumPy scalars count as 0-dim arrays;
+ * every other array (ndarray, dpmini.Array, CUDA Array Interface and DLPack
+ * objects) goes to dp_reduce_add as is, which imports it as comm.reduce_add
+ * does. */
+static PyObject *gather_sum_arrays(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                   const path_seg *seg)
+{
+    PyObject *list = PyList_New(n), *path = NULL, *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = scalar_as_array(vals[i]);
+        if (a == NULL && !PyErr_Occurred())
+            a = Py_NewRef(vals[i]);
+        if (a == NULL)
+            goto done;
+        PyList_SET_ITEM(list, i, a);
+    }
+    path = path_str(seg);
+    const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+    if (cpath == NULL)
+        goto done;
+    /* The sum is in replica 0's dtype: the same no-data-loss rule as
+     * concatenation, checked on host ndarrays and GPU shadows alike. */
+    int all_nd = 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        all_nd = all_nd && PyArray_Check(PyList_GET_ITEM(list, i));
+    if (refuse_object_arrays(((PyListObject *)list)->ob_item, n, cpath) < 0 ||
+        (all_nd && check_dtypes(((PyListObject *)list)->ob_item, n, cpath) < 0))
+        goto done;
+    for (Py_ssize_t i = 1; all_nd && i < n; i++) {
+        PyArray_Descr *d0 = PyArray_DESCR((PyArrayObject *)PyList_GET_ITEM(list, 0)),
+                      *di = PyArray_DESCR((PyArrayObject *)PyList_GET_ITEM(list, i));
+        if (!PyArray_EquivTypes(d0, di)) {
+            /* The sum needs one dtype (PyTorch's reduce_add); name the
+             * replica apart from the path. */
+            PyErr_Format(PyExc_TypeError,
+                         "%s: out_dims gives \"sum\" here, but replica %zd's value at %s "
+                         "has dtype %S%s and replica 0's %S (a Python float is float64); "
+                         "\"sum\" adds in one dtype: return one dtype from every replica",
+                         cpath, i, cpath, (PyObject *)di, dp_byteorder_note(d0, di),
+                         (PyObject *)d0);
+            goto done;
+        }
+    }
+    res = dp_reduce_add(g->st, list, g->target, cpath);
+done:
+    Py_DECREF(list);
+    Py_XDECREF(path);
+    return res;
+}
+
+/* out_dims "sum" at a number: v0 + v1 + ... in replica order. str and
+ * bytes (which + would concatenate) and non-numbers are refused. */
+static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                            const path_seg *seg)
+{
+    if (PyUnicode_Check(vals[0]) || PyBytes_Check(vals[0]) || !PyNumber_Check(vals[0])) {
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives \"sum\" here, but replica 0 returned a "
+                         "%.100s; \"sum\" adds arrays and numbers", path,
+                         Py_TYPE(vals[0])->tp_name);
+        Py_XDECREF(path);
+        return NULL;
+    }
+    PyObject *acc = Py_NewRef(vals[0]);
+    for (Py_ssize_t i = 1; i < n && acc != NULL; i++)
+        Py_SETREF(acc, PyNumber_Add(acc, vals[i]));
+    return acc;
+}
+
+/* out_dims None at a str/number/other object: every value must equal
+ * replica 0's (==, NaN counting as equal to NaN as in gather_value); the
+ * result is replica 0's value. */
+static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                              const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return kind_error_at(g, seg), NULL;
+        if (!eq)
+            eq = same_nan_value(vals[0], vals[i]);  /* as gather_value */
+        if (eq)
+            continue;
+        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+        if (path != NULL && joined != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: out_dims gives None here (every replica returns the same "
+                         "value), but the replicas returned different values (%U)",
+                         path, joined);
+        Py_XDECREF(path);
+        Py_XDECREF(joined);
+        return NULL;
+    }
+    return Py_NewRef(vals[0]);
+}
+
+/* An array position: every replica's arrays from one library (NumPy and
+ * dpmini.Array count as one), gathered by the mode, and the result handed
+ * back in that library (torch tensors in, one torch tensor out; interop.c). */
+static PyObject *gather_array_position(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                                const path_seg *seg)
+{
+    PyObject *origin = dp_array_origin(g->st, vals[0]), *res = NULL, *path = NULL;
+    if (origin == NULL)
+        return NULL;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *oi = dp_array_origin(g->st, vals[i]);
+        if (oi == NULL)
+            goto done;
+        Py_DECREF(oi);
+        if (oi == origin)
+            continue;
+        PyObject *names = join_each(vals, n, SHOW_TYPE);
+        path = path_str(seg);
+        if (names != NULL && path != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned arrays of different libraries (types "
+                         "per replica: %U); return one library's arrays at each position",
+                         path, names);
+        Py_XDECREF(names);
+        goto done;
+    }
+    if (g->mode == OUT_SAME)
+        res = gather_equal_arrays(g, vals, n, seg);
+    else if (g->mode == OUT_SUM)
+        res = gather_sum_arrays(g, vals, n, seg);
+    else
+        res = gather_leaf(g, vals, n, seg);
+    if (res != NULL && origin != Py_None) {
+        path = path_str(seg);
+        const char *cpath = path != NULL ? PyUnicode_AsUTF8(path) : NULL;
+        if (cpath != NULL)
+            res = dp_to_origin(g->st, origin, res, cpath);
+        else
+            Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(path);
+    Py_DECREF(origin);
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* Containers rebuilt                                                 */
+/* ------------------------------------------------------------------ */
+/* The pending error of a dict subclass's own keys() / __getitem__ /
+ * __contains__ (what), re-raised as the same type naming the output path
+ * and the hook, the original as __cause__ (README, "Probing"). */
+static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
+                               const char *what, PyObject *key)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;   /* KeyboardInterrupt: as it is */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *path = path_str(seg);
+    PyObject *kr = path != NULL && key != NULL ? path_key_repr(key) : NULL;
+    PyObject *msg = NULL;
+    if (path != NULL && v != NULL && kr != NULL)
+        msg = PyUnicode_FromFormat("%U: reading a %.100s (a dict subclass) with its "
+                                   "__getitem__(%U) raised %.100s: %S", path,
+                                   Py_TYPE(d)->tp_name, kr, Py_TYPE(v)->tp_name, v);
+    else if (path != NULL && v != NULL && key == NULL)
+        msg = PyUnicode_FromFormat("%U: reading a %.100s (a dict subclass) with its %s "
+                                   "raised %.100s: %S", path, Py_TYPE(d)->tp_name, what,
+                                   Py_TYPE(v)->tp_name, v);
+    Py_XDECREF(kr);
+    Py_XDECREF(path);
+    PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+    dp_reraise_msg(st, msg);
+}
+
+/* Dicts: same number of keys, every key of replica 0 in every dict; key order
+ * and type from replica 0 (spec 4.1, R14). */
+static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    PyObject *keys = NULL, *acc = NULL, *res = NULL, **child = NULL;
+    int exact = PyDict_CheckExact(vals[0]);
+    Py_ssize_t len0 = PyDict_GET_SIZE(vals[0]);
+
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (PyDict_GET_SIZE(vals[i]) == len0)
+            continue;
+        PyObject *path = path_str(seg);
+        if (path != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%U: All dicts must have the same number of keys (replica 0 "
+                         "returned %zd, replica %zd returned %zd)",
+                         path, len0, i, PyDict_GET_SIZE(vals[i]));
+        Py_XDECREF(path);
+        return NULL;
+    }
+    /* An exact dict: its keys and values in one snapshot (dict_flat, no
+     * user code); a subclass: its keys(). */
+    keys = exact ? dict_flat(vals[0]) : PyMapping_Keys(vals[0]);
+    if (keys == NULL) {
+        name_mapping_error(g->st, vals[0], seg, "keys()", NULL);
+        goto done;
+    }
+    Py_ssize_t nkeys = exact ? PyTuple_GET_SIZE(keys) / 2 : PyList_GET_SIZE(keys);
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
+        goto done;
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    acc = exact ? dict_new_sized(nkeys) : PyList_New(0);
+    if (child == NULL || acc == NULL) {
+        if (child == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < nkeys; q++) {
+        PyObject *key = exact ? PyTuple_GET_ITEM(keys, 2 * q) : PyList_GET_ITEM(keys, q), *v;
+        path_seg cseg = seg_child(seg, SEG_KEY, 0, key);
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            int has;
+            if (i == 0 && exact) {   /* replica 0's value, from the snapshot */
+                child[0] = Py_NewRef(PyTuple_GET_ITEM(keys, 2 * q + 1));
+                continue;
+            }
+            if (PyDict_CheckExact(vals[i])) {
+                /* one lookup; a str key's hash is cached */
+                PyObject *found = PyDict_GetItemWithError(vals[i], key);
+                if (found != NULL) {
+                    child[i] = Py_NewRef(found);
+                    continue;
+                }
+                has = PyErr_Occurred() ? -1 : 0;
+            }
+            else {
+                has = PyDict_Contains(vals[i], key);
+            }
+            if (has == 0) {
+                PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+                if (path != NULL && kr != NULL)
+                    PyErr_Format(PyExc_ValueError,
+                                 "%U: replica %zd returned a dict without the key %U "
+                                 "that replica 0 returned; every replica must "
+                                 "return the same keys", path, i, kr);
+                Py_XDECREF(kr);
+                Py_XDECREF(path);
+            }
+            if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL) {
+                if (has != 0)
+                    name_mapping_error(g->st, vals[i], seg, "[key]", key);
+                ok = 0;
+            }
+        }
+        path_seg csseg;
+        PyObject *cspec;
+        if (ok && spec_child(spec, sseg, q, key, &cspec, &csseg) < 0)
+            ok = 0;
+        v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_CLEAR(child[i]);
+        if (v == NULL)
+            goto done;
+        int r;
+        if (exact) {
+            r = PyDict_SetItem(acc, key, v);
+        }
+        else {
+            PyObject *pair = PyTuple_Pack(2, key, v);
+            r = append_steal(acc, pair);
+        }
+        Py_DECREF(v);
+        if (r < 0)
+            goto done;
+    }
+    if (exact) {
+        res = Py_NewRef(acc);
+    }
+    else {
+        res = rebuild_mapping(g->st, vals[0], acc, seg);
+    }
+done:
+    PyMem_Free(child);
+    Py_XDECREF(keys);
+    Py_XDECREF(acc);
+    return res;
+}
+
+/* Lists, tuples, namedtuples: position by position, same length everywhere
+ * (spec 4.1's strict zip, R18). */
+static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                     int kind, const path_seg *seg, PyObject *spec,
+                     const path_seg *sseg)
+{
+    PyObject **snap = NULL, **child = NULL;
+    PyObject *items = NULL, *names = NULL, *res = NULL;
+    Py_ssize_t len0;
+
+    snap = PyMem_Calloc((size_t)n, sizeof *snap);
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    if (snap == NULL || child == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((snap[i] = seq_snapshot(vals[i])) == NULL)
+            goto done;
+    len0 = PyTuple_GET_SIZE(snap[0]);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (PyTuple_GET_SIZE(snap[i]) == len0)
+            continue;
+        PyObject *path = path_str(seg), *lens = join_each(snap, n, SHOW_LEN);
+        if (lens != NULL && path != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%U: the replicas returned sequences of different lengths "
+                         "(lengths per replica: %U); every replica must return the "
+                         "same length", path, lens);
+        Py_XDECREF(lens);
+        Py_XDECREF(path);
+        goto done;
+    }
+
+    if (spec_is_container(spec) &&
+        spec_check_children(spec, sseg, seg, len0, NULL, NULL) < 0)
+        goto done;
+    items = PyList_New(len0);
+    if (items == NULL)
+        goto done;
+    if (kind == G_NAMEDTUPLE)
+        names = namedtuple_names(vals[0], len0);
+    for (Py_ssize_t pos = 0; pos < len0; pos++) {
+        path_seg cseg = names != NULL
+            ? seg_child(seg, SEG_ATTR, 0, PyTuple_GET_ITEM(names, pos))
+            : seg_child(seg, SEG_INDEX, pos, NULL);
+        path_seg csseg;
+        PyObject *cspec;
+        if (spec_child(spec, sseg, pos, NULL, &cspec, &csseg) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++)
+            child[i] = PyTuple_GET_ITEM(snap[i], pos);  /* borrowed from snap */
+        PyObject *v = gather_map(g, child, n, &cseg, cspec, &csseg);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(items, pos, v);
+    }
+
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+    if (kind == G_NAMEDTUPLE) {
+        PyObject *make = PyObject_GetAttrString((PyObject *)tp, "_make");
+        if (make != NULL) {
+            res = PyObject_CallOneArg(make, items);
+            Py_DECREF(make);
+        }
+        if (res == NULL)
+            raise_rebuild_error(seg, tp, "type(out)._make(fields)", "");
+    }
+    else if (PyList_CheckExact(vals[0])) {
+        res = Py_NewRef(items);
+    }
+    else if (PyTuple_CheckExact(vals[0])) {
+        res = PyList_AsTuple(items);
+    }
+    else {
+        res = PyObject_CallOneArg((PyObject *)tp, items);
+        if (res == NULL)
+            raise_rebuild_error(seg, tp, "type(out)(items)", "");
+    }
+done:
+    if (snap != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(snap[i]);
+    PyMem_Free(snap);
+    PyMem_Free(child);
+    Py_XDECREF(items);
+    Py_XDECREF(names);
+    return res;
+}
+
+/* Dataclass instances: field by field (dataclasses.fields, init=False
+ * fields included), into a new instance made as copy.copy makes one,
+ * cls.__new__(cls), with each field set by object.__setattr__. __init__ and
+ * __post_init__ do not run again: they ran in the replicas, and running
+ * them on gathered values would redo their work (a scaling applied twice);
+ * frozen dataclasses and __slots__ work the same way. A dataclass that is
+ * also a dict (Hugging Face's ModelOutput) gets replica 0's keys, each with
+ * the gathered value of the field of that name (R17). */
+static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                           const path_seg *seg, PyObject *spec,
+                           const path_seg *sseg)
+{
+    PyObject *fields = NULL, *byname = NULL, *newfn = NULL, *inst = NULL, *keys = NULL;
+    PyObject *res = NULL, **child = NULL;
+    PyTypeObject *tp = Py_TYPE(vals[0]);
+
+    fields = PyObject_CallOneArg(g->st->dataclasses_fields, vals[0]);
+    if (fields == NULL)
+        goto done;
+    if (!PyTuple_Check(fields)) {
+        PyErr_SetString(PyExc_TypeError, "dataclasses.fields() did not return a tuple");
+        goto done;
+    }
+    if (spec != NULL && PyDict_Check(spec)) {
+        /* A dict in out_dims names fields of the dataclass. */
+        PyObject *fnames = PyTuple_New(PyTuple_GET_SIZE(fields));
+        if (fnames == NULL)
+            goto done;
+        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+            PyObject *nm = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
+            if (nm == NULL) {
+                Py_DECREF(fnames);
+                goto done;
+            }
+            PyTuple_SET_ITEM(fnames, f, nm);
+        }
+        int r = spec_check_children(spec, sseg, seg, 0, NULL, fnames);
+        Py_DECREF(fnames);
+        if (r < 0)
+            goto done;
+    }
+    byname = PyDict_New();
+    child = PyMem_Calloc((size_t)n, sizeof *child);
+    if (byname == NULL || child == NULL) {
+        if (child == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+        PyObject *field = PyTuple_GET_ITEM(fields, f), *v = NULL;
+        PyObject *name = PyObject_GetAttrString(field, "name");
+        int ok = name != NULL;
+        if (ok) {
+            path_seg cseg = seg_child(seg, SEG_ATTR, 0, name), csseg;
+            PyObject *cspec;
+            if (spec_child(spec, sseg, f, name, &cspec, &csseg) < 0)
+                ok = 0;
+            for (Py_ssize_t i = 0; i < n && ok; i++)
+                if ((child[i] = PyObject_GetAttr(vals[i], name)) == NULL)
+                    ok = 0;
+            v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
+            for (Py_ssize_t i = 0; i < n; i++)
+                Py_CLEAR(child[i]);
+        }
+        int r = v != NULL ? PyDict_SetItem(byname, name, v) : -1;
+        Py_XDECREF(v);
+        Py_XDECREF(name);
+        if (r < 0)
+            goto done;
+    }
+    newfn = PyObject_GetAttrString((PyObject *)tp, "__new__");
+    inst = newfn != NULL ? PyObject_CallOneArg(newfn, (PyObject *)tp) : NULL;
+    if (inst == NULL || Py_TYPE(inst) != tp) {
+        if (inst != NULL)
+            PyErr_Format(PyExc_TypeError, "__new__ returned a %.100s",
+                         Py_TYPE(inst)->tp_name);
+        raise_rebuild_error(seg, tp, "type(out).__new__(type(out)) with its fields set", "");
+        goto done;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *v;
+    while (PyDict_Next(byname, &pos, &name, &v))
+        if (PyObject_GenericSetAttr(inst, name, v) < 0)
+            goto done;
+    if (PyDict_Check(inst)) {
+        keys = PyDict_Keys(vals[0]);  /* the dict's own storage, in its order */
+        for (Py_ssize_t q = 0; keys != NULL && q < PyList_GET_SIZE(keys); q++) {
+            PyObject *key = PyList_GET_ITEM(keys, q);
+            v = PyDict_GetItemWithError(byname, key);
+            if (v == NULL) {
+                if (!PyErr_Occurred()) {
+                    PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+                    if (path != NULL && kr != NULL)
+                        PyErr_Format(PyExc_TypeError,
+                                     "%U: replica 0 returned a %.100s (a dataclass and a "
+                                     "dict) with the key %U, which is not one of its "
+                                     "fields", path, tp->tp_name, kr);
+                    Py_XDECREF(path);
+                    Py_XDECREF(kr);
+                }
+                goto done;
+            }
+            if (PyDict_SetItem(inst, key, v) < 0)
+                goto done;
+        }
+        if (keys == NULL)
+            goto done;
+    }
+    res = Py_NewRef(inst);
+done:
+    PyMem_Free(child);
+    Py_XDECREF(fields);
+    Py_XDECREF(byname);
+    Py_XDECREF(newfn);
+    Py_XDECREF(inst);
+    Py_XDECREF(keys);
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* Gather                                                              */
+/* ------------------------------------------------------------------ */
+
+/* For "every replica must return %s here, as replica 0 does". */
+static const char *const gather_kind_names[] = {
+    "an array", "None", "a dict", "a namedtuple",
+    "a dataclass instance (of one class)", "a list or tuple",
+    "a str, bytes or number", "an object that is not an array or container"};
+
+/* One of G_*, or -1 with an exception set. */
+static int gather_kind(dp_state *st, PyObject *o)
+{
+    if (o == Py_None)
+        return G_NONE;
+    if (PyArray_CheckExact(o))
+        return G_ARRAY;   /* the usual leaf, first */
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
+        return G_SEQ;
+    if (PyDict_CheckExact(o))
+        return G_DICT;
+    if (PyUnicode_CheckExact(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
+        PyBool_Check(o) || PyBytes_CheckExact(o))
+        return G_VALUE;
+    int r = dp_is_array_leaf(st, o);
+    if (r < 0)
+        return -1;
+    /* A NumPy scalar (what x.mean() returns) is NumPy's 0-dim value, the
+     * counterpart of a 0-dim tensor loss: gathered like a 0-dim array. */
+    if (r || PyArray_IsScalar(o, Generic))
+        return G_ARRAY;
+    /* Before dict: a dataclass that is also a dict (e.g. Hugging Face's
+     * ModelOutput) is rebuilt from its fields. */
+    r = is_dataclass_instance(o);
+    if (r < 0)
+        return -1;
+    if (r)
+        return G_DATACLASS;
+    if (PyDict_Check(o))
+        return G_DICT;
+    if (PyTuple_Check(o)) {
+        r = is_namedtuple(o);
+        if (r < 0)
+            return -1;
+        return r ? G_NAMEDTUPLE : G_SEQ;
+    }
+    if (PyList_Check(o))
+        return G_SEQ;
+    if (PyLong_Check(o) || PyFloat_Check(o) || PyComplex_Check(o) ||
+        PyUnicode_Check(o) || PyBytes_Check(o))
+        return G_VALUE;
+    return G_OTHER;
+}
+
+
+/* ", ".join of one item per value, for error messages: type(x).__name__
+ * ("ndarray, NoneType"), repr(x) (cut at 80 characters), x.ndim for
+ * arrays, or len(x) for tuples. */
+static PyObject *join_each(PyObject *const *vals, Py_ssize_t n, int show)
+{
+    PyObject *list = PyList_New(0), *res = NULL;
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item;
+        switch (show) {
+        case SHOW_TYPE:
+            item = PyObject_GetAttrString((PyObject *)Py_TYPE(vals[i]), "__name__");
+            break;
+        case SHOW_REPR:
+            item = PyUnicode_FromFormat("%.80R", vals[i]);
+            break;
+        case SHOW_NDIM:
+            item = PyUnicode_FromFormat("%d", PyArray_NDIM((PyArrayObject *)vals[i]));
+            break;
+        case SHOW_DTYPE:
+            item = PyObject_Str((PyObject *)PyArray_DESCR((PyArrayObject *)vals[i]));
+            break;
+        default: /* SHOW_LEN */
+            item = PyUnicode_FromFormat("%zd", PyTuple_GET_SIZE(vals[i]));
+            break;
+        }
+        if (append_steal(list, item) < 0)
+            goto done;
+    }
+    res = join_str(", ", list);
+done:
+    Py_DECREF(list);
+    return res;
+}
+
+/* gather_kind failed (probing a value for the array protocols raised):
+ * name the position. Returns -1. */
+static int kind_error_at(gather_ctx *g, const path_seg *seg)
+{
+    PyObject *path = path_str(seg);
+    dp_reraise_at(g->st, path);
+    Py_XDECREF(path);
+    return -1;
+}
+
+/* Every replica must return the same kind of value at this position (for a
+ * dataclass, the same class): R19 c/d. Two mixes are allowed, as one kind:
+ * namedtuples with plain tuples or lists (replica 0's type is rebuilt, as
+ * PyTorch does), and NumPy scalars with Python numbers (np.float64(1.0) and
+ * 1.0: all gathered as 0-dim arrays, the NumPy scalar rule). Returns the
+ * kind to gather with, or -1. */
+static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                       int kind0, const path_seg *seg)
+{
+    int kind = kind0;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int ki = gather_kind(g->st, vals[i]);
+        if (ki < 0)
+            return kind_error_at(g, seg);
+        if (ki == kind0 && (kind0 != G_DATACLASS || Py_TYPE(vals[i]) == Py_TYPE(vals[0])))
+            continue;
+        if ((kind0 == G_SEQ || kind0 == G_NAMEDTUPLE) && (ki == G_SEQ || ki == G_NAMEDTUPLE))
+            continue;
+        if ((kind0 == G_ARRAY || kind0 == G_VALUE) && (ki == G_ARRAY || ki == G_VALUE)) {
+            Py_ssize_t j = 0;
+            for (; j < n; j++)
+                if (!PyArray_IsScalar(vals[j], Generic) && !is_py_number(vals[j]))
+                    break;
+            if (j == n) {
+                kind = G_ARRAY;
+                continue;
+            }
+        }
+        PyObject *path = path_str(seg), *names = join_each(vals, n, SHOW_TYPE);
+        if (path != NULL && names != NULL && (kind0 == G_VALUE || kind0 == G_OTHER) &&
+            (ki == G_VALUE || ki == G_OTHER))
+            /* Fraction(1, 2) and 0.5: both plain values, of different types. */
+            PyErr_Format(PyExc_TypeError,
+                         "%U: the replicas returned values of different types here "
+                         "(types per replica: %U); every replica must return a value "
+                         "of one type at one position", path, names);
+        else if (path != NULL && names != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: every replica must return %s here, as replica 0 "
+                         "does, but replica %zd does not (types per replica: %U)",
+                         path, gather_kind_names[kind0], i, names);
+        Py_XDECREF(path);
+        Py_XDECREF(names);
+        return -1;
+    }
+    return kind;
+}
+
+
+/* The gathered value of one position; vals[i] is replica i's value there
+ * (borrowed: the caller keeps them alive). spec: the out_dims entry for
+ * this position (NULL: g->mode and g->dim, inherited), sseg its path. */
+static PyObject *gather_map(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                     const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    if (spec != NULL && !spec_is_container(spec)) {
+        /* A leaf entry: it holds for everything under this position. */
+        gather_ctx g2 = *g;
+        if (spec == Py_None) {
+            g2.mode = OUT_SAME;
+        }
+        else if (PyUnicode_Check(spec)) {
+            g2.mode = OUT_SUM;  /* "sum": dp_check_dims_spec allowed nothing else */
+        }
+        else {
+            PyObject *sp = path_str(sseg);
+            const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+            int r = csp != NULL ? dp_int_from_object(spec, csp, &g2.dim) : -1;
+            Py_XDECREF(sp);
+            if (r < 0)
+                return NULL;
+            g2.mode = OUT_CAT;
+        }
+        return gather_map(&g2, vals, n, seg, NULL, sseg);
+    }
+    int kind = gather_kind(g->st, vals[0]);
+    if (kind < 0) {
+        kind_error_at(g, seg);
+        return NULL;
+    }
+    if ((kind = check_kinds(g, vals, n, kind, seg)) < 0)
+        return NULL;
+    if (spec != NULL) {
+        /* A container entry must mirror a container of its kind. */
+        int dict_spec = PyDict_Check(spec);
+        int fits = dict_spec ? (kind == G_DICT || kind == G_DATACLASS)
+                             : (kind == G_SEQ || kind == G_NAMEDTUPLE);
+        if (!fits) {
+            spec_mismatch(sseg, spec, seg, gather_kind_names[kind], NULL);
+            return NULL;
+        }
+    }
+    switch (kind) {
+    case G_ARRAY:
+        return gather_array_position(g, vals, n, seg);
+    case G_NONE:
+        Py_RETURN_NONE;
+    case G_VALUE:
+    case G_OTHER:
+        if (g->mode == OUT_SAME)
+            return gather_equal_values(g, vals, n, seg);
+        if (g->mode == OUT_SUM)
+            return gather_sum_values(g, vals, n, seg);
+        return kind == G_VALUE ? gather_value(g, vals, n, seg) : gather_same(g, vals, n, seg);
+    default:
+        break;
+    }
+    if (check_depth(seg, "outputs") < 0 || Py_EnterRecursiveCall(" while gathering outputs"))
+        return NULL;
+    PyObject *res, *fast = NULL;
+    if (spec != NULL && !PyDict_Check(spec)) {
+        fast = PySequence_Fast(spec, "out_dims");
+        if (fast == NULL) {
+            Py_LeaveRecursiveCall();
+            return NULL;
+        }
+        spec = fast;
+    }
+    if (kind == G_DICT)
+        res = gather_dict(g, vals, n, seg, spec, sseg);
+    else if (kind == G_DATACLASS)
+        res = gather_dataclass(g, vals, n, seg, spec, sseg);
+    else
+        res = gather_seq(g, vals, n, kind, seg, spec, sseg);
+    Py_XDECREF(fast);
+    Py_LeaveRecursiveCall();
+    return res;
+}
+
+PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,
+                            int dim)
+{
+    return dp_gather_outputs_ex(st, outputs, target, dim, NULL);
+}
+
+static PyObject *dp_gather_outputs_ex_steps(dp_state *st, PyObject *outputs, dp_device target,
+                                            int dim, PyObject *out_dims)
+{
+    if (!PyList_Check(outputs) && !PyTuple_Check(outputs)) {
+        if (dp_check_dims_spec(out_dims == Py_None ? NULL : out_dims, "out_dims", 1) < 0)
+            return NULL;
+        PyErr_Format(PyExc_TypeError,
+                     "outputs: expected a list or tuple with one entry per replica, "
+                     "got %.100s", Py_TYPE(outputs)->tp_name);
+        return NULL;
+    }
+    /* The call's own copy: gather runs user code (__eq__, constructors). */
+    PyObject *spec = NULL;
+    if (dims_take(out_dims, "out_dims", 1, &spec) < 0)
+        return NULL;
+    PyObject *snap = seq_snapshot(outputs);
+    if (snap == NULL) {
+        Py_XDECREF(spec);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(snap);
+    if (n == 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "outputs: expected at least one replica output, got an empty %.100s",
+                     Py_TYPE(outputs)->tp_name);
+    }
+    else {
+        dp_slab slab = {0};
+        gather_ctx g = {st, target, dim, OUT_CAT, &slab};
+        path_seg root = seg_root("out"), sroot = seg_root("out_dims");
+        res = gather_map(&g, &PyTuple_GET_ITEM(snap, 0), n, &root, spec, &sroot);
+        dp_slab_clear(&slab);
+    }
+    Py_DECREF(snap);
+    Py_XDECREF(spec);
+    return res;
+}
+
+/* dp_gather_outputs_ex under dpmini.profile(): one span around it (profile.h). */
+PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
+                               int dim, PyObject *out_dims)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_GATHER);
+    PyObject *res = dp_gather_outputs_ex_steps(st, outputs, target, dim, out_dims);
+    dp_prof_end(&sp, NULL);
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* Python functions                                                    */
+/* ------------------------------------------------------------------ */
+
+PyDoc_STRVAR(gather_doc,
+"gather($module, outputs, target_device, dim=0, out_dims=None)\n"
+"--\n"
+"\n"
+"Combine the replicas' outputs onto target_device, as\n"
+"torch.nn.parallel.gather (spec 4) with dpmini's checks (docs/design.md).\n"
+"\n"
+"outputs: a list or tuple with one output per replica (at least one).\n"
+"target_device: a device, or the host (\"cpu\" or -1; -1 warns FutureWarning\n"
+"  as PyTorch does).\n"
+"dim: the axis to concatenate along, wrapped against each array's rank.\n"
+"out_dims: None (the rules below along dim, PyTorch), or a structure that\n"
+"  mirrors replica 0's output (JAX pmap's out_axes): an int gathers along\n"
+"  that dim; None returns replica 0's value (arrays copied to target_device)\n"
+"  after checking that every replica returned an equal one (numpy\n"
+"  array_equal for arrays: same shape and values, NaN equal to NaN and NaT\n"
+"  to NaT; GPU\n"
+"  arrays compared through host copies), TypeError naming the path\n"
+"  otherwise; a top-level None is the default, so wrap a bare array\n"
+"  output in a tuple and give (None,) to compare it; \"sum\" adds the replicas' values: arrays (same shape)\n"
+"  with comm.reduce_add onto target_device, in replica order, in replica\n"
+"  0's dtype; numbers with +; None stays None; str/bytes are refused. A\n"
+"  tuple/list mirrors a list/tuple/namedtuple by position (a prefix), a dict\n"
+"  mirrors a dict by key or a dataclass by field name (a subset); what it\n"
+"  leaves out uses dim. An int, None or \"sum\" given for a container\n"
+"  applies to every leaf under it.\n"
+"\n"
+"outputs[0] picks the rule at each position and every replica is checked:\n"
+"  ndarray (or NumPy scalar, taken as a 0-dim array): concatenated along\n"
+"    dim onto target_device in replica 0's dtype; the others are cast only\n"
+"    within a kind (NumPy's same_kind: float64 -> float32, int -> float),\n"
+"    never real with complex (either order), float into int, int into bool,\n"
+"    or strings into shorter ones; other sizes must match (spec 4.6). When\n"
+"    every replica returns a 0-dim array and dim == 0, the result is a\n"
+"    vector of one value per replica, with PyTorch's UserWarning (spec 4.5,\n"
+"    R20). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
+"    1.0) are all taken as 0-dim arrays.\n"
+"  None: None.  dict: key by key, replica 0's key order; a dict subclass\n"
+"  (OrderedDict, Counter, defaultdict, ...) is copy.copy(replica 0's) with\n"
+"  the gathered values set, so it keeps its type, keys and default_factory\n"
+"  (R14).  namedtuple: field by field, type(out)._make; a namedtuple at one\n"
+"  replica and a plain tuple or list at another give replica 0's type, as\n"
+"  in PyTorch.  dataclass: field by field, set on type(out).__new__(type(out))\n"
+"  with object.__setattr__: __init__/__post_init__ do not run again (frozen\n"
+"  ones too; a dataclass that is a dict also gets replica 0's keys) (R17).\n"
+"  list/tuple: position by position (R18).  str, bytes, Python numbers: the\n"
+"  value, once, when all replicas return an equal value.  Any other object:\n"
+"  that object, when all replicas return the same one or equal values of\n"
+"  one type hashed by value (Fraction, Decimal, date, frozenset).\n"
+"\n"
+"Raises (messages name the position, e.g. out['logits'][1] or out.loss)\n"
+"  TypeError: replicas returned different kinds of value at one position\n"
+"    (the type from each replica is listed, R19), different str/number\n"
+"    values, or different other objects; arrays whose dtypes cannot be\n"
+"    gathered without losing data (each replica's dtype is listed); outputs\n"
+"    not a list or tuple.\n"
+"  RecursionError: outputs (or out_dims) nested more than 512 levels deep.\n"
+"  ValueError: dicts with different numbers of keys (\"All dicts must have\n"
+"    the same number of keys\") or a missing key, sequences of different\n"
+"    lengths, 0-dim arrays with dim != 0, array shapes that differ outside\n"
+"    dim (spec 4.6), no outputs.\n"
+"  IndexError: dim out of range.");
+
+static PyObject *py_gather_once(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"outputs", "target_device", "dim", "out_dims", NULL};
+    PyObject *outputs, *target_obj, *dimobj = NULL, *out_dims = Py_None;
+    dp_device target;
+    int dim;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$O:gather", kwlist, &outputs,
+                                     &target_obj, &dimobj, &out_dims))
+        return NULL;
+    dp_state *st = dp_state_from_module(module);
+    if (parse_dim(dimobj, &dim) < 0)
+        return NULL;
+    if (dp_device_from_object(st, target_obj, "target_device", DP_DEV_ALLOW_HOST,
+                              &target) < 0)
+        return NULL;
+    /* spec 4.3: -1 for the host still works but is deprecated. */
+    /* (an int that named the host is -1, NumPy integers included) */
+    if (dp_is_index_like(target_obj) && target.kind == DP_HOST &&
+        PyErr_WarnEx(PyExc_FutureWarning,
+                     "Using -1 to represent CPU tensor is deprecated. Please use "
+                     "a device object or string instead, e.g., \"cpu\".", 1) < 0)
+        return NULL;
+    return dp_gather_outputs_ex(st, outputs, target, dim, out_dims);
+}
+
+/* The call; with a torch tensor that requires grad (grad mode on), its
+ * differentiable form dpmini._torch.gather. */
+static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    PyObject *res = py_gather_once(module, args, kwds);
+    return res != NULL ? res
+                       : dp_autograd_retry(dp_state_from_module(module), "gather", args, kwds);
+}
+
+
+PyMethodDef dp_gather_methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))py_gather,
+     METH_VARARGS | METH_KEYWORDS, gather_doc},
+    {NULL, NULL, 0, NULL}
+};
