@@ -41,7 +41,7 @@ are noisy, the ratios less so.
    printed beside it (not a target): see BLAS_SETTLE_S for why it differs.
 6. --scaling: scatter+gather time and ratio to the limit vs array size
    (1 KiB .. 1 GiB, --max-scaling-mib), vs devices (2 .. 64) and vs leaves
-   (1 .. 10,000), printed as Markdown tables for the README.
+   (1 .. 10,000), printed as Markdown tables for benchmarks/README.md.
 
 Items 2-4 move by 2x between runs on a busy machine; bench_instructions.py
 counts the same cases in instructions (callgrind), which do not.

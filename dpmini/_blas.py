@@ -22,7 +22,7 @@ Not handled here: after a call on several threads, OpenBLAS's idle helper
 threads spin for 2**28 clock ticks (~0.1 s) before they sleep, and OpenBLAS
 has no usable call that ends that (blas_thread_shutdown_ stops them, but the
 openblas_set_num_threads of limit() starts them again); replicas started in
-that window share a core with the spinner (README, "Switching between NumPy's
+that window share a core with the spinner (docs/cpu.md, "Switching between NumPy's
 own products and DataParallel"; OPENBLAS_THREAD_TIMEOUT shortens it).
 
 An OpenBLAS with its own threads (NumPy's wheels) is read and set through its

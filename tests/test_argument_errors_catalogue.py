@@ -304,7 +304,7 @@ def test_misaligned_and_zero_stride_inputs_are_fine():
 
 
 def test_duplicate_devices_are_allowed():
-    """A repeated device is not an error (README: its one worker runs the
+    """A repeated device is not an error (docs/differences.md: its one worker runs the
     replicas one after another); the result is exact."""
     np.testing.assert_array_equal(dp(lambda x: x * 2, ["cpu:1", "cpu:1", "cpu:0"])(X), X * 2)
     b = comm.broadcast(X, ["cpu:1", "cpu:1"])

@@ -1,7 +1,7 @@
 """An exception raised by the user's own hooks while dpmini reads an argument
 (__dlpack_device__, __index__, __float__, a module's __copy__/__reduce_ex__)
 keeps its type, gains the argument's path and the hook in its message, and
-has the original as __cause__ (README, "Probing")."""
+has the original as __cause__ (docs/libraries.md, "Probing")."""
 
 import numpy as np
 import pytest

@@ -85,7 +85,7 @@ def test_batch_5_on_4_devices_uses_3_replicas(dev4):
     assert sorted(d for d, _, _ in m.calls) == ["cpu:0", "cpu:1", "cpu:2"]
     assert sorted(s for _, _, s in m.calls) == [(1, 3), (2, 3), (2, 3)]
     # on worker threads, never the caller's (one worker may run several tiny
-    # replicas one after another: README, differences)
+    # replicas one after another: docs/differences.md)
     assert threading.get_ident() not in {t for _, t, _ in m.calls}
     np.testing.assert_array_equal(out, x)
 

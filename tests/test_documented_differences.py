@@ -1,6 +1,6 @@
-"""The rows of README's "Differences from PyTorch" tables added for issue 8
-hold: each documented dpmini behaviour is checked here (the PyTorch side is
-from the spec, /work/shared/spec/torch-dataparallel.md, and is not run)."""
+"""Rows of docs/differences.md hold: each documented dpmini behaviour is
+checked here (the PyTorch side is the rule docs/spec.md states, and is not
+run)."""
 import numpy as np
 import pytest
 

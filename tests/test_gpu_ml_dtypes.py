@@ -2,7 +2,7 @@
 GPU): dpmini.Array keeps the dtype through copies, exports it through DLPack
 with its DLPack type code (kDLBfloat 16 bits, the float8 codes of DLPack 1.1),
 a foreign GPU array of those codes is imported as the ml_dtypes dtype, and
-sums accumulate in float32 and round once (README, "Dtypes NumPy lacks")."""
+sums accumulate in float32 and round once (docs/libraries.md, "Dtypes NumPy lacks")."""
 import ctypes
 
 import numpy as np

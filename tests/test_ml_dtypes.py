@@ -1,6 +1,6 @@
 """NumPy arrays of ml_dtypes' dtypes (bfloat16, the float8/float6/float4 kinds,
 int4...): split, copied and gathered as their own dtype, bit for bit; sums of
-the floating kinds accumulate in float32 and round once (README, "Dtypes NumPy
+the floating kinds accumulate in float32 and round once (docs/libraries.md, "Dtypes NumPy
 lacks"). ml_dtypes' dtypes are registered at run time (kind 'V', a type number
 NumPy hands out), so these tests also check that nothing keyed on kind or type
 number misreads them."""

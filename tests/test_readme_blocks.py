@@ -1,4 +1,5 @@
-"""Every code block in README.md works as pasted.
+"""Every code block in README.md, docs/*.md and benchmarks/README.md works as
+pasted.
 
 - ```python blocks: each runs on its own in a fresh interpreter (a temporary
   folder as the working directory, so files a block writes go there and the
@@ -22,18 +23,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+# The documents whose blocks run: the README and the pages it sends readers to.
+DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+             "benchmarks/README.md"]
 
 BLOCK = re.compile(r"(?:<!--\s*requires:\s*(?P<req>[^>]*?)\s*-->\s*\n)?"
                    r"^```(?P<lang>\w*)\n(?P<body>.*?)^```", re.M | re.S)
 
 
-def blocks(lang):
+def blocks(lang, documents=DOCUMENTS):
+    """pytest params (body, requirements) of every `lang` block, named FILE:lineN."""
     out = []
-    for m in BLOCK.finditer(README):
-        if m.group("lang") == lang:
-            line = README.count("\n", 0, m.start("body")) + 1
-            reqs = [r.strip() for r in (m.group("req") or "").split(",") if r.strip()]
-            out.append(pytest.param(m.group("body"), reqs, id=f"line{line}"))
+    for name in documents:
+        text = (ROOT / name).read_text()
+        for m in BLOCK.finditer(text):
+            if m.group("lang") == lang:
+                line = text.count("\n", 0, m.start("body")) + 1
+                reqs = [r.strip() for r in (m.group("req") or "").split(",") if r.strip()]
+                out.append(pytest.param(m.group("body"), reqs, id=f"{name}:line{line}"))
     return out
 
 
@@ -50,7 +57,13 @@ def missing(req):
 
 
 def test_the_readme_has_blocks_of_each_kind():
-    assert len(blocks("python")) >= 4 and blocks("console") and blocks("sh")
+    readme = ["README.md"]
+    assert len(blocks("python", readme)) >= 4 and blocks("console", readme) and blocks("sh", readme)
+
+
+def test_the_moved_pages_blocks_are_collected():
+    ids = {p.id.split(":")[0] for p in blocks("python")}
+    assert {"docs/libraries.md", "docs/distributed.md"} <= ids
 
 
 @pytest.mark.parametrize("body,reqs", blocks("python"))
@@ -109,10 +122,34 @@ def test_sh_block_names_existing_make_targets(body, reqs):
             assert not cmd, f"a sh block line that is not a make command: {line!r}"
     assert named
     for t in named:
-        assert t in targets, f"README names `make {t}`, which the Makefile lacks"
+        assert t in targets, f"the docs name `make {t}`, which the Makefile lacks"
 
 
-def test_files_the_readme_names_exist():
+@pytest.mark.parametrize("name", DOCUMENTS)
+def test_files_the_docs_name_exist(name):
+    text = (ROOT / name).read_text()
     for path in sorted(set(re.findall(r"`((?:csrc|dpmini|tests|docs|tools|benchmarks|notebooks|"
-                                      r"cuda)/[\w./-]+)`", README))):
-        assert (ROOT / path).exists(), f"README names {path}, which does not exist"
+                                      r"cuda)/[\w./-]+)`", text))):
+        assert (ROOT / path).exists(), f"{name} names {path}, which does not exist"
+
+
+LINK = re.compile(r"\]\(((?!https?:)[^)#\s]+)(?:#([\w-]+))?\)")
+
+
+def anchors(text):
+    """GitHub's anchors of a Markdown text's headings."""
+    out = set()
+    for title in re.findall(r"^#+ (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("name", DOCUMENTS)
+def test_links_between_the_docs_reach_a_file_and_heading(name):
+    text = (ROOT / name).read_text()
+    for target, anchor in LINK.findall(text):
+        path = (ROOT / name).parent / target
+        assert path.exists(), f"{name} links to {target}, which does not exist"
+        if anchor and path.suffix == ".md":
+            assert anchor in anchors(path.read_text()), f"{name} links to {target}#{anchor}: no such heading"

@@ -30,7 +30,7 @@
  *   - Streams are dpmini's own non-blocking streams, cached per (device,
  *     slot); they are never destroyed (like PyTorch's pool of streams). They
  *     are NOT ordered after the legacy default stream, so work another library
- *     queued there is waited for explicitly on import (array_import.c).
+ *     queued there is waited for explicitly on import (array.c).
  *   - Nothing here takes the GIL or touches Python objects.
  */
 #ifndef DPMINI_CUDA_API_H

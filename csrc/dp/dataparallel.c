@@ -3,9 +3,9 @@
  * (spec §1, §2, §9; docs/design.md).
  *
  * DataParallel.forward runs, in order (spec §2):
- *   scatter (scatter_tree.c) -> no arguments: ((),) / ({},) -> one device: call the
+ *   scatter (scatter.c) -> no arguments: ((),) / ({},) -> one device: call the
  *   module on piece 0, no gather -> replicate onto device_ids[:k] ->
- *   parallel_apply on the device worker threads (pool.c) -> gather (gather_tree.c).
+ *   parallel_apply on the device worker threads (pool.c) -> gather (gather.c).
  * On the exact type the four steps are C functions; on a Python subclass
  * they are looked up on self, so overriding any of them works.
  * replicate is in replicate.c, parallel_apply in parallel_apply.c.

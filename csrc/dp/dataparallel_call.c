@@ -59,7 +59,7 @@ PyObject *dp_device_list_new(dp_state *st, const dp_device *devs, Py_ssize_t n)
  * On a GPU the device is made current for the call and restored after
  * (PyTorch leaves the current device as it is; dpmini runs every replica
  * with its GPU current, so CuPy allocations in DataParallel(device_ids=[1])
- * land on cuda:1 with one device as with several; README differences). */
+ * land on cuda:1 with one device as with several; docs/differences.md). */
 static PyObject *call_first(dp_state *st, PyObject *module, PyObject *inputs, PyObject *kwargs,
                             dp_device dev)
 {

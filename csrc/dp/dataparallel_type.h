@@ -16,8 +16,8 @@ typedef struct {
     Py_ssize_t ndev;           /* len(device_ids); >= 1 once devs is set */
     dp_device output_device;   /* gather target; may be the host */
     int dim;                   /* scatter/gather dim as given (wrapped per array) */
-    int strict;                /* 1: different chunk counts raise (scatter_walk.c) */
-    PyObject *in_dims;         /* owned; None: dim for every input (scatter_walk.c,
+    int strict;                /* 1: different chunk counts raise (scatter.c) */
+    PyObject *in_dims;         /* owned; None: dim for every input (scatter.c,
                                   dp_split_opts); types checked on set */
     PyObject *out_dims;        /* owned; None: dim for every output */
     PyObject *chunk_sizes;     /* owned; None or a tuple of ints >= 0 */

@@ -267,8 +267,8 @@ PyDoc_STRVAR(register_replica_context_doc,
 "provider, the original as __cause__); one raised by enter or exit is\n"
 "replica i's error (spec 6.5; an exit's error when the replica already\n"
 "failed is reported with sys.unraisablehook). dpmini registers PyTorch's\n"
-"provider itself the first time a call finds torch imported (README,\n"
-"\"PyTorch\").");
+"provider itself the first time a call finds torch imported (docs/libraries.md,\n"
+"\"torch's per-thread state in the replicas\").");
 
 static PyObject *dp_register_replica_context(PyObject *mod, PyObject *provider)
 {

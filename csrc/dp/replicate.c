@@ -54,7 +54,7 @@ static PyObject *node_path(rep_walk *w, Py_ssize_t n)
 }
 
 /* The pending error of copy.copy(node n's object), re-raised (same type,
- * the original as __cause__) naming its path (README, "Probing"). */
+ * the original as __cause__) naming its path (docs/libraries.md, "Probing"). */
 static void name_copy_error(rep_walk *w, Py_ssize_t n)
 {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
@@ -397,8 +397,8 @@ PyDoc_STRVAR(replicate_doc,
 "differentiable broadcast copies (their gradients summed onto the original;\n"
 "with detach=True, or detach=None under torch.no_grad(), plain copies, which\n"
 "on virtual CPU devices share the original's host memory), buffers shared by\n"
-"the replica on devices[0] and copied for the others (README, 'With PyTorch,\n"
-"JAX, CuPy'). detach applies to torch modules only. Errors:\n"
+"the replica on devices[0] and copied for the others (docs/libraries.md,\n"
+"'torch.nn.Module replicas'). detach applies to torch modules only. Errors:\n"
 "ValueError/TypeError for bad devices; TypeError when an object with arrays\n"
 "cannot be copied, or for a tensor that requires grad (naming its path,\n"
 "e.g. module.w); a non-AttributeError raised while probing an attribute for\n"

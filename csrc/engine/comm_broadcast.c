@@ -223,7 +223,7 @@ DP_COMM_DOC(comm_reduce_add_doc,
 "copy; the sum comes back in arrays[0]'s library. Sums of ml_dtypes' floating\n"
 "dtypes (bfloat16, float8_*, float6/float4; torch.bfloat16 and float8 tensors\n"
 "are read as them) accumulate in float32 (complex32 in complex64) on the host and\n"
-"are rounded to the dtype once (README, \"Dtypes NumPy lacks\").\n"
+"are rounded to the dtype once (docs/libraries.md, \"Dtypes NumPy lacks\").\n"
 "Raises ValueError (empty, size mismatch: 'input i has invalid size'), TypeError (not\n"
 "arrays, object dtype, arrays[i] with another dtype than arrays[0], structured\n"
 "dtypes, ml_dtypes' small integers such as int4).");

@@ -252,7 +252,7 @@ PyObject *dp_type_name(PyObject *obj)
 }
 
 /* The pending error of obj's __index__ / __float__ (hook), re-raised as the
- * same type naming argname, the original as __cause__ (README, "Probing").
+ * same type naming argname, the original as __cause__ (docs/libraries.md, "Probing").
  * Always -1. */
 static int reraise_hook_error(PyObject *obj, const char *argname, const char *hook)
 {

@@ -557,7 +557,7 @@ static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *ar
          * sharded over several JAX devices): a host copy through
          * numpy.asarray, as the docs say, for an object with __array__
          * that gives numbers. Otherwise (or when that fails) the producer's
-         * own error, re-raised naming the path and the protocol (README,
+         * own error, re-raised naming the path and the protocol (docs/libraries.md,
          * "Probing"). */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);

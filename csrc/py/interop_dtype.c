@@ -9,7 +9,7 @@
  * the float8 codes of DLPack 1.1, kDLComplex 32), says which dtype their
  * sums accumulate in, and names a DLPack dtype that no NumPy dtype (NumPy's
  * own or ml_dtypes') matches, for the TypeError of interop.c's host import
- * (README, "Dtypes NumPy lacks"). ml_dtypes is imported only when a DLPack
+ * (docs/libraries.md, "Dtypes NumPy lacks"). ml_dtypes is imported only when a DLPack
  * dtype needs it; without it those dtypes are refused as before.
  */
 #include "dpmini.h"

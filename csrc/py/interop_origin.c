@@ -114,7 +114,7 @@ PyObject *dp_to_origin(dp_state *st, PyObject *origin, PyObject *arr, const char
     Py_XDECREF(via);
     if (r == NULL && PyArray_Check(arr) && PyErr_ExceptionMatches(PyExc_Exception)) {
         /* A GPU-only library (CuPy) cannot hold host memory: results on
-         * the host or a virtual CPU device stay NumPy arrays (README). */
+         * the host or a virtual CPU device stay NumPy arrays (docs/libraries.md). */
         PyErr_Clear();
         return arr;
     }

@@ -718,7 +718,7 @@ done:
 /* ------------------------------------------------------------------ */
 /* The pending error of a dict subclass's own keys() / __getitem__ /
  * __contains__ (what), re-raised as the same type naming the output path
- * and the hook, the original as __cause__ (README, "Probing"). */
+ * and the hook, the original as __cause__ (docs/libraries.md, "Probing"). */
 static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
                                const char *what, PyObject *key)
 {

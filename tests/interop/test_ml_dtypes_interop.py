@@ -1,7 +1,7 @@
 """torch bfloat16/float8 tensors and JAX bfloat16/float8 arrays through dpmini
 as their own dtype: read through dpmini's own DLPack import (NumPy's refuses
 them) as ml_dtypes' dtypes, and handed back through dpmini's DLPack export as
-the caller's library's dtype (README, "Dtypes NumPy lacks")."""
+the caller's library's dtype (docs/libraries.md, "Dtypes NumPy lacks")."""
 import subprocess
 import sys
 

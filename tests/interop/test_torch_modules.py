@@ -13,7 +13,7 @@ DEVS = ["cpu:0", "cpu:1"]
 @contextlib.contextmanager
 def replica_threads(torch, replicas=2):
     """torch's intra-op thread count of each of `replicas` replicas on virtual
-    CPU devices (cores // replicas, README "PyTorch"): a reduction computed
+    CPU devices (cores // replicas, docs/libraries.md, "torch's per-thread state"): a reduction computed
     alone with it gives the replicas' bits."""
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)) // replicas)))

@@ -129,7 +129,7 @@ def test_autocast_cache_is_cleared_when_the_replica_leaves(torch):
     assert not torch.equal(after[0], before[0])
 
 
-# --- reproducible random numbers (README "PyTorch": the rule) ---------------
+# --- reproducible random numbers (docs/libraries.md: the rule) ---------------
 
 def dropout_model(torch):
     torch.manual_seed(0)
