@@ -140,7 +140,7 @@ def main():
     # one) and gather of 4 strided views back onto cuda:0
     d3 = dpmini.asarray(x3, 0)
     for dim in (0, 1, -1):
-        views = dpmini.comm.scatter(d3, devs, dim=dim)  # views (spec 3.4)
+        views = dpmini.comm.scatter(d3, devs, dim=dim)  # views (docs/spec.md 3.4)
         tg = best(lambda: dpmini.comm.gather(views, dim=dim, destination=0))
         r = d2d / tg
         rows.append((f"D2D gather dim {dim:2d} 4 views->cuda:0", gbs(2 * GIB, tg), "GB/s",

@@ -5,10 +5,10 @@ DataParallel's scatter runs, with no copy made) and wraps the answer in a `Plan`
 whose `str()` is a fixed-width table: per array leaf, which rows go to which
 device, the shape of each chunk and its size in bytes.
 
-The split rule is torch.chunk's (spec 0.1): for k devices and n rows along the
+The split rule is torch.chunk's (docs/spec.md 0.1): for k devices and n rows along the
 split dim, split = ceil(n / k) rows per chunk with a shorter last one, so there
 are max(ceil(n / split), 1) chunks, which can be fewer than k; n == 0 gives k
-empty chunks (spec 0.2). Chunk i goes to device_ids[i] (spec 0.4). The replica
+empty chunks (docs/spec.md 0.2). Chunk i goes to device_ids[i] (docs/spec.md 0.4). The replica
 count is the smallest chunk count over all array leaves of args and kwargs
 together (design.md, R04); non-array leaves are shared by reference (R13).
 
@@ -34,7 +34,7 @@ def explain(inputs, device_ids, dim=0, kwargs=None, strict=False, in_dims=None,
 
     inputs: the positional arguments. A tuple is taken as the argument tuple;
         anything else is wrapped as (inputs,) and None becomes () -- the rule of
-        dpmini.data_parallel (spec 2.9), so a list counts as ONE argument.
+        dpmini.data_parallel (docs/spec.md 2.9), so a list counts as ONE argument.
     device_ids: the devices ("cpu:0", Device, int for CUDA), or None for the
         default list (every CUDA device, else the virtual CPU devices).
     dim: the split dim (int, may be negative; wrapped per array leaf).
@@ -415,7 +415,7 @@ def _device_row(leaf, i, device, replicas):
     """One row (device, range, chunk shape, size) of a leaf's block.
 
     A device shows its chunk when it has rows, or when it runs a replica (an
-    empty chunk when n == 0, spec 0.2); otherwise "-" and "(no replica)".
+    empty chunk when n == 0, docs/spec.md 0.2); otherwise "-" and "(no replica)".
     Rows lost to truncation (R06) are named in the plan's warning instead.
     """
     size, start = leaf["sizes"][i], leaf["starts"][i]

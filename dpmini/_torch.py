@@ -3,7 +3,7 @@
 Imported only when a torch module or a tensor that requires grad reaches dpmini (the C
 entry points import it then; ``import dpmini`` never imports torch). It holds:
 
-- the autograd Functions around dpmini's C copies (spec §7): a scatter's backward
+- the autograd Functions around dpmini's C copies (docs/spec.md 7): a scatter's backward
   gathers the gradient back onto the input's device, a gather's backward scatters it
   with the replicas' sizes, a broadcast's backward sums the copies' gradients onto the
   source (PyTorch's ReduceAddCoalesced), a reduce_add's backward hands the gradient to
@@ -12,10 +12,10 @@ entry points import it then; ``import dpmini`` never imports torch). It holds:
 - the differentiable forms of ``scatter``, ``scatter_kwargs``, ``gather``,
   ``data_parallel`` and the ``comm`` functions, which the C entry points call when they
   meet a tensor that requires grad with grad mode on (``_RequiresGradError``).
-- ``replicate``: PyTorch's replicate rules for a ``torch.nn.Module`` (spec §5).
+- ``replicate``: PyTorch's replicate rules for a ``torch.nn.Module`` (docs/spec.md 5).
 - the ``torch.nn.Module`` adapter: ``dpmini.DataParallel(torch_module)`` is made of
   ``adapter_type(dpmini.DataParallel)``, a subclass of the C type that is also an
-  ``nn.Module`` whose one child is ``module`` (spec 1.8).
+  ``nn.Module`` whose one child is ``module`` (docs/spec.md 1.8).
 - the replica context (registered with ``register_replica_context`` when this module
   is imported): torch's per-thread state (grad and inference mode, autocast, current
   streams, intra-op threads) carried into each replica's thread, and the rule that
@@ -64,7 +64,7 @@ def _is_virtual_cpu(device: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Autograd Functions (spec §7)
+# Autograd Functions (docs/spec.md 7)
 # ---------------------------------------------------------------------------
 
 
@@ -166,8 +166,8 @@ class _ReduceAdd(torch.autograd.Function):
 
 
 class _Broadcast(torch.autograd.Function):
-    """Parameters on every replica's device (spec 5.2, 7.3): devices[0]'s are the
-    parameters' own memory (spec 5.6), the others dpmini's C copies
+    """Parameters on every replica's device (docs/spec.md 5.2, 7.3): devices[0]'s are the
+    parameters' own memory (docs/spec.md 5.6), the others dpmini's C copies
     (broadcast_coalesced). Outputs are device-major (all of devices[0], then
     devices[1], ...). Backward (ReduceAddCoalesced): each parameter's gradients from
     all replicas summed onto the parameter's device; the sum accumulates into .grad."""
@@ -197,7 +197,7 @@ def _sum_grads(grads: list[torch.Tensor], dest: str) -> torch.Tensor:
     """The sum of copies' gradients on dest: the gradient itself when there is one
     already there; dpmini's reduce_add for dense ones; torch's own add for sparse
     ones (they have no DLPack export), each moved to dest first, as PyTorch's
-    reduce_add_coalesced sums sparse gradients apart (spec 7.4)."""
+    reduce_add_coalesced sums sparse gradients apart (docs/spec.md 7.4)."""
     if len(grads) == 1 and _device_arg(grads[0]) == dest:
         return grads[0]
     if all(g.layout == torch.strided for g in grads):
@@ -209,7 +209,7 @@ def _sum_grads(grads: list[torch.Tensor], dest: str) -> torch.Tensor:
 
 
 def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.Tensor]]:
-    """Per device, the tensors there: devices[0] the tensors themselves (spec 5.3,
+    """Per device, the tensors there: devices[0] the tensors themselves (docs/spec.md 5.3,
     5.6), the others dpmini's C broadcast_coalesced copies."""
     rows = [list(tensors)]
     if len(devices) > 1 and tensors:
@@ -383,7 +383,7 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, defau
 
 def scatter(*args: Any, **kwargs: Any) -> Any:
     """dpmini.scatter with autograd: pieces of tensors that require grad are
-    differentiable (spec 7.1)."""
+    differentiable (docs/spec.md 7.1)."""
     with torch.no_grad():
         res = _dpmini.scatter(*args, **kwargs)
     outs = _attach_scatter(_arg(args, kwargs, 0, "inputs"), list(res))
@@ -391,7 +391,7 @@ def scatter(*args: Any, **kwargs: Any) -> Any:
 
 
 def scatter_kwargs(*args: Any, **kwargs: Any) -> Any:
-    """dpmini.scatter_kwargs with autograd (spec 7.1)."""
+    """dpmini.scatter_kwargs with autograd (docs/spec.md 7.1)."""
     with torch.no_grad():
         ins, kws = _dpmini.scatter_kwargs(*args, **kwargs)
     return _attach_scatter_kwargs(_arg(args, kwargs, 0, "inputs"),
@@ -412,7 +412,7 @@ def _attach_scatter_kwargs(inputs: Any, kw: Any, ins: Any, kws: Any) -> tuple[An
 
 def gather(*args: Any, **kwargs: Any) -> Any:
     """dpmini.gather with autograd: the result is differentiable in the replicas'
-    outputs (spec 7.2)."""
+    outputs (docs/spec.md 7.2)."""
     with torch.no_grad():
         res = _dpmini.gather(*args, **kwargs)
     outs = list(_arg(args, kwargs, 0, "outputs"))
@@ -428,7 +428,7 @@ def data_parallel(module: Callable[..., Any], inputs: Any, device_ids: Any = Non
                   in_dims: Any = None, out_dims: Any = None, chunk_sizes: Any = None,
                   weights: Any = None) -> Any:
     """dpmini.data_parallel of a torch.nn.Module with grad mode on: the steps of
-    DataParallel.forward with autograd (spec 2.9, §7)."""
+    DataParallel.forward with autograd (docs/spec.md 2.9, 7)."""
     wrapper = DataParallel(module, device_ids, output_device, dim, False, in_dims, out_dims,
                            chunk_sizes, weights)
     if inputs is None:
@@ -505,13 +505,13 @@ def comm_reduce_add_coalesced(*args: Any, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# replicate: PyTorch's rules for a torch.nn.Module (spec §5)
+# replicate: PyTorch's rules for a torch.nn.Module (docs/spec.md 5)
 # ---------------------------------------------------------------------------
 
 
 def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> list[nn.Module]:
     """One replica of network per device, made as torch.nn.parallel.replicate makes
-    them (spec 5.2-5.7).
+    them (docs/spec.md 5.2-5.7).
 
     Each module's replica is module._replicate_for_data_parallel() (a shallow copy of
     its __dict__: Python attributes and containers are shared with the original).
@@ -523,7 +523,7 @@ def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> l
     themselves, the others detached aliases): nothing is copied and
     dpmini.memory_allocated does not change; elsewhere plain C copies. Buffers:
     devices[0]'s replica holds the original buffers (in-place updates such as
-    BatchNorm's running statistics persist, spec 5.6), the others get C copies;
+    BatchNorm's running statistics persist, docs/spec.md 5.6), the others get C copies;
     buffers that require grad follow the parameters' rule. An empty devices list
     gives [].
     Errors: those of dpmini.comm.broadcast_coalesced for bad devices.
@@ -607,7 +607,7 @@ def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
     """One device's replica of modules[0]: every module's replica, linked to its
     children's replicas, holding that device's parameters and buffers. register: params
     are the original Parameters (detached replica 0), registered as parameters as
-    setattr does in PyTorch; otherwise plain attributes (spec 5.5)."""
+    setattr does in PyTorch; otherwise plain attributes (docs/spec.md 5.5)."""
     replicas = [_shallow_replica(m) for m in modules]
     index = {id(m): i for i, m in enumerate(modules)}
     for module, replica in zip(modules, replicas):
@@ -630,7 +630,7 @@ def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
 
 
 # ---------------------------------------------------------------------------
-# The nn.Module adapter (spec 1.8)
+# The nn.Module adapter (docs/spec.md 1.8)
 # ---------------------------------------------------------------------------
 
 _OPTIONS = ("dim", "strict", "in_dims", "out_dims", "chunk_sizes", "weights")
@@ -646,14 +646,14 @@ def _settings(dp: Any) -> dict[str, Any]:
 
 class DataParallel(_DP, nn.Module):
     """dpmini.DataParallel over a torch.nn.Module: the C type (its forward, scatter and
-    parallel_apply) and a torch.nn.Module whose one child is ``module`` (spec 1.8), as
+    parallel_apply) and a torch.nn.Module whose one child is ``module`` (docs/spec.md 1.8), as
     torch.nn.DataParallel is. ``dpmini.DataParallel(torch_module, ...)`` makes one;
     the arguments, attributes and call are DataParallel's.
 
     From nn.Module: parameters()/state_dict() with keys "module.*", nesting in a
     parent, train()/eval(), hooks (run once per call on the wrapper, as in PyTorch),
     get_submodule, named_modules, to(), repr, copy/deepcopy/pickle/torch.save.
-    With grad mode on the call records autograd (spec §7): scatter and gather are
+    With grad mode on the call records autograd (docs/spec.md 7): scatter and gather are
     differentiable and replicas' parameters are broadcast copies whose gradients are
     summed onto the original parameters, so loss.backward() after dp(x) leaves in
     each parameter's .grad what a single-device run gives. Under torch.no_grad() the C
@@ -717,7 +717,7 @@ class DataParallel(_DP, nn.Module):
 
     def scatter(self, inputs: Any, kwargs: Any = None, device_ids: Any = None) -> Any:
         """DataParallel.scatter; with grad mode on, pieces of tensors that require grad
-        are differentiable (spec 7.1)."""
+        are differentiable (docs/spec.md 7.1)."""
         if not torch.is_grad_enabled():
             return _DP.scatter(self, inputs, kwargs, device_ids)
         with torch.no_grad():
@@ -725,7 +725,7 @@ class DataParallel(_DP, nn.Module):
         return _attach_scatter_kwargs(inputs, kwargs, ins, kws)
 
     def replicate(self, module: Any, device_ids: Any) -> Any:
-        """dpmini.replicate(module, device_ids): PyTorch's replicate rules (spec §5),
+        """dpmini.replicate(module, device_ids): PyTorch's replicate rules (docs/spec.md 5),
         differentiable with grad mode on."""
         if not isinstance(module, nn.Module):
             return _DP.replicate(self, module, device_ids)
@@ -733,7 +733,7 @@ class DataParallel(_DP, nn.Module):
 
     def gather(self, outputs: Any, output_device: Any = None) -> Any:
         """DataParallel.gather; with grad mode on, differentiable in the replicas'
-        outputs (spec 7.2)."""
+        outputs (docs/spec.md 7.2)."""
         if not torch.is_grad_enabled() or not _needs_grad(outputs):
             return _DP.gather(self, outputs, output_device)
         with torch.no_grad():
@@ -794,7 +794,7 @@ def _rebuild_adapter(cls: type) -> Any:
 # type: enabled, dtype; and the autocast cache), the current CUDA stream of
 # each device and the intra-op thread count. torch.nn.parallel.parallel_apply
 # carries grad mode, the autocast flag and the current stream of each device
-# into each replica's thread (spec 6.2). dpmini's replica threads persist
+# into each replica's thread (docs/spec.md 6.2). dpmini's replica threads persist
 # between calls (csrc/dp/pool.c), so the provider below sets all of these in
 # the replica's thread on every call and sets back what that thread had once
 # the replica has returned (dpmini.register_replica_context: parallel_apply

@@ -2,7 +2,7 @@
 
 Every function is implemented in C (the ``dpmini._dpmini.comm`` submodule, whose
 functions report ``__module__ == "dpmini.comm"``); see each docstring for shapes,
-dtypes, units and errors. Rules follow PyTorch's ``torch.cuda.comm`` (spec §8) with
+dtypes, units and errors. Rules follow PyTorch's ``torch.cuda.comm`` (docs/spec.md 8) with
 the differences listed in docs/differences.md.
 """
 from ._dpmini import comm as _comm

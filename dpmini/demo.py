@@ -10,7 +10,7 @@ and with CuPy on the GPUs (`--library cupy`, needs a GPU and CuPy). It trains a
 gradient of every batch computed by a dpmini.DataParallel whose replicas each
 return the summed loss and gradients of their shard, with
 out_dims={'loss_sum': 'sum', 'grads': 'sum'} so that the gather adds them up
-(what PyTorch's Broadcast backward does, spec 7.3). With `--library torch` the
+(what PyTorch's Broadcast backward does, docs/spec.md 7.3). With `--library torch` the
 same network is a torch.nn.Module trained as PyTorch users train: the loss of
 dpmini.DataParallel(net)(x), loss.backward() (torch's autograd through the
 scatter, replicate and gather) and a torch.optim.SGD step. Either way it
@@ -137,7 +137,7 @@ def xp_device(xp, a):
 # How DataParallel combines the replicas' results: out_dims mirrors what the
 # model returns. "sum" adds the per-shard summed losses (numbers) and reduces the
 # per-shard gradients with comm.reduce_add onto output_device, which is what
-# PyTorch's Broadcast backward does to per-replica parameter gradients (spec 7.3).
+# PyTorch's Broadcast backward does to per-replica parameter gradients (docs/spec.md 7.3).
 OUT_DIMS = {"loss_sum": "sum", "grads": "sum"}
 
 

@@ -1,7 +1,7 @@
 """Shared fixtures for dpmini's Python tests.
 
 Device lists are always explicit (the default device count depends on the
-machine). The chunk rule used as the oracle is torch.chunk's (spec 0.1-0.2):
+machine). The chunk rule used as the oracle is torch.chunk's (docs/spec.md 0.1-0.2):
 split = ceil(n / k), pieces of `split` rows with a shorter last one, so the
 piece count is max(ceil(n / split), 1); n == 0 gives k empty pieces.
 """

@@ -60,7 +60,7 @@ def test_numpy_integer_dims_accepted_everywhere(kind):
 def test_numpy_integer_device_indices():
     assert dpmini.Device(np.int64(-1)) == dpmini.Device(-1) == "cpu"
     assert dpmini.Device(np.uint8(3)) == dpmini.Device(3)
-    # -1 for the host warns FutureWarning (spec 4.3) whatever the int's type
+    # -1 for the host warns FutureWarning (docs/spec.md 4.3) whatever the int's type
     for host in (-1, np.int64(-1), np.int8(-1)):
         with pytest.warns(FutureWarning, match="Using -1 to represent CPU"):
             out = dpmini.gather([X[:2], X[2:]], host)

@@ -1,6 +1,6 @@
 """Bad-input matrix: every caller mistake raises ValueError / TypeError /
 IndexError (BufferError for buffers) and the message names the argument
-(design: "Caller mistakes ...", spec 0.6-0.7, 4.6, 4.8, 6.1, 8.1-8.5)."""
+(design: "Caller mistakes ...", docs/spec.md 0.6-0.7, 4.6, 4.8, 6.1, 8.1-8.5)."""
 import re
 
 import numpy as np

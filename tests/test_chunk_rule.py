@@ -1,4 +1,4 @@
-"""The chunk rule (spec §0, R01, R02, R30), observed through dpmini.comm.scatter.
+"""The chunk rule (docs/spec.md 0, R01, R02, R30), observed through dpmini.comm.scatter.
 
 The oracle is torch.chunk: split = ceil(n/k), pieces of `split` rows with a
 shorter last one; n == 0 gives k empty pieces. It is NOT np.array_split.
@@ -20,7 +20,7 @@ def scatter_sizes(n, k, dim=0, **kw):
     return [c.shape[dim] for c in chunks], chunks, x
 
 
-# spec 0.3, every worked example (k, n, expected sizes)
+# docs/spec.md 0.3, every worked example (k, n, expected sizes)
 SPEC_0_3 = [
     (2, 0, [0, 0]), (2, 1, [1]), (2, 2, [1, 1]), (2, 3, [2, 1]), (2, 5, [3, 2]), (2, 7, [4, 3]),
     (3, 4, [2, 2]), (3, 5, [2, 2, 1]), (3, 7, [3, 3, 1]), (3, 10, [4, 4, 2]),
@@ -192,7 +192,7 @@ def test_R30_torch_chunk_not_mxnet_not_array_split(b, k, expected, array_split):
     assert sizes[-1] <= sizes[0]
 
 
-# explicit chunk sizes (spec 0.7, 8.5)
+# explicit chunk sizes (docs/spec.md 0.7, 8.5)
 @pytest.mark.parametrize(
     "sizes",
     [[2, 0, 3], [0, 0, 5], [5, 0, 0], [1, 1, 3], [0, 5, 0]],

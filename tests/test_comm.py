@@ -1,5 +1,5 @@
 """dpmini.comm: scatter / gather / broadcast / broadcast_coalesced / reduce_add /
-reduce_add_coalesced (spec §8, §4.3, §4.6-4.8, §3.4, §5.3; R26 strided inputs)."""
+reduce_add_coalesced (docs/spec.md 8, 4.3, 4.6-4.8, 3.4, 5.3; R26 strided inputs)."""
 import warnings
 
 import numpy as np
@@ -99,7 +99,7 @@ def test_scatter_view_rule_repeated_device():
 
 
 def test_scatter_dense_copy_keeps_strides_fortran_dim1(dev2):
-    # spec 3.4: a copied chunk keeps its strides when the view is dense (preserve format)
+    # docs/spec.md 3.4: a copied chunk keeps its strides when the view is dense (preserve format)
     x = np.asfortranarray(np.arange(24.0).reshape(4, 6))
     chunks = comm.scatter(x, dev2, dim=1)
     for i, c in enumerate(chunks):
@@ -610,7 +610,7 @@ def test_R28_gather_to_device_equals_gather_to_host_then_copy():
 
 
 def test_comm_signatures_are_torch_cuda_comms():
-    """spec 8.1, 8.5, 8.6: out is keyword-only; scatter takes streams as its
+    """docs/spec.md 8.1, 8.5, 8.6: out is keyword-only; scatter takes streams as its
     5th positional (accepted, one per device; dpmini's copies are finished on
     return)."""
     import inspect

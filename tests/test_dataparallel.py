@@ -1,5 +1,5 @@
-"""dpmini.DataParallel, data_parallel, replicate, parallel_apply (spec §1, §2,
-§5, §6; design "DataParallel")."""
+"""dpmini.DataParallel, data_parallel, replicate, parallel_apply (docs/spec.md 1, 2,
+5, 6; design "DataParallel")."""
 import threading
 
 import numpy as np
@@ -127,7 +127,7 @@ def test_single_device_calls_module_directly_no_gather():
     assert len(m.calls) == 1
     assert m.calls[0][0] == "cpu:1"
     np.testing.assert_array_equal(out, x)
-    assert dev(out) == "cpu:1"  # not moved to output_device (spec 2.5)
+    assert dev(out) == "cpu:1"  # not moved to output_device (docs/spec.md 2.5)
 
 
 def test_single_device_called_in_caller_thread():
@@ -561,7 +561,7 @@ def test_default_device_ids_use_cpu_device_count():
 
 
 def test_view_rule_through_dataparallel(dev2):
-    # spec 3.4: the chunk for the device the input already lives on is a view, not a copy
+    # docs/spec.md 3.4: the chunk for the device the input already lives on is a view, not a copy
     xd = dpmini.asarray(np.arange(8.0).reshape(4, 2), "cpu:0")
     seen = {}
     dpmini.DataParallel(lambda x: seen.__setitem__(dev(x), x) or x * 1, device_ids=dev2)(xd)
@@ -588,7 +588,7 @@ class Linear:
      (None, ["cpu:2"])],
 )
 def test_R23_module_not_on_device_ids0_is_broadcast_not_refused(place, device_ids):
-    # design decision (spec 2.2): arrays are broadcast from wherever they live
+    # design decision (docs/spec.md 2.2): arrays are broadcast from wherever they live
     m = Linear(place)
     x = np.arange(30.0).reshape(10, 3)
     out = dpmini.DataParallel(m, device_ids=device_ids)(x)

@@ -1,4 +1,4 @@
-"""Exceptions raised inside replicas (spec 6.5) and dpmini's exception types."""
+"""Exceptions raised inside replicas (docs/spec.md 6.5) and dpmini's exception types."""
 import re
 import threading
 
@@ -152,7 +152,7 @@ def test_single_device_dataparallel_raises_original():
 
     with pytest.raises(ValueError) as info:
         dpmini.DataParallel(bad, device_ids=["cpu:0"])(np.arange(2.0))
-    assert info.value is err  # module called directly: no wrapping (spec 2.5)
+    assert info.value is err  # module called directly: no wrapping (docs/spec.md 2.5)
 
 
 def test_workers_healthy_after_an_error():

@@ -61,7 +61,7 @@ def test_cuda_array_interface_v3():
     assert cai["version"] == 3 and cai["shape"] == (4, 6) and cai["typestr"] == "<i4"
     assert cai["strides"] is None and cai["stream"] is None
     assert cai["data"] == (a.data_ptr, False)
-    # a strided view (the chunk that stays on its own device, spec 3.4)
+    # a strided view (the chunk that stays on its own device, docs/spec.md 3.4)
     c0, c1 = dpmini.comm.scatter(a, [0, 0], dim=1)
     assert c0.__cuda_array_interface__["strides"] == (24, 4)
     assert c0.data_ptr == a.data_ptr  # a view, no copy

@@ -73,7 +73,7 @@ def test_scatter_from_gpu_views_and_copies(dim):
     a = dpmini.asarray(x, 0)
     devs = [0, 1] if NGPU >= 2 else [0, 0]
     chunks = dpmini.comm.scatter(a, devs, dim=dim)
-    assert chunks[0].data_ptr == a.data_ptr  # spec 3.4: own device -> a view
+    assert chunks[0].data_ptr == a.data_ptr  # docs/spec.md 3.4: own device -> a view
     for c, w in zip(chunks, np_chunks(x, 2, dim)):
         np.testing.assert_array_equal(c.numpy(), w)
 

@@ -1,4 +1,4 @@
-"""DataParallel on CUDA devices (spec §2-§5 with GPU device ids): shards are
+"""DataParallel on CUDA devices (docs/spec.md 2-5 with GPU device ids): shards are
 dpmini.Array on the right device, several replicas on one GPU, outputs as
 dpmini.Array or foreign GPU arrays gathered on a GPU or the host."""
 import threading
@@ -47,7 +47,7 @@ def test_replicas_see_their_chunks_and_structures():
                              device_ids=[0, 0, 0, 0], output_device="cpu")
     out = dp({"x": x})
     assert out["n"] == 1
-    # 9 rows on 4 devices: [3, 3, 3], only 3 replicas (spec 0.x)
+    # 9 rows on 4 devices: [3, 3, 3], only 3 replicas (docs/spec.md 0.x)
     np.testing.assert_array_equal(out["sum"], np.stack([x[0:3].sum(0), x[3:6].sum(0), x[6:9].sum(0)]))
 
 

@@ -1,5 +1,5 @@
 """GPU replicas run on the caller's current torch stream of their device and
-under its CUDA autocast (spec 6.2: torch's parallel_apply enters
+under its CUDA autocast (docs/spec.md 6.2: torch's parallel_apply enters
 torch.cuda.stream(caller's stream) and autocast in each worker), and the
 worker's own stream is set back after. CPU torch has no CUDA streams, so
 torch.cuda's stream functions are stand-ins here that record, per thread,

@@ -2,12 +2,11 @@
 
 torch's scatter_kwargs scatters `inputs` as a structure: a list [x] gives
 [x_i] per replica, which parallel_apply unpacks (module(x_i)); a tuple gives
-(x_i,); a bare array gives x_i, which parallel_apply wraps as (x_i,) (spec
-3.1, 3.3, 6.3). dpmini keeps the container (a list per replica for a list)
+(x_i,); a bare array gives x_i, which parallel_apply wraps as (x_i,) (docs/spec.md 3.1, 3.3, 6.3). dpmini keeps the container (a list per replica for a list)
 and gives a bare array as (x_i,) (PyTorch's own scatter_kwargs fails on it:
 'if inputs' is ambiguous). (The functional data_parallel differs on purpose,
 as PyTorch's does: a non-tuple `inputs` there, a list included, is one
-argument, spec 2.9.)
+argument, docs/spec.md 2.9.)
 """
 import numpy as np
 import pytest

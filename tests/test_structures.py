@@ -1,4 +1,4 @@
-"""dpmini.scatter / scatter_kwargs / gather on structures (spec §3-§4, design
+"""dpmini.scatter / scatter_kwargs / gather on structures (docs/spec.md 3-4, design
 "Decisions", field reports R04 R06 R08 R10 R12 R13 R14 R17 R18 R19 R20 R22 R27)."""
 import collections
 import dataclasses
@@ -224,7 +224,7 @@ def test_R04b_array_kwarg_of_batch_one(dev2, no_warnings):
 
 
 def test_R04c_short_batch_with_flag_kwarg(dev4):
-    # R04(c) says "[2,1]", but torch.chunk(4) of 3 rows is [1,1,1] (spec 0.3: k=4, 3 -> [1,1,1]);
+    # R04(c) says "[2,1]", but torch.chunk(4) of 3 rows is [1,1,1] (docs/spec.md 0.3: k=4, 3 -> [1,1,1]);
     # the point of the case stands: 3 replicas (one per chunk), not 4.
     x = np.arange(9.0).reshape(3, 3)
     inputs, kwargs = dpmini.scatter_kwargs((x,), {"flag": True}, dev4)
@@ -647,7 +647,7 @@ def test_gather_different_non_array_values_raise(values):
 
 def test_gather_numpy_scalar_loss_is_gathered_like_a_0dim_array(dev2):
     # x.mean() returns a NumPy scalar: dpmini treats it as a 0-dim array (the counterpart
-    # of a 0-dim tensor loss), so the scalar rule of spec 4.5 gives one value per replica.
+    # of a 0-dim tensor loss), so the scalar rule of docs/spec.md 4.5 gives one value per replica.
     with pytest.warns(UserWarning, match="all input tensors were scalars"):
         out = dpmini.DataParallel(lambda x: x.mean(), device_ids=dev2)(np.arange(4.0))
     assert out.shape == (2,)

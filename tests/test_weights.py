@@ -1,6 +1,6 @@
 """chunk_sizes= and weights=: per-device sizes along the split dim.
 
-chunk_sizes is torch.cuda.comm.scatter's argument (spec 0.7, 8.5) brought to
+chunk_sizes is torch.cuda.comm.scatter's argument (docs/spec.md 0.7, 8.5) brought to
 DataParallel (pytorch issue 46381); weights makes sizes proportional, with the
 largest-remainder rounding of csrc/core/plan.c (dp_weighted_sizes): the sizes sum
 to n and no device gets an empty chunk unless n < number of devices.

@@ -70,7 +70,7 @@ int dp_copy_part(const dp_copy_desc *d, int parts, int part, dp_copy_desc *out,
  * and size-0 dims are ignored. When it is, and perm is not NULL, perm[0..ndim)
  * receives the dims ordered from the largest stride to the smallest, which is
  * the order to allocate a copy that keeps the same strides (PyTorch's
- * memory_format=preserve rule, spec 3.4). Returns 1 or 0. */
+ * memory_format=preserve rule, docs/spec.md 3.4). Returns 1 or 0. */
 int dp_layout_is_dense(int ndim, const int64_t *shape, const int64_t *strides,
                        size_t itemsize, int *perm);
 

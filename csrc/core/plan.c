@@ -25,7 +25,7 @@ int dp_chunk_sizes(int64_t n, int k, int64_t *sizes)
         return DP_ERR_ARG;
 
     /* n == 0: torch.chunk goes through split_with_sizes([0] * k), so every
-     * device gets an empty piece (spec 0.2). */
+     * device gets an empty piece (docs/spec.md 0.2). */
     if (n == 0) {
         for (int i = 0; i < k; i++)
             sizes[i] = 0;
@@ -33,7 +33,7 @@ int dp_chunk_sizes(int64_t n, int k, int64_t *sizes)
     }
 
     /* Pieces of `split` rows with a shorter last one; the count can be less
-     * than k, e.g. n=9, k=4: split 3 gives [3,3,3] (spec 0.1). */
+     * than k, e.g. n=9, k=4: split 3 gives [3,3,3] (docs/spec.md 0.1). */
     int64_t split = ceil_div(n, k);
     int64_t count = ceil_div(n, split); /* 1 <= count <= k */
     for (int64_t i = 0; i < count - 1; i++)

@@ -33,7 +33,7 @@ enum {
  * Examples: (10,4)->[3,3,3,1] 4; (9,4)->[3,3,3] 3; (0,3)->[0,0,0] 3. */
 int dp_chunk_sizes(int64_t n, int k, int64_t *sizes);
 
-/* Validate explicit sizes as torch.split_with_sizes does (spec 0.7): every
+/* Validate explicit sizes as torch.split_with_sizes does (docs/spec.md 0.7): every
  * size >= 0 and sum == n. On failure *bad_index is the first negative entry
  * (DP_ERR_NEGATIVE_SIZE) or -1 (DP_ERR_SIZE_SUM). Returns DP_OK or an error. */
 int dp_check_chunk_sizes(int64_t n, int k, const int64_t *sizes, int *bad_index);
@@ -67,7 +67,7 @@ int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
 /* The number of replicas a list of k sizes makes, chunk j on device j:
  * the index of the last non-empty chunk plus one (devices after it idle, as
  * with torch.chunk), or k when every chunk is empty (n == 0 runs every
- * replica on an empty chunk, spec 0.2). Devices before the last non-empty
+ * replica on an empty chunk, docs/spec.md 0.2). Devices before the last non-empty
  * chunk run their replica even on an empty chunk. Returns 1..k, or
  * DP_ERR_ARG when k < 1 or sizes is NULL. */
 int dp_sizes_count(int k, const int64_t *sizes);

@@ -1,8 +1,8 @@
 /* dataparallel.c - the dpmini.DataParallel type (the functional data_parallel is in
  * dataparallel_call.c)
- * (spec §1, §2, §9; docs/design.md).
+ * (docs/spec.md 1, 2, 9; docs/design.md).
  *
- * DataParallel.forward runs, in order (spec §2):
+ * DataParallel.forward runs, in order (docs/spec.md 2):
  *   scatter (scatter.c) -> no arguments: ((),) / ({},) -> one device: call the
  *   module on piece 0, no gather -> replicate onto device_ids[:k] ->
  *   parallel_apply on the device worker threads (pool.c) -> gather (gather.c).
@@ -44,7 +44,7 @@ static PyObject *module_argument(PyObject *args, PyObject *kwargs)
 
 /* A torch.nn.Module to wrap: the object is made of the torch adapter type for
  * type (dpmini._torch.adapter_type: a subclass of type that is also an
- * nn.Module, spec 1.8), whose __init__ Python then runs. NULL with no error
+ * nn.Module, docs/spec.md 1.8), whose __init__ Python then runs. NULL with no error
  * for any other module (or a type that is already an adapter). */
 static PyTypeObject *torch_adapter_for(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -278,10 +278,10 @@ static PyObject *DataParallel_call(dp_DataParallelObject *self, PyObject *args, 
 PyDoc_STRVAR(forward_doc,
 "forward($self, *args, **kwargs)\n--\n\n"
 "Run the module data-parallel over device_ids (PyTorch DataParallel.forward,\n"
-"spec §2), in order:\n"
+"docs/spec.md 2), in order:\n"
 "  inputs, kwargs = self.scatter(args, kwargs, self.device_ids)\n"
 "  no arguments at all -> inputs, kwargs = ((),), ({},)\n"
-"  one device -> return module(*inputs[0], **kwargs[0])  (no gather, spec 2.5)\n"
+"  one device -> return module(*inputs[0], **kwargs[0])  (no gather, docs/spec.md 2.5)\n"
 "  replicas = self.replicate(self.module, self.device_ids[:len(inputs)])\n"
 "  outputs = self.parallel_apply(replicas, inputs, kwargs)\n"
 "  return self.gather(outputs, self.output_device)\n"
@@ -289,9 +289,9 @@ PyDoc_STRVAR(forward_doc,
 "ceil(n/k)-row chunks; the replica count is the smallest chunk count over all\n"
 "array leaves (dpmini's fix of PyTorch issue #31460). Subclasses may override\n"
 "any of the four steps. Unlike PyTorch, the module's arrays may live anywhere:\n"
-"they are broadcast from where they are (no device check, spec 2.2).\n"
+"they are broadcast from where they are (no device check, docs/spec.md 2.2).\n"
 "Errors: those of the steps; a replica's exception is re-raised as\n"
-"'Caught T in replica i on device d.' (spec 6.5).");
+"'Caught T in replica i on device d.' (docs/spec.md 6.5).");
 
 static PyObject *DataParallel_forward(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -397,7 +397,7 @@ PyDoc_STRVAR(dp_parallel_apply_doc,
 "'parallel_apply: the number of modules (M) is not equal to the number of\n"
 "inputs (N)' (likewise kwargs); TypeError for inputs/kwargs of the wrong\n"
 "type; a failing replica's exception re-raised as 'Caught T in replica i on\n"
-"device d.' with the original as __cause__ (spec 6.5).");
+"device d.' with the original as __cause__ (docs/spec.md 6.5).");
 
 static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObject *args,
                                              PyObject *kwargs)
@@ -430,7 +430,7 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
 PyDoc_STRVAR(gather_doc,
 "gather($self, outputs, output_device=None)\n--\n\n"
 "Combine the per-replica outputs onto output_device along self.dim (PyTorch\n"
-"gather, spec §4, with dpmini's rules in docs/design.md). output_device:\n"
+"gather, docs/spec.md 4, with dpmini's rules in docs/design.md). output_device:\n"
 "'cpu' or -1 for the host (-1 warns FutureWarning), 'cpu:N', 'cuda:N', an int\n"
 "or a Device; None means self.output_device. Follows self.dim and\n"
 "self.out_dims (see the class), as the running call read them when called\n"
@@ -513,11 +513,11 @@ PyDoc_STRVAR(DataParallel_doc,
 "DataParallel(module, device_ids=None, output_device=None, dim=0, strict=False,\n"
 "             in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n--\n\n"
 "Run module data-parallel over devices, as torch.nn.DataParallel does for\n"
-"tensors (spec §1-§2), with NumPy arrays as the tensors.\n"
+"tensors (docs/spec.md 1-2), with NumPy arrays as the tensors.\n"
 "module: any callable (TypeError otherwise); a torch.nn.Module gives an\n"
 "object of a subclass that is also a torch.nn.Module whose child is module\n"
-"(dpmini._torch.DataParallel; spec 1.8), which records autograd with grad\n"
-"mode on (spec 7). device_ids: a non-empty\n"
+"(dpmini._torch.DataParallel; docs/spec.md 1.8), which records autograd with grad\n"
+"mode on (docs/spec.md 7). device_ids: a non-empty\n"
 "sequence of devices ('cpu:N', 'cuda:N', int N, dpmini.Device; the host is\n"
 "refused); None means every CUDA device, else cpu:0..cpu_device_count()-1.\n"
 "output_device: where outputs are gathered; None means device_ids[0]; 'cpu'\n"
@@ -554,7 +554,7 @@ PyDoc_STRVAR(DataParallel_doc,
 "overridden forward) use those values, so a change made meanwhile (from\n"
 "another thread or a replica) applies from the next call. The module's\n"
 "arrays are not required to be on device_ids[0] (documented difference\n"
-"from PyTorch's device check, spec 2.2).\n"
+"from PyTorch's device check, docs/spec.md 2.2).\n"
 "\n"
 "Beyond PyTorch (all None by default, which is exactly PyTorch's behaviour):\n"
 "in_dims: how each input is split, modelled on JAX pmap's in_axes. A\n"

@@ -3,7 +3,7 @@
  * the extension options in_dims, out_dims, chunk_sizes, weights; each setter
  * accepts what the constructor accepts) and __reduce__ for copy, deepcopy
  * and pickle. The type itself, construction and forward are in
- * dataparallel.c (spec §1, §2; docs/design.md).
+ * dataparallel.c (docs/spec.md 1, 2; docs/design.md).
  */
 #include "dpmini.h"
 #include "dataparallel_type.h"

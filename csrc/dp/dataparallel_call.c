@@ -1,9 +1,9 @@
 /* dataparallel_call.c - one call of a dpmini.DataParallel: the argument
  * helpers, the snapshot of the settings a call works on, and forward (the
  * exact type's C path and the generic path through overridden steps), and the
- * functional data_parallel (spec 2.9). The
+ * functional data_parallel (docs/spec.md 2.9). The
  * type itself, construction and the step methods are in dataparallel.c, the
- * repr, attributes and pickling in dataparallel_attrs.c (spec §2;
+ * repr, attributes and pickling in dataparallel_attrs.c (docs/spec.md 2;
  * docs/design.md).
  */
 #include "dpmini.h"
@@ -20,7 +20,7 @@
 /* Helpers: arguments                                                  */
 /* ------------------------------------------------------------------ */
 
-/* A gather target: "cpu"/-1 (host; -1 warns FutureWarning, spec 4.3) or a
+/* A gather target: "cpu"/-1 (host; -1 warns FutureWarning, docs/spec.md 4.3) or a
  * device. */
 int dp_parse_target_device(dp_state *st, PyObject *obj, const char *argname,
                            dp_device *out)
@@ -55,7 +55,7 @@ PyObject *dp_device_list_new(dp_state *st, const dp_device *devs, Py_ssize_t n)
     return list;
 }
 
-/* Call module(*inputs[0], **kwargs[0]) (the one-device path, spec 2.5).
+/* Call module(*inputs[0], **kwargs[0]) (the one-device path, docs/spec.md 2.5).
  * On a GPU the device is made current for the call and restored after
  * (PyTorch leaves the current device as it is; dpmini runs every replica
  * with its GPU current, so CuPy allocations in DataParallel(device_ids=[1])
@@ -92,7 +92,7 @@ fail:
     return res;
 }
 
-/* Spec 2.4: a call with no arguments at all runs the module once, as
+/* docs/spec.md 2.4: a call with no arguments at all runs the module once, as
  * ((),) / ({},). Replaces *inputs and *kwargs (tuples) when both are empty. */
 static int fix_empty_call(PyObject **inputs, PyObject **kwargs)
 {
@@ -167,7 +167,7 @@ int dp_check_call_opts(PyObject *in_dims, PyObject *out_dims, PyObject *cs, PyOb
 }
 
 /* DataParallel.forward with the C steps (the exact type, and
- * data_parallel): spec §2 in order. args: tuple; kwargs: dict or NULL. */
+ * data_parallel): docs/spec.md 2 in order. args: tuple; kwargs: dict or NULL. */
 PyObject *dp_forward_core(dp_state *st, PyObject *module, PyObject *args, PyObject *kwargs,
                           const dp_device *devs, Py_ssize_t ndev, dp_device out_dev,
                           const call_opts *o)
@@ -452,7 +452,7 @@ PyDoc_STRVAR(data_parallel_doc,
 "data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None,\n"
 "              *, in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n"
 "--\n\n"
-"Functional DataParallel (PyTorch data_parallel, spec 2.9): the same steps\n"
+"Functional DataParallel (PyTorch data_parallel, docs/spec.md 2.9): the same steps\n"
 "as DataParallel.forward (scatter, empty-call fix, one-device fast path,\n"
 "replicate, parallel_apply, gather). inputs: a tuple of positional arguments;\n"
 "anything else is one argument (a list counts as ONE argument), None means\n"
@@ -465,7 +465,7 @@ PyDoc_STRVAR(data_parallel_doc,
 "chunk_sizes/weights, or (as DataParallel) structure mismatches in the\n"
 "outputs; IndexError for a dim out of range; TypeError/OverflowError for a dim\n"
 "that is not an int; a failing replica's exception as 'Caught T in replica i\n"
-"on device d.' (spec 6.5). Different chunk counts warn dpmini.SplitWarning\n"
+"on device d.' (docs/spec.md 6.5). Different chunk counts warn dpmini.SplitWarning\n"
 "(no strict here).");
 
 static PyObject *dp_data_parallel_steps(PyObject *mod, PyObject *args, PyObject *kwargs)
@@ -491,7 +491,7 @@ static PyObject *dp_data_parallel_steps(PyObject *mod, PyObject *args, PyObject 
                      Py_TYPE(module)->tp_name);
         return NULL;
     }
-    /* A torch.nn.Module with grad mode on: the differentiable steps (spec 7). */
+    /* A torch.nn.Module with grad mode on: the differentiable steps (docs/spec.md 7). */
     int torch_mod = dp_is_torch_module(module);
     if (torch_mod < 0) {
         return NULL;

@@ -68,7 +68,7 @@ typedef struct dp_snapshot {
 /* The helpers below are in dataparallel_call.c. */
 
 /* a gather target: "cpu"/-1 (host; -1 warns FutureWarning,
- * spec 4.3) or a device. 0, or -1 with an exception naming argname. */
+ * docs/spec.md 4.3) or a device. 0, or -1 with an exception naming argname. */
 int dp_parse_target_device(dp_state *st, PyObject *obj, const char *argname,
                            dp_device *out);
 /* a new list of dpmini.Device for devs[0..n). */

@@ -1,13 +1,13 @@
 /* parallel_apply.c - parallel_apply: call replica i on the worker thread of
- * its device (spec §6), for DataParallel.forward / .parallel_apply and the
+ * its device (docs/spec.md 6), for DataParallel.forward / .parallel_apply and the
  * module-level dpmini.parallel_apply; wraps a replica's exception as
- * "Caught T in replica i on device d." (spec 6.5).
+ * "Caught T in replica i on device d." (docs/spec.md 6.5).
  *
  * parallel_apply: replica i runs on a persistent worker thread of its device
  * (a device has more than one when its jobs overlap, pool.h),
  * which takes the GIL and enters a copy of the caller's contextvars context
  * and the replica contexts that libraries registered (torch's grad mode,
- * autocast, streams: spec 6.2; parallel_apply_context.c). The caller waits
+ * autocast, streams: docs/spec.md 6.2; parallel_apply_context.c). The caller waits
  * with the GIL released, in 50 ms slices so that Ctrl-C still works.
  *
  * Ctrl-C: the caller sends the KeyboardInterrupt to the running replicas
@@ -341,7 +341,7 @@ static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
 }
 
 /* Run the m prepared jobs and return their results as a list, in replica
- * order; on failure re-raise the first failing replica's error (spec 6.5). */
+ * order; on failure re-raise the first failing replica's error (docs/spec.md 6.5). */
 /* BLAS thread limits while replicas run on virtual CPU devices
  * (dpmini/_blas.py, threadpoolctl): with two or more such replicas, each
  * BLAS pool is cut to cores // replicas threads for the call, so the

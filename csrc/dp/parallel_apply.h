@@ -115,7 +115,7 @@ PyObject *replica_take_exception(void);
 /* parallel_apply_errors.c: raise exc again (steals the reference). */
 void restore_exception(PyObject *exc);
 /* parallel_apply_errors.c: raise replica i's exception exc (borrowed) as
- * "Caught T in replica i on device d." (spec 6.5). */
+ * "Caught T in replica i on device d." (docs/spec.md 6.5). */
 void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_device dev);
 /* parallel_apply_context.c: call the registered replica context providers
  * once (the caller's thread, GIL held, before any job is queued) and give

@@ -1,6 +1,6 @@
 /* parallel_apply_context.c - replica contexts: per-thread state of an array
  * library that a replica on a worker thread must see as the caller has it
- * (spec 6.2: torch's parallel_apply carries grad mode, autocast and the
+ * (docs/spec.md 6.2: torch's parallel_apply carries grad mode, autocast and the
  * current stream into each worker). dpmini knows no library here: an
  * adapter registers a provider (dpmini.register_replica_context), and
  * parallel_apply (parallel_apply.c) calls
@@ -249,7 +249,7 @@ PyDoc_STRVAR(register_replica_context_doc,
 "Returns None.\n"
 "Carry per-thread state of a library into the worker threads that run\n"
 "replicas (as torch.nn.parallel.parallel_apply carries torch's grad mode,\n"
-"autocast and current CUDA stream, spec 6.2). For each call that runs\n"
+"autocast and current CUDA stream, docs/spec.md 6.2). For each call that runs\n"
 "replicas on worker threads, parallel_apply (and DataParallel's forward)\n"
 "calls provider(devices) once on the caller's thread before any replica\n"
 "starts; devices is a tuple of dpmini.Device, one per replica. It returns\n"
@@ -265,7 +265,7 @@ PyDoc_STRVAR(register_replica_context_doc,
 "Errors: TypeError when provider is not callable. An exception raised by\n"
 "provider fails the call before any replica runs (raised again naming the\n"
 "provider, the original as __cause__); one raised by enter or exit is\n"
-"replica i's error (spec 6.5; an exit's error when the replica already\n"
+"replica i's error (docs/spec.md 6.5; an exit's error when the replica already\n"
 "failed is reported with sys.unraisablehook). dpmini registers PyTorch's\n"
 "provider itself the first time a call finds torch imported (docs/libraries.md,\n"
 "\"torch's per-thread state in the replicas\").");

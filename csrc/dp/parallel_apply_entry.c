@@ -18,7 +18,7 @@
 /* ------------------------------------------------------------------ */
 
 /* One replica's positional arguments as an exact tuple (new reference):
- * a list or tuple is unpacked, anything else becomes (input,) (spec 6.3). */
+ * a list or tuple is unpacked, anything else becomes (input,) (docs/spec.md 6.3). */
 PyObject *input_as_args(PyObject *input)
 {
     if (PyTuple_CheckExact(input)) {
@@ -229,8 +229,8 @@ PyDoc_STRVAR(parallel_apply_doc,
 "parallel_apply(modules, inputs, kwargs_tup=None, devices=None)\n--\n\n"
 "Returns a list with one result per module.\n"
 "Call modules[i](*inputs[i], **kwargs_tup[i]) for every i, each on the\n"
-"persistent worker thread of devices[i] (PyTorch parallel_apply, spec §6);\n"
-"return the results as a list in index order (spec 6.4).\n"
+"persistent worker thread of devices[i] (PyTorch parallel_apply, docs/spec.md 6);\n"
+"return the results as a list in index order (docs/spec.md 6.4).\n"
 "inputs[i]: a list or tuple is unpacked, anything else is passed as the one\n"
 "positional argument. kwargs_tup: None (no keywords) or one dict per module.\n"
 "devices: None, or one device per module (None entries allowed); a missing\n"
@@ -238,7 +238,7 @@ PyDoc_STRVAR(parallel_apply_doc,
 "it lives on a device, else entry i of the default device list.\n"
 "Each worker holds the GIL while it runs Python code and enters a copy of\n"
 "the caller's contextvars context (numpy.errstate etc. apply, like PyTorch\n"
-"copying grad mode, spec 6.2). With one module, or when called from inside\n"
+"copying grad mode, docs/spec.md 6.2). With one module, or when called from inside\n"
 "a replica running on a worker, the calls run inline in the caller thread.\n"
 "Replicas sharing a device (e.g. ['cpu:0', 'cpu:0']) run at the same time on\n"
 "threads of that device (like PyTorch's one thread per replica; the GIL is\n"

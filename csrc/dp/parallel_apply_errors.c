@@ -1,6 +1,6 @@
 /* parallel_apply_errors.c - a replica's exception: taken with its traceback
  * on the worker, re-raised on the caller as "Caught T in replica i on device
- * d." (spec 6.5) (parallel_apply.h).
+ * d." (docs/spec.md 6.5) (parallel_apply.h).
  */
 #include "dpmini.h"
 #include "dataparallel.h"
@@ -52,7 +52,7 @@ void restore_exception(PyObject *exc)
 }
 
 /* msg as a str whose repr() is itself, so that str(KeyError(m)) shows the
- * text unquoted (PyTorch's KeyErrorMessage, spec 6.5): an instance of the
+ * text unquoted (PyTorch's KeyErrorMessage, docs/spec.md 6.5): an instance of the
  * module's dpmini._dpmini._KeyErrorMessage, which pickles by name. Falls
  * back to msg. */
 static PyObject *keyerror_message(dp_state *st, PyObject *msg)
@@ -66,7 +66,7 @@ static PyObject *keyerror_message(dp_state *st, PyObject *msg)
 }
 
 /* Re-raise exc, raised by replica i on dev, as PyTorch's ExceptionWrapper
- * does (spec 6.5): same type, message "Caught T in replica i on device d.\n
+ * does (docs/spec.md 6.5): same type, message "Caught T in replica i on device d.\n
  * Original Traceback (most recent call last):\n...", the original as
  * __cause__; RuntimeError when the type cannot be built from one string.
  * Exceptions that are not Exception subclasses (KeyboardInterrupt,

@@ -1,4 +1,4 @@
-/* replicate.c - replicate: one copy of a module per device (spec §5), for
+/* replicate.c - replicate: one copy of a module per device (docs/spec.md 5), for
  * DataParallel.forward / .replicate and the module-level dpmini.replicate.
  *
  * replicate: the arrays reachable from the module (instance __dict__s and
@@ -211,7 +211,7 @@ fail:
 }
 
 /* dpmini._torch.replicate(module, devices, detach=None): a torch.nn.Module's
- * replicas by torch's rules (spec 5); detach None follows grad mode. */
+ * replicas by torch's rules (docs/spec.md 5); detach None follows grad mode. */
 static PyObject *replicate_torch(dp_state *st, PyObject *module, const dp_device *devs,
                                  Py_ssize_t ndev)
 {
@@ -238,7 +238,7 @@ static PyObject *replicate_torch(dp_state *st, PyObject *module, const dp_device
     return res;
 }
 
-/* replicate(module, devs[0..ndev)) -> list of ndev replicas (spec 5,
+/* replicate(module, devs[0..ndev)) -> list of ndev replicas (docs/spec.md 5,
  * dpmini's rules in the header comment). ndev may be 0. */
 static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_device *devs,
                                       Py_ssize_t ndev)
@@ -256,7 +256,7 @@ static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_d
     if (ndev == 0) {
         goto done;
     }
-    /* A torch.nn.Module: torch's own rule (spec 5), in dpmini/_torch.py. */
+    /* A torch.nn.Module: torch's own rule (docs/spec.md 5), in dpmini/_torch.py. */
     int torch_mod = dp_is_torch_module(module);
     if (torch_mod < 0) {
         goto fail;
@@ -375,7 +375,7 @@ static int replicate_devices(dp_state *st, PyObject *obj, dp_device **devs, Py_s
 PyDoc_STRVAR(replicate_doc,
 "replicate(module, devices, detach=False)\n--\n\n"
 "Returns a list of replicas.\n"
-"One replica of module per device, in order (PyTorch replicate, spec §5).\n"
+"One replica of module per device, in order (PyTorch replicate, docs/spec.md 5).\n"
 "devices: a sequence of devices ('cpu:N', 'cuda:N', int, dpmini.Device); an\n"
 "empty sequence gives []. Arrays reachable from module through instance\n"
 "__dict__ attributes, __slots__ members (of every class in the MRO), lists,\n"
@@ -388,10 +388,10 @@ PyDoc_STRVAR(replicate_doc,
 "object in each replica. A module holding no arrays (functions, builtins,\n"
 "bound methods, plain objects) is returned as the same object for every\n"
 "device. The replica on devices[0] holds the original arrays where they\n"
-"already live there (spec 5.6). Arrays of other libraries (torch, JAX, CuPy,\n"
+"already live there (docs/spec.md 5.6). Arrays of other libraries (torch, JAX, CuPy,\n"
 "dpmini.Array: anything with __dlpack__/__dlpack_device__ or\n"
 "__cuda_array_interface__) are copied the same way and stay of their type. A\n"
-"torch.nn.Module is replicated by PyTorch's rules (spec 5.5-5.7, dpmini._torch):\n"
+"torch.nn.Module is replicated by PyTorch's rules (docs/spec.md 5.5-5.7, dpmini._torch):\n"
 "module._replicate_for_data_parallel() per submodule and device (a shallow\n"
 "__dict__ copy: Python attributes and containers are shared), parameters as\n"
 "differentiable broadcast copies (their gradients summed onto the original;\n"

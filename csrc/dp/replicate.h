@@ -22,7 +22,7 @@
 
 /* The walkers' bound (tree.h): deeper raises RecursionError naming the path. */
 #define DP_REPLICATE_MAX_DEPTH DP_MAX_NESTING
-#define DP_BROADCAST_BUFFER ((size_t)10485760)  /* 10 MiB, spec 5.3 */
+#define DP_BROADCAST_BUFFER ((size_t)10485760)  /* 10 MiB, docs/spec.md 5.3 */
 
 /* replicate: what kind of object a walked node is. */
 enum {

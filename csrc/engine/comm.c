@@ -1,5 +1,5 @@
 /* comm.c - the dpmini.comm functions, which mirror torch.cuda.comm
- * (spec §8): scatter and gather, and the dpmini.comm method table;
+ * (docs/spec.md 8): scatter and gather, and the dpmini.comm method table;
  * broadcast, broadcast_coalesced, reduce_add and reduce_add_coalesced are in
  * comm_broadcast.c, dpmini.asarray in asarray.c. Argument parsing and checks
  * here; the copies run on the copy engine (copy_engine.c, copy_engine.h).
@@ -226,7 +226,7 @@ PyDoc_STRVAR(comm_scatter_doc,
 "\n"
 "Returns a tuple of arrays, chunk i on devices[i] (or out itself).\n"
 "Split `array` along `dim` and copy chunk i to devices[i] (torch.cuda.comm.scatter,\n"
-"spec 8.5). array: ndarray, dpmini.Array, a torch/JAX/CuPy array (any __dlpack__ or\n"
+"docs/spec.md 8.5). array: ndarray, dpmini.Array, a torch/JAX/CuPy array (any __dlpack__ or\n"
 "__cuda_array_interface__ object: the chunks come back in its library, sharing\n"
 "dpmini's memory), buffer-protocol object (bytes read as 1-D uint8) or\n"
 "__array_interface__ object, ndim >= 1, any non-object dtype, any strides. Without\n"
@@ -358,7 +358,7 @@ static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 /* ------------------------------------------------------------------ */
 
 /* Parse a gather/reduce destination: None -> *dflt, "cpu"/-1 -> host (-1
- * warns, spec 4.3), else a device. */
+ * warns, docs/spec.md 4.3), else a device. */
 int parse_destination(dp_state *st, PyObject *obj, const char *argname,
                       dp_device dflt, dp_device *out)
 {
@@ -385,7 +385,7 @@ PyDoc_STRVAR(comm_gather_doc,
 "--\n"
 "\n"
 "Returns the gathered ndarray (out itself when given).\n"
-"Concatenate arrays along dim onto one device (torch.cuda.comm.gather, spec 4.6-4.8).\n"
+"Concatenate arrays along dim onto one device (torch.cuda.comm.gather, docs/spec.md 4.6-4.8).\n"
 "arrays: a non-empty sequence of arrays of equal ndim whose sizes agree except along\n"
 "dim; dim may be negative (wrapped against arrays[0]). destination: 'cpu' or None\n"
 "(the host; -1 also, with a FutureWarning), 'cpu:N' or a CUDA device. The result is a\n"

@@ -20,7 +20,7 @@
 #define DP_COMM_DOC(name, str) const char name[] = PyDoc_STR(str)
 
 /* comm.c: a gather/reduce destination: None -> dflt, "cpu"/-1 -> host (-1
- * warns, spec 4.3), else a device (*out); errors name argname. */
+ * warns, docs/spec.md 4.3), else a device (*out); errors name argname. */
 int parse_destination(dp_state *st, PyObject *obj, const char *argname,
                       dp_device dflt, dp_device *out);
 

@@ -1,5 +1,5 @@
 /* comm_broadcast.c - the dpmini.comm functions of the broadcast and reduce
- * families, which mirror torch.cuda.comm (spec §8): broadcast,
+ * families, which mirror torch.cuda.comm (docs/spec.md 8): broadcast,
  * broadcast_coalesced, reduce_add, reduce_add_coalesced. Argument parsing
  * and checks here; the copies run on the copy engine (copy_engine.h), the
  * sums in reduce.c. comm.c holds scatter, gather and the method table.
@@ -12,7 +12,7 @@
 #include "engine.h"
 #include "profile.h"
 
-/* Default bucket size of broadcast_coalesced (spec 5.3). */
+/* Default bucket size of broadcast_coalesced (docs/spec.md 5.3). */
 #define DP_BUCKET_BYTES 10485760
 
 /* ------------------------------------------------------------------ */
@@ -24,7 +24,7 @@ DP_COMM_DOC(comm_broadcast_doc,
 "--\n"
 "\n"
 "Returns a tuple with one array per device (or out's arrays).\n"
-"Copy array to every device (torch.cuda.comm.broadcast, spec 8.1). Exactly one of\n"
+"Copy array to every device (torch.cuda.comm.broadcast, docs/spec.md 8.1). Exactly one of\n"
 "devices / out. The entry for the array's own device is the array itself; the others\n"
 "are copies (dense layouts keep their strides). out: arrays of the same shape and dtype\n"
 "to fill in place.\n"
@@ -162,7 +162,7 @@ DP_COMM_DOC(comm_broadcast_coalesced_doc,
 "--\n"
 "\n"
 "Returns a list of lists: entry d holds every array's copy on devices[d].\n"
-"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, spec 5.3), in\n"
+"Copy every array to every device (torch.cuda.comm.broadcast_coalesced, docs/spec.md 5.3), in\n"
 "the order of arrays. Entries for an array's own device are the array itself (PyTorch\n"
 "requires all arrays on devices[0]; dpmini accepts them anywhere and copies to\n"
 "devices[0] too when needed). buffer_size (bytes, > 0) is validated for\n"
@@ -217,7 +217,7 @@ DP_COMM_DOC(comm_reduce_add_doc,
 "\n"
 "Returns the sum as an ndarray on destination.\n"
 "Sum arrays of one shape and one dtype onto destination (torch.cuda.comm.reduce_add,\n"
-"spec 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
+"docs/spec.md 8.3): the sum is (a0 + a1) + a2 ..., in index order. destination None: the\n"
 "device of arrays[0]; 'cpu' the host. A single input already on destination is\n"
 "returned as is. Arrays of another library (torch, JAX, CuPy) are read without a\n"
 "copy; the sum comes back in arrays[0]'s library. Sums of ml_dtypes' floating\n"

@@ -36,7 +36,7 @@ copy_route exec_device(dp_device src, dp_device dst)
     return r;
 }
 
-/* A view of src with `shape`, starting at `data`, same strides (spec 3.4). */
+/* A view of src with `shape`, starting at `data`, same strides (docs/spec.md 3.4). */
 static PyObject *make_view(PyArrayObject *src, char *data, const npy_intp *shape)
 {
     PyArray_Descr *descr = PyArray_DESCR(src);
@@ -537,7 +537,7 @@ typedef struct {
 } gather_into;
 
 /* Part p of another dtype, cast to the result's dtype (as PyTorch does,
- * spec 4.7) into dst, result's region for it. NumPy's own casting loop does
+ * docs/spec.md 4.7) into dst, result's region for it. NumPy's own casting loop does
  * it, with the GIL held; on a GPU side the cast is made on the host, then
  * copied (NumPy never sees device memory). */
 static int gather_cast_part(gather_into *g, PyArrayObject *p, char *dst)

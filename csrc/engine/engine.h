@@ -24,7 +24,7 @@ typedef struct {
 } dp_scatter_item;
 
 /* Scatter several arrays in one pass: chunk j of every item goes to devs[j].
- * A chunk whose device is the array's own device is a view (spec 3.4);
+ * A chunk whose device is the array's own device is a view (docs/spec.md 3.4);
  * others are copied into fresh device memory (dense layouts keep their
  * strides, others become C-contiguous). The copies of all items run on the
  * device worker threads with the GIL released (inline below a size
@@ -32,7 +32,7 @@ typedef struct {
 int dp_scatter_run(dp_state *st, dp_scatter_item *items, int nitems,
                    const dp_device *devs);
 
-/* Concatenate parts along dim onto dest (comm.gather rules, spec 4.6-4.8).
+/* Concatenate parts along dim onto dest (comm.gather rules, docs/spec.md 4.6-4.8).
  * out (may be NULL) receives the result in place and is returned (new ref).
  * argname prefixes error messages (e.g. "tensors" or "out['loss']"). */
 PyObject *dp_gather_arrays(dp_state *st, PyArrayObject **parts, Py_ssize_t n,

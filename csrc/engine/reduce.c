@@ -1,5 +1,5 @@
 /* reduce.c - reduce_add: the elementwise sum of arrays from several devices
- * onto one (spec §8; dp_reduce_add), through NCCL or the GPU add kernel when
+ * onto one (docs/spec.md 8; dp_reduce_add), through NCCL or the GPU add kernel when
  * the arrays are on GPUs, else on the host. Used by dpmini.comm.reduce_add
  * and reduce_add_coalesced (comm_broadcast.c) and out_dims="sum". The small
  * floats of ml_dtypes (bfloat16, float8, ...) are summed on the host in
@@ -254,7 +254,7 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
     }
     if (n == 1 && dp_device_eq(dp_array_device(st, parts[0]), dest)) {
         Py_INCREF(parts[0]);
-        acc = (PyObject *)parts[0]; /* a single input is returned as is (spec 8.3) */
+        acc = (PyObject *)parts[0]; /* a single input is returned as is (docs/spec.md 8.3) */
         goto done;
     }
     if (accd != NULL) {

@@ -110,7 +110,7 @@ static int add_comm_submodule(PyObject *m)
     int rc = -1;
     if (sub == NULL || modname == NULL ||
         PyModule_SetDocString(sub, "torch.cuda.comm for NumPy arrays on dpmini devices "
-                                   "(spec section 8); see each function's docstring.") < 0) {
+                                   "(docs/spec.md 8); see each function's docstring.") < 0) {
         goto done;
     }
     for (PyMethodDef *def = dp_comm_submodule_methods; def->ml_name != NULL; def++) {
@@ -153,7 +153,7 @@ static int dp_exec(PyObject *m)
         add_exception(m, "dpmini.SplitWarning", PyExc_UserWarning,
                       "A split array has rows after its first k chunks (k: the smallest "
                       "chunk count over the split arrays), and they were dropped (PyTorch "
-                      "drops them silently, spec 3.2). strict=True raises ValueError "
+                      "drops them silently, docs/spec.md 3.2). strict=True raises ValueError "
                       "instead, on exactly the same condition.",
                       &st->SplitWarning) < 0 ||
         add_exception(m, "dpmini._dpmini._RequiresGradError", PyExc_TypeError,

@@ -73,7 +73,7 @@ typedef struct dp_state {
     PyObject *dataclasses_fields;    /* dataclasses.fields                 */
     PyObject *format_exception;      /* traceback.format_exception         */
     PyObject *KeyErrorMessage;       /* dpmini._dpmini._KeyErrorMessage(str):
-                                        repr() is the text itself (spec 6.5) */
+                                        repr() is the text itself (docs/spec.md 6.5) */
     PyObject *origins;               /* dict: array type -> its library's
                                         from_dlpack, or None (interop.c)  */
     PyObject *numpy_handlers;        /* list by virtual CPU device index: its

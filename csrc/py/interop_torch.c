@@ -2,7 +2,7 @@
  * "Arrays of other libraries"): whether an object is a torch.nn.Module, and
  * loading dpmini/_torch.py, whose replica context carries torch's per-thread
  * state into the replica threads (as torch.nn.parallel.parallel_apply does,
- * spec 6.2) and which makes a torch.nn.Module's replicas. Everything here
+ * docs/spec.md 6.2) and which makes a torch.nn.Module's replicas. Everything here
  * looks torch up in sys.modules only: dpmini never imports torch.
  */
 #include "dpmini.h"

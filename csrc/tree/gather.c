@@ -1,5 +1,5 @@
 /* gather.c - gather of nested Python structures: DataParallel's gather
- * (spec §4) with out_dims, and the Python function dpmini.gather.
+ * (docs/spec.md 4) with out_dims, and the Python function dpmini.gather.
  *
  * Gather walks the replicas' outputs side by side: outputs[0] picks the rule
  * (as in PyTorch) but every replica is checked against it, and array
@@ -33,7 +33,7 @@
 
 /* What gather does at a leaf (out_dims; OUT_CAT is PyTorch's rule). */
 enum {
-    OUT_CAT = 0,   /* concatenate arrays along dim (the rules of spec 4)  */
+    OUT_CAT = 0,   /* concatenate arrays along dim (the rules of docs/spec.md 4)  */
     OUT_SAME,      /* out_dims None: every replica's value must be equal  */
     OUT_SUM        /* out_dims "sum": add the replicas' values            */
 };
@@ -88,7 +88,7 @@ static PyObject *scalar_as_array(PyObject *o);
 /* The n ndarrays can be gathered into arrs[0]'s dtype without losing data;
  * else TypeError naming cpath and every replica's dtype. */
 static int check_dtypes(PyObject *const *arrs, Py_ssize_t n, const char *cpath);
-/* Arrays: concatenated along g->dim onto g->target (spec 4.5-4.8). */
+/* Arrays: concatenated along g->dim onto g->target (docs/spec.md 4.5-4.8). */
 static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg);
 /* Two floats/complexes equal but for NaN in the same places? 1 or 0. */
@@ -105,7 +105,7 @@ static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
 /* Containers rebuilt                                                 */
 /* ------------------------------------------------------------------ */
 
-/* Dicts key by key, in replica 0's key order and type (spec 4.1, R14). */
+/* Dicts key by key, in replica 0's key order and type (docs/spec.md 4.1, R14). */
 static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg, PyObject *spec, const path_seg *sseg);
 /* Lists, tuples, namedtuples (kind G_SEQ / G_NAMEDTUPLE) position by
@@ -232,7 +232,7 @@ static int plain_position(const gather_ctx *g, PyObject *const *vals, Py_ssize_t
     return 1;
 }
 
-/* Arrays at one position: concatenate along dim onto the target (spec 4.5-4.8). */
+/* Arrays at one position: concatenate along dim onto the target (docs/spec.md 4.5-4.8). */
 static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg)
 {
@@ -294,7 +294,7 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     }
 
     if (all0) {
-        /* spec 4.5 / R20: only dim == 0 literally turns scalars into a vector. */
+        /* docs/spec.md 4.5 / R20: only dim == 0 literally turns scalars into a vector. */
         if (g->dim != 0) {
             PyErr_Format(PyExc_ValueError,
                          "%s: every replica returned a 0-dim array, which can only "
@@ -746,7 +746,7 @@ static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
 }
 
 /* Dicts: same number of keys, every key of replica 0 in every dict; key order
- * and type from replica 0 (spec 4.1, R14). */
+ * and type from replica 0 (docs/spec.md 4.1, R14). */
 static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg, PyObject *spec, const path_seg *sseg)
 {
@@ -857,7 +857,7 @@ done:
 }
 
 /* Lists, tuples, namedtuples: position by position, same length everywhere
- * (spec 4.1's strict zip, R18). */
+ * (docs/spec.md 4.1's strict zip, R18). */
 static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                      int kind, const path_seg *seg, PyObject *spec,
                      const path_seg *sseg)
@@ -1360,7 +1360,7 @@ PyDoc_STRVAR(gather_doc,
 "--\n"
 "\n"
 "Combine the replicas' outputs onto target_device, as\n"
-"torch.nn.parallel.gather (spec 4) with dpmini's checks (docs/design.md).\n"
+"torch.nn.parallel.gather (docs/spec.md 4) with dpmini's checks (docs/design.md).\n"
 "\n"
 "outputs: a list or tuple with one output per replica (at least one).\n"
 "target_device: a device, or the host (\"cpu\" or -1; -1 warns FutureWarning\n"
@@ -1387,9 +1387,9 @@ PyDoc_STRVAR(gather_doc,
 "    dim onto target_device in replica 0's dtype; the others are cast only\n"
 "    within a kind (NumPy's same_kind: float64 -> float32, int -> float),\n"
 "    never real with complex (either order), float into int, int into bool,\n"
-"    or strings into shorter ones; other sizes must match (spec 4.6). When\n"
+"    or strings into shorter ones; other sizes must match (docs/spec.md 4.6). When\n"
 "    every replica returns a 0-dim array and dim == 0, the result is a\n"
-"    vector of one value per replica, with PyTorch's UserWarning (spec 4.5,\n"
+"    vector of one value per replica, with PyTorch's UserWarning (docs/spec.md 4.5,\n"
 "    R20). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
 "    1.0) are all taken as 0-dim arrays.\n"
 "  None: None.  dict: key by key, replica 0's key order; a dict subclass\n"
@@ -1415,7 +1415,7 @@ PyDoc_STRVAR(gather_doc,
 "  ValueError: dicts with different numbers of keys (\"All dicts must have\n"
 "    the same number of keys\") or a missing key, sequences of different\n"
 "    lengths, 0-dim arrays with dim != 0, array shapes that differ outside\n"
-"    dim (spec 4.6), no outputs.\n"
+"    dim (docs/spec.md 4.6), no outputs.\n"
 "  IndexError: dim out of range.");
 
 static PyObject *py_gather_once(PyObject *module, PyObject *args, PyObject *kwds)
@@ -1434,7 +1434,7 @@ static PyObject *py_gather_once(PyObject *module, PyObject *args, PyObject *kwds
     if (dp_device_from_object(st, target_obj, "target_device", DP_DEV_ALLOW_HOST,
                               &target) < 0)
         return NULL;
-    /* spec 4.3: -1 for the host still works but is deprecated. */
+    /* docs/spec.md 4.3: -1 for the host still works but is deprecated. */
     /* (an int that named the host is -1, NumPy integers included) */
     if (dp_is_index_like(target_obj) && target.kind == DP_HOST &&
         PyErr_WarnEx(PyExc_FutureWarning,

@@ -1,5 +1,5 @@
 /* scatter.c - scatter of nested Python structures: DataParallel's
- * scatter_kwargs (spec §2.3-2.8, §3) with the decisions of docs/design.md,
+ * scatter_kwargs (docs/spec.md 2.3-2.8, 3) with the decisions of docs/design.md,
  * and the Python functions dpmini.scatter and dpmini.scatter_kwargs.
  *
  * Scatter runs in four passes, so that every check happens before the first
@@ -43,7 +43,7 @@
 
 #include <limits.h>
 
-/* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
+/* The rule of docs/spec.md 3.1 for obj: one of S_*, or -1 with an exception set. */
 static int scatter_kind(dp_state *st, PyObject *obj);
 
 /* The children of a container of kind S_* (a tuple snapshot; for S_DICT
@@ -127,7 +127,7 @@ void ctx_clear(scatter_ctx *c)
     Py_CLEAR(c->error);
 }
 
-/* The rule of spec 3.1 for obj: one of S_*, or -1 with an exception set. */
+/* The rule of docs/spec.md 3.1 for obj: one of S_*, or -1 with an exception set. */
 static int scatter_kind(dp_state *st, PyObject *obj)
 {
     if (PyArray_CheckExact(obj))
@@ -360,7 +360,7 @@ static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *
     int64_t n = (int64_t)PyArray_DIM(arr, wdim);
     int count;
     if (c->chunk_sizes != NULL) {
-        /* torch.cuda.comm.scatter's chunk_sizes (spec 0.7, 8.5), for every
+        /* torch.cuda.comm.scatter's chunk_sizes (docs/spec.md 0.7, 8.5), for every
          * split leaf: the sizes must add up to each one's length. */
         memcpy(sizes, c->chunk_sizes, (size_t)c->ndev * sizeof(int64_t));
         if (dp_check_chunk_sizes(n, c->ndev, sizes, NULL) != DP_OK) {
@@ -464,7 +464,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
         goto record;
     }
 
-    /* spec 0.5 / R22: never broadcast a 0-dim array, refuse it up front. */
+    /* docs/spec.md 0.5 / R22: never broadcast a 0-dim array, refuse it up front. */
     if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s: chunk expects at least a 1-dimensional array (got a "
@@ -475,7 +475,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
     arr = dp_as_array(c->st, obj, cpath, 1);
     if (arr == NULL)
         goto leaf_error;
-    /* spec 0.6 / R27: a negative dim is wrapped for each array on its own. */
+    /* docs/spec.md 0.6 / R27: a negative dim is wrapped for each array on its own. */
     if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
         goto leaf_error;
 
@@ -1244,8 +1244,8 @@ static int build_side(scatter_ctx *c, PyObject *obj, int is_args, const path_seg
     return 0;
 }
 
-/* spec 2.7: nothing to scatter gives no groups at all, () and (); DataParallel
- * then runs one replica with ((),), ({},) (spec 2.4). */
+/* docs/spec.md 2.7: nothing to scatter gives no groups at all, () and (); DataParallel
+ * then runs one replica with ((),), ({},) (docs/spec.md 2.4). */
 static int no_groups(PyObject **inputs_out, PyObject **kwargs_out)
 {
     PyObject *ins = PyTuple_New(0), *kws = PyTuple_New(0);
@@ -1316,7 +1316,7 @@ static int dp_scatter_kwargs_ex_steps(dp_state *st, PyObject *inputs, PyObject *
         goto fail;
 
     /* (d) exactly k groups on each side; a missing side is padded with ()
-     * or {} (spec 2.7, without PyTorch's uneven padding). */
+     * or {} (docs/spec.md 2.7, without PyTorch's uneven padding). */
     tmp = PyMem_Calloc((size_t)c.k, sizeof *tmp);
     ins = PyTuple_New(c.k);
     kws = PyTuple_New(c.k);
@@ -1373,7 +1373,7 @@ PyDoc_STRVAR(scatter_doc,
 "        chunk_sizes=None, weights=None)\n"
 "--\n"
 "\n"
-"Split inputs over target_devices as torch.nn.parallel.scatter does (spec 3).\n"
+"Split inputs over target_devices as torch.nn.parallel.scatter does (docs/spec.md 3).\n"
 "\n"
 "inputs: an ndarray (any non-object dtype, ndim >= 1, any strides), or a\n"
 "  tuple / list / dict / namedtuple nesting ndarrays and other objects.\n"
@@ -1393,7 +1393,7 @@ PyDoc_STRVAR(scatter_doc,
 "  applies to every leaf under it.\n"
 "chunk_sizes: len(target_devices) ints >= 0, the rows along the split dim of\n"
 "  each device, the same for every split array, which must each have\n"
-"  sum(chunk_sizes) rows (torch.cuda.comm.scatter's chunk_sizes, spec 0.7;\n"
+"  sum(chunk_sizes) rows (torch.cuda.comm.scatter's chunk_sizes, docs/spec.md 0.7;\n"
 "  PyTorch's DataParallel lacks it, pytorch issue 46381). A 0 gives that\n"
 "  device an empty chunk; devices after the last non-empty chunk idle.\n"
 "weights: len(target_devices) finite numbers > 0: sizes proportional to\n"
@@ -1401,7 +1401,7 @@ PyDoc_STRVAR(scatter_doc,
 "  unless n < len(target_devices)). At most one of chunk_sizes and weights.\n"
 "\n"
 "Returns\n"
-"  - a bare ndarray: a tuple of its chunks. torch.chunk rule (spec 0.1): pieces\n"
+"  - a bare ndarray: a tuple of its chunks. torch.chunk rule (docs/spec.md 0.1): pieces\n"
 "    of ceil(n / len(target_devices)) rows along dim with a shorter last one,\n"
 "    so there may be fewer chunks than devices (9 rows on 4 devices: 3,3,3);\n"
 "    n == 0 gives one empty chunk per device. Chunk j is on target_devices[j],\n"
@@ -1487,7 +1487,7 @@ static PyObject *py_scatter_steps(PyObject *module, PyObject *args, PyObject *kw
     }
     if (scatter_build(&c, inputs, &root, res) < 0 || scatter_check_all_taken(&c) < 0)
         goto done;
-    /* spec 3.3: a bare array gives a tuple of chunks, a structure a list. */
+    /* docs/spec.md 3.3: a bare array gives a tuple of chunks, a structure a list. */
     out = kind == S_ARRAY ? PyTuple_New(c.k) : PyList_New(c.k);
     if (out == NULL)
         goto done;
@@ -1529,14 +1529,14 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "--\n"
 "\n"
 "Split positional and keyword arguments for each replica, as\n"
-"torch.nn.parallel.scatter_kwargs (spec 2.7, 3) with dpmini's replica count.\n"
+"torch.nn.parallel.scatter_kwargs (docs/spec.md 2.7, 3) with dpmini's replica count.\n"
 "\n"
 "inputs: the positional arguments, a tuple or a list of them; None means\n"
 "  none. A tuple gives each replica a tuple (x_i,), a list a list [x_i], as\n"
 "  PyTorch's scatter_kwargs does (its scatter keeps the container type).\n"
 "  Any other object (a bare array) is one positional argument: replica i\n"
 "  gets (x_i,), which is what PyTorch's parallel_apply makes of the x_i its\n"
-"  scatter gives (spec 3.1, 6.3); PyTorch's scatter_kwargs itself fails on\n"
+"  scatter gives (docs/spec.md 3.1, 6.3); PyTorch's scatter_kwargs itself fails on\n"
 "  a bare array of more than one element ('if inputs' asks for its truth\n"
 "  value: RuntimeError/ValueError 'ambiguous'), a documented difference.\n"
 "kwargs: a dict or None.\n"
@@ -1557,7 +1557,7 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "replicas, so no replica runs without its inputs (R04; PyTorch pads the\n"
 "short side instead). A side that is empty is () or {} in every replica.\n"
 "With no arguments at all the result is ((), ()); DataParallel then runs one\n"
-"replica with ((),), ({},) (spec 2.4).\n"
+"replica with ((),), ({},) (docs/spec.md 2.4).\n"
 "\n"
 "Raises and warns as dpmini.scatter; paths name the argument, e.g. args[0],\n"
 "args[1]['img'], args[0].a (namedtuple field) or kwargs['mask'].");

@@ -44,7 +44,7 @@ typedef struct path_seg {
  * gets this message (naming the path) rather than CPython's. */
 #define DP_MAX_NESTING 512
 
-/* What the scatter rules (spec 3.1) do with an object. */
+/* What the scatter rules (docs/spec.md 3.1) do with an object. */
 enum {
     S_SHARED,      /* every replica gets the same object                  */
     S_ARRAY,       /* split into chunks                                   */

@@ -25,7 +25,7 @@ int parse_dim(PyObject *obj, int *dim)
  * of its items (each replica's piece is made a list again afterwards,
  * dp_inputs_as_lists), anything else one positional argument (inputs,).
  * That is what torch's scatter_kwargs gives once parallel_apply has called
- * the module (spec 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
+ * the module (docs/spec.md 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
  * parallel_apply unpacks, and scatter(x) makes x_i, which it wraps as
  * (x_i,). New reference. */
 PyObject *normalize_inputs(PyObject *inputs)

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include "dpmini.h"
 
-/* DataParallel's scatter_kwargs (spec 2.3, 2.7, 3.x) with dpmini's rules:
+/* DataParallel's scatter_kwargs (docs/spec.md 2.3, 2.7, 3.x) with dpmini's rules:
  * the replica count is the smallest chunk count over the array leaves of
  * inputs and kwargs together (non-array leaves never add replicas); with no
  * array leaf every device gets a replica. Different chunk counts warn
@@ -84,7 +84,7 @@ int dp_check_dims_spec(PyObject *spec, const char *argname, int is_out);
 PyObject *dp_gather_outputs_ex(dp_state *st, PyObject *outputs, dp_device target,
                                int dim, PyObject *out_dims);
 
-/* DataParallel's gather (spec 4, with dpmini's rules for dataclasses,
+/* DataParallel's gather (docs/spec.md 4, with dpmini's rules for dataclasses,
  * None/array mixes, str and number leaves). outputs: a sequence, one
  * entry per replica. */
 PyObject *dp_gather_outputs(dp_state *st, PyObject *outputs, dp_device target,

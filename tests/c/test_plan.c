@@ -3,7 +3,7 @@
  *
  * A standalone program: prints each failed check and exits non-zero if any
  * failed. Run by tests/test_c_units.py. The expected tables are the worked
- * examples of spec section 0.3; the property sweep checks the rule itself
+ * examples of docs/spec.md 0.3; the property sweep checks the rule itself
  * (pieces of ceil(n/k) with a shorter last one) over many n and k, and the
  * edge cases near INT64_MAX check that nothing overflows.
  */

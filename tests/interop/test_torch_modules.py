@@ -1,5 +1,5 @@
 """torch.nn.Module replicas on the virtual CPU devices, made by PyTorch's rules
-(spec 5.5-5.7): each module's replica is a shallow __dict__ copy, parameters are
+(docs/spec.md 5.5-5.7): each module's replica is a shallow __dict__ copy, parameters are
 broadcast copies (shared host memory under no_grad), replica 0 shares the original's
 buffers. CPU autocast in the caller holds in the replica threads."""
 import contextlib
@@ -43,7 +43,7 @@ def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
     with torch.no_grad():
         reps = dpmini.replicate(model, DEVS, detach=True)
     assert dpmini.memory_allocated("cpu:1") == before
-    assert reps[0].weight is model.weight          # spec 5.3: devices[0] keeps the tensors
+    assert reps[0].weight is model.weight          # docs/spec.md 5.3: devices[0] keeps the tensors
     assert reps[1].weight.data_ptr() == model.weight.data_ptr()
     assert not reps[1].weight.requires_grad
 
@@ -64,7 +64,7 @@ def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):
 
 
 def test_counter_rebinding_is_lost_containers_keep_every_replica(torch):
-    # spec 5.5/9.6: rebinding an attribute in forward touches the replica only;
+    # docs/spec.md 5.5/9.6: rebinding an attribute in forward touches the replica only;
     # a list is shared by the replicas' shallow copies, so it keeps all entries
     class Counter(torch.nn.Module):
         def __init__(self):
@@ -103,7 +103,7 @@ def test_cpu_autocast_holds_in_the_replica_threads(torch):
 
 
 def test_other_attributes_are_shared_as_in_pytorch(torch):
-    # spec 5.5: PyTorch's replicas share the module's other Python attributes
+    # docs/spec.md 5.5: PyTorch's replicas share the module's other Python attributes
     import threading
 
     class WithLock(torch.nn.Module):

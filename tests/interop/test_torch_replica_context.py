@@ -1,5 +1,5 @@
 """torch's per-thread state in the replica threads (dpmini/_torch.py's replica
-context, spec 6.2): grad mode, inference mode, CPU and CUDA autocast (flag and
+context, docs/spec.md 6.2): grad mode, inference mode, CPU and CUDA autocast (flag and
 dtype), the intra-op thread count (cut to cores // replicas on virtual CPU
 devices), set in each persistent worker on every call and set back after."""
 import os

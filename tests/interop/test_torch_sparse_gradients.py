@@ -1,4 +1,4 @@
-"""Sparse gradients through DataParallel (spec 7.4: PyTorch's reduce_add_coalesced
+"""Sparse gradients through DataParallel (docs/spec.md 7.4: PyTorch's reduce_add_coalesced
 sums sparse gradients apart from the dense ones): an nn.Embedding(sparse=True)
 trained through dpmini.DataParallel gets, in its .grad, the sparse gradient a
 single-device run over the whole batch gives."""

@@ -175,7 +175,7 @@ def test_real_nn_module_equals_the_module(torch):
         got = dpmini.DataParallel(model, DEVS)(x)
     assert type(got) is torch.Tensor and got.shape == (11, 3)
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
-    # replicas are PyTorch's shallow copies (spec 5.5), never the module itself
+    # replicas are PyTorch's shallow copies (docs/spec.md 5.5), never the module itself
     reps = dpmini.replicate(model, DEVS)
     assert all(r is not model and type(r) is type(model) for r in reps)
 
@@ -193,7 +193,7 @@ def test_requires_grad_is_refused_naming_the_argument(torch):
             def __init__(self):
                 self.w = torch.nn.Parameter(torch.ones(2))
         dpmini.replicate(P(), DEVS)
-    # outside no_grad, an nn.Module's outputs record the graph (spec 7)
+    # outside no_grad, an nn.Module's outputs record the graph (docs/spec.md 7)
     model = torch.nn.Linear(2, 2)
     assert dpmini.DataParallel(model, DEVS)(torch.ones(4, 2)).grad_fn is not None
 

@@ -1,4 +1,4 @@
-"""Training through dpmini.DataParallel with torch's autograd (spec §7): PyTorch's
+"""Training through dpmini.DataParallel with torch's autograd (docs/spec.md 7): PyTorch's
 tutorial "Optional: Data Parallelism" with only the class name changed, and
 loss.backward() after dp(x) giving each parameter the gradient of a single-device
 run over the whole batch."""

@@ -1,5 +1,5 @@
 """Code written for torch.nn.DataParallel calls nn.Module methods on the wrapper
-(spec 1.8: the wrapper is an nn.Module whose one child is "module"). Each
+(docs/spec.md 1.8: the wrapper is an nn.Module whose one child is "module"). Each
 method of dpmini.DataParallel is compared with torch.nn.DataParallel's on the
 same module (torch runs it on the CPU here, where its wrapper calls the module
 directly): names, keys, errors, return values."""
