@@ -1,4 +1,4 @@
-"""GPU benchmark of dpmini (issue [2] targets), printed in one run.
+"""GPU benchmark of dpmini against its baselines, printed in one run.
 
   1. scatter + gather of 1 GiB float32 in pinned host memory to 4 replicas on
      one GPU (device_ids [0, 0, 0, 0]), dims 0, 1 and -1, against the plain

@@ -10,7 +10,7 @@ split dim, split = ceil(n / k) rows per chunk with a shorter last one, so there
 are max(ceil(n / split), 1) chunks, which can be fewer than k; n == 0 gives k
 empty chunks (docs/spec.md 0.2). Chunk i goes to device_ids[i] (docs/spec.md 0.4). The replica
 count is the smallest chunk count over all array leaves of args and kwargs
-together (design.md, R04); non-array leaves are shared by reference (R13).
+together (docs/spec.md 10.1); non-array leaves are shared by reference (docs/spec.md 3.1).
 
 Beyond PyTorch, `in_dims` (JAX pmap's in_axes) picks a dim per argument or
 broadcasts an array whole (None), and `chunk_sizes` / `weights` replace the
@@ -364,7 +364,7 @@ def _draw_leaf(ax, y, leaf, devices, replicas, colours):
             ax.text(left + width / 2, y, f"{dev}\n[{start}:{start + size})", ha="center",
                     va="center", fontsize=7)
     if kept < total:
-        # Rows no replica receives (truncation to the smallest chunk count, R06).
+        # Rows no replica receives (truncation to the smallest chunk count, docs/spec.md 10.2).
         ax.barh(y, (total - kept) / total, left=kept / total, height=height, color="white",
                 hatch="xx", edgecolor="firebrick", linewidth=0.8)
         ax.text((kept + total) / 2 / total, y, f"dropped\n[{kept}:{total})", ha="center",
@@ -416,7 +416,7 @@ def _device_row(leaf, i, device, replicas):
 
     A device shows its chunk when it has rows, or when it runs a replica (an
     empty chunk when n == 0, docs/spec.md 0.2); otherwise "-" and "(no replica)".
-    Rows lost to truncation (R06) are named in the plan's warning instead.
+    Rows lost to truncation (docs/spec.md 10.2) are named in the plan's warning instead.
     """
     size, start = leaf["sizes"][i], leaf["starts"][i]
     if size == 0 and i >= replicas:

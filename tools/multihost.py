@@ -10,8 +10,8 @@ per host) with an address in a private /24 and a hostname of its own (a UTS
 namespace per process, set by the launcher agent), named in /etc/hosts while
 it exists. They share the machine's memory but not a network or a hostname,
 so Open MPI treats them as separate nodes: TCP between them, no shared-memory
-transport across them (docs: ../shared/spec/distributed.md, "Several hosts on
-one machine", says which settings are needed and why).
+transport across them. Each host needs its own hostname (with one shared
+hostname Open MPI mis-groups the nodes) and traffic kept on the bridge.
 
 DIR receives:
   mpirun     a launcher to use in place of mpirun: it starts mpirun on the first

@@ -1,4 +1,4 @@
-/* gpu_fork.c - dpmini's GPU state in a forked child (issue 13, finding 15).
+/* gpu_fork.c - dpmini's GPU state in a forked child.
  *
  * CUDA cannot be used in a child forked after the parent initialised it:
  * the child inherits copies of the parent's contexts, streams, pinned

@@ -57,7 +57,7 @@ typedef struct dp_snapshot {
     dp_device output_device;
     int dim;
     int strict;
-    PyObject *in_dims;         /* owned; the extension options (issue 3)     */
+    PyObject *in_dims;         /* owned; the extension options (docs/spec.md 12-14) */
     PyObject *out_dims;        /* owned                                      */
     PyObject *chunk_sizes;     /* owned                                      */
     PyObject *weights;         /* owned                                      */

@@ -105,15 +105,15 @@ static PyObject *gather_same(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
 /* Containers rebuilt                                                 */
 /* ------------------------------------------------------------------ */
 
-/* Dicts key by key, in replica 0's key order and type (docs/spec.md 4.1, R14). */
+/* Dicts key by key, in replica 0's key order and type (docs/spec.md 4.1, 11.2). */
 static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg, PyObject *spec, const path_seg *sseg);
 /* Lists, tuples, namedtuples (kind G_SEQ / G_NAMEDTUPLE) position by
- * position, same length everywhere (R18). */
+ * position, same length everywhere (docs/spec.md 11.5). */
 static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                      int kind, const path_seg *seg, PyObject *spec,
                      const path_seg *sseg);
-/* Dataclass instances field by field, without running __init__ (R17). */
+/* Dataclass instances field by field, without running __init__ (docs/spec.md 11.4). */
 static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                            const path_seg *seg, PyObject *spec,
                            const path_seg *sseg);
@@ -294,7 +294,7 @@ static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
     }
 
     if (all0) {
-        /* docs/spec.md 4.5 / R20: only dim == 0 literally turns scalars into a vector. */
+        /* docs/spec.md 4.5, 11.8: only dim == 0 literally turns scalars into a vector. */
         if (g->dim != 0) {
             PyErr_Format(PyExc_ValueError,
                          "%s: every replica returned a 0-dim array, which can only "
@@ -746,7 +746,7 @@ static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
 }
 
 /* Dicts: same number of keys, every key of replica 0 in every dict; key order
- * and type from replica 0 (docs/spec.md 4.1, R14). */
+ * and type from replica 0 (docs/spec.md 4.1, 11.2). */
 static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg, PyObject *spec, const path_seg *sseg)
 {
@@ -857,7 +857,7 @@ done:
 }
 
 /* Lists, tuples, namedtuples: position by position, same length everywhere
- * (docs/spec.md 4.1's strict zip, R18). */
+ * (docs/spec.md 4.1's strict zip, 11.5). */
 static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                      int kind, const path_seg *seg, PyObject *spec,
                      const path_seg *sseg)
@@ -953,7 +953,7 @@ done:
  * them on gathered values would redo their work (a scaling applied twice);
  * frozen dataclasses and __slots__ work the same way. A dataclass that is
  * also a dict (Hugging Face's ModelOutput) gets replica 0's keys, each with
- * the gathered value of the field of that name (R17). */
+ * the gathered value of the field of that name (docs/spec.md 11.4). */
 static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                            const path_seg *seg, PyObject *spec,
                            const path_seg *sseg)
@@ -1167,7 +1167,7 @@ static int kind_error_at(gather_ctx *g, const path_seg *seg)
 }
 
 /* Every replica must return the same kind of value at this position (for a
- * dataclass, the same class): R19 c/d. Two mixes are allowed, as one kind:
+ * dataclass, the same class; docs/spec.md 11.1). Two mixes are allowed, as one kind:
  * namedtuples with plain tuples or lists (replica 0's type is rebuilt, as
  * PyTorch does), and NumPy scalars with Python numbers (np.float64(1.0) and
  * 1.0: all gathered as 0-dim arrays, the NumPy scalar rule). Returns the
@@ -1390,24 +1390,24 @@ PyDoc_STRVAR(gather_doc,
 "    or strings into shorter ones; other sizes must match (docs/spec.md 4.6). When\n"
 "    every replica returns a 0-dim array and dim == 0, the result is a\n"
 "    vector of one value per replica, with PyTorch's UserWarning (docs/spec.md 4.5,\n"
-"    R20). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
+"    11.8). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
 "    1.0) are all taken as 0-dim arrays.\n"
 "  None: None.  dict: key by key, replica 0's key order; a dict subclass\n"
 "  (OrderedDict, Counter, defaultdict, ...) is copy.copy(replica 0's) with\n"
 "  the gathered values set, so it keeps its type, keys and default_factory\n"
-"  (R14).  namedtuple: field by field, type(out)._make; a namedtuple at one\n"
+"  (docs/spec.md 11.2).  namedtuple: field by field, type(out)._make; a namedtuple at one\n"
 "  replica and a plain tuple or list at another give replica 0's type, as\n"
 "  in PyTorch.  dataclass: field by field, set on type(out).__new__(type(out))\n"
 "  with object.__setattr__: __init__/__post_init__ do not run again (frozen\n"
-"  ones too; a dataclass that is a dict also gets replica 0's keys) (R17).\n"
-"  list/tuple: position by position (R18).  str, bytes, Python numbers: the\n"
+"  ones too; a dataclass that is a dict also gets replica 0's keys) (docs/spec.md 11.4).\n"
+"  list/tuple: position by position (docs/spec.md 11.5).  str, bytes, Python numbers: the\n"
 "  value, once, when all replicas return an equal value.  Any other object:\n"
 "  that object, when all replicas return the same one or equal values of\n"
 "  one type hashed by value (Fraction, Decimal, date, frozenset).\n"
 "\n"
 "Raises (messages name the position, e.g. out['logits'][1] or out.loss)\n"
 "  TypeError: replicas returned different kinds of value at one position\n"
-"    (the type from each replica is listed, R19), different str/number\n"
+"    (the type from each replica is listed, docs/spec.md 11.1), different str/number\n"
 "    values, or different other objects; arrays whose dtypes cannot be\n"
 "    gathered without losing data (each replica's dtype is listed); outputs\n"
 "    not a list or tuple.\n"

@@ -464,7 +464,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
         goto record;
     }
 
-    /* docs/spec.md 0.5 / R22: never broadcast a 0-dim array, refuse it up front. */
+    /* docs/spec.md 0.5, 10.3: never broadcast a 0-dim array, refuse it up front. */
     if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s: chunk expects at least a 1-dimensional array (got a "
@@ -475,7 +475,7 @@ static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
     arr = dp_as_array(c->st, obj, cpath, 1);
     if (arr == NULL)
         goto leaf_error;
-    /* docs/spec.md 0.6 / R27: a negative dim is wrapped for each array on its own. */
+    /* docs/spec.md 0.6, 10.4: a negative dim is wrapped for each array on its own. */
     if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
         goto leaf_error;
 
@@ -799,7 +799,7 @@ void scatter_count(scatter_ctx *c)
             c->mismatch = 1;
 }
 
-/* The strict=True error text (modelled on JAX pmap's, R29): every array
+/* The strict=True error text (modelled on JAX pmap's, docs/spec.md 10.2): every array
  * path, its shape, the dim and the size along it. */
 PyObject *strict_message(scatter_ctx *c)
 {
@@ -861,7 +861,7 @@ done:
     return res;
 }
 
-/* The SplitWarning text (R06): every leaf that loses rows. *out = NULL when
+/* The SplitWarning text (docs/spec.md 10.2): every leaf that loses rows. *out = NULL when
  * none does (then c->mismatch is 0 too: the same leaf_drops_rows). */
 int truncation_message(scatter_ctx *c, PyObject **out)
 {
@@ -1380,7 +1380,7 @@ PyDoc_STRVAR(scatter_doc,
 "target_devices: a non-empty sequence of devices (\"cpu:N\", \"cuda:N\", int N,\n"
 "  dpmini.Device); not the host.\n"
 "dim: the axis to split along; a negative dim is wrapped against each array's\n"
-"  own rank (R27).\n"
+"  own rank (docs/spec.md 10.4).\n"
 "strict: raise ValueError instead of warning SplitWarning when an array would\n"
 "  lose rows (see Warns: the same condition for both).\n"
 "in_dims: None (every array split along dim, PyTorch), or a structure that\n"
@@ -1420,7 +1420,7 @@ PyDoc_STRVAR(scatter_doc,
 "\n"
 "Raises\n"
 "  ValueError: a 0-dim array (\"<path>: chunk expects at least a 1-dimensional\n"
-"    array\"), before any copy (R22); with strict=True, exactly when the\n"
+"    array\"), before any copy (docs/spec.md 10.3); with strict=True, exactly when the\n"
 "    SplitWarning below would be warned (each path, shape, dim and size is\n"
 "    listed);\n"
 "    chunk_sizes that do not sum to an array's size (names it); bad\n"
@@ -1438,7 +1438,7 @@ PyDoc_STRVAR(scatter_doc,
 "Warns\n"
 "  dpmini.SplitWarning (strict=False): some split array has rows after its\n"
 "    first k chunks (k: the smallest chunk count over the split arrays), so\n"
-"    they are dropped, as in PyTorch (R06); the warning names each path and\n"
+"    they are dropped, as in PyTorch (docs/spec.md 10.2); the warning names each path and\n"
 "    the rows dropped. An array with 0 rows along its dim (one empty chunk\n"
 "    per device) loses nothing: no warning, and no error under strict.");
 
@@ -1554,7 +1554,7 @@ PyDoc_STRVAR(scatter_kwargs_doc,
 "keyword arguments per replica. k is\n"
 "the smallest chunk count over ALL arrays of inputs and kwargs together, or\n"
 "len(target_devices) when there is no array: non-array values never add\n"
-"replicas, so no replica runs without its inputs (R04; PyTorch pads the\n"
+"replicas, so no replica runs without its inputs (docs/spec.md 10.1; PyTorch pads the\n"
 "short side instead). A side that is empty is () or {} in every replica.\n"
 "With no arguments at all the result is ((), ()); DataParallel then runs one\n"
 "replica with ((),), ({},) (docs/spec.md 2.4).\n"
