@@ -1,4 +1,4 @@
-"""One DataParallel call uses the options it started with (issue 8 item 6).
+"""One DataParallel call uses the options it started with.
 
 dim, out_dims, device_ids and output_device changed by another thread while a
 call runs apply from the next call, on the base type and on subclasses,

@@ -1,4 +1,4 @@
-"""The chunk rule (docs/spec.md 0, R01, R02, R30), observed through dpmini.comm.scatter.
+"""The chunk rule (docs/spec.md 0, 9.1), observed through dpmini.comm.scatter.
 
 The oracle is torch.chunk: split = ceil(n/k), pieces of `split` rows with a
 shorter last one; n == 0 gives k empty pieces. It is NOT np.array_split.
@@ -73,8 +73,8 @@ def test_spec_0_4_device_order_is_list_order():
     np.testing.assert_array_equal(chunks[1], x[2:4])
 
 
-# R02: golden table, n = 8 devices, B = 0..127, generated from the ceil rule.
-R02_QUOTED = {
+# Golden table (docs/spec.md 0.3), n = 8 devices, B = 0..127, generated from the ceil rule.
+QUOTED_ROWS = {
     9: [2, 2, 2, 2, 1],
     17: [3, 3, 3, 3, 3, 2],
     25: [4, 4, 4, 4, 4, 4, 1],
@@ -84,24 +84,24 @@ R02_QUOTED = {
 }
 
 
-def test_R02_oracle_matches_quoted_rows():
-    for b, row in R02_QUOTED.items():
+def test_oracle_matches_quoted_rows():
+    for b, row in QUOTED_ROWS.items():
         assert torch_chunk_sizes(b, 8) == row
 
 
 @pytest.mark.parametrize("b", range(128))
-def test_R02_golden_table_8_devices(b, dev8):
+def test_golden_table_8_devices(b, dev8):
     x = np.arange(b, dtype=np.float32)
     chunks = comm.scatter(x, dev8)
     sizes = [c.shape[0] for c in chunks]
     assert sizes == torch_chunk_sizes(b, 8)
-    if b in R02_QUOTED:
-        assert sizes == R02_QUOTED[b]
+    if b in QUOTED_ROWS:
+        assert sizes == QUOTED_ROWS[b]
     assert [str(dpmini.device_of(c)) for c in chunks] == dev8[: len(sizes)]
     np.testing.assert_array_equal(np.concatenate(chunks), x)
 
 
-def test_R02_empty_batch_gives_n_empty_pieces(dev8):
+def test_empty_batch_gives_n_empty_pieces(dev8):
     x = np.zeros((0, 5), dtype=np.float64)
     chunks = comm.scatter(x, dev8)
     assert len(chunks) == 8
@@ -110,7 +110,7 @@ def test_R02_empty_batch_gives_n_empty_pieces(dev8):
     assert [str(dpmini.device_of(c)) for c in chunks] == dev8
 
 
-def test_R02_empty_batch_through_dataparallel(dev8):
+def test_empty_batch_through_dataparallel(dev8):
     calls = []
 
     def module(x):
@@ -133,7 +133,7 @@ def test_R02_empty_batch_through_dataparallel(dev8):
         (1, [1], None),
     ],
 )
-def test_R01_uneven_split_is_ceil_not_array_split(b, expected, not_expected, dev4):
+def test_uneven_split_is_ceil_not_array_split(b, expected, not_expected, dev4):
     x = np.arange(b * 6).reshape(b, 2, 3)
     chunks = comm.scatter(x, dev4)
     sizes = [c.shape[0] for c in chunks]
@@ -145,7 +145,7 @@ def test_R01_uneven_split_is_ceil_not_array_split(b, expected, not_expected, dev
 
 
 @pytest.mark.parametrize("b,replicas", [(10, 4), (9, 3), (4, 4)])
-def test_R01_round_trip_and_idle_devices(b, replicas, dev4):
+def test_round_trip_and_idle_devices(b, replicas, dev4):
     seen = []
 
     def identity(x):
@@ -162,7 +162,7 @@ def test_R01_round_trip_and_idle_devices(b, replicas, dev4):
     assert str(dpmini.device_of(out)) == "cpu:0"
 
 
-def test_R01_nine_on_four_makes_no_copy_on_idle_device(dev4):
+def test_nine_on_four_makes_no_copy_on_idle_device(dev4):
     x = np.ones((9, 1000), dtype=np.float64)
     before = dpmini.memory_allocated("cpu:3")
     chunks = comm.scatter(x, dev4)
@@ -180,7 +180,7 @@ def test_R01_nine_on_four_makes_no_copy_on_idle_device(dev4):
         (38, 8, [5, 5, 5, 5, 5, 5, 5, 3], [5, 5, 5, 5, 5, 5, 4, 4]),
     ],
 )
-def test_R30_torch_chunk_not_mxnet_not_array_split(b, k, expected, array_split):
+def test_torch_chunk_not_mxnet_not_array_split(b, k, expected, array_split):
     x = np.arange(b * 2, dtype=np.float32).reshape(b, 2)
     chunks = comm.scatter(x, cpu_devices(k))  # no error for non-divisible batches
     sizes = [c.shape[0] for c in chunks]

@@ -1,5 +1,5 @@
 """dpmini.comm: scatter / gather / broadcast / broadcast_coalesced / reduce_add /
-reduce_add_coalesced (docs/spec.md 8, 4.3, 4.6-4.8, 3.4, 5.3; R26 strided inputs)."""
+reduce_add_coalesced (docs/spec.md 8, 4.3, 4.6-4.8, 3.4, 5.3; strided inputs split in logical order)."""
 import warnings
 
 import numpy as np
@@ -136,29 +136,29 @@ def test_complex_stays_complex(dtype, dev2):
     np.testing.assert_array_equal(y, x)
 
 
-# R26: strided / non-contiguous inputs split in logical order
-def test_R26_transposed_split(dev2):
+# strided / non-contiguous inputs split in logical order, not storage order
+def test_transposed_split(dev2):
     x = np.arange(10).reshape(2, 5).T
     a, b = comm.scatter(x, dev2)
     np.testing.assert_array_equal(a, [[0, 5], [1, 6], [2, 7]])
     np.testing.assert_array_equal(b, [[3, 8], [4, 9]])
 
 
-def test_R26_step_slice_split(dev2):
+def test_step_slice_split(dev2):
     x = np.arange(6.0)[::2]
     a, b = comm.scatter(x, dev2)
     np.testing.assert_array_equal(a, [0.0, 2.0])
     np.testing.assert_array_equal(b, [4.0])
 
 
-def test_R26_negative_stride_split(dev2):
+def test_negative_stride_split(dev2):
     x = np.arange(4)[::-1]
     a, b = comm.scatter(x, dev2)
     np.testing.assert_array_equal(a, [3, 2])
     np.testing.assert_array_equal(b, [1, 0])
 
 
-def test_R26_dim1_of_c_contiguous_round_trip(dev2):
+def test_dim1_of_c_contiguous_round_trip(dev2):
     x = np.arange(24).reshape(4, 6)
     chunks = comm.scatter(x, dev2, dim=1)
     np.testing.assert_array_equal(chunks[0], x[:, :3])
@@ -167,7 +167,7 @@ def test_R26_dim1_of_c_contiguous_round_trip(dev2):
     np.testing.assert_array_equal(y, x)
 
 
-def test_R26_gather_of_noncontiguous_parts_is_logical_concat():
+def test_gather_of_noncontiguous_parts_is_logical_concat():
     parts = [np.arange(10).reshape(2, 5).T, np.arange(10, 20).reshape(2, 5).T[::-1]]
     parts = [dpmini.asarray(p, "cpu:0") for p in parts[:1]] + parts[1:]
     y = comm.gather(parts)
@@ -176,7 +176,7 @@ def test_R26_gather_of_noncontiguous_parts_is_logical_concat():
     np.testing.assert_array_equal(y1, [[0, 2, 1, 3], [4, 6, 5, 7], [8, 10, 9, 11]])
 
 
-def test_R26_gather_from_permuted_numpy(dev2):
+def test_gather_from_permuted_numpy(dev2):
     # pytorch#74809: a tensor built from np.arange(10).reshape(2,5).T
     x = np.arange(10).reshape(2, 5).T
     y = comm.gather([x, x], destination="cpu:1")
@@ -345,7 +345,7 @@ def test_gather_destination_device_object():
     assert dev(y) == "cpu:3"
 
 
-def test_gather_dim1_and_negative_dim_R27():
+def test_gather_dim1_and_negative_dim():
     a = np.arange(6).reshape(2, 3)
     b = np.arange(6, 12).reshape(2, 3)
     y1 = comm.gather([a, b], dim=1)
@@ -598,7 +598,7 @@ def test_large_dataparallel_round_trip():
     assert bits(out) == bits(x)
 
 
-def test_R28_gather_to_device_equals_gather_to_host_then_copy():
+def test_gather_to_device_equals_gather_to_host_then_copy():
     rng = np.random.default_rng(28)
     parts = [dpmini.asarray(rng.standard_normal((int(rng.integers(1, 300)), 257)), f"cpu:{i}") for i in range(4)]
     host = comm.gather(parts, destination="cpu")

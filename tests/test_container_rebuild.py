@@ -1,4 +1,4 @@
-"""Rebuilt containers keep their exact type, keys and values (issue 8 items 7, 8, 10).
+"""Rebuilt containers keep their exact type, keys and values.
 
 Mappings: a dict subclass is rebuilt as copy.copy(obj) with its values set
 key by key (never type(obj)(pairs), which a Counter counts as keys and a

@@ -168,7 +168,7 @@ def test_output_device_default_vs_cpu(dev2):
 
 
 def test_input_on_device_matches_input_on_host(dev2):
-    # R24: the result is the same whether the input starts on the host or on cpu:0
+    # The result is the same whether the input starts on the host or on cpu:0
     x = np.random.default_rng(0).standard_normal((6, 4))
     f = lambda x: x * 3 - 1  # noqa: E731
     a = dpmini.DataParallel(f, device_ids=dev2)(x)
@@ -178,7 +178,7 @@ def test_input_on_device_matches_input_on_host(dev2):
     assert dev(a) == dev(b) == dev(c) == "cpu:0"
 
 
-def test_R24_device_ids_not_starting_at_0():
+def test_device_ids_not_starting_at_0():
     seen = {}
     x = np.arange(6.0)
     out = dpmini.DataParallel(lambda x: seen.__setitem__(dev(x), x.tolist()) or x,
@@ -187,7 +187,7 @@ def test_R24_device_ids_not_starting_at_0():
     assert dev(out) == "cpu:3"
 
 
-def test_R24_no_allocation_on_devices_not_in_device_ids():
+def test_no_allocation_on_devices_not_in_device_ids():
     others = [f"cpu:{i}" for i in range(16) if i not in (7, 8)]
     before = [dpmini.memory_allocated(d) for d in others]
     x = np.ones((6, 1000))
@@ -569,7 +569,7 @@ def test_view_rule_through_dataparallel(dev2):
     assert not np.shares_memory(seen["cpu:1"], xd)
 
 
-# ------------------------------------------------------------------ R23
+# ------------------------------------------------------------------ module not on device_ids[0]
 
 class Linear:
     def __init__(self, place=None):
@@ -587,7 +587,7 @@ class Linear:
     [(None, ["cpu:0", "cpu:1"]), ("cpu:0", ["cpu:1", "cpu:2", "cpu:3"]), ("cpu:0", ["cpu:0"]),
      (None, ["cpu:2"])],
 )
-def test_R23_module_not_on_device_ids0_is_broadcast_not_refused(place, device_ids):
+def test_module_not_on_device_ids0_is_broadcast_not_refused(place, device_ids):
     # design decision (docs/spec.md 2.2): arrays are broadcast from wherever they live
     m = Linear(place)
     x = np.arange(30.0).reshape(10, 3)
@@ -598,7 +598,7 @@ def test_R23_module_not_on_device_ids0_is_broadcast_not_refused(place, device_id
     assert dev(m.w) == (place or "cpu")  # the module is not moved
 
 
-def test_R23_attribute_set_in_forward_does_not_persist(dev2):
+def test_attribute_set_in_forward_does_not_persist(dev2):
     m = Linear()
     dpmini.DataParallel(m, device_ids=dev2)(np.ones((4, 3)))
     assert m.last is None

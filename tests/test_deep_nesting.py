@@ -1,4 +1,4 @@
-"""Deeply nested structures give RecursionError, never a crash (issue 8 item 2).
+"""Deeply nested structures give RecursionError, never a crash (docs/spec.md 10.5).
 
 Every walker (scatter, scatter_kwargs, gather, explain, replicate,
 DataParallel on the base type and on a subclass, in_dims / out_dims) bounds

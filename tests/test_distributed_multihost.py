@@ -1,8 +1,7 @@
 """dpmini.distributed across two hosts that share no network or hostname.
 
 The hosts are network namespaces on this machine joined by a bridge, each
-with its own hostname (tools/multihost.py; ../shared/spec/distributed.md,
-"Several hosts on one machine"): Open MPI sees two nodes and moves data between
+with its own hostname (tools/multihost.py says which settings are needed): Open MPI sees two nodes and moves data between
 them over TCP. `make test-distributed` makes them once for the run
 (DPMINI_MULTIHOST_MPIRUN); run alone, this module makes and tears them down
 itself. Where namespaces cannot be made (not root, no `ip`, a sandbox without

@@ -1,4 +1,4 @@
-"""Gather never loses data by casting to replica 0's dtype (issue 8 item 9).
+"""Gather never loses data by casting to replica 0's dtype (docs/spec.md 11.7).
 
 Arrays at one output position are gathered in replica 0's dtype (as
 PyTorch's comm.gather does); a replica whose dtype cannot be cast to it
@@ -98,7 +98,7 @@ def test_scalars_of_real_and_complex_raise():
 @pytest.mark.parametrize("a", [np.array(["NaT"], "M8[s]"), np.array(["NaT"], "m8[ms]"),
                                np.datetime64("NaT", "s"), np.timedelta64("NaT")])
 def test_nat_equals_nat_under_out_dims_none(a):
-    # as NaN equals NaN (issue 8 item 16)
+    # as NaN equals NaN
     g = dpmini.gather([(a,), (a.copy(),)], "cpu", out_dims=(None,))
     assert np.isnat(g[0]).all()
     b = np.array(["2020-01-01"], "M8[s]") if a.dtype.kind == "M" else np.array([1], "m8[ms]")

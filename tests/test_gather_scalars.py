@@ -1,4 +1,4 @@
-"""Scalar and value outputs at one position (issue 8 items 15, 16).
+"""Scalar and value outputs at one position (docs/spec.md 11.6, 11.8).
 
 - NumPy scalars mixed with Python numbers (np.float64(1.0) from one replica,
   1.0 from another) are all gathered as 0-dim arrays: the NumPy scalar rule,

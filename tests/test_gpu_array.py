@@ -261,7 +261,7 @@ def test_torch_round_trip():
     assert torch.equal(u, t)
 
 
-# ---- imports wait for the producer (review finding 1) ----
+# ---- imports wait for the producer ----
 
 class CAIv2:
     """A CUDA Array Interface v2 producer (PyTorch's kind): no 'stream' key."""
@@ -350,7 +350,7 @@ class CAIOnly:
         return self.t.__cuda_array_interface__
 
 
-# ---- the caller's current device is left alone (finding 2) ----
+# ---- the caller's current device is left alone ----
 
 @two_gpus
 def test_current_device_is_not_changed():
@@ -364,7 +364,7 @@ def test_current_device_is_not_changed():
     assert cuda_debug()["current_device"] == start
 
 
-# ---- exported memory is not reused under a consumer (findings 4 and 14) ----
+# ---- exported memory is not reused under a consumer ----
 
 def test_exported_buffers_are_synchronised_before_reuse():
     dbg = cuda_debug
@@ -419,7 +419,7 @@ def test_dlpack_read_only_flag_both_ways():
         dpmini.comm.gather([a], out=back)
 
 
-# ---- protocol errors propagate, DLPack-only objects are leaves (finding 6) ----
+# ---- protocol errors propagate, DLPack-only objects are leaves ----
 
 class RequiresGrad:
     """Like a CUDA tensor with requires_grad: the CAI getter raises."""
@@ -454,7 +454,7 @@ def test_dlpack_only_objects_are_array_leaves():
     np.testing.assert_array_equal(host(parts[1][0]["x"]), x[3:])
 
 
-# ---- sticky errors say so (finding 7) ----
+# ---- sticky errors say so ----
 
 @pytest.mark.skipif(not EMULATED, reason="injects a fault into the emulator")
 def test_sticky_errors_say_the_process_must_restart():

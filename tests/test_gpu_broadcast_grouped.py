@@ -1,5 +1,5 @@
 """Broadcast of many arrays to distinct GPUs through NCCL: one NCCL group and
-one wait for all of them, not one per array (issue 13, finding 11).
+one wait for all of them, not one per array.
 
 A model with hundreds of parameters paid one ncclGroupStart/End, one poll of
 every rank's stream and one lock round per parameter. Now every array that

@@ -244,7 +244,7 @@ def test_torch_comm_parity():
             np.testing.assert_array_equal(a, b)
 
 
-# ---- NCCL: dtypes, the emulated stand-in, communicator lifetime (findings 3, 5) ----
+# ---- NCCL: dtypes, the emulated stand-in, communicator lifetime ----
 
 def test_nccl_dtype_mapping():
     """NCCL has no 16-bit integers: reduce_add must not hand it int16/uint16."""
@@ -339,7 +339,7 @@ def test_nccl_communicator_cache_destroy_and_abort(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
-# ---- 2D copies with pitches cudaMemcpy2D refuses take the pack path (finding 8) ----
+# ---- 2D copies with pitches cudaMemcpy2D refuses take the pack path ----
 
 class RawCAI:
     def __init__(self, ptr, shape, strides, typestr="|u1", owner=None):

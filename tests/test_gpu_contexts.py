@@ -1,4 +1,4 @@
-"""No CUDA context on a GPU dpmini was not asked to use (issue 13, finding 16).
+"""No CUDA context on a GPU dpmini was not asked to use.
 
 A CUDA call that needs a context, made on a thread that has none, binds (and
 creates) the primary context of the thread's current device, device 0 on a

@@ -3,7 +3,7 @@ emulator (csrc/backend/cuda_emulate.c): the device a DLPack producer runs on,
 memory peer access does not cover, temporaries reused while queued work may
 still touch them, stream handles used after a failed request.
 
-Each test fails on the code before its fix (issue 13's findings) on the
+Each test fails on the code before its fix on the
 emulated build; the DLPack one also runs on real GPUs.
 """
 import os
@@ -40,7 +40,7 @@ class TorchLikeProducer:
         return (2, self.dev)
 
 
-# ---- finding 1: DLPack import waits on the producer's own device ----
+# ---- DLPack import waits on the producer's own device ----
 
 @two_gpus
 def test_dlpack_producer_runs_with_its_own_device_current():
@@ -94,7 +94,7 @@ def test_cai_per_thread_stream_from_another_thread_is_waited_for():
     np.testing.assert_array_equal(b.numpy(), x)
 
 
-# ---- finding 2: no peer kernel on memory peer access does not cover ----
+# ---- no peer kernel on memory peer access does not cover ----
 
 class CAIView:
     """Borrowed device memory (e.g. a VMM or cudaMallocAsync block)."""
@@ -123,7 +123,7 @@ def test_strided_copy_from_memory_peer_access_does_not_cover():
         _testing.emu_free(0, ptr)
 
 
-# ---- finding 6: temporaries are not cached while a peer copy uses them ----
+# ---- temporaries are not cached while a peer copy uses them ----
 
 @two_gpus
 @emulated
@@ -154,7 +154,7 @@ def test_temporaries_wait_for_queued_copies_on_an_error_path(tmp_path):
     assert "freed_while_queued 0" in r.stdout, r.stdout
 
 
-# ---- finding 5: a failed stream request leaves nothing to sync ----
+# ---- a failed stream request leaves nothing to sync ----
 
 @emulated
 @pytest.mark.parametrize("direction", ["to_device", "to_host"])
@@ -173,7 +173,7 @@ def test_failed_staging_stream_request_syncs_only_obtained_streams(direction):
     np.testing.assert_array_equal(dpmini.asarray(x, 0).numpy(), x)  # usable afterwards
 
 
-# ---- finding 3: concurrent collectives on overlapping device lists ----
+# ---- concurrent collectives on overlapping device lists ----
 
 @two_gpus
 @emulated
@@ -209,7 +209,7 @@ def test_concurrent_collectives_on_crossed_device_lists_run_one_at_a_time():
         _testing.emulated_nccl(1 if was else 0)
 
 
-# ---- finding 4: a collective that never finishes does not hang the caller ----
+# ---- a collective that never finishes does not hang the caller ----
 
 _HUNG = textwrap.dedent("""
     import signal, sys
@@ -258,7 +258,7 @@ def test_a_collective_that_never_finishes_is_aborted(mode, expect, tmp_path):
     assert "aborted 1" in r.stdout and "usable" in r.stdout, r.stdout
 
 
-# ---- finding 9: a driver older than the runtime is reported, not hidden ----
+# ---- a driver older than the runtime is reported, not hidden ----
 
 _OLD_DRIVER = textwrap.dedent("""
     import io, warnings
@@ -304,7 +304,7 @@ def test_a_driver_older_than_the_runtime_is_reported(driver_error, tmp_path):
     assert "CUDA UNUSABLE" in lines["info"] and "driver 12.2" in lines["info"]
 
 
-# ---- finding 17: no stream sync with the GIL held, small copies included ----
+# ---- no stream sync with the GIL held, small copies included ----
 
 @two_gpus
 @emulated
@@ -321,7 +321,7 @@ def test_small_copies_wait_on_streams_without_the_gil():
     assert _testing.emu_stats()["syncs_with_gil"] == before
 
 
-# ---- finding 18: one-GPU DataParallel runs the module with its GPU current ----
+# ---- one-GPU DataParallel runs the module with its GPU current ----
 
 @two_gpus
 def test_one_gpu_dataparallel_runs_the_module_with_its_gpu_current():
@@ -343,7 +343,7 @@ def test_one_gpu_dataparallel_runs_the_module_with_its_gpu_current():
         assert cuda_debug()["current_device"] == start
 
 
-# ---- finding 12: the GPU block cache is bounded (size classes, peak + slack) ----
+# ---- the GPU block cache is bounded (size classes, peak + slack) ----
 
 def test_gpu_block_cache_stays_bounded_over_many_sizes(tmp_path):
     # a fresh process: the bound follows the process's peak allocation
@@ -366,7 +366,7 @@ def test_gpu_block_cache_stays_bounded_over_many_sizes(tmp_path):
     assert cached <= (160 << 18) * 5 // 4 + (32 << 20), cached
 
 
-# ---- finding 7: a fresh thread's current device survives dpmini's guard ----
+# ---- a fresh thread's current device survives dpmini's guard ----
 
 @two_gpus
 def test_fresh_thread_keeps_its_current_device_after_work_on_another_gpu():
@@ -385,7 +385,7 @@ def test_fresh_thread_keeps_its_current_device_after_work_on_another_gpu():
     assert seen["after"] == seen["before"], seen
 
 
-# ---- finding 2 on hardware: PyTorch's expandable segments are VMM memory ----
+# ---- on hardware: PyTorch's expandable segments are VMM memory ----
 
 @two_gpus
 @pytest.mark.skipif(EMULATED, reason="needs PyTorch on real GPUs (the emulator's "
@@ -407,7 +407,7 @@ def test_strided_copy_from_torch_expandable_segments(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
-# ---- finding 10: float16 reduce_add on GPUs (kernel / NCCL), rounded as NumPy ----
+# ---- float16 reduce_add on GPUs (kernel / NCCL), rounded as NumPy ----
 
 @pytest.mark.parametrize("devs", [[0, 0, 0], [0, 1]], ids=str)
 def test_float16_reduce_add_on_gpus_rounds_like_numpy(devs):

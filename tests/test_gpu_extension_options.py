@@ -51,7 +51,7 @@ def test_out_dims_sum_on_gpu_outputs(devs, output_device, wrap):
 @pytest.mark.parametrize("output_device", OUTS, ids=str)
 @pytest.mark.parametrize("wrap", [lambda a: a, FakeForeign], ids=["dpmini", "cai"])
 def test_out_dims_none_on_gpu_outputs(devs, output_device, wrap):
-    table = np.array([0.0, 1.0, np.nan, 3.0])          # NaN counts as equal (finding 10)
+    table = np.array([0.0, 1.0, np.nan, 3.0])          # NaN counts as equal
     dp = dpmini.DataParallel(lambda v, w: (v, wrap(w)), devs, output_device=output_device,
                              in_dims=(0, None), out_dims=(0, None))
     y, w = dp(np.ones((4, 3)), table)

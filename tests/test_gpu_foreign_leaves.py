@@ -1,5 +1,5 @@
 """GPU arrays that are not ndarrays as module attributes and as arguments
-(issue 8 item 1, issue 9 items 2-4), on the emulated build or a real GPU:
+on the emulated build or a real GPU:
 
 - replicate / DataParallel of a module holding a dpmini.Array parameter
   (the "model on cuda:0, then DataParallel" set-up) used to read it as an

@@ -1,4 +1,4 @@
-"""The GPU layer across fork() and at exit (issue 13, finding 15).
+"""The GPU layer across fork() and at exit.
 
 CUDA cannot be used in a child forked after the parent initialised it: the
 child's copy of the parent's contexts, streams and locks is unusable, and a

@@ -1,4 +1,4 @@
-"""What scatter_kwargs takes as `inputs` (issue 8 item 11), matched to PyTorch.
+"""What scatter_kwargs takes as `inputs`, matched to PyTorch.
 
 torch's scatter_kwargs scatters `inputs` as a structure: a list [x] gives
 [x_i] per replica, which parallel_apply unpacks (module(x_i)); a tuple gives

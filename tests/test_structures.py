@@ -1,5 +1,5 @@
 """dpmini.scatter / scatter_kwargs / gather on structures (docs/spec.md 3-4, design
-"Decisions", field reports R04 R06 R08 R10 R12 R13 R14 R17 R18 R19 R20 R22 R27)."""
+"Decisions"; docs/spec.md 10 and 11)."""
 import collections
 import dataclasses
 import re
@@ -79,7 +79,7 @@ def test_scatter_ordereddict_type_kept(dev2):
         assert list(r) == ["b", "a"]
 
 
-def test_R12_namedtuple_scatter(dev2):
+def test_namedtuple_scatter(dev2):
     a = np.arange(8).reshape(4, 2)
     res = dpmini.scatter(NT(a=a, b=7), dev2)
     assert len(res) == 2
@@ -90,7 +90,7 @@ def test_R12_namedtuple_scatter(dev2):
         assert dev(r.a) == dev2[i]
 
 
-def test_R12_namedtuple_inside_args(dev2):
+def test_namedtuple_inside_args(dev2):
     a = np.arange(8).reshape(4, 2)
     inputs, kwargs = dpmini.scatter_kwargs((NT(a, "x"),), {"nt": NT(a, 3)}, dev2)
     assert len(inputs) == 2 and len(kwargs) == 2
@@ -193,7 +193,7 @@ def test_scatter_kwargs_no_array_leaf_gives_one_replica_per_device(dev3):
     assert kwargs == ({"a": [1, 2]},) * 3
 
 
-def test_R04a_non_array_kwarg_does_not_add_replicas(dev2):
+def test_non_array_kwarg_does_not_add_replicas(dev2):
     x = np.arange(3.0).reshape(1, 3)
     inputs, kwargs = dpmini.scatter_kwargs((x,), {"delta": 3}, dev2)
     assert len(inputs) == 1 and len(kwargs) == 1
@@ -213,7 +213,7 @@ def test_R04a_non_array_kwarg_does_not_add_replicas(dev2):
     assert calls == ["cpu:0"]  # only device 0 is used, nobody is called without x
 
 
-def test_R04b_array_kwarg_of_batch_one(dev2, no_warnings):
+def test_array_kwarg_of_batch_one(dev2, no_warnings):
     x = np.ones((1, 3))
     m = np.full((1, 3), 2.0)
     inputs, kwargs = dpmini.scatter_kwargs((x,), {"m": m}, dev2)
@@ -223,9 +223,9 @@ def test_R04b_array_kwarg_of_batch_one(dev2, no_warnings):
     np.testing.assert_array_equal(out, [[2.0, 2.0, 2.0]])
 
 
-def test_R04c_short_batch_with_flag_kwarg(dev4):
-    # R04(c) says "[2,1]", but torch.chunk(4) of 3 rows is [1,1,1] (docs/spec.md 0.3: k=4, 3 -> [1,1,1]);
-    # the point of the case stands: 3 replicas (one per chunk), not 4.
+def test_short_batch_with_flag_kwarg(dev4):
+    # torch.chunk(4) of 3 rows is [1,1,1] (docs/spec.md 0.3: k=4, 3 -> [1,1,1]):
+    # 3 replicas (one per chunk), not 4 (docs/spec.md 10.1).
     x = np.arange(9.0).reshape(3, 3)
     inputs, kwargs = dpmini.scatter_kwargs((x,), {"flag": True}, dev4)
     assert len(inputs) == 3 and len(kwargs) == 3
@@ -259,9 +259,9 @@ def test_spec_2_8_kwarg_with_fewer_chunks_limits_replicas(dev2):
     np.testing.assert_array_equal(kwargs[0]["m"], m)
 
 
-# ====================================================================== R06
+# ====================================================================== truncation to the smallest chunk count
 
-def test_R06_different_batch_sizes_truncate_with_split_warning(dev2):
+def test_different_batch_sizes_truncate_with_split_warning(dev2):
     x = np.arange(15.0).reshape(5, 3)
     y = np.arange(3.0).reshape(1, 3)
     with pytest.warns(dpmini.SplitWarning) as rec:
@@ -274,7 +274,7 @@ def test_R06_different_batch_sizes_truncate_with_split_warning(dev2):
     assert "3" in msg and "4" in msg  # ... and the rows dropped (rows 3-4 of x)
 
 
-def test_R06_dataparallel_parity_result_and_warning(dev2):
+def test_dataparallel_parity_result_and_warning(dev2):
     seen = []
 
     def f(pair):
@@ -293,11 +293,11 @@ def test_R06_dataparallel_parity_result_and_warning(dev2):
     assert "3" in msg and "4" in msg  # rows dropped from x (rows 3-4)
 
 
-def test_R06_split_warning_is_a_user_warning():
+def test_split_warning_is_a_user_warning():
     assert issubclass(dpmini.SplitWarning, UserWarning)
 
 
-def test_R06_strict_raises_listing_paths_shapes_and_sizes(dev2):
+def test_strict_raises_listing_paths_shapes_and_sizes(dev2):
     x = np.arange(15.0).reshape(5, 3)
     y = np.arange(3.0).reshape(1, 3)
     with pytest.raises(ValueError) as info:
@@ -307,7 +307,7 @@ def test_R06_strict_raises_listing_paths_shapes_and_sizes(dev2):
     assert "'y'" in msg and "[0]" in msg
 
 
-def test_R06_strict_dataparallel_raises_before_calling_module(dev2):
+def test_strict_dataparallel_raises_before_calling_module(dev2):
     calls = []
     dp = dpmini.DataParallel(lambda *a: calls.append(1), device_ids=dev2, strict=True)
     assert dp.strict is True
@@ -316,7 +316,7 @@ def test_R06_strict_dataparallel_raises_before_calling_module(dev2):
     assert calls == []
 
 
-def test_R06_strict_scatter(dev2):
+def test_strict_scatter(dev2):
     with pytest.raises(ValueError):
         dpmini.scatter((np.zeros(5), np.zeros(1)), dev2, strict=True)
 
@@ -338,9 +338,9 @@ def test_spec_3_2_truncation_example(dev4):
     assert [r[1].shape[0] for r in res] == [1, 1]
 
 
-# ====================================================================== R13
+# ====================================================================== non-array values are shared, arrays split
 
-def test_R13_strings_copied_arrays_split(dev2):
+def test_strings_copied_arrays_split(dev2):
     batch = {"img": np.arange(12.0).reshape(4, 3), "txt": ["a", "b", "c", "d"]}
     res = dpmini.scatter(batch, dev2)
     assert len(res) == 2
@@ -349,7 +349,7 @@ def test_R13_strings_copied_arrays_split(dev2):
     assert res[0]["txt"] == ["a", "b", "c", "d"] and res[1]["txt"] == ["a", "b", "c", "d"]
 
 
-def test_R13_numpy_batch_is_split_not_duplicated(dev2):
+def test_numpy_batch_is_split_not_duplicated(dev2):
     # the blog case: batch 16 on 2 devices must come back with 16 rows, not 32
     x = np.arange(16.0).reshape(16, 1)
     out = dpmini.DataParallel(lambda x: x * 2, device_ids=dev2)(x)
@@ -357,7 +357,7 @@ def test_R13_numpy_batch_is_split_not_duplicated(dev2):
     np.testing.assert_array_equal(out, x * 2)
 
 
-def test_R13_all_non_array_inputs_run_on_every_device(dev2):
+def test_all_non_array_inputs_run_on_every_device(dev2):
     seen = []
 
     def f(txt):
@@ -369,9 +369,9 @@ def test_R13_all_non_array_inputs_run_on_every_device(dev2):
     np.testing.assert_array_equal(out, [4, 4])  # n*B semantics, PyTorch parity
 
 
-# ====================================================================== R22
+# ====================================================================== 0-dim arrays cannot be split
 
-def test_R22_zero_dim_kwarg_is_an_error(dev2):
+def test_zero_dim_kwarg_is_an_error(dev2):
     calls = []
 
     def f(ids, k):
@@ -387,7 +387,7 @@ def test_R22_zero_dim_kwarg_is_an_error(dev2):
     assert calls == []
 
 
-def test_R22_zero_dim_positional_is_an_error(dev2):
+def test_zero_dim_positional_is_an_error(dev2):
     with pytest.raises(ValueError, match=r"1-dimensional") as info:
         dpmini.scatter_kwargs((np.zeros(4), np.array(1.0)), {}, dev2)
     assert "[1]" in str(info.value)
@@ -395,22 +395,22 @@ def test_R22_zero_dim_positional_is_an_error(dev2):
         dpmini.scatter(np.array(5), dev2)
 
 
-def test_R22_python_int_is_copied(dev2):
+def test_python_int_is_copied(dev2):
     _, kwargs = dpmini.scatter_kwargs((), {"ids": np.zeros((4, 6)), "k": 37}, dev2)
     assert [kw["k"] for kw in kwargs] == [37, 37]
     assert [kw["ids"].shape for kw in kwargs] == [(2, 6), (2, 6)]
 
 
-def test_R22_workaround_shape_n_by_1(dev2):
+def test_workaround_shape_n_by_1(dev2):
     k = np.full((2, 1), 37)
     _, kwargs = dpmini.scatter_kwargs((), {"ids": np.zeros((4, 6)), "k": k}, dev2)
     assert [kw["k"].shape for kw in kwargs] == [(1, 1), (1, 1)]
     assert [int(kw["k"][0, 0]) for kw in kwargs] == [37, 37]
 
 
-# ====================================================================== R27
+# ====================================================================== negative dims
 
-def test_R27_negative_dim_resolved_per_array(dev2):
+def test_negative_dim_resolved_per_array(dev2):
     x = np.arange(24).reshape(4, 6)
     y = np.arange(6)
     inputs, _ = dpmini.scatter_kwargs((x, y), {}, dev2, dim=-1)
@@ -425,7 +425,7 @@ def test_R27_negative_dim_resolved_per_array(dev2):
     np.testing.assert_array_equal(g[1], y)
 
 
-def test_R27_dim_minus_two_matches_positive(dev3):
+def test_dim_minus_two_matches_positive(dev3):
     x = np.arange(60).reshape(6, 10)
     z = np.arange(120).reshape(4, 6, 5)
     neg, _ = dpmini.scatter_kwargs((x, z), {}, dev3, dim=-2)
@@ -441,7 +441,7 @@ def test_R27_dim_minus_two_matches_positive(dev3):
     np.testing.assert_array_equal(g[1], z)
 
 
-def test_R27_dataparallel_dim_minus_one(dev2):
+def test_dataparallel_dim_minus_one(dev2):
     x = np.arange(24.0).reshape(4, 6)
     y = np.arange(6.0)
     dp = dpmini.DataParallel(lambda a, b: (a + 1, b * 2), device_ids=dev2, dim=-1)
@@ -475,7 +475,7 @@ def test_gather_minus_one_target_warns():
     assert dev(g) == "cpu"
 
 
-def test_R14_dict_key_order_from_replica_0():
+def test_dict_key_order_from_replica_0():
     outs = [{"b": np.zeros(2), "a": np.arange(2)},
             {"a": np.arange(2, 4), "b": np.ones(2)}]
     g = dpmini.gather(outs, "cpu:0")
@@ -484,12 +484,12 @@ def test_R14_dict_key_order_from_replica_0():
     np.testing.assert_array_equal(g["b"], [0, 0, 1, 1])
 
 
-def test_R14_dict_outputs_shapes(dev2):
+def test_dict_outputs_shapes(dev2):
     out = dpmini.DataParallel(lambda x: {"a": x, "b": x[:, 0]}, device_ids=dev2)(np.zeros((4, 3)))
     assert out["a"].shape == (4, 3) and out["b"].shape == (4,)
 
 
-def test_R14_ordereddict_type_kept():
+def test_ordereddict_type_kept():
     outs = [collections.OrderedDict([("y", np.zeros(1)), ("x", np.zeros(1))]),
             collections.OrderedDict([("x", np.ones(1)), ("y", np.ones(1))])]
     g = dpmini.gather(outs, "cpu")
@@ -498,13 +498,13 @@ def test_R14_ordereddict_type_kept():
     np.testing.assert_array_equal(g["x"], [0, 1])
 
 
-def test_R14_dict_key_count_mismatch():
+def test_dict_key_count_mismatch():
     outs = [{"a": np.zeros(1), "b": np.zeros(1)}, {"a": np.zeros(1)}]
     with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
         dpmini.gather(outs, "cpu")
 
 
-def test_R14_dict_missing_key_is_named():
+def test_dict_missing_key_is_named():
     outs = [{"logits": np.zeros(1), "aux": np.zeros(1)}, {"logits": np.zeros(1), "other": np.zeros(1)}]
     with pytest.raises(ValueError, match="aux"):
         dpmini.gather(outs, "cpu")
@@ -530,7 +530,7 @@ class Frozen:
     name: str = "model"
 
 
-def test_R17_dataclass_of_scalars_by_field():
+def test_dataclass_of_scalars_by_field():
     outs = [X1(np.array(1), np.array(2)), X1(np.array(3), np.array(4))]
     with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)):
         g = dpmini.gather(outs, "cpu")
@@ -539,7 +539,7 @@ def test_R17_dataclass_of_scalars_by_field():
     np.testing.assert_array_equal(g.bar, [2, 4])
 
 
-def test_R17_dataclass_arrays_and_frozen(dev2):
+def test_dataclass_arrays_and_frozen(dev2):
     outs = [Frozen(np.zeros((2, 3))), Frozen(np.ones((1, 3)))]
     g = dpmini.gather(outs, "cpu:1")
     assert type(g) is Frozen
@@ -550,7 +550,7 @@ def test_R17_dataclass_arrays_and_frozen(dev2):
     np.testing.assert_array_equal(out.logits, np.arange(4.0) * 2)
 
 
-def test_R18_nested_lists_equal_structure():
+def test_nested_lists_equal_structure():
     t = [np.full(i + 1, i) for i in range(6)]
     outs = [{"a": [[t[0], t[1]], [t[2]]]}, {"a": [[t[3], t[4]], [t[5]]]}]
     g = dpmini.gather(outs, "cpu:0")
@@ -560,7 +560,7 @@ def test_R18_nested_lists_equal_structure():
     np.testing.assert_array_equal(g["a"][1][0], np.concatenate([t[2], t[5]]))
 
 
-def test_R18_ragged_nested_lists_raise():
+def test_ragged_nested_lists_raise():
     t = [np.zeros(1)] * 6
     outs = [{"a": [[t[0], t[1]], [t[2]]]}, {"a": [[t[3]], [t[4], t[5]]]}]
     with pytest.raises(ValueError) as info:
@@ -570,18 +570,18 @@ def test_R18_ragged_nested_lists_raise():
     assert "2" in msg and "1" in msg
 
 
-def test_R18_outer_length_mismatch_raises():
+def test_outer_length_mismatch_raises():
     with pytest.raises(ValueError):
         dpmini.gather([[np.zeros(1), np.zeros(1)], [np.zeros(1)]], "cpu")
 
 
-def test_R19a_none_in_every_replica():
+def test_none_in_every_replica():
     g = dpmini.gather([(np.zeros(2), None), (np.ones(1), None)], "cpu")
     assert type(g) is tuple and g[1] is None
     np.testing.assert_array_equal(g[0], [0, 0, 1])
 
 
-def test_R19b_none_input_passed_to_every_replica(dev2):
+def test_none_input_passed_to_every_replica(dev2):
     inputs, _ = dpmini.scatter_kwargs((np.arange(4), None), {"m": None}, dev2)
     assert len(inputs) == 2
     assert all(inp[1] is None for inp in inputs)
@@ -591,7 +591,7 @@ def test_R19b_none_input_passed_to_every_replica(dev2):
     np.testing.assert_array_equal(out, np.arange(4))
 
 
-def test_R19c_none_then_array_raises_type_error():
+def test_none_then_array_raises_type_error():
     outs = [{"logits": (np.zeros(2), None)}, {"logits": (np.zeros(2), np.ones(2))}]
     with pytest.raises(TypeError) as info:
         dpmini.gather(outs, "cpu")
@@ -603,7 +603,7 @@ def test_R19c_none_then_array_raises_type_error():
 
 
 @pytest.mark.parametrize("other", [None, [np.zeros(2)], "x", 3])
-def test_R19d_array_then_other_raises_type_error(other):
+def test_array_then_other_raises_type_error(other):
     outs = [{"logits": (np.zeros(2), np.zeros(2))}, {"logits": (np.zeros(2), other)}]
     with pytest.raises(TypeError) as info:
         dpmini.gather(outs, "cpu")
@@ -612,7 +612,7 @@ def test_R19d_array_then_other_raises_type_error(other):
     assert "ndarray" in msg and type(other).__name__ in msg
 
 
-def test_R19c_dataparallel_replica_returns_none_on_one_device(dev2):
+def test_dataparallel_replica_returns_none_on_one_device(dev2):
     def f(x):
         return None if dev(x) == "cpu:0" else x
 
@@ -678,9 +678,9 @@ def test_gather_equal_but_distinct_objects_raise():
         dpmini.gather([Same(), Same()], "cpu")
 
 
-# ====================================================================== R20
+# ====================================================================== 0-dim outputs
 
-def test_R20_scalars_become_vector_with_warning():
+def test_scalars_become_vector_with_warning():
     outs = [np.array(1.5), np.array(2.5), np.array(-1.0)]
     with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)):
         g = dpmini.gather(outs, "cpu:1")
@@ -689,7 +689,7 @@ def test_R20_scalars_become_vector_with_warning():
     assert dev(g) == "cpu:1"
 
 
-def test_R20_dataparallel_loss_vector_of_length_k(dev2):
+def test_dataparallel_loss_vector_of_length_k(dev2):
     def loss(x):
         return np.asarray(x.sum())
 
@@ -701,7 +701,7 @@ def test_R20_dataparallel_loss_vector_of_length_k(dev2):
     assert dev(out) == "cpu:0"
 
 
-def test_R20_batch_one_gives_length_one_vector(dev2):
+def test_batch_one_gives_length_one_vector(dev2):
     with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)):
         out = dpmini.DataParallel(lambda x: np.asarray(x.sum()), device_ids=dev2)(np.ones((1, 2)))
     assert out.shape == (1,)
@@ -709,21 +709,21 @@ def test_R20_batch_one_gives_length_one_vector(dev2):
 
 
 @pytest.mark.parametrize("dim", [-1, 1])
-def test_R20_scalars_with_other_dim_raise(dim):
+def test_scalars_with_other_dim_raise(dim):
     with pytest.raises(ValueError):
         dpmini.gather([np.array(1.0), np.array(2.0)], "cpu", dim=dim)
 
 
-def test_R20_mixed_scalar_and_vector_raise():
+def test_mixed_scalar_and_vector_raise():
     # not all scalars: the plain array rule applies, and a 0-dim array cannot be concatenated
     # (PyTorch has no defined behaviour here; either a dim or a rank error is acceptable)
     with pytest.raises((ValueError, IndexError)):
         dpmini.gather([np.array(1.0), np.array([2.0])], "cpu")
 
 
-# ====================================================================== R08
+# ====================================================================== dim=1 scatter, outputs with the batch on dim 0
 
-def test_R08_dim1_gather_mismatch_is_an_error(dev3):
+def test_dim1_gather_mismatch_is_an_error(dev3):
     def cell(x):
         return np.ones((x.shape[1], 1))  # batch on dim 0 of the output
 
@@ -737,12 +737,12 @@ def test_R08_dim1_gather_mismatch_is_an_error(dev3):
     assert re.search(r"[\[(]1, 1[\])]", msg) and re.search(r"[\[(]3, 1[\])]", msg)
 
 
-def test_R08_divisible_batch_gives_silently_wrong_layout(dev3):
+def test_divisible_batch_gives_silently_wrong_layout(dev3):
     out = dpmini.DataParallel(lambda x: np.ones((x.shape[1], 1)), device_ids=dev3, dim=1)(np.zeros((4, 6)))
     assert out.shape == (2, 3)
 
 
-# ====================================================================== R10
+# ====================================================================== per-replica padding to the longest sequence
 
 def _rnn_like(total_length=None):
     def f(x, lengths):
@@ -752,7 +752,7 @@ def _rnn_like(total_length=None):
     return f
 
 
-def test_R10_variable_length_outputs_raise(dev2):
+def test_variable_length_outputs_raise(dev2):
     x = np.arange(60.0).reshape(4, 5, 3)
     lengths = np.array([5, 4, 2, 1])
     with pytest.raises(ValueError) as info:
@@ -762,7 +762,7 @@ def test_R10_variable_length_outputs_raise(dev2):
     assert re.search(r"[\[(]2, 2, 3[\])]", msg) and re.search(r"[\[(]2, 5, 3[\])]", msg)
 
 
-def test_R10_total_length_fixes_it(dev2):
+def test_total_length_fixes_it(dev2):
     x = np.arange(60.0).reshape(4, 5, 3)
     lengths = np.array([5, 4, 2, 1])
     out = dpmini.DataParallel(_rnn_like(total_length=5), device_ids=dev2)(x, lengths)
@@ -770,9 +770,9 @@ def test_R10_total_length_fixes_it(dev2):
     np.testing.assert_array_equal(out, x)
 
 
-# ====================================================================== R29
+# ====================================================================== inconsistent split sizes (JAX pmap's model)
 
-def test_R29_pmap_contrast_same_inputs_parity_rules(dev2):
+def test_pmap_contrast_same_inputs_parity_rules(dev2):
     # different batch sizes: truncated with a warning (not JAX's error) unless strict
     with pytest.warns(dpmini.SplitWarning):
         inputs, _ = dpmini.scatter_kwargs((np.ones((8, 4)), np.ones((1, 4))), {}, dev2)
@@ -785,7 +785,7 @@ def test_R29_pmap_contrast_same_inputs_parity_rules(dev2):
         dpmini.scatter_kwargs((np.ones((8, 100)), np.array(10)), {}, dev2)
 
 
-def test_R29_strict_message_lists_path_shape_dim_and_size(dev2):
+def test_strict_message_lists_path_shape_dim_and_size(dev2):
     with pytest.raises(ValueError) as info:
         dpmini.scatter_kwargs((), {"x": np.arange(1), "y": np.arange(2)}, dev2, strict=True)
     msg = str(info.value)

@@ -1,5 +1,5 @@
 """A subclass step that returns the wrong kind of value gets a TypeError that
-names the method and what it must return (issue 8 item 15), instead of
+names the method and what it must return, instead of
 "'NoneType' object is not iterable"."""
 import numpy as np
 import pytest

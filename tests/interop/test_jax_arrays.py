@@ -1,5 +1,5 @@
 """JAX arrays through DataParallel, scatter, gather, replicate, explain and
-comm on the virtual CPU devices (issue 9): JAX in, JAX shards and JAX
+comm on the virtual CPU devices: JAX in, JAX shards and JAX
 results out; an array sharded over several JAX devices is read through
 numpy.asarray (a copy) and never called a GPU array."""
 import warnings

@@ -1,7 +1,7 @@
 """PyTorch tensors through DataParallel, scatter, gather, replicate, explain
 and comm on the virtual CPU devices: split with PyTorch's chunk rule, handed
 to the replicas as torch tensors (zero-copy on dpmini's device memory),
-gathered back into one torch tensor (issue 9, items 1-5)."""
+gathered back into one torch tensor."""
 import collections
 import warnings
 
