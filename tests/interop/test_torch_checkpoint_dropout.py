@@ -4,13 +4,19 @@ On GPUs each replica's dropout draws from its device's generator, and checkpoint
 stashes that generator's state so the recomputation in backward draws the same
 mask: the gradients equal those of the same call without checkpoint. dpmini's
 replicas on virtual CPU devices draw from per-replica generators (the random
-numbers rule of "With PyTorch, JAX, CuPy"), which checkpoint does not stash: the
+numbers rule of docs/libraries.md), which checkpoint does not stash: the
 recomputation, run by torch's autograd engine on the caller's thread, draws from
 the default generator instead, so the gradients are computed with another mask.
-Known and not fixed: see the report of this branch."""
-import copy
+Known and not fixed (docs/libraries.md, "Random numbers")."""
+import os
 
 import pytest
+
+# torch raises a C++ exception in the recomputation (its saved-tensor check), and a C++
+# throw aborts the process under the preloaded ASan runtime (its __cxa_throw interceptor
+# finds no real __cxa_throw): nothing of dpmini's to see there.
+pytestmark = pytest.mark.skipif(bool(os.environ.get("DPMINI_SANITIZER")),
+                                reason="a C++ exception thrown by torch aborts under ASan")
 
 DEVS = ["cpu:0", "cpu:1"]
 
