@@ -581,6 +581,9 @@ def test_torch_ddp_hooks_equal_torch_ddp_on_gloo_where_the_batch_divides():
 
 
 @needs_mpi
+@pytest.mark.skipif(bool(os.environ.get("DPMINI_SANITIZER")),
+                    reason="the error leaves a gradient hook through torch's C++ (a C++ throw), "
+                           "which aborts under the preloaded ASan runtime")
 def test_torch_ddp_rank_skipping_a_backward_is_an_error_on_every_rank_naming_the_steps():
     pytest.importorskip("torch")
     probe = subprocess.run([sys.executable, "-c", "import inspect, dpmini.distributed as d; "
