@@ -8,6 +8,7 @@ limit (the faster of memcpy and streaming stores, measured in the same run)
 allows, and the best must reach a real fraction of it.
 """
 import json
+import os
 import threading
 
 import numpy as np
@@ -345,6 +346,9 @@ def test_table_shows_phase_by_device_times_rates_and_overhead():
         prof.table(unit="s")
 
 
+@pytest.mark.skipif(bool(os.environ.get("DPMINI_SANITIZER")),
+                    reason="matplotlib's font code throws a C++ exception while it draws the "
+                           "labels, which aborts under the preloaded ASan runtime")
 def test_plot_draws_one_row_per_device_and_the_calls_row():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
