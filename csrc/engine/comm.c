@@ -340,17 +340,13 @@ done:
     return result;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_scatter. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_scatter. */
 static PyObject *comm_scatter(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_SCATTER);
-    PyObject *res = comm_scatter_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.scatter");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_scatter", args, kw);
+    static const dp_entry e = {comm_scatter_steps, DP_PROF_SCATTER,
+                                "comm.scatter", "comm_scatter"};
+    return dp_entry_call(m, args, kw, &e);
 }
 
 /* ------------------------------------------------------------------ */
@@ -455,17 +451,13 @@ done:
     return result;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_gather. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_gather. */
 static PyObject *comm_gather(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_GATHER);
-    PyObject *res = comm_gather_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.gather");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_gather", args, kw);
+    static const dp_entry e = {comm_gather_steps, DP_PROF_GATHER,
+                                "comm.gather", "comm_gather"};
+    return dp_entry_call(m, args, kw, &e);
 }
 
 /* The functions of dpmini.comm (module.c makes the submodule; self is the

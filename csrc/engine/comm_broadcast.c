@@ -125,17 +125,13 @@ done:
     return result;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_broadcast. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_broadcast. */
 PyObject *comm_broadcast(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_BROADCAST);
-    PyObject *res = comm_broadcast_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.broadcast");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast", args, kw);
+    static const dp_entry e = {comm_broadcast_steps, DP_PROF_BROADCAST,
+                                "comm.broadcast", "comm_broadcast"};
+    return dp_entry_call(m, args, kw, &e);
 }
 
 static int parse_buffer_size(PyObject *obj, size_t *out)
@@ -194,17 +190,13 @@ static PyObject *comm_broadcast_coalesced_steps(PyObject *m, PyObject *args, PyO
     return result;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_broadcast_coalesced. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_broadcast_coalesced. */
 PyObject *comm_broadcast_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_BROADCAST);
-    PyObject *res = comm_broadcast_coalesced_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.broadcast_coalesced");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_broadcast_coalesced", args, kw);
+    static const dp_entry e = {comm_broadcast_coalesced_steps, DP_PROF_BROADCAST,
+                                "comm.broadcast_coalesced", "comm_broadcast_coalesced"};
+    return dp_entry_call(m, args, kw, &e);
 }
 
 /* ------------------------------------------------------------------ */
@@ -256,17 +248,13 @@ static PyObject *comm_reduce_add_steps(PyObject *m, PyObject *args, PyObject *kw
     return dp_comm_back(st, arrays_obj, 1, dp_reduce_add(st, arrays_obj, dest, "arrays"));
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_reduce_add. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_reduce_add. */
 PyObject *comm_reduce_add(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_REDUCE);
-    PyObject *res = comm_reduce_add_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.reduce_add");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add", args, kw);
+    static const dp_entry e = {comm_reduce_add_steps, DP_PROF_REDUCE,
+                                "comm.reduce_add", "comm_reduce_add"};
+    return dp_entry_call(m, args, kw, &e);
 }
 
 DP_COMM_DOC(comm_reduce_add_coalesced_doc,
@@ -365,15 +353,11 @@ done:
     return result;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.comm_reduce_add_coalesced. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.comm_reduce_add_coalesced. */
 PyObject *comm_reduce_add_coalesced(PyObject *m, PyObject *args, PyObject *kw)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_REDUCE);
-    PyObject *res = comm_reduce_add_coalesced_steps(m, args, kw);
-    dp_prof_end(&sp, "comm.reduce_add_coalesced");
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(m), "comm_reduce_add_coalesced", args, kw);
+    static const dp_entry e = {comm_reduce_add_coalesced_steps, DP_PROF_REDUCE,
+                                "comm.reduce_add_coalesced", "comm_reduce_add_coalesced"};
+    return dp_entry_call(m, args, kw, &e);
 }

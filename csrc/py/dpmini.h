@@ -386,6 +386,18 @@ PyObject *dp_torch_call(const char *name, PyObject *args, PyObject *kwargs);
  * form of the same call; otherwise NULL with the exception left pending. */
 PyObject *dp_autograd_retry(dp_state *st, const char *name, PyObject *args, PyObject *kwargs);
 
+/* A module-level entry point: steps(m, args, kw) inside one span of phase
+ * (a DP_PROF_* kind of core/profile.h) under dpmini.profile(); when it fails
+ * because a torch tensor requires grad in grad mode, the call goes to its
+ * differentiable form dpmini._torch.<torch_name> (dp_autograd_retry). */
+typedef struct dp_entry {
+    PyCFunctionWithKeywords steps; /* the call itself */
+    int phase;                     /* DP_PROF_* */
+    const char *label;             /* the span's label, or NULL */
+    const char *torch_name;        /* the function of dpmini._torch */
+} dp_entry;
+PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entry *e);
+
 /* After replicate's broadcast, one device's row (a list, changed in place):
  * an entry that is the import itself (already on that device) becomes the
  * original leaf; any other goes back into its library (origins[i]). */

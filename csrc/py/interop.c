@@ -30,6 +30,7 @@
  * interop_torch.c holds what PyTorch needs beyond this (nn.Module, grad mode).
  */
 #include "dpmini.h"
+#include "profile.h"
 #include "dlpack.h"
 #include "interop.h"
 
@@ -501,6 +502,15 @@ PyObject *dp_autograd_retry(dp_state *st, const char *name, PyObject *args, PyOb
     }
     PyErr_Clear();
     return dp_torch_call(name, args, kwargs);
+}
+
+PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entry *e)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, e->phase);
+    PyObject *res = e->steps(m, args, kw);
+    dp_prof_end(&sp, e->label);
+    return res != NULL ? res : dp_autograd_retry(dp_state_from_module(m), e->torch_name, args, kw);
 }
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);

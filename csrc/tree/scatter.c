@@ -1510,17 +1510,13 @@ done:
     return out;
 }
 
-/* The call, one span under dpmini.profile() (profile.h); with a torch
- * tensor that requires grad (grad mode on), its differentiable form
- * dpmini._torch.scatter. */
+/* The call (dp_entry_call): one span under dpmini.profile(); a torch tensor
+ * that requires grad goes to dpmini._torch.scatter. */
 static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    dp_prof_span sp;
-    dp_prof_begin(&sp, DP_PROF_SCATTER);
-    PyObject *res = py_scatter_steps(module, args, kwds);
-    dp_prof_end(&sp, NULL);
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(module), "scatter", args, kwds);
+    static const dp_entry e = {py_scatter_steps, DP_PROF_SCATTER,
+                                NULL, "scatter"};
+    return dp_entry_call(module, args, kwds, &e);
 }
 
 PyDoc_STRVAR(scatter_kwargs_doc,
@@ -1611,7 +1607,8 @@ static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *k
 {
     PyObject *res = py_scatter_kwargs_once(module, args, kwds);
     return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(module), "scatter_kwargs", args, kwds);
+                       : dp_autograd_retry(dp_state_from_module(module), "scatter_kwargs", args,
+                                           kwds);
 }
 
 PyMethodDef dp_scatter_methods[] = {
