@@ -103,15 +103,8 @@ static void reraise_named(const char *argname, PyObject *obj, const char *what)
     }
     PyErr_Format(t, "%s: cannot use %.100s as a GPU array: its %s raised %.100s: %S", argname,
                  Py_TYPE(obj)->tp_name, what, Py_TYPE(v)->tp_name, v);
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 != NULL && PyExceptionInstance_Check(v2)) {
-        PyException_SetCause(v2, Py_NewRef(v));
-    }
-    PyErr_Restore(t2, v2, tb2);
+    dp_attach_cause(v);
     Py_XDECREF(t);
-    Py_XDECREF(v);
     Py_XDECREF(tb);
 }
 

@@ -303,6 +303,11 @@ void dp_reraise_at(dp_state *st, PyObject *path);
  * stays as it was. */
 void dp_reraise_msg(dp_state *st, PyObject *msg);
 
+/* Make cause (stolen; may be NULL) the __cause__ (and __context__) of the
+ * pending exception, as `raise new from cause` does; with nothing pending
+ * it only drops cause. */
+void dp_attach_cause(PyObject *cause);
+
 /* A foreign array as an ndarray (host memory: numpy.from_dlpack, a view) or
  * a shadow ndarray (CUDA memory, array.c's import), without a copy; a JAX
  * array sharded over several JAX devices is read with numpy.asarray (a

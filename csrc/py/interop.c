@@ -366,6 +366,34 @@ static int refuse_lazy_bit(PyObject *obj, const char *argname)
     return 0;
 }
 
+void dp_attach_cause(PyObject *cause)
+{
+    if (cause == NULL)
+        return;
+    if (!PyErr_Occurred()) {
+        Py_DECREF(cause);
+        return;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+    PyException_SetCause(exc, Py_NewRef(cause));
+    PyException_SetContext(exc, cause);
+    PyErr_SetRaisedException(exc);
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL) {
+        PyException_SetCause(value, Py_NewRef(cause));
+        PyException_SetContext(value, cause);
+    }
+    else {
+        Py_DECREF(cause);
+    }
+    PyErr_Restore(type, value, tb);
+#endif
+}
+
 /* The pending error as "argname: cannot read <type> as an array (<what>: <error>)". */
 static void raise_unreadable(PyObject *obj, const char *argname, const char *what)
 {
@@ -377,14 +405,8 @@ static void raise_unreadable(PyObject *obj, const char *argname, const char *wha
     PyErr_Format(PyExc_TypeError, "%s: cannot read %.100s as an array (%s raised %.100s: %S)",
                  argname, Py_TYPE(obj)->tp_name, what, v ? Py_TYPE(v)->tp_name : "?",
                  v ? v : Py_None);
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 != NULL && v != NULL)
-        PyException_SetCause(v2, Py_NewRef(v));
-    PyErr_Restore(t2, v2, tb2);
+    dp_attach_cause(v);
     Py_XDECREF(t);
-    Py_XDECREF(v);
     Py_XDECREF(tb);
 }
 
@@ -430,14 +452,8 @@ static void refuse_missing_dtype(dp_state *st, PyObject *obj, const char *argnam
                  "x.astype(jnp.float32)) and back inside the replica if it needs that dtype",
                  argname, name, missing);
     Py_DECREF(name);
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 != NULL && v != NULL)
-        PyException_SetCause(v2, Py_NewRef(v));
-    PyErr_Restore(t2, v2, tb2);
+    dp_attach_cause(v);
     Py_XDECREF(t);
-    Py_XDECREF(v);
     Py_XDECREF(tb);
 }
 

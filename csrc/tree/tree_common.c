@@ -252,35 +252,6 @@ PyObject *take_exception(void)
 #endif
 }
 
-/* Make `cause` (stolen; may be NULL) the __cause__ of the pending exception. */
-static void attach_cause(PyObject *cause)
-{
-    if (cause == NULL)
-        return;
-    if (!PyErr_Occurred()) {
-        Py_DECREF(cause);
-        return;
-    }
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *exc = PyErr_GetRaisedException();
-    PyException_SetCause(exc, Py_NewRef(cause));
-    PyException_SetContext(exc, cause);
-    PyErr_SetRaisedException(exc);
-#else
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL) {
-        PyException_SetCause(value, Py_NewRef(cause));
-        PyException_SetContext(value, cause);
-    }
-    else {
-        Py_DECREF(cause);
-    }
-    PyErr_Restore(type, value, tb);
-#endif
-}
-
 /* Turn the pending exception of a failed constructor call into a TypeError
  * "<path>: cannot rebuild <type> as <how> (<Error>: <message>)<hint>",
  * chained to the original. */
@@ -301,7 +272,7 @@ void raise_rebuild_error(const path_seg *seg, PyTypeObject *tp,
                          path, tp->tp_name, how, hint);
         Py_DECREF(path);
     }
-    attach_cause(cause);
+    dp_attach_cause(cause);
 }
 
 /* sep.join(list); the list holds str. */
