@@ -531,6 +531,52 @@ PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entr
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);
 
+/* Is obj a tensor of a torch.func transform (grad, jacrev, vmap: a wrapper
+ * with no storage of its own)? Asked only after an import failed, so the
+ * fast path pays nothing. 1/0, never an exception. */
+static int is_functorch_tensor(PyObject *obj)
+{
+    PyObject *name = PyUnicode_FromString("torch");
+    PyObject *torch = name != NULL ? PyImport_GetModule(name) : NULL;   /* never imports it */
+    Py_XDECREF(name);
+    if (torch == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(torch);
+    PyObject *ask = dp_import_attr_quiet("torch._C._functorch", "is_functorch_wrapped_tensor");
+    PyObject *r = ask != NULL ? PyObject_CallOneArg(ask, obj) : NULL;
+    Py_XDECREF(ask);
+    int yes = r == Py_True;
+    Py_XDECREF(r);
+    PyErr_Clear();
+    return yes;
+}
+
+/* The pending error replaced by a TypeError that says what a torch.func
+ * transform's tensor is and what to do, when obj is one. */
+static void explain_functorch_tensor(PyObject *obj, const char *argname)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;   /* KeyboardInterrupt and the like as they are */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (!is_functorch_tensor(obj)) {
+        PyErr_Restore(t, v, tb);
+        return;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: a tensor of a torch.func transform (torch.func.grad, jacrev, vmap...): "
+                 "it has no storage of its own, and dpmini copies values on its own threads, "
+                 "outside the transform; apply torch.func inside the module, or to the "
+                 "module itself, not around DataParallel (for gradients, call "
+                 "loss.backward() on DataParallel's output)", argname);
+    dp_attach_cause(v);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+}
+
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
 {
     if (is_jax_tracer(obj)) {
@@ -538,15 +584,20 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
         return NULL;
     }
     int rg = requires_grad(st, obj, argname);
+    PyArrayObject *a = NULL;
     if (rg == 1 || rg < 0 || refuse_lazy_bit(obj, argname))
-        return NULL;
-    if (rg == 0)
-        return import_foreign(st, obj, argname);
-    PyObject *detached = PyObject_CallMethod(obj, "detach", NULL);
-    if (detached == NULL)
-        return NULL;
-    PyArrayObject *a = import_foreign(st, detached, argname);
-    Py_DECREF(detached);   /* the array keeps what it needs through DLPack */
+        a = NULL;
+    else if (rg == 0)
+        a = import_foreign(st, obj, argname);
+    else {
+        PyObject *detached = PyObject_CallMethod(obj, "detach", NULL);
+        if (detached != NULL) {
+            a = import_foreign(st, detached, argname);
+            Py_DECREF(detached);   /* the array keeps what it needs through DLPack */
+        }
+    }
+    if (a == NULL && PyErr_Occurred())
+        explain_functorch_tensor(obj, argname);
     return a;
 }
 
