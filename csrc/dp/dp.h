@@ -10,8 +10,8 @@
 #include "dpmini.h"
 
 extern PyMethodDef dp_replicate_methods[];    /* replicate.c */
-extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply_entry.c */
-extern PyMethodDef dp_replica_context_methods[]; /* parallel_apply_context.c */
+extern PyMethodDef dp_parallel_apply_methods[]; /* parallel_apply.c */
+extern PyMethodDef dp_replica_context_methods[]; /* parallel_apply.c */
 extern PyMethodDef dp_dataparallel_methods[]; /* dataparallel.c */
 extern PyType_Spec dp_dataparallel_spec;      /* dataparallel.c */
 
