@@ -1,8 +1,8 @@
 /* dp.h - what dp/ offers the module's init (module/module.c): the
  * DataParallel type (its spec) and the method tables of dpmini.replicate,
  * parallel_apply (with the replica context registry) and data_parallel.
- * dp/'s own shared declarations are in
- * dataparallel.h and dataparallel_type.h.
+ * What replicate.c and parallel_apply.c offer the DataParallel type is in
+ * dataparallel.h.
  */
 #ifndef DPMINI_DP_H
 #define DPMINI_DP_H
