@@ -41,6 +41,7 @@
 #define DP_WAIT_SLICE_MS 50              /* signal checks while waiting  */
 #define DP_GRACE_MS 1000                 /* after Ctrl-C, wait this long for
                                             the replicas before giving up */
+#define DP_GRACE_SLICES (DP_GRACE_MS / DP_WAIT_SLICE_MS)
 #define DP_SMALL_JOBS 8                  /* replicas without heap memory */
 
 /* One replica call of parallel_apply. Owned by the caller (on its stack or
@@ -205,6 +206,96 @@ static PyObject *keyerror_message(dp_state *st, PyObject *msg)
     return res;
 }
 
+/* exc's traceback as text, as traceback.format_exception prints it; when
+ * that fails, "T: str(exc)\n". New str, or NULL with an exception. */
+static PyObject *replica_traceback_text(dp_state *st, PyObject *exc)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(exc), *text = NULL;
+    PyObject *tb = PyException_GetTraceback(exc);
+    PyObject *lines = PyObject_CallFunctionObjArgs(st->format_exception, tp, exc,
+                                                   tb ? tb : Py_None, NULL);
+    PyObject *empty = PyUnicode_FromStringAndSize(NULL, 0);
+    if (lines != NULL && empty != NULL) {
+        text = PyUnicode_Join(empty, lines);
+    }
+    Py_XDECREF(tb);
+    Py_XDECREF(lines);
+    Py_XDECREF(empty);
+    if (text == NULL) {   /* formatting failed: fall back to str(exc) */
+        PyErr_Clear();
+        text = PyUnicode_FromFormat("%s: %S\n", ((PyTypeObject *)tp)->tp_name, exc);
+    }
+    return text;
+}
+
+/* "Caught T in replica i on device d.\nOriginal Traceback (most recent call
+ * last):\n..." for exc (docs/spec.md 6.5). New str, or NULL with an
+ * exception. */
+static PyObject *replica_error_message(dp_state *st, PyObject *exc, Py_ssize_t i, dp_device dev)
+{
+    char devbuf[32];
+    dp_device_format(dev, devbuf, sizeof devbuf);
+    PyObject *text = replica_traceback_text(st, exc), *msg = NULL;
+    PyObject *name = text != NULL ? PyObject_GetAttrString((PyObject *)Py_TYPE(exc), "__name__")
+                                  : NULL;
+    PyObject *prefix = name != NULL ? PyUnicode_FromString("Traceback (most recent call last):\n")
+                                    : NULL;
+    Py_ssize_t starts = prefix != NULL ? PyUnicode_Tailmatch(text, prefix, 0, PY_SSIZE_T_MAX, -1)
+                                       : -1;
+    if (starts > 0) {
+        msg = PyUnicode_FromFormat("Caught %U in replica %zd on device %s.\nOriginal %U",
+                                   name, i, devbuf, text);
+    } else if (starts == 0) {   /* no Python frame (e.g. a builtin replica): keep the shape */
+        msg = PyUnicode_FromFormat("Caught %U in replica %zd on device %s.\nOriginal %U%U",
+                                   name, i, devbuf, prefix, text);
+    }
+    Py_XDECREF(text);
+    Py_XDECREF(name);
+    Py_XDECREF(prefix);
+    return msg;
+}
+
+/* The exception that replaces a replica's exception of type tp: tp built
+ * from msg (a KeyError's message shown unquoted; a type whose `message`
+ * attribute is true is built as tp(message=msg)), or RuntimeError(msg) when
+ * tp cannot be built from one string. New reference, or NULL with an
+ * exception that is not an Exception (a KeyboardInterrupt meanwhile) or
+ * that RuntimeError(msg) raised. */
+static PyObject *replica_error_instance(dp_state *st, PyObject *tp, PyObject *msg)
+{
+    PyObject *wrapped = NULL;
+    PyObject *arg = tp == PyExc_KeyError ? keyerror_message(st, msg) : Py_NewRef(msg);
+    PyObject *attr = PyObject_GetAttrString(tp, "message");
+    if (attr == NULL) {
+        PyErr_Clear();
+    }
+    if (attr != NULL && PyObject_IsTrue(attr) == 1) {
+        PyObject *noargs = PyTuple_New(0);
+        PyObject *kw = Py_BuildValue("{sO}", "message", arg);
+        if (noargs != NULL && kw != NULL) {
+            wrapped = PyObject_Call(tp, noargs, kw);
+        }
+        Py_XDECREF(noargs);
+        Py_XDECREF(kw);
+    } else {
+        PyErr_Clear();
+        wrapped = PyObject_CallOneArg(tp, arg);
+    }
+    Py_XDECREF(attr);
+    Py_DECREF(arg);
+    if (wrapped != NULL && !PyExceptionInstance_Check(wrapped)) {
+        Py_CLEAR(wrapped);
+    }
+    if (wrapped == NULL) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;   /* e.g. KeyboardInterrupt while building it: keep it */
+        }
+        PyErr_Clear();
+        wrapped = PyObject_CallOneArg(PyExc_RuntimeError, msg);
+    }
+    return wrapped;
+}
+
 /* Re-raise exc, raised by replica i on dev, as PyTorch's ExceptionWrapper
  * does (docs/spec.md 6.5): same type, message "Caught T in replica i on device d.\n
  * Original Traceback (most recent call last):\n...", the original as
@@ -213,106 +304,19 @@ static PyObject *keyerror_message(dp_state *st, PyObject *msg)
  * SystemExit) are re-raised unchanged. */
 static void raise_replica_error(dp_state *st, PyObject *exc, Py_ssize_t i, dp_device dev)
 {
-    PyObject *tp = (PyObject *)Py_TYPE(exc);
-    PyObject *tb = NULL, *lines = NULL, *empty = NULL, *text = NULL, *name = NULL;
-    PyObject *msg = NULL, *arg = NULL, *attr = NULL, *kw = NULL, *noargs = NULL;
-    PyObject *wrapped = NULL;
-    char devbuf[32];
-
     if (!PyObject_IsInstance(exc, PyExc_Exception)) {
         restore_exception(Py_NewRef(exc));
         return;
     }
-    dp_device_format(dev, devbuf, sizeof devbuf);
-
-    tb = PyException_GetTraceback(exc);
-    lines = PyObject_CallFunctionObjArgs(st->format_exception, tp, exc,
-                                         tb ? tb : Py_None, NULL);
-    empty = PyUnicode_FromStringAndSize(NULL, 0);
-    if (lines != NULL && empty != NULL) {
-        text = PyUnicode_Join(empty, lines);
+    PyObject *msg = replica_error_message(st, exc, i, dev);
+    PyObject *wrapped = msg != NULL ? replica_error_instance(st, (PyObject *)Py_TYPE(exc), msg)
+                                    : NULL;
+    if (wrapped != NULL) {
+        PyException_SetCause(wrapped, Py_NewRef(exc));
+        PyErr_SetObject((PyObject *)Py_TYPE(wrapped), wrapped);
+        Py_DECREF(wrapped);
     }
-    if (text == NULL) {   /* formatting failed: fall back to str(exc) */
-        PyErr_Clear();
-        text = PyUnicode_FromFormat("%s: %S\n", ((PyTypeObject *)tp)->tp_name, exc);
-        if (text == NULL) {
-            goto fail;
-        }
-    }
-    name = PyObject_GetAttrString(tp, "__name__");
-    if (name == NULL) {
-        goto fail;
-    }
-    {
-        static const char head[] = "Traceback (most recent call last):\n";
-        PyObject *prefix = PyUnicode_FromString(head);
-        if (prefix == NULL) {
-            goto fail;
-        }
-        Py_ssize_t starts = PyUnicode_Tailmatch(text, prefix, 0, PY_SSIZE_T_MAX, -1);
-        if (starts < 0) {
-            Py_DECREF(prefix);
-            goto fail;
-        }
-        if (starts) {
-            msg = PyUnicode_FromFormat("Caught %U in replica %zd on device %s.\nOriginal %U",
-                                       name, i, devbuf, text);
-        } else {   /* no Python frame (e.g. a builtin replica): keep the shape */
-            msg = PyUnicode_FromFormat("Caught %U in replica %zd on device %s.\nOriginal %U%U",
-                                       name, i, devbuf, prefix, text);
-        }
-        Py_DECREF(prefix);
-    }
-    if (msg == NULL) {
-        goto fail;
-    }
-
-    if (tp == PyExc_KeyError) {
-        arg = keyerror_message(st, msg);
-    } else {
-        arg = Py_NewRef(msg);
-    }
-    attr = PyObject_GetAttrString(tp, "message");
-    if (attr == NULL) {
-        PyErr_Clear();
-    }
-    if (attr != NULL && PyObject_IsTrue(attr) == 1) {
-        noargs = PyTuple_New(0);
-        kw = Py_BuildValue("{sO}", "message", arg);
-        if (noargs != NULL && kw != NULL) {
-            wrapped = PyObject_Call(tp, noargs, kw);
-        }
-    } else {
-        PyErr_Clear();
-        wrapped = PyObject_CallOneArg(tp, arg);
-    }
-    if (wrapped != NULL && !PyExceptionInstance_Check(wrapped)) {
-        Py_CLEAR(wrapped);
-    }
-    if (wrapped == NULL) {
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
-            goto fail;   /* e.g. KeyboardInterrupt while building it: keep it */
-        }
-        PyErr_Clear();
-        wrapped = PyObject_CallOneArg(PyExc_RuntimeError, msg);
-        if (wrapped == NULL) {
-            goto fail;
-        }
-    }
-    PyException_SetCause(wrapped, Py_NewRef(exc));
-    PyErr_SetObject((PyObject *)Py_TYPE(wrapped), wrapped);
-fail:
-    Py_XDECREF(tb);
-    Py_XDECREF(lines);
-    Py_XDECREF(empty);
-    Py_XDECREF(text);
-    Py_XDECREF(name);
     Py_XDECREF(msg);
-    Py_XDECREF(arg);
-    Py_XDECREF(attr);
-    Py_XDECREF(kw);
-    Py_XDECREF(noargs);
-    Py_XDECREF(wrapped);
 }
 
 /* ------------------------------------------------------------------ */
@@ -876,6 +880,10 @@ static void apply_job_inline(apply_job *job)
     job->state = JOB_DONE;
 }
 
+/* ------------------------------------------------------------------ */
+/* Running a batch                                                     */
+/* ------------------------------------------------------------------ */
+
 /* Stop the worker jobs: queued ones are skipped, running ones get exc_type
  * raised in their thread (GIL held). */
 static void interrupt_jobs(apply_job *jobs, Py_ssize_t m, PyObject *exc_type)
@@ -931,12 +939,6 @@ static int check_threads_per_device(const apply_job *jobs, Py_ssize_t m)
     return rc;
 }
 
-/* ------------------------------------------------------------------ */
-/* Running a batch                                                     */
-/* ------------------------------------------------------------------ */
-
-/* Run the m prepared jobs and return their results as a list, in replica
- * order; on failure re-raise the first failing replica's error (docs/spec.md 6.5). */
 /* BLAS thread limits while replicas run on virtual CPU devices
  * (dpmini/_blas.py, threadpoolctl): with two or more such replicas, each
  * BLAS pool is cut to cores // replicas threads for the call, so the
@@ -1015,21 +1017,40 @@ static void blas_restore(PyObject *token)
     Py_DECREF(token);
 }
 
-static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
-{
-    apply_run *run = NULL;
-    apply_job *jobs = caller_jobs;   /* run->jobs once there is a run */
-    int have_batch = 0, nsubmitted = 0, nested = replica_depth() > 0, trim = 0, kicked = 0;
-    int grace = -1;           /* wait slices left after an interrupt, or -1 */
-    PyObject *abort = NULL;   /* stops the whole call: signal, submit failure */
-    PyObject *result = NULL;
-    char devbuf[32];
-    dp_prof_ctx prof = dp_prof_current();
+/* One call's run of its jobs, through the steps of run_jobs: plan where
+ * each job runs, start the run, limit the BLAS pools, submit the worker
+ * jobs, run the inline ones, wait for the workers, finish, collect. */
+typedef struct {
+    dp_state *st;
+    apply_job *caller_jobs;  /* the caller's array: the jobs before and after the run */
+    apply_job *jobs;         /* the jobs now: caller_jobs, or run->jobs while
+                                workers may touch them                     */
+    Py_ssize_t m;
+    apply_run *run;          /* the memory shared with the workers, or NULL
+                                (every job inline, or the run is over)     */
+    dp_prof_ctx prof;        /* the call's recording context (profile.h)   */
+    PyObject *blas;          /* owned: blas_limit's token, until restored  */
+    PyObject *abort;         /* owned: the exception that stops the whole
+                                call (a signal, a failed submit), or NULL  */
+    int nested;              /* called from inside a replica: all inline   */
+    int numpy_alloc;         /* the NumPy allocator is on; -1: not read yet */
+    int nsubmitted;          /* worker jobs queued                         */
+    int kicked;              /* the chain of the chained jobs is started   */
+    int grace;               /* wait slices left after an interrupt, or -1 */
+    int trim;                /* a worker thread could not start            */
+} run_state;
 
-    for (Py_ssize_t i = 0; i < m; i++) {
-        apply_job *job = &jobs[i];
-        job->prof = prof;
-        job->on_worker = !(m == 1 || nested || job->dev.kind == DP_HOST ||
+/* Where each job runs: inline (one job, a call from inside a replica, the
+ * host, or a caller that is that device's worker) or on its device's
+ * worker. 1 when any job runs on a worker, 0 when none does, -1 with
+ * RuntimeError during interpreter shutdown. */
+static int plan_jobs(run_state *rs)
+{
+    int any_worker = 0;
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
+        apply_job *job = &rs->jobs[i];
+        job->prof = rs->prof;
+        job->on_worker = !(rs->m == 1 || rs->nested || job->dev.kind == DP_HOST ||
                            dp_pool_on_worker(job->dev.kind, job->dev.index));
         job->interp = PyThreadState_GetInterpreter(PyThreadState_Get());
         if (job->on_worker && DP_IS_FINALIZING()) {
@@ -1040,201 +1061,284 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             PyErr_SetString(PyExc_RuntimeError,
                             "parallel_apply: cannot run replicas on worker threads during "
                             "interpreter shutdown (sys.is_finalizing() is true)");
-            return NULL;
+            return -1;
         }
-        have_batch |= job->on_worker;
+        any_worker |= job->on_worker;
     }
-    if (have_batch) {
-        if (check_threads_per_device(jobs, m) < 0) {
-            return NULL;
+    return any_worker;
+}
+
+/* With worker jobs: move the jobs into a run shared with the workers,
+ * which keeps the profile session alive for them. Then number the jobs and
+ * capture the replica contexts. 0, or -1 with the error raised and the
+ * jobs back in the caller's array. */
+static int start_run(run_state *rs, int any_worker)
+{
+    if (any_worker) {
+        if (check_threads_per_device(rs->jobs, rs->m) < 0) {
+            return -1;
         }
-        run = run_new(caller_jobs, m);
-        if (run == NULL) {
-            return NULL;
+        rs->run = run_new(rs->caller_jobs, rs->m);
+        if (rs->run == NULL) {
+            return -1;
         }
-        jobs = run->jobs;
+        rs->jobs = rs->run->jobs;
         dp_pool_set_exit_hook(worker_exit);
-        if (prof.s != NULL) {
-            dp_prof_session_retain(prof.s);
-            run->prof_hold = prof.s;
+        if (rs->prof.s != NULL) {
+            dp_prof_session_retain(rs->prof.s);
+            rs->run->prof_hold = rs->prof.s;
         }
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        jobs[i].index = i;
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
+        rs->jobs[i].index = i;
     }
     /* The replica contexts are captured before the BLAS pools are cut: a
      * provider that reads a thread count reads the caller's own. */
-    if (have_batch && contexts_capture(st, jobs, m) < 0) {
-        run_end(run, caller_jobs, m);
-        return NULL;
+    if (rs->run != NULL && contexts_capture(rs->st, rs->jobs, rs->m) < 0) {
+        run_end(rs->run, rs->caller_jobs, rs->m);
+        rs->run = NULL;
+        rs->jobs = rs->caller_jobs;
+        return -1;
     }
-    uint64_t t_blas = prof.s != NULL ? dp_prof_now() : 0;
-    PyObject *blas = blas_limit(jobs, m, nested);
-    if (blas != NULL && blas != Py_None) {
-        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "limit");
-    }
-    if (blas == NULL) {
-        if (have_batch) {
-            run_end(run, caller_jobs, m);
+    return 0;
+}
+
+/* Cut the BLAS pools for the call (blas_limit). 0, or -1 with the error
+ * raised and the run ended. */
+static int limit_blas_pools(run_state *rs)
+{
+    uint64_t t_blas = rs->prof.s != NULL ? dp_prof_now() : 0;
+    rs->blas = blas_limit(rs->jobs, rs->m, rs->nested);
+    if (rs->blas == NULL) {
+        if (rs->run != NULL) {
+            run_end(rs->run, rs->caller_jobs, rs->m);
+            rs->run = NULL;
+            rs->jobs = rs->caller_jobs;
         }
-        return NULL;
+        return -1;
     }
-    /* Queue the worker jobs first, then run the inline ones meanwhile. */
-    int numpy_alloc = -1;
-    for (Py_ssize_t i = 0; i < m && abort == NULL; i++) {
-        apply_job *job = &jobs[i];
+    if (rs->blas != Py_None) {
+        dp_prof_record_since(&rs->prof, DP_PROF_BLAS, -1, -1, t_blas, "limit");
+    }
+    return 0;
+}
+
+/* A worker job's copy of the caller's contextvars context, with the NumPy
+ * allocator of its device to set in that copy (the caller's context keeps
+ * its own). 0, or -1 with the error raised and no copy kept. */
+static int copy_caller_context(run_state *rs, apply_job *job)
+{
+    job->ctx = PyContext_CopyCurrent();
+    if (job->ctx == NULL) {
+        return -1;
+    }
+    if (rs->numpy_alloc < 0) {
+        rs->numpy_alloc = dp_numpy_allocator_enabled();
+    }
+    job->numpy_handler = rs->numpy_alloc ? dp_numpy_allocator(rs->st, job->dev)
+                                         : Py_NewRef(Py_None);
+    if (job->numpy_handler == NULL) {
+        Py_CLEAR(job->ctx);
+        return -1;
+    }
+    return 0;
+}
+
+/* Queue job i on its device's worker: a job on a virtual CPU device quiet,
+ * its worker woken later down the chain (chain_wake); any other at once.
+ * 0, or -1 with RuntimeError (rs->trim set when no thread could start). */
+static int submit_job(run_state *rs, Py_ssize_t i)
+{
+    apply_run *run = rs->run;
+    apply_job *job = &rs->jobs[i];
+    int rc;
+    job->queued_ns = rs->prof.s != NULL ? dp_prof_now() : 0;
+    if (job->dev.kind == DP_VCPU) {
+        job->chained = 1;
+        rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,
+                                   job, &run->nodes[i]);
+        if (rc == 0) {
+            run->chain[run->nchain++] = i;
+        } else {
+            job->chained = 0;
+        }
+    } else {
+        rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
+    }
+    if (rc == 0) {
+        return 0;
+    }
+    char devbuf[32];
+    dp_device_format(job->dev, devbuf, sizeof devbuf);
+    if (rc == EAGAIN || rc == ENOMEM) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "parallel_apply: cannot start a worker thread for replica %zd on "
+                     "device %s (%s: the process is out of memory, address space or "
+                     "threads); no replica of this call is left running",
+                     i, devbuf, strerror(rc));
+        rs->trim = 1;
+    } else {
+        PyErr_Format(PyExc_RuntimeError,
+                     "parallel_apply: cannot queue replica %zd on the worker of device "
+                     "%s (%s)", i, devbuf, strerror(rc));
+    }
+    return -1;
+}
+
+/* Queue the worker jobs, before the inline ones run. The first failure
+ * stops the call (rs->abort): that job and the worker jobs after it were
+ * never queued, so no worker owns them, and they are skipped. */
+static void submit_jobs(run_state *rs)
+{
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
+        apply_job *job = &rs->jobs[i];
         if (!job->on_worker) {
             continue;
         }
-        job->ctx = PyContext_CopyCurrent();
-        if (job->ctx != NULL) {
-            /* set in the context copy: the caller's context keeps its own */
-            if (numpy_alloc < 0) {
-                numpy_alloc = dp_numpy_allocator_enabled();
-            }
-            job->numpy_handler = numpy_alloc ? dp_numpy_allocator(st, job->dev)
-                                             : Py_NewRef(Py_None);
-            if (job->numpy_handler == NULL) {
-                Py_CLEAR(job->ctx);
-            }
-        }
-        if (job->ctx == NULL) {
+        if (copy_caller_context(rs, job) < 0 || submit_job(rs, i) < 0) {
             job->on_worker = 0;
             job->cancelled = 1;
-            abort = replica_take_exception();
+            rs->abort = replica_take_exception();
             break;
         }
-        int rc;
-        job->queued_ns = prof.s != NULL ? dp_prof_now() : 0;
-        if (job->dev.kind == DP_VCPU) {
-            job->chained = 1;
-            rc = dp_batch_submit_quiet(&run->batch, job->dev.kind, job->dev.index, apply_job_main,
-                                       job, &run->nodes[i]);
-            if (rc == 0) {
-                run->chain[run->nchain++] = i;
-            } else {
-                job->chained = 0;
-            }
-        } else {
-            rc = dp_batch_submit(&run->batch, job->dev.kind, job->dev.index, apply_job_main, job);
-        }
-        if (rc != 0) {
-            dp_device_format(job->dev, devbuf, sizeof devbuf);
-            if (rc == EAGAIN || rc == ENOMEM) {
-                PyErr_Format(PyExc_RuntimeError,
-                             "parallel_apply: cannot start a worker thread for replica %zd on "
-                             "device %s (%s: the process is out of memory, address space or "
-                             "threads); no replica of this call is left running",
-                             i, devbuf, strerror(rc));
-                trim = 1;
-            } else {
-                PyErr_Format(PyExc_RuntimeError,
-                             "parallel_apply: cannot queue replica %zd on the worker of device "
-                             "%s (%s)", i, devbuf, strerror(rc));
-            }
-            job->on_worker = 0;
-            job->cancelled = 1;
-            abort = replica_take_exception();
-            break;
-        }
-        nsubmitted++;
+        rs->nsubmitted++;
     }
-    for (Py_ssize_t i = 0; i < m && abort != NULL; i++) {
-        if (jobs[i].on_worker && jobs[i].ctx == NULL) {
-            /* after the failing one: never queued, so no worker owns it */
-            jobs[i].on_worker = 0;
-            jobs[i].cancelled = 1;
+    for (Py_ssize_t i = 0; i < rs->m && rs->abort != NULL; i++) {
+        if (rs->jobs[i].on_worker && rs->jobs[i].ctx == NULL) {
+            rs->jobs[i].on_worker = 0;   /* after the failing one: never queued */
+            rs->jobs[i].cancelled = 1;
         }
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        apply_job *job = &jobs[i];
+}
+
+/* Run the inline jobs in the calling thread while the workers run theirs.
+ * A KeyboardInterrupt or SystemExit in one stops the call: the worker
+ * replicas get it too and the wait gives them the grace period. */
+static void run_inline_jobs(run_state *rs)
+{
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
+        apply_job *job = &rs->jobs[i];
         if (job->on_worker || job->cancelled) {
             continue;
         }
-        if (nsubmitted > 0 && !kicked) {
+        if (rs->nsubmitted > 0 && !rs->kicked) {
             /* An inline replica may wait for a worker replica (a barrier):
              * start the chain now. The woken worker waits for the GIL. */
-            chain_wake(run);
-            kicked = 1;
+            chain_wake(rs->run);
+            rs->kicked = 1;
         }
-        if (abort != NULL) {
+        if (rs->abort != NULL) {
             job->cancelled = 1;
             continue;
         }
         apply_job_inline(job);
         if (job->exc != NULL && !PyObject_IsInstance(job->exc, PyExc_Exception)) {
-            /* KeyboardInterrupt or SystemExit in the caller: stop the rest. */
-            abort = Py_NewRef(job->exc);
-            interrupt_jobs(jobs, m, (PyObject *)Py_TYPE(abort));
-            grace = DP_GRACE_MS / DP_WAIT_SLICE_MS;
+            rs->abort = Py_NewRef(job->exc);
+            interrupt_jobs(rs->jobs, rs->m, (PyObject *)Py_TYPE(rs->abort));
+            rs->grace = DP_GRACE_SLICES;
         }
     }
-    if (abort != NULL) {
-        interrupt_jobs(jobs, m, NULL);   /* unstarted worker jobs are skipped */
+    if (rs->abort != NULL) {
+        interrupt_jobs(rs->jobs, rs->m, NULL);   /* unstarted worker jobs are skipped */
     }
-    int abandoned = 0;
-    uint64_t t_wait = prof.s != NULL && nsubmitted > 0 ? dp_prof_now() : 0;
-    while (nsubmitted > 0) {
+}
+
+/* A signal handler raised while the caller waits (Ctrl-C): the running
+ * worker replicas get the same exception. The first one starts the grace
+ * period, a second one ends it; the call raises the first exception that
+ * stopped it. */
+static void interrupt_wait(run_state *rs)
+{
+    PyObject *e = replica_take_exception();
+    interrupt_jobs(rs->jobs, rs->m, (PyObject *)Py_TYPE(e));
+    rs->grace = rs->grace < 0 ? DP_GRACE_SLICES : 0;
+    if (rs->abort == NULL) {
+        rs->abort = e;
+    } else {
+        Py_DECREF(e);
+    }
+}
+
+/* Wait for the worker jobs with the GIL released, in slices so that the
+ * caller still sees signals. When the grace period after an interrupt
+ * ends, replicas still running are stuck in a C call that the
+ * KeyboardInterrupt reaches only when it returns: the caller stops waiting
+ * and leaves them to their workers (run_abandon; the last one frees the
+ * run). */
+static void wait_workers(run_state *rs)
+{
+    if (rs->nsubmitted == 0) {
+        return;
+    }
+    uint64_t t_wait = rs->prof.s != NULL ? dp_prof_now() : 0;
+    for (;;) {
         int done;
         Py_BEGIN_ALLOW_THREADS
-        if (!kicked) {
-            chain_wake(run);   /* with the GIL released: the worker takes it at once */
-            kicked = 1;
+        if (!rs->kicked) {
+            chain_wake(rs->run);   /* with the GIL released: the worker takes it at once */
+            rs->kicked = 1;
         }
-        done = dp_batch_wait(&run->batch, DP_WAIT_SLICE_MS);
+        done = dp_batch_wait(&rs->run->batch, DP_WAIT_SLICE_MS);
         Py_END_ALLOW_THREADS
         if (done) {
             break;
         }
-        if (grace == 0) {
-            /* Replicas still run after the interrupt: stuck in a C call
-             * that the KeyboardInterrupt reaches only when it returns. */
-            run_abandon(run, caller_jobs, m);
-            abandoned = 1;
+        if (rs->grace == 0) {
+            run_abandon(rs->run, rs->caller_jobs, rs->m);
+            rs->run = NULL;   /* no longer the caller's: the workers free it */
+            rs->jobs = rs->caller_jobs;
             break;
         }
-        if (grace > 0) {
-            grace--;
+        if (rs->grace > 0) {
+            rs->grace--;
         }
         if (PyErr_CheckSignals() < 0) {
-            PyObject *e = replica_take_exception();
-            interrupt_jobs(jobs, m, (PyObject *)Py_TYPE(e));
-            /* the first interrupt starts the grace, a second one ends it */
-            grace = grace < 0 ? DP_GRACE_MS / DP_WAIT_SLICE_MS : 0;
-            if (abort == NULL) {
-                abort = e;
-            } else {
-                Py_DECREF(e);
-            }
+            interrupt_wait(rs);
         }
     }
-    if (nsubmitted > 0) {
-        dp_prof_record_since(&prof, DP_PROF_WAIT, -1, -1, t_wait, "replicas");
-    }
-    t_blas = prof.s != NULL && blas != Py_None ? dp_prof_now() : 0;
-    int blas_set = blas != Py_None;
-    blas_restore(blas);   /* every replica has finished, or is abandoned */
+    dp_prof_record_since(&rs->prof, DP_PROF_WAIT, -1, -1, t_wait, "replicas");
+}
+
+/* Every replica has finished, or is abandoned: the BLAS pools get their
+ * thread counts back and the jobs go back to the caller's array. After a
+ * worker thread could not start, idle workers are let go, so that the
+ * threads this call started give their stacks back and the next call has
+ * room. */
+static void finish_run(run_state *rs)
+{
+    int blas_set = rs->blas != Py_None;
+    uint64_t t_blas = rs->prof.s != NULL && blas_set ? dp_prof_now() : 0;
+    blas_restore(rs->blas);
+    rs->blas = NULL;
     if (blas_set) {
-        dp_prof_record_since(&prof, DP_PROF_BLAS, -1, -1, t_blas, "restore");
+        dp_prof_record_since(&rs->prof, DP_PROF_BLAS, -1, -1, t_blas, "restore");
     }
-    if (have_batch && !abandoned) {
-        run_end(run, caller_jobs, m);
+    if (rs->run != NULL) {
+        run_end(rs->run, rs->caller_jobs, rs->m);
+        rs->run = NULL;
     }
-    jobs = caller_jobs;
-    if (trim) {
-        /* Let idle workers go, so that the threads this failed call started
-         * give their stacks back and the next call has room. */
+    rs->jobs = rs->caller_jobs;
+    if (rs->trim) {
         dp_pool_trim();
         Py_BEGIN_ALLOW_THREADS   /* their exit hooks take the GIL */
         (void)dp_pool_trim_wait(2000);
         Py_END_ALLOW_THREADS
     }
-    if (abort != NULL) {
-        restore_exception(abort);
+}
+
+/* The results as a list in replica order, or NULL with the exception that
+ * stopped the call, else the first failing replica's (docs/spec.md 6.5). */
+static PyObject *collect_results(run_state *rs)
+{
+    apply_job *jobs = rs->caller_jobs;
+    if (rs->abort != NULL) {
+        restore_exception(rs->abort);
+        rs->abort = NULL;
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
         if (jobs[i].no_tstate) {
+            char devbuf[32];
             dp_device_format(jobs[i].dev, devbuf, sizeof devbuf);
             PyErr_Format(PyExc_MemoryError,
                          "parallel_apply: out of memory making a Python thread state for "
@@ -1242,7 +1346,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             return NULL;
         }
         if (jobs[i].exc != NULL) {
-            raise_replica_error(st, jobs[i].exc, i, jobs[i].dev);
+            raise_replica_error(rs->st, jobs[i].exc, i, jobs[i].dev);
             return NULL;
         }
         if (jobs[i].result == NULL) {
@@ -1250,15 +1354,36 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
             return NULL;
         }
     }
-    result = PyList_New(m);
+    PyObject *result = PyList_New(rs->m);
     if (result == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
         PyList_SET_ITEM(result, i, jobs[i].result);
         jobs[i].result = NULL;
     }
     return result;
+}
+
+/* Run the m prepared jobs (GIL held) and return their results as a list,
+ * in replica order; on failure re-raise the first failing replica's error
+ * (docs/spec.md 6.5). The worker jobs are queued first, then the caller
+ * runs the inline ones (with one replica or inside a replica, all of them)
+ * and waits for the workers. */
+static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
+{
+    run_state rs = {.st = st, .caller_jobs = caller_jobs, .jobs = caller_jobs, .m = m,
+                    .prof = dp_prof_current(), .nested = replica_depth() > 0,
+                    .numpy_alloc = -1, .grace = -1};
+    int any_worker = plan_jobs(&rs);
+    if (any_worker < 0 || start_run(&rs, any_worker) < 0 || limit_blas_pools(&rs) < 0) {
+        return NULL;
+    }
+    submit_jobs(&rs);
+    run_inline_jobs(&rs);
+    wait_workers(&rs);
+    finish_run(&rs);
+    return collect_results(&rs);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1339,6 +1464,125 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
     return 0;
 }
 
+/* parallel_apply's arguments as fast sequences, and the jobs made of them. */
+typedef struct {
+    PyObject *mods;        /* owned: the modules                              */
+    PyObject *ins;         /* owned: the inputs, one per module               */
+    PyObject *kws;         /* owned: kwargs_tup's entries, or NULL: none given */
+    PyObject *devseq;      /* owned: the devices argument's entries, or NULL  */
+    Py_ssize_t m;          /* the module count                                */
+    apply_job *jobs;       /* small or PyMem: m zeroed jobs once allocated    */
+    Py_ssize_t njobs;      /* the jobs to clear at the end                    */
+    dp_device *defaults;   /* PyMem: the default devices, read when first needed */
+    Py_ssize_t ndefaults;
+    apply_job small[DP_SMALL_JOBS];
+} apply_args;
+
+/* An optional argument with one entry per module (kwargs_tup, devices) as
+ * a fast sequence in *out (NULL when None or absent); `what` names its
+ * entries in the count mismatch's ValueError. 0, or -1 with the error
+ * raised (*out then may hold a reference). */
+static int per_module_sequence(PyObject *arg, const char *type_error, const char *what,
+                               Py_ssize_t m, PyObject **out)
+{
+    *out = NULL;
+    if (arg == NULL || arg == Py_None) {
+        return 0;
+    }
+    *out = PySequence_Fast(arg, type_error);
+    if (*out == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(*out) != m) {
+        PyErr_Format(PyExc_ValueError,
+                     "parallel_apply: the number of modules (%zd) is not equal to the "
+                     "number of %s (%zd)", m, what, PySequence_Fast_GET_SIZE(*out));
+        return -1;
+    }
+    return 0;
+}
+
+/* Read the sequences and check that each has one entry per module (devices
+ * from cdevs, ncdevs of them, when given). 0, or -1 with the error raised. */
+static int read_arguments(apply_args *a, PyObject *modules, PyObject *inputs,
+                          PyObject *kwargs_tup, PyObject *devices, const dp_device *cdevs,
+                          Py_ssize_t ncdevs)
+{
+    a->mods = PySequence_Fast(modules, "parallel_apply: modules must be a sequence of callables");
+    if (a->mods == NULL) {
+        return -1;
+    }
+    a->m = PySequence_Fast_GET_SIZE(a->mods);
+    a->ins = PySequence_Fast(inputs, "parallel_apply: inputs must be a sequence (one entry per module)");
+    if (a->ins == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(a->ins) != a->m) {
+        PyErr_Format(PyExc_ValueError,
+                     "parallel_apply: the number of modules (%zd) is not equal to the number "
+                     "of inputs (%zd)", a->m, PySequence_Fast_GET_SIZE(a->ins));
+        return -1;
+    }
+    if (per_module_sequence(kwargs_tup, "parallel_apply: kwargs_tup must be a sequence of dicts",
+                            "kwargs_tup entries", a->m, &a->kws) < 0) {
+        return -1;
+    }
+    if (cdevs != NULL) {
+        if (ncdevs != a->m) {
+            PyErr_Format(PyExc_ValueError,
+                         "parallel_apply: the number of modules (%zd) is not equal to the "
+                         "number of devices (%zd)", a->m, ncdevs);
+            return -1;
+        }
+        return 0;
+    }
+    return per_module_sequence(devices, "parallel_apply: devices must be a sequence of devices",
+                               "devices", a->m, &a->devseq);
+}
+
+/* Room for m zeroed jobs: a->small (zeroed with *a), or PyMem. 0, or -1
+ * with MemoryError. */
+static int alloc_jobs(apply_args *a)
+{
+    if (a->m > DP_SMALL_JOBS) {
+        a->jobs = PyMem_Calloc((size_t)a->m, sizeof *a->jobs);
+        if (a->jobs == NULL) {
+            a->jobs = a->small;
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    a->njobs = a->m;
+    return 0;
+}
+
+/* Job i: its module, arguments, keyword arguments and device (cdevs[i],
+ * else devices[i], else auto_device). 0, or -1 with the error raised. */
+static int fill_job(dp_state *st, apply_args *a, Py_ssize_t i, const dp_device *cdevs)
+{
+    apply_job *job = &a->jobs[i];
+    job->module = Py_NewRef(PySequence_Fast_GET_ITEM(a->mods, i));
+    job->args = input_as_args(PySequence_Fast_GET_ITEM(a->ins, i));
+    if (job->args == NULL) {
+        return -1;
+    }
+    if (a->kws != NULL &&
+        kwargs_as_dict(PySequence_Fast_GET_ITEM(a->kws, i), "kwargs_tup", i, &job->kwargs) < 0) {
+        return -1;
+    }
+    PyObject *dev = a->devseq ? PySequence_Fast_GET_ITEM(a->devseq, i) : Py_None;
+    if (cdevs != NULL) {
+        job->dev = cdevs[i];
+    } else if (dev != Py_None) {
+        char name[40];
+        snprintf(name, sizeof name, "devices[%zd]", i);
+        return dp_device_from_object(st, dev, name, 0, &job->dev);
+    } else {
+        return auto_device(st, job->args, i, &a->defaults, &a->ndefaults, &job->dev);
+    }
+    return 0;
+}
+
 /* parallel_apply over Python sequences. Devices come from cdevs (ncdevs
  * entries, must equal the module count) when given, else from `devices`
  * (None or a sequence, None entries allowed), else auto_device. */
@@ -1346,109 +1590,30 @@ static PyObject *parallel_apply_run_steps(dp_state *st, PyObject *modules, PyObj
                                           PyObject *kwargs_tup, PyObject *devices,
                                           const dp_device *cdevs, Py_ssize_t ncdevs)
 {
-    PyObject *mods = NULL, *ins = NULL, *kws = NULL, *devseq = NULL, *result = NULL;
-    apply_job small[DP_SMALL_JOBS];
-    apply_job *jobs = small;
-    dp_device *defaults = NULL;
-    Py_ssize_t ndefaults = 0, m = 0;
-
-    mods = PySequence_Fast(modules, "parallel_apply: modules must be a sequence of callables");
-    if (mods == NULL) {
-        goto fail;
-    }
-    m = PySequence_Fast_GET_SIZE(mods);
-    ins = PySequence_Fast(inputs, "parallel_apply: inputs must be a sequence (one entry per module)");
-    if (ins == NULL) {
-        m = 0;
-        goto fail;
-    }
-    if (PySequence_Fast_GET_SIZE(ins) != m) {
-        PyErr_Format(PyExc_ValueError,
-                     "parallel_apply: the number of modules (%zd) is not equal to the number "
-                     "of inputs (%zd)", m, PySequence_Fast_GET_SIZE(ins));
-        m = 0;
-        goto fail;
-    }
-    if (kwargs_tup != NULL && kwargs_tup != Py_None) {
-        kws = PySequence_Fast(kwargs_tup, "parallel_apply: kwargs_tup must be a sequence of dicts");
-        if (kws == NULL || PySequence_Fast_GET_SIZE(kws) != m) {
-            if (kws != NULL) {
-                PyErr_Format(PyExc_ValueError,
-                             "parallel_apply: the number of modules (%zd) is not equal to the "
-                             "number of kwargs_tup entries (%zd)", m, PySequence_Fast_GET_SIZE(kws));
-            }
-            m = 0;
-            goto fail;
+    apply_args a = {0};
+    PyObject *result = NULL;
+    a.jobs = a.small;
+    if (read_arguments(&a, modules, inputs, kwargs_tup, devices, cdevs, ncdevs) == 0 &&
+        alloc_jobs(&a) == 0) {
+        Py_ssize_t i = 0;
+        while (i < a.m && fill_job(st, &a, i, cdevs) == 0) {
+            i++;
+        }
+        if (i == a.m) {
+            result = run_jobs(st, a.jobs, a.m);
         }
     }
-    if (cdevs != NULL) {
-        if (ncdevs != m) {
-            PyErr_Format(PyExc_ValueError,
-                         "parallel_apply: the number of modules (%zd) is not equal to the "
-                         "number of devices (%zd)", m, ncdevs);
-            m = 0;
-            goto fail;
-        }
-    } else if (devices != NULL && devices != Py_None) {
-        devseq = PySequence_Fast(devices, "parallel_apply: devices must be a sequence of devices");
-        if (devseq == NULL || PySequence_Fast_GET_SIZE(devseq) != m) {
-            if (devseq != NULL) {
-                PyErr_Format(PyExc_ValueError,
-                             "parallel_apply: the number of modules (%zd) is not equal to the "
-                             "number of devices (%zd)", m, PySequence_Fast_GET_SIZE(devseq));
-            }
-            m = 0;
-            goto fail;
-        }
+    for (Py_ssize_t i = 0; i < a.njobs; i++) {
+        job_clear(&a.jobs[i]);
     }
-    if (m > DP_SMALL_JOBS) {
-        jobs = PyMem_Calloc((size_t)m, sizeof *jobs);
-        if (jobs == NULL) {
-            jobs = small;
-            m = 0;
-            PyErr_NoMemory();
-            goto fail;
-        }
-    } else {
-        memset(small, 0, sizeof small);
+    if (a.jobs != a.small) {
+        PyMem_Free(a.jobs);
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        apply_job *job = &jobs[i];
-        job->module = Py_NewRef(PySequence_Fast_GET_ITEM(mods, i));
-        job->args = input_as_args(PySequence_Fast_GET_ITEM(ins, i));
-        if (job->args == NULL) {
-            goto fail;
-        }
-        if (kws != NULL &&
-            kwargs_as_dict(PySequence_Fast_GET_ITEM(kws, i), "kwargs_tup", i, &job->kwargs) < 0) {
-            goto fail;
-        }
-        PyObject *dev = devseq ? PySequence_Fast_GET_ITEM(devseq, i) : Py_None;
-        if (cdevs != NULL) {
-            job->dev = cdevs[i];
-        } else if (dev != Py_None) {
-            char name[40];
-            snprintf(name, sizeof name, "devices[%zd]", i);
-            if (dp_device_from_object(st, dev, name, 0, &job->dev) < 0) {
-                goto fail;
-            }
-        } else if (auto_device(st, job->args, i, &defaults, &ndefaults, &job->dev) < 0) {
-            goto fail;
-        }
-    }
-    result = run_jobs(st, jobs, m);
-fail:
-    for (Py_ssize_t i = 0; i < m; i++) {
-        job_clear(&jobs[i]);
-    }
-    if (jobs != small) {
-        PyMem_Free(jobs);
-    }
-    PyMem_Free(defaults);
-    Py_XDECREF(mods);
-    Py_XDECREF(ins);
-    Py_XDECREF(kws);
-    Py_XDECREF(devseq);
+    PyMem_Free(a.defaults);
+    Py_XDECREF(a.mods);
+    Py_XDECREF(a.ins);
+    Py_XDECREF(a.kws);
+    Py_XDECREF(a.devseq);
     return result;
 }
 
