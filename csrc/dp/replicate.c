@@ -611,6 +611,61 @@ static int rep_add_array(rep_walk *w, PyObject *o, int depth)
 /* The most nodes a list or tuple reserves room for at once. */
 #define REP_RESERVE_MAX 4096
 
+/* The walk went deeper than DP_REPLICATE_MAX_DEPTH: RecursionError naming
+ * the path. As the scatter and gather walkers (check_depth): never a
+ * silent stop that would leave deeper arrays shared. */
+static Py_ssize_t rep_too_deep(rep_walk *w, int depth)
+{
+    PyObject *path = rep_path(w, depth);
+    if (path != NULL) {
+        PyErr_Format(PyExc_RecursionError,
+                     "%U: module nested deeper than %d levels (dpmini walks at most "
+                     "%d levels of attributes, tuples, lists, dicts and other "
+                     "containers)", path, DP_MAX_NESTING, DP_MAX_NESTING);
+    }
+    Py_XDECREF(path);
+    return RK_ERROR;
+}
+
+/* Walk the items of list or tuple node n (o). A module's list of parameters
+ * gets room for them at once (at most REP_RESERVE_MAX: a long list of plain
+ * numbers adds no nodes). The list is read again at each item: the walk may
+ * run Python code that changes it. */
+static int rep_walk_items(rep_walk *w, Py_ssize_t n, PyObject *o, int depth)
+{
+    int is_list = PyList_Check(o);
+    Py_ssize_t len = is_list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o);
+    if (rep_reserve(w, len < REP_RESERVE_MAX ? len : REP_RESERVE_MAX) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < (is_list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o)); i++) {
+        PyObject *item = is_list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i);
+        if (rep_walk_child(w, n, item, i, NULL, depth) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Walk object node n (o): its __dict__ (kept in the node for the build;
+ * none when it has no usable one), then its __slots__ members. */
+static int rep_walk_object(rep_walk *w, Py_ssize_t n, PyObject *o, int depth)
+{
+    if (has_instance_dict(Py_TYPE(o))) {
+        PyObject *d = PyObject_GenericGetDict(o, NULL);
+        if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__ */
+            PyErr_Clear();
+            Py_XDECREF(d);
+        } else {
+            w->nodes[n].dict = d;
+            if (rep_walk_dict(w, n, d, depth) < 0) {
+                return -1;
+            }
+        }
+    }
+    return rep_walk_slots(w, n, o, depth);
+}
+
 static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
 {
     Py_ssize_t n = ptrmap_get(&w->map, o);
@@ -625,81 +680,33 @@ static Py_ssize_t rep_walk_obj(rep_walk *w, PyObject *o, int depth)
         return kind;
     }
     if (depth > DP_REPLICATE_MAX_DEPTH) {
-        /* As the scatter and gather walkers (check_depth): never a silent
-         * stop that would leave deeper arrays shared. */
-        PyObject *path = rep_path(w, depth);
-        if (path != NULL) {
-            PyErr_Format(PyExc_RecursionError,
-                         "%U: module nested deeper than %d levels (dpmini walks at most "
-                         "%d levels of attributes, tuples, lists, dicts and other "
-                         "containers)", path, DP_MAX_NESTING, DP_MAX_NESTING);
-        }
-        Py_XDECREF(path);
-        return RK_ERROR;
+        return rep_too_deep(w, depth);
     }
     n = rep_add_node(w, o, kind);
     if (n < 0) {
         return RK_ERROR;
     }
+    int rc = 0;
     switch (kind) {
     case RK_ARRAY:
         w->nodes[n].array_index = PyList_GET_SIZE(w->arrays);
-        if (rep_add_array(w, o, depth) < 0) {
-            return RK_ERROR;
-        }
+        rc = rep_add_array(w, o, depth);
         break;
     case RK_LIST:
     case RK_LIST_SUB:
-        /* a module's list of parameters: room for them at once (at most
-         * REP_RESERVE_MAX: a long list of plain numbers adds no nodes) */
-        if (rep_reserve(w, PyList_GET_SIZE(o) < REP_RESERVE_MAX ? PyList_GET_SIZE(o)
-                                                                : REP_RESERVE_MAX) < 0) {
-            return RK_ERROR;
-        }
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); i++) {
-            if (rep_walk_child(w, n, PyList_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
-                return RK_ERROR;
-            }
-        }
-        break;
     case RK_TUPLE:
     case RK_NAMEDTUPLE:
-        if (rep_reserve(w, PyTuple_GET_SIZE(o) < REP_RESERVE_MAX ? PyTuple_GET_SIZE(o)
-                                                                 : REP_RESERVE_MAX) < 0) {
-            return RK_ERROR;
-        }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++) {
-            if (rep_walk_child(w, n, PyTuple_GET_ITEM(o, i), i, NULL, depth + 1) < 0) {
-                return RK_ERROR;
-            }
-        }
+        rc = rep_walk_items(w, n, o, depth + 1);
         break;
     case RK_DICT:
     case RK_DICT_SUB:
-        if (rep_walk_dict(w, n, o, depth + 1) < 0) {
-            return RK_ERROR;
-        }
+        rc = rep_walk_dict(w, n, o, depth + 1);
         break;
-    case RK_OBJECT: {
-        if (has_instance_dict(Py_TYPE(o))) {
-            PyObject *d = PyObject_GenericGetDict(o, NULL);
-            if (d == NULL || !PyDict_Check(d)) {   /* no usable __dict__ */
-                PyErr_Clear();
-                Py_XDECREF(d);
-            } else {
-                w->nodes[n].dict = d;
-                if (rep_walk_dict(w, n, d, depth + 1) < 0) {
-                    return RK_ERROR;
-                }
-            }
-        }
-        if (rep_walk_slots(w, n, o, depth + 1) < 0) {
-            return RK_ERROR;
-        }
+    case RK_OBJECT:
+        rc = rep_walk_object(w, n, o, depth + 1);
         break;
     }
-    }
-    return n;
+    return rc < 0 ? RK_ERROR : n;
 }
 
 /* After the walk: mark every node with an array below it, and group the
@@ -794,14 +801,128 @@ static void name_copy_error(rep_walk *w, Py_ssize_t n)
     dp_reraise_msg(w->st, msg);
 }
 
+/* The shallow copy that node n's replica starts from (new reference): a
+ * list or dict copied, a tuple's items as a list (made a tuple once they
+ * are replaced), anything else copy.copy(obj), with the copy's __dict__ in
+ * *cdict for an object whose walk read one. NULL with an exception, also
+ * when copy.copy shares the object or its __dict__. */
+static PyObject *rep_copy_node(rep_walk *w, Py_ssize_t n, PyObject **cdict)
+{
+    rep_node *node = &w->nodes[n];
+    *cdict = NULL;
+    switch (node->kind) {
+    case RK_LIST:
+        return PyList_GetSlice(node->obj, 0, PY_SSIZE_T_MAX);
+    case RK_DICT:
+        return PyDict_Copy(node->obj);
+    case RK_TUPLE:
+    case RK_NAMEDTUPLE:
+        return PySequence_List(node->obj);
+    default:   /* RK_LIST_SUB, RK_DICT_SUB, RK_OBJECT */
+        break;
+    }
+    PyObject *copy = PyObject_CallOneArg(w->st->copy_copy, node->obj);
+    if (copy == NULL) {
+        name_copy_error(w, n);
+        return NULL;
+    }
+    if (copy == node->obj) {
+        PyErr_Format(PyExc_TypeError,
+                     "replicate: copy.copy() returned the same %.100s object; a module "
+                     "object holding arrays must be copyable (check its __copy__)",
+                     Py_TYPE(node->obj)->tp_name);
+        Py_DECREF(copy);
+        return NULL;
+    }
+    if (node->kind == RK_OBJECT && node->dict != NULL) {
+        *cdict = PyObject_GenericGetDict(copy, NULL);
+        if (*cdict != NULL && (*cdict == node->dict || !PyDict_Check(*cdict))) {
+            PyErr_Format(PyExc_TypeError,
+                         "replicate: copy.copy() of a %.100s object shares its __dict__; a "
+                         "module object holding arrays must be copyable (check its __copy__)",
+                         Py_TYPE(node->obj)->tp_name);
+            Py_CLEAR(*cdict);
+        }
+        if (*cdict == NULL) {
+            Py_DECREF(copy);
+            return NULL;
+        }
+    }
+    return copy;
+}
+
+/* Put v (stolen), the replica of the child of edge ed, in copy, the
+ * replica under construction of a node of kind (cdict: its __dict__ copy
+ * for an object). 0, or -1 with an exception. */
+static int rep_set_child(int kind, PyObject *copy, PyObject *cdict, const rep_edge *ed,
+                         PyObject *v)
+{
+    int rc = 0;
+    switch (kind) {
+    case RK_LIST:
+    case RK_TUPLE:
+    case RK_NAMEDTUPLE:
+        if (ed->index < PyList_GET_SIZE(copy)) {
+            return PyList_SetItem(copy, ed->index, v);   /* steals v */
+        }
+        break;
+    case RK_LIST_SUB:
+        rc = PySequence_SetItem(copy, ed->index, v);
+        break;
+    case RK_DICT:
+        rc = PyDict_SetItem(copy, ed->key, v);
+        break;
+    case RK_DICT_SUB:
+        rc = PyObject_SetItem(copy, ed->key, v);
+        break;
+    default:   /* RK_OBJECT */
+        if (ed->index == REP_SLOT_EDGE) {
+            rc = Py_TYPE(ed->key)->tp_descr_set(ed->key, copy, v);
+        } else {
+            rc = PyDict_SetItem(cdict, ed->key, v);
+        }
+        break;
+    }
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObject **memo);
+
+/* Build the replicas of node n's children on paths to arrays and put each
+ * in copy (cdict: an object's __dict__ copy). 0, or -1 with an exception. */
+static int rep_build_children(rep_walk *w, Py_ssize_t n, PyObject *copy, PyObject *cdict,
+                              PyObject *arrays_d, PyObject **memo)
+{
+    Py_ssize_t first = w->nodes[n].first_edge, end = first + w->nodes[n].nedges;
+    for (Py_ssize_t e = first; e < end; e++) {
+        const rep_edge *ed = &w->sorted[e];
+        PyObject *v = rep_build(w, ed->child, arrays_d, memo);
+        if (v == NULL || rep_set_child(w->nodes[n].kind, copy, cdict, ed, v) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A tuple or namedtuple node's replica from the list of its items (stolen):
+ * tuple(items), or type(obj)._make(items). NULL with an exception. */
+static PyObject *rep_tuple_from_items(rep_walk *w, Py_ssize_t n, PyObject *items)
+{
+    rep_node *node = &w->nodes[n];
+    PyObject *made = node->kind == RK_TUPLE
+                     ? PyList_AsTuple(items)
+                     : PyObject_CallMethod((PyObject *)Py_TYPE(node->obj), "_make", "O", items);
+    Py_DECREF(items);
+    return made;
+}
+
 /* The replica of node n for one device (new reference). arrays_d: that
  * device's broadcast arrays; memo: one slot per node (NULL, REP_BUSY or a
  * new reference), so objects reachable twice stay one object. */
 static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObject **memo)
 {
     rep_node *node = &w->nodes[n];
-    PyObject *copy = NULL, *cdict = NULL, *v = NULL, *made = NULL;
-
     if (!node->has_array || memo[n] == REP_BUSY) {
         return Py_NewRef(node->obj);
     }
@@ -809,125 +930,35 @@ static PyObject *rep_build(rep_walk *w, Py_ssize_t n, PyObject *arrays_d, PyObje
         return Py_NewRef(memo[n]);
     }
     if (node->kind == RK_ARRAY) {
-        copy = PyList_GET_ITEM(arrays_d, node->array_index);
+        PyObject *copy = PyList_GET_ITEM(arrays_d, node->array_index);
         memo[n] = Py_NewRef(copy);
         return Py_NewRef(copy);
     }
     if (Py_EnterRecursiveCall(" while replicating a module")) {
         return NULL;
     }
-    switch (node->kind) {
-    case RK_LIST:
-        copy = PyList_GetSlice(node->obj, 0, PY_SSIZE_T_MAX);
-        break;
-    case RK_DICT:
-        copy = PyDict_Copy(node->obj);
-        break;
-    case RK_TUPLE:
-    case RK_NAMEDTUPLE:
-        copy = PySequence_List(node->obj);   /* items, turned into a tuple below */
-        break;
-    default:   /* RK_LIST_SUB, RK_DICT_SUB, RK_OBJECT */
-        copy = PyObject_CallOneArg(w->st->copy_copy, node->obj);
-        if (copy == NULL) {
-            name_copy_error(w, n);
-        }
-        break;
-    }
-    if (copy == NULL) {
-        goto fail;
-    }
-    if (node->kind == RK_OBJECT || node->kind == RK_LIST_SUB || node->kind == RK_DICT_SUB) {
-        if (copy == node->obj) {
-            PyErr_Format(PyExc_TypeError,
-                         "replicate: copy.copy() returned the same %.100s object; a module "
-                         "object holding arrays must be copyable (check its __copy__)",
-                         Py_TYPE(node->obj)->tp_name);
-            goto fail;
-        }
-    }
-    if (node->kind == RK_OBJECT && node->dict != NULL) {
-        cdict = PyObject_GenericGetDict(copy, NULL);
-        if (cdict == NULL) {
-            goto fail;
-        }
-        if (cdict == node->dict || !PyDict_Check(cdict)) {
-            PyErr_Format(PyExc_TypeError,
-                         "replicate: copy.copy() of a %.100s object shares its __dict__; a "
-                         "module object holding arrays must be copyable (check its __copy__)",
-                         Py_TYPE(node->obj)->tp_name);
-            goto fail;
-        }
-    }
-    if (node->kind == RK_TUPLE || node->kind == RK_NAMEDTUPLE) {
-        memo[n] = REP_BUSY;
-    } else {
-        memo[n] = Py_NewRef(copy);
-    }
-    for (Py_ssize_t e = node->first_edge; e < node->first_edge + node->nedges; e++) {
-        const rep_edge *ed = &w->sorted[e];
-        v = rep_build(w, ed->child, arrays_d, memo);
-        node = &w->nodes[n];
-        if (v == NULL) {
-            goto fail;
-        }
-        int rc = 0;
-        switch (node->kind) {
-        case RK_LIST:
-        case RK_TUPLE:
-        case RK_NAMEDTUPLE:
-            if (ed->index < PyList_GET_SIZE(copy)) {
-                rc = PyList_SetItem(copy, ed->index, v);   /* steals v */
-                v = NULL;
+    int is_tuple = node->kind == RK_TUPLE || node->kind == RK_NAMEDTUPLE;
+    PyObject *cdict;
+    PyObject *copy = rep_copy_node(w, n, &cdict);
+    if (copy != NULL) {
+        /* A tuple is made from its items last: until then a path back to
+         * it (a cycle) shares the original. */
+        memo[n] = is_tuple ? REP_BUSY : Py_NewRef(copy);
+        if (rep_build_children(w, n, copy, cdict, arrays_d, memo) < 0) {
+            Py_CLEAR(copy);
+        } else if (is_tuple) {
+            copy = rep_tuple_from_items(w, n, copy);
+            if (copy != NULL) {
+                memo[n] = Py_NewRef(copy);
             }
-            break;
-        case RK_LIST_SUB:
-            rc = PySequence_SetItem(copy, ed->index, v);
-            break;
-        case RK_DICT:
-            rc = PyDict_SetItem(copy, ed->key, v);
-            break;
-        case RK_DICT_SUB:
-            rc = PyObject_SetItem(copy, ed->key, v);
-            break;
-        default:   /* RK_OBJECT */
-            if (ed->index == REP_SLOT_EDGE) {
-                rc = Py_TYPE(ed->key)->tp_descr_set(ed->key, copy, v);
-            } else {
-                rc = PyDict_SetItem(cdict, ed->key, v);
-            }
-            break;
         }
-        Py_CLEAR(v);
-        if (rc < 0) {
-            goto fail;
-        }
-    }
-    if (node->kind == RK_TUPLE) {
-        made = PyList_AsTuple(copy);
-    } else if (node->kind == RK_NAMEDTUPLE) {
-        made = PyObject_CallMethod((PyObject *)Py_TYPE(node->obj), "_make", "O", copy);
-    }
-    if (node->kind == RK_TUPLE || node->kind == RK_NAMEDTUPLE) {
-        if (made == NULL) {
-            goto fail;
-        }
-        Py_SETREF(copy, made);
-        memo[n] = Py_NewRef(copy);
     }
     Py_LeaveRecursiveCall();
     Py_XDECREF(cdict);
-    return copy;
-
-fail:
-    Py_LeaveRecursiveCall();
-    if (memo[n] == REP_BUSY) {
+    if (copy == NULL && memo[n] == REP_BUSY) {
         memo[n] = NULL;
     }
-    Py_XDECREF(v);
-    Py_XDECREF(cdict);
-    Py_XDECREF(copy);
-    return NULL;
+    return copy;
 }
 
 /* dpmini._torch.replicate(module, devices, detach=None): a torch.nn.Module's
@@ -958,116 +989,126 @@ static PyObject *replicate_torch(dp_state *st, PyObject *module, const dp_device
     return res;
 }
 
+/* Walk module: its root node, RK_LEAF when it is not a node (plain
+ * callables: functions, builtins, bound methods hold no arrays and are not
+ * walked), RK_ERROR with an exception. */
+static Py_ssize_t rep_walk_module(rep_walk *w, PyObject *module, const dp_device *devs,
+                                  Py_ssize_t ndev)
+{
+    if (PyFunction_Check(module) || PyCFunction_Check(module) || PyMethod_Check(module)) {
+        return RK_LEAF;
+    }
+    w->share_torch = 1;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        w->share_torch &= devs[d].kind == DP_VCPU;
+    }
+    w->arrays = PyList_New(0);
+    w->leaves = PyList_New(0);
+    w->origins = PyList_New(0);
+    if (w->arrays == NULL || w->leaves == NULL || w->origins == NULL) {
+        return RK_ERROR;
+    }
+    return rep_walk_obj(w, module, 0);
+}
+
+/* The walk's arrays broadcast to devs[0..ndev) (a list of ndev lists, one
+ * copy of each array per device), or NULL with an exception. */
+static PyObject *rep_broadcast(rep_walk *w, const dp_device *devs, Py_ssize_t ndev)
+{
+    PyObject *bc = dp_broadcast_coalesced(w->st, w->arrays, devs, ndev, DP_BROADCAST_BUFFER);
+    if (bc == NULL) {
+        return NULL;
+    }
+    int ok = PyList_Check(bc) && PyList_GET_SIZE(bc) == ndev;
+    for (Py_ssize_t d = 0; ok && d < ndev; d++) {
+        PyObject *arrays_d = PyList_GET_ITEM(bc, d);
+        ok = PyList_Check(arrays_d) && PyList_GET_SIZE(arrays_d) == PyList_GET_SIZE(w->arrays);
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_SystemError, "replicate: broadcast_coalesced returned a bad list");
+        Py_CLEAR(bc);
+    }
+    return bc;
+}
+
+/* Empty the memo between devices (REP_BUSY slots hold no reference). */
+static void memo_clear(PyObject **memo, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (memo[i] != REP_BUSY) {
+            Py_XDECREF(memo[i]);
+        }
+        memo[i] = NULL;
+    }
+}
+
+/* After the walk found arrays below root: broadcast them and build one
+ * replica per device into result (a list of ndev empty slots). 0, or -1
+ * with an exception. */
+static int rep_build_replicas(rep_walk *w, Py_ssize_t root, const dp_device *devs,
+                              Py_ssize_t ndev, PyObject *result)
+{
+    if (rep_link(w) < 0) {
+        return -1;
+    }
+    PyObject *bc = rep_broadcast(w, devs, ndev);
+    if (bc == NULL) {
+        return -1;
+    }
+    PyObject **memo = PyMem_Calloc((size_t)w->nnodes, sizeof *memo);
+    if (memo == NULL) {
+        Py_DECREF(bc);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t d = 0; d < ndev && rc == 0; d++) {
+        PyObject *arrays_d = PyList_GET_ITEM(bc, d);
+        PyObject *rep = NULL;
+        if (dp_replicas_leaves(w->st, arrays_d, w->arrays, w->leaves, w->origins) == 0) {
+            rep = rep_build(w, root, arrays_d, memo);
+        }
+        memo_clear(memo, w->nnodes);
+        if (rep == NULL) {
+            rc = -1;
+        } else {
+            PyList_SET_ITEM(result, d, rep);
+        }
+    }
+    PyMem_Free(memo);
+    Py_DECREF(bc);
+    return rc;
+}
+
 /* replicate(module, devs[0..ndev)) -> list of ndev replicas (docs/spec.md 5,
  * dpmini's rules in the header comment). ndev may be 0. */
 static PyObject *replicate_core_steps(dp_state *st, PyObject *module, const dp_device *devs,
                                       Py_ssize_t ndev)
 {
-    rep_walk w;
-    PyObject *result = NULL, *bc = NULL;
-    PyObject **memo = NULL;
-    Py_ssize_t root = RK_LEAF;
-
-    rep_walk_init(&w, st);
-    result = PyList_New(ndev);
-    if (result == NULL) {
-        goto fail;
-    }
-    if (ndev == 0) {
-        goto done;
+    PyObject *result = PyList_New(ndev);
+    if (result == NULL || ndev == 0) {
+        return result;
     }
     /* A torch.nn.Module: torch's own rule (docs/spec.md 5), in dpmini/_torch.py. */
     int torch_mod = dp_is_torch_module(module);
-    if (torch_mod < 0) {
-        goto fail;
+    if (torch_mod != 0) {
+        Py_SETREF(result, torch_mod < 0 ? NULL : replicate_torch(st, module, devs, ndev));
+        return result;
     }
-    if (torch_mod) {
-        Py_SETREF(result, replicate_torch(st, module, devs, ndev));
-        if (result == NULL) {
-            goto fail;
-        }
-        goto done;
-    }
-    w.share_torch = 1;
-    for (Py_ssize_t d = 0; d < ndev; d++) {
-        w.share_torch &= devs[d].kind == DP_VCPU;
-    }
-    /* Plain callables (functions, builtins, bound methods) hold no arrays. */
-    if (!PyFunction_Check(module) && !PyCFunction_Check(module) && !PyMethod_Check(module)) {
-        w.arrays = PyList_New(0);
-        w.leaves = PyList_New(0);
-        w.origins = PyList_New(0);
-        if (w.arrays == NULL || w.leaves == NULL || w.origins == NULL) {
-            goto fail;
-        }
-        root = rep_walk_obj(&w, module, 0);
-        if (root == RK_ERROR) {
-            goto fail;
-        }
-    }
-    if (root < 0 || PyList_GET_SIZE(w.arrays) == 0) {
-        for (Py_ssize_t d = 0; d < ndev; d++) {
+    rep_walk w;
+    rep_walk_init(&w, st);
+    Py_ssize_t root = rep_walk_module(&w, module, devs, ndev);
+    if (root == RK_ERROR) {
+        Py_CLEAR(result);
+    } else if (root < 0 || PyList_GET_SIZE(w.arrays) == 0) {
+        for (Py_ssize_t d = 0; d < ndev; d++) {   /* no arrays: the module itself */
             PyList_SET_ITEM(result, d, Py_NewRef(module));
         }
-        goto done;
+    } else if (rep_build_replicas(&w, root, devs, ndev, result) < 0) {
+        Py_CLEAR(result);
     }
-    if (rep_link(&w) < 0) {
-        goto fail;
-    }
-    bc = dp_broadcast_coalesced(st, w.arrays, devs, ndev, DP_BROADCAST_BUFFER);
-    if (bc == NULL) {
-        goto fail;
-    }
-    if (!PyList_Check(bc) || PyList_GET_SIZE(bc) != ndev) {
-        PyErr_SetString(PyExc_SystemError, "replicate: broadcast_coalesced returned a bad list");
-        goto fail;
-    }
-    memo = PyMem_Calloc((size_t)w.nnodes, sizeof *memo);
-    if (memo == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t d = 0; d < ndev; d++) {
-        PyObject *arrays_d = PyList_GET_ITEM(bc, d);
-        if (!PyList_Check(arrays_d) || PyList_GET_SIZE(arrays_d) != PyList_GET_SIZE(w.arrays)) {
-            PyErr_SetString(PyExc_SystemError,
-                            "replicate: broadcast_coalesced returned a bad list");
-            goto fail;
-        }
-        if (dp_replicas_leaves(st, arrays_d, w.arrays, w.leaves, w.origins) < 0) {
-            goto fail;
-        }
-        PyObject *rep = rep_build(&w, root, arrays_d, memo);
-        for (Py_ssize_t i = 0; i < w.nnodes; i++) {
-            if (memo[i] != REP_BUSY) {
-                Py_XDECREF(memo[i]);
-            }
-            memo[i] = NULL;
-        }
-        if (rep == NULL) {
-            goto fail;
-        }
-        PyList_SET_ITEM(result, d, rep);
-    }
-done:
-    PyMem_Free(memo);
-    Py_XDECREF(bc);
     rep_walk_free(&w);
     return result;
-
-fail:
-    if (memo != NULL) {
-        for (Py_ssize_t i = 0; i < w.nnodes; i++) {
-            if (memo[i] != REP_BUSY) {
-                Py_XDECREF(memo[i]);
-            }
-        }
-    }
-    PyMem_Free(memo);
-    Py_XDECREF(bc);
-    Py_XDECREF(result);
-    rep_walk_free(&w);
-    return NULL;
 }
 
 /* replicate_core under dpmini.profile(): one span around it (profile.h). */
