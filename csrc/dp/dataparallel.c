@@ -1249,72 +1249,79 @@ PyDoc_STRVAR(DataParallel_reduce_doc,
 "module must itself be picklable for pickle. Errors: RuntimeError when\n"
 "__init__ was not called.");
 
-static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
+/* __reduce__'s constructor arguments: (module, device_ids as strings,
+ * output_device as a string, dim, strict). New tuple, or NULL. */
+static PyObject *reduce_args(dp_DataParallelObject *self)
 {
-    PyObject *ids = NULL, *out = NULL, *args = NULL, *state = NULL, *opts = NULL;
-    PyObject *res = NULL;
     char buf[32];
-    if (check_initialised(self) < 0) {
-        return NULL;
-    }
-    ids = PyList_New(self->ndev);
-    if (ids == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < self->ndev; i++) {
+    PyObject *out = NULL, *args = NULL;
+    PyObject *ids = PyList_New(self->ndev);
+    for (Py_ssize_t i = 0; ids != NULL && i < self->ndev; i++) {
         dp_device_format(self->devs[i], buf, sizeof buf);
         PyObject *s = PyUnicode_FromString(buf);
         if (s == NULL) {
-            goto done;
+            Py_CLEAR(ids);
+            break;
         }
         PyList_SET_ITEM(ids, i, s);
     }
-    dp_device_format(self->output_device, buf, sizeof buf);
-    out = PyUnicode_FromString(buf);
-    if (out == NULL) {
-        goto done;
+    if (ids != NULL) {
+        dp_device_format(self->output_device, buf, sizeof buf);
+        out = PyUnicode_FromString(buf);
     }
-    args = Py_BuildValue("(OOOiO)", self->module, ids, out, self->dim,
-                         self->strict ? Py_True : Py_False);
-    if (args == NULL) {
-        goto done;
+    if (out != NULL) {
+        args = Py_BuildValue("(OOOiO)", self->module, ids, out, self->dim,
+                             self->strict ? Py_True : Py_False);
     }
-    state = (self->dict != NULL && PyDict_GET_SIZE(self->dict) > 0)
-            ? PyDict_Copy(self->dict) : Py_NewRef(Py_None);
-    if (state == NULL) {
-        goto done;
+    Py_XDECREF(ids);
+    Py_XDECREF(out);
+    return args;
+}
+
+/* __reduce__'s state: the instance __dict__'s copy (None when empty) and,
+ * when any is set, the extension options in pickle's slotstate: copy and
+ * pickle setattr() each entry, through the validating setters, and a
+ * subclass __init__ taking only the five PyTorch arguments still rebuilds.
+ * New reference, or NULL. */
+static PyObject *reduce_state(dp_DataParallelObject *self)
+{
+    static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+    PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+    PyObject *state = (self->dict != NULL && PyDict_GET_SIZE(self->dict) > 0)
+                      ? PyDict_Copy(self->dict) : Py_NewRef(Py_None);
+    PyObject *opts = state != NULL ? PyDict_New() : NULL;
+    if (opts == NULL) {
+        Py_XDECREF(state);
+        return NULL;
     }
-    {
-        /* The extension options go in pickle's slotstate: copy and pickle
-         * setattr() each entry, through the validating setters, and a
-         * subclass __init__ taking only the five PyTorch arguments still
-         * rebuilds. */
-        static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
-        PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
-        opts = PyDict_New();
-        if (opts == NULL) {
-            goto done;
-        }
-        for (int i = 0; i < 4; i++) {
-            if (vals[i] != Py_None && PyDict_SetItemString(opts, names[i], vals[i]) < 0) {
-                goto done;
-            }
-        }
-        if (PyDict_GET_SIZE(opts) > 0) {
-            Py_SETREF(state, PyTuple_Pack(2, state, opts));
-            if (state == NULL) {
-                goto done;
-            }
+    for (int i = 0; i < 4; i++) {
+        if (vals[i] != Py_None && PyDict_SetItemString(opts, names[i], vals[i]) < 0) {
+            Py_CLEAR(state);
+            break;
         }
     }
-    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    if (state != NULL && PyDict_GET_SIZE(opts) > 0) {
+        Py_SETREF(state, PyTuple_Pack(2, state, opts));
+    }
+    Py_DECREF(opts);
+    return state;
+}
+
+static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
+{
+    PyObject *args = NULL, *state = NULL, *res = NULL;
+    if (check_initialised(self) < 0) {
+        return NULL;
+    }
+    args = reduce_args(self);
+    state = args != NULL ? reduce_state(self) : NULL;
+    dp_state *st = state != NULL ? dp_state_from_type(Py_TYPE(self)) : NULL;
     if (st == NULL) {
         goto done;
     }
     if (Py_TYPE(self) == st->DataParallelType) {
         res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
-    }
-    else {
+    } else {
         /* A subclass: its __init__ may take other arguments, so the clone
          * is made by DataParallel._rebuild without calling it. */
         PyObject *rebuild = PyObject_GetAttrString((PyObject *)st->DataParallelType, "_rebuild");
@@ -1326,9 +1333,6 @@ static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unus
         Py_XDECREF(rargs);
     }
 done:
-    Py_XDECREF(opts);
-    Py_XDECREF(ids);
-    Py_XDECREF(out);
     Py_XDECREF(args);
     Py_XDECREF(state);
     return res;
