@@ -1,6 +1,6 @@
 """parallel_apply on many virtual CPU devices: the replicas' workers are
 woken in a chain and a worker that has run its own replica runs the ones
-whose workers have not been woken yet (parallel_apply_chain.c, "Chained jobs").
+whose workers have not been woken yet (parallel_apply.c, "Chained jobs").
 What must hold whatever thread runs a replica: replicas that wait on each
 other still all run at once, each replica sees its own device, its own copy
 of the caller's contextvars and the caller's torch grad mode, results come

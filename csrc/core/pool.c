@@ -10,7 +10,7 @@
  * the first loud job of the queue: a quiet job (dp_batch_submit_quiet) has
  * its thread counted but waits for dp_job_wake, or leaves the queue by
  * dp_job_withdraw, so that one thread may run several replicas' jobs
- * without waking the others (parallel_apply_chain.c). Beyond
+ * without waking the others (parallel_apply.c). Beyond
  * DP_POOL_KEEP_THREADS, a thread idle for IDLE_EXIT_MS exits, so a burst
  * does not leave dozens of threads behind.
  * In the common case (one job per device at a time) a slot has one thread.

@@ -88,7 +88,7 @@ enum { DP_NODE_QUIET = 0, DP_NODE_LOUD = 1, DP_NODE_TAKEN = 2, DP_NODE_REMOVED =
  * (started here when needed, with the same errors as dp_batch_submit), but
  * no thread takes it until dp_job_wake(node); dp_job_withdraw(node) takes
  * it out of the queue instead. parallel_apply uses it to wake the replicas'
- * workers in a chain after the GIL is released (parallel_apply_chain.c). */
+ * workers in a chain after the GIL is released (parallel_apply.c). */
 int dp_batch_submit_quiet(dp_batch *b, int kind, int index, dp_job_fn fn, void *arg,
                           dp_job_node *node);
 

@@ -1,6 +1,5 @@
-/* dataparallel.c - the dpmini.DataParallel type (the functional data_parallel is in
- * dataparallel_call.c)
- * (docs/spec.md 1, 2, 9; docs/design.md).
+/* dataparallel.c - the dpmini.DataParallel type and the functional
+ * data_parallel (docs/spec.md 1, 2, 9; docs/design.md).
  *
  * DataParallel.forward runs, in order (docs/spec.md 2):
  *   scatter (scatter.c) -> no arguments: ((),) / ({},) -> one device: call the
@@ -10,25 +9,517 @@
  * they are looked up on self, so overriding any of them works.
  * replicate is in replicate.c, parallel_apply in parallel_apply.c.
  *
- * This file: the DataParallel type (construction, GC, the step methods, the
- * docstring). One call (the settings snapshot, forward) and module-level
- * data_parallel are in dataparallel_call.c; repr, attributes and pickling in
- * dataparallel_attrs.c; the object layout in dataparallel_type.h. A torch
- * module is wrapped by a subclass that is also a torch.nn.Module
- * (dpmini/_torch.py), chosen here in tp_new.
+ * Sections: types (the object, one call's options and its snapshot of the
+ * settings); one call (argument helpers, the snapshot, forward: the exact
+ * type's C path and the generic path through overridden steps); the type
+ * (construction, GC, __call__, the step methods); repr, attributes (each
+ * setter accepts what the constructor accepts) and __reduce__ for copy,
+ * deepcopy and pickle; the type's tables and docstring; data_parallel. A
+ * torch module is wrapped by a subclass that is also a torch.nn.Module
+ * (dpmini/_torch.py), chosen in tp_new.
  */
 #include "dpmini.h"
 #include "dataparallel.h"
-#include "dataparallel_type.h"
 #include "dp.h"
+#include "gpu.h"
 #include "walk.h"
+#include "plan.h"
 #include "profile.h"
 
 #include <structmember.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------ */
-/* Public functions: the DataParallel type                             */
+/* Types                                                               */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *module;          /* the wrapped callable; Py_None before __init__ */
+    dp_device *devs;           /* device_ids, PyMem_Malloc'ed; NULL before __init__ */
+    Py_ssize_t ndev;           /* len(device_ids); >= 1 once devs is set */
+    dp_device output_device;   /* gather target; may be the host */
+    int dim;                   /* scatter/gather dim as given (wrapped per array) */
+    int strict;                /* 1: different chunk counts raise (scatter.c) */
+    PyObject *in_dims;         /* owned; None: dim for every input (scatter.c,
+                                  dp_split_opts); types checked on set */
+    PyObject *out_dims;        /* owned; None: dim for every output */
+    PyObject *chunk_sizes;     /* owned; None or a tuple of ints >= 0 */
+    PyObject *weights;         /* owned; None or a tuple of numbers > 0;
+                                  never both set; lengths are checked
+                                  against device_ids on each call */
+    struct dp_snapshot *active;  /* the calls running now, innermost first (see
+                                    call_push); NULL when none */
+    PyObject *dict;            /* instance __dict__ (tp_dictoffset); may be NULL */
+    PyObject *weakreflist;     /* weak references (tp_weaklistoffset); may be NULL */
+} dp_DataParallelObject;
+
+/* The split and gather options of one call (all borrowed; Py_None when not
+ * given). See dp_split_opts and dp_gather_outputs_ex in dpmini.h. */
+typedef struct {
+    int dim;
+    int strict;
+    PyObject *in_dims;
+    PyObject *out_dims;
+    PyObject *chunk_sizes;
+    PyObject *weights;
+} call_opts;
+
+/* What one call uses of a DataParallel's settings. User code run during the
+ * call (a dict subclass's items(), a replica, another thread while the GIL
+ * is released) may reassign dp.module or dp.device_ids; the call keeps its
+ * own reference and its own copy of the device list, so it neither reads
+ * freed memory nor mixes old and new settings. */
+#define DP_SNAP_INLINE 16
+typedef struct dp_snapshot {
+    struct dp_snapshot *next;  /* the call below it in self->active          */
+    unsigned long thread;      /* PyThread_get_thread_ident() of its caller  */
+    int claimed;               /* taken by forward (forward_dispatch)        */
+    PyObject *module;          /* owned                                      */
+    dp_device *devs;           /* inline_devs or PyMem_Malloc'ed; ndev items */
+    Py_ssize_t ndev;
+    dp_device output_device;
+    int dim;
+    int strict;
+    PyObject *in_dims;         /* owned; the extension options (docs/spec.md 12-14) */
+    PyObject *out_dims;        /* owned                                      */
+    PyObject *chunk_sizes;     /* owned                                      */
+    PyObject *weights;         /* owned                                      */
+    dp_device inline_devs[DP_SNAP_INLINE];
+} dp_snapshot;
+
+/* ------------------------------------------------------------------ */
+/* One call: arguments                                                 */
+/* ------------------------------------------------------------------ */
+
+/* A gather target: "cpu"/-1 (host; -1 warns FutureWarning, docs/spec.md 4.3) or a
+ * device. */
+static int parse_target_device(dp_state *st, PyObject *obj, const char *argname,
+                               dp_device *out)
+{
+    if (dp_device_from_object(st, obj, argname, DP_DEV_ALLOW_HOST, out) < 0) {
+        return -1;
+    }
+    if (dp_is_index_like(obj) && out->kind == DP_HOST &&
+        PyErr_WarnEx(PyExc_FutureWarning,
+                     "Using -1 to represent CPU tensor is deprecated. Please use a "
+                     "device object or string instead, e.g., \"cpu\".", 1) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/* A new list of dpmini.Device for devs[0..n). */
+static PyObject *device_list_new(dp_state *st, const dp_device *devs, Py_ssize_t n)
+{
+    PyObject *list = PyList_New(n);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = dp_device_to_object(st, devs[i]);
+        if (d == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, d);
+    }
+    return list;
+}
+
+/* Call module(*inputs[0], **kwargs[0]) (the one-device path, docs/spec.md 2.5).
+ * On a GPU the device is made current for the call and restored after
+ * (PyTorch leaves the current device as it is; dpmini runs every replica
+ * with its GPU current, so CuPy allocations in DataParallel(device_ids=[1])
+ * land on cuda:1 with one device as with several; docs/differences.md). */
+static PyObject *call_first(dp_state *st, PyObject *module, PyObject *inputs, PyObject *kwargs,
+                            dp_device dev)
+{
+    PyObject *args = NULL, *kw = NULL, *res = NULL;
+    dpc_device_guard guard = {-1, 0, NULL};
+    if (PyTuple_GET_SIZE(inputs) > 0) {
+        args = input_as_args(PyTuple_GET_ITEM(inputs, 0));
+    } else {
+        args = PyTuple_New(0);
+    }
+    if (args == NULL) {
+        goto fail;
+    }
+    if (PyTuple_GET_SIZE(kwargs) > 0 &&
+        kwargs_as_dict(PyTuple_GET_ITEM(kwargs, 0), "kwargs", 0, &kw) < 0) {
+        goto fail;
+    }
+    if (dev.kind == DP_CUDA) {
+        dpc_status s = dpc_guard_enter(dev.index, &guard);
+        if (s.code != 0) {
+            dp_gpu_raise(st, s, "DataParallel: make the replica's GPU current");
+            goto fail;
+        }
+    }
+    res = PyObject_Call(module, args, kw);
+    dpc_guard_leave(&guard);
+fail:
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    return res;
+}
+
+/* docs/spec.md 2.4: a call with no arguments at all runs the module once, as
+ * ((),) / ({},). Replaces *inputs and *kwargs (tuples) when both are empty. */
+static int fix_empty_call(PyObject **inputs, PyObject **kwargs)
+{
+    if (PyTuple_GET_SIZE(*inputs) != 0 || PyTuple_GET_SIZE(*kwargs) != 0) {
+        return 0;
+    }
+    PyObject *noargs = PyTuple_New(0);
+    PyObject *nokw = PyDict_New();
+    PyObject *in = NULL, *kw = NULL;
+    if (noargs != NULL && nokw != NULL) {
+        in = PyTuple_Pack(1, noargs);
+        kw = PyTuple_Pack(1, nokw);
+    }
+    Py_XDECREF(noargs);
+    Py_XDECREF(nokw);
+    if (in == NULL || kw == NULL) {
+        Py_XDECREF(in);
+        Py_XDECREF(kw);
+        return -1;
+    }
+    Py_SETREF(*inputs, in);
+    Py_SETREF(*kwargs, kw);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* One call: the snapshot and forward                                  */
+/* ------------------------------------------------------------------ */
+
+
+/* scatter_kwargs with the options o over devs[0..ndev). */
+static int scatter_with(dp_state *st, PyObject *args, PyObject *kwargs, const dp_device *devs,
+                        Py_ssize_t ndev, const call_opts *o, PyObject **inputs,
+                        PyObject **kws)
+{
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts so;
+    if (dp_parse_split_sizes(o->chunk_sizes, o->weights, ndev, sizes_buf, weights_buf,
+                             &so) < 0) {
+        return -1;
+    }
+    so.dim = o->dim;
+    so.strict = o->strict;
+    so.in_dims = o->in_dims;
+    return dp_scatter_kwargs_ex(st, args, kwargs, devs, ndev, &so, inputs, kws);
+}
+
+/* Check in_dims, out_dims, chunk_sizes and weights as given to a
+ * constructor (ndev devices); replace chunk_sizes / weights (new
+ * references in *cs_out / *w_out) by tuples. */
+static int check_call_opts(PyObject *in_dims, PyObject *out_dims, PyObject *cs, PyObject *w,
+                           Py_ssize_t ndev, PyObject **cs_out, PyObject **w_out)
+{
+    int64_t sizes_buf[DP_MAX_DEVICES];
+    double weights_buf[DP_MAX_DEVICES];
+    dp_split_opts so;
+    *cs_out = *w_out = NULL;
+    if (dp_check_dims_spec(in_dims, "in_dims", 0) < 0 ||
+        dp_check_dims_spec(out_dims, "out_dims", 1) < 0 ||
+        dp_parse_split_sizes(cs, w, ndev, sizes_buf, weights_buf, &so) < 0) {
+        return -1;
+    }
+    *cs_out = cs == Py_None ? Py_NewRef(Py_None) : PySequence_Tuple(cs);
+    *w_out = w == Py_None ? Py_NewRef(Py_None) : PySequence_Tuple(w);
+    if (*cs_out == NULL || *w_out == NULL) {
+        Py_CLEAR(*cs_out);
+        Py_CLEAR(*w_out);
+        return -1;
+    }
+    return 0;
+}
+
+/* DataParallel.forward with the C steps (the exact type, and
+ * data_parallel): docs/spec.md 2 in order. args: tuple; kwargs: dict or NULL. */
+static PyObject *forward_core(dp_state *st, PyObject *module, PyObject *args, PyObject *kwargs,
+                              const dp_device *devs, Py_ssize_t ndev, dp_device out_dev,
+                              const call_opts *o)
+{
+    PyObject *inputs = NULL, *kws = NULL, *replicas = NULL, *outputs = NULL, *res = NULL;
+
+    dp_prof_ctx prof = dp_prof_current();
+    for (Py_ssize_t i = 0; prof.s != NULL && i < ndev; i++) {   /* idle ones too */
+        dp_prof_record_since(&prof, DP_PROF_DEVICE, devs[i].kind, devs[i].index, dp_prof_now(),
+                             NULL);
+    }
+    if (scatter_with(st, args, kwargs, devs, ndev, o, &inputs, &kws) < 0) {
+        return NULL;
+    }
+    if (fix_empty_call(&inputs, &kws) < 0) {
+        goto fail;
+    }
+    if (ndev == 1) {
+        res = call_first(st, module, inputs, kws, devs[0]);
+        goto fail;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(inputs);
+    Py_ssize_t nrep = k < ndev ? k : ndev;
+    replicas = replicate_core(st, module, devs, nrep);
+    if (replicas == NULL) {
+        goto fail;
+    }
+    outputs = parallel_apply_run(st, replicas, inputs, kws, NULL, devs, nrep);
+    if (outputs == NULL) {
+        goto fail;
+    }
+    res = dp_gather_outputs_ex(st, outputs, out_dev, o->dim, o->out_dims);
+fail:
+    Py_XDECREF(inputs);
+    Py_XDECREF(kws);
+    Py_XDECREF(replicas);
+    Py_XDECREF(outputs);
+    return res;
+}
+
+/* -1 with RuntimeError when __init__ was not called. */
+static int check_initialised(dp_DataParallelObject *self)
+{
+    if (self->devs == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%.100s: DataParallel.__init__() was not called (a subclass __init__ "
+                     "must call super().__init__(module, ...))", Py_TYPE(self)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Fill *s from self (initialised; GIL held). -1 with MemoryError. */
+static int snapshot_take(dp_DataParallelObject *self, dp_snapshot *s)
+{
+    s->ndev = self->ndev;
+    if (s->ndev <= DP_SNAP_INLINE) {
+        s->devs = s->inline_devs;
+    } else {
+        s->devs = PyMem_Malloc((size_t)s->ndev * sizeof *s->devs);
+        if (s->devs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    if (s->ndev > 0) {   /* 0 before __init__ (gather works without it) */
+        memcpy(s->devs, self->devs, (size_t)s->ndev * sizeof *s->devs);
+    }
+    s->module = Py_NewRef(self->module);
+    s->output_device = self->output_device;
+    s->dim = self->dim;
+    s->strict = self->strict;
+    s->in_dims = Py_NewRef(self->in_dims);
+    s->out_dims = Py_NewRef(self->out_dims);
+    s->chunk_sizes = Py_NewRef(self->chunk_sizes);
+    s->weights = Py_NewRef(self->weights);
+    return 0;
+}
+
+/* The call options a snapshot holds (borrowed from it). */
+static call_opts snapshot_opts(const dp_snapshot *s)
+{
+    call_opts o = {s->dim, s->strict, s->in_dims, s->out_dims, s->chunk_sizes, s->weights};
+    return o;
+}
+
+/* Drop what snapshot_take took. */
+static void snapshot_release(dp_snapshot *s)
+{
+    Py_CLEAR(s->module);
+    Py_CLEAR(s->in_dims);
+    Py_CLEAR(s->out_dims);
+    Py_CLEAR(s->chunk_sizes);
+    Py_CLEAR(s->weights);
+    if (s->devs != s->inline_devs) {
+        PyMem_Free(s->devs);
+    }
+    s->devs = NULL;
+}
+
+/* One call's options, for the step methods too. On a subclass, forward
+ * runs self.scatter, self.replicate, self.parallel_apply and self.gather
+ * through attribute lookup (overridden or not); each of them, when called
+ * on the thread of a running call of the same object (directly or through
+ * super()), uses that call's snapshot instead of reading self again, so
+ * another thread setting dp.dim = 1 mid-call cannot make the call scatter
+ * on 0 and gather on 1. The running calls are a list on the object (the
+ * GIL guards it), one entry per call in progress, each tagged with its
+ * thread. __call__ on a subclass takes the snapshot before looking up
+ * forward, so an overridden forward that calls the steps itself gets it as
+ * well. A step method called outside any call reads self. */
+static void call_push(dp_DataParallelObject *self, dp_snapshot *s, int claimed)
+{
+    s->thread = PyThread_get_thread_ident();
+    s->claimed = claimed;
+    s->next = self->active;
+    self->active = s;
+}
+
+static void call_pop(dp_DataParallelObject *self, dp_snapshot *s)
+{
+    for (dp_snapshot **p = &self->active; *p != NULL; p = &(*p)->next) {
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    }
+    s->next = NULL;
+}
+
+/* The innermost call of self running on this thread, or NULL. */
+static dp_snapshot *call_current(dp_DataParallelObject *self)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    for (dp_snapshot *s = self->active; s != NULL; s = s->next) {
+        if (s->thread == me) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* The options for a step method: the running call's (*borrowed = 1; do not
+ * release) or a fresh snapshot of self (*borrowed = 0). */
+static int step_options(dp_DataParallelObject *self, dp_snapshot *buf, int *borrowed)
+{
+    dp_snapshot *cur = call_current(self);
+    *borrowed = cur != NULL;
+    if (cur != NULL) {
+        *buf = *cur;     /* devs keeps pointing into *cur, alive for the call */
+        buf->next = NULL;
+        return 0;
+    }
+    return snapshot_take(self, buf);
+}
+
+/* forward on a Python subclass: each step through attribute lookup. */
+static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
+                                 const dp_snapshot *snap, PyObject *args, PyObject *kwargs)
+{
+    PyObject *kw = NULL, *ids = NULL, *pair = NULL, *inputs = NULL, *kws = NULL;
+    PyObject *used = NULL, *replicas = NULL, *outputs = NULL, *outdev = NULL, *res = NULL;
+
+    kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+    ids = device_list_new(st, snap->devs, snap->ndev);
+    if (kw == NULL || ids == NULL) {
+        goto fail;
+    }
+    pair = PyObject_CallMethod((PyObject *)self, "scatter", "OOO", args, kw, ids);
+    if (pair == NULL) {
+        goto fail;
+    }
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_TypeError,
+                     "DataParallel.forward: %.100s.scatter() must return (inputs, kwargs), "
+                     "got %.100s", Py_TYPE(self)->tp_name, Py_TYPE(pair)->tp_name);
+        goto fail;
+    }
+    for (int side = 0; side < 2; side++) {
+        PyObject *v = PyTuple_GET_ITEM(pair, side);
+        if (!PyTuple_Check(v) && !PyList_Check(v)) {
+            PyErr_Format(PyExc_TypeError,
+                         "DataParallel.forward: %.100s.scatter() must return (inputs, "
+                         "kwargs), two tuples or lists with one entry per replica (a "
+                         "tuple of arguments, a dict of keyword arguments), got %s=%.100s",
+                         Py_TYPE(self)->tp_name, side ? "kwargs" : "inputs",
+                         Py_TYPE(v)->tp_name);
+            goto fail;
+        }
+    }
+    inputs = PySequence_Tuple(PyTuple_GET_ITEM(pair, 0));
+    kws = PySequence_Tuple(PyTuple_GET_ITEM(pair, 1));
+    if (inputs == NULL || kws == NULL || fix_empty_call(&inputs, &kws) < 0) {
+        goto fail;
+    }
+    if (snap->ndev == 1) {
+        res = call_first(st, snap->module, inputs, kws, snap->devs[0]);
+        goto fail;
+    }
+    used = PyList_GetSlice(ids, 0, PyTuple_GET_SIZE(inputs));
+    if (used == NULL) {
+        goto fail;
+    }
+    replicas = PyObject_CallMethod((PyObject *)self, "replicate", "OO", snap->module, used);
+    if (replicas == NULL) {
+        goto fail;
+    }
+    if (!PyList_Check(replicas) && !PyTuple_Check(replicas)) {
+        PyErr_Format(PyExc_TypeError,
+                     "DataParallel.forward: %.100s.replicate() must return a list (or "
+                     "tuple) of replicas, one per device in device_ids[:%zd], got %.100s",
+                     Py_TYPE(self)->tp_name, PyList_GET_SIZE(used), Py_TYPE(replicas)->tp_name);
+        goto fail;
+    }
+    outputs = PyObject_CallMethod((PyObject *)self, "parallel_apply", "OOO", replicas, inputs, kws);
+    if (outputs == NULL) {
+        goto fail;
+    }
+    outdev = dp_device_to_object(st, snap->output_device);
+    if (outdev == NULL) {
+        goto fail;
+    }
+    res = PyObject_CallMethod((PyObject *)self, "gather", "OO", outputs, outdev);
+fail:
+    Py_XDECREF(kw);
+    Py_XDECREF(ids);
+    Py_XDECREF(pair);
+    Py_XDECREF(inputs);
+    Py_XDECREF(kws);
+    Py_XDECREF(used);
+    Py_XDECREF(replicas);
+    Py_XDECREF(outputs);
+    Py_XDECREF(outdev);
+    return res;
+}
+
+/* forward: the C path on the exact type, the overridable steps on a subclass. */
+static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    if (st == NULL || check_initialised(self) < 0) {
+        return NULL;
+    }
+    dp_snapshot snap, *use = &snap;
+    PyObject *res;
+    if (Py_TYPE(self) == st->DataParallelType) {
+        if (snapshot_take(self, &snap) < 0) {
+            return NULL;
+        }
+        if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0) {
+            kwargs = NULL;
+        }
+        call_opts o = snapshot_opts(&snap);
+        res = forward_core(st, snap.module, args, kwargs, snap.devs, snap.ndev,
+                           snap.output_device, &o);
+        snapshot_release(&snap);
+        return res;
+    }
+    /* A subclass: the snapshot __call__ took for this call, or a new one
+     * (forward called directly). */
+    dp_snapshot *cur = call_current(self);
+    if (cur != NULL && !cur->claimed) {
+        cur->claimed = 1;
+        use = cur;
+    } else {
+        if (snapshot_take(self, &snap) < 0) {
+            return NULL;
+        }
+        call_push(self, &snap, 1);
+    }
+    res = forward_generic(self, st, use, args, kwargs);
+    if (use == &snap) {
+        call_pop(self, &snap);
+        snapshot_release(&snap);
+    }
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* The DataParallel type                                               */
 /* ------------------------------------------------------------------ */
 
 static PyObject *DataParallel_new_fill(dp_DataParallelObject *self);
@@ -157,13 +648,13 @@ static int DataParallel_init(dp_DataParallelObject *self, PyObject *args, PyObje
     }
     if (out == Py_None) {
         outdev = devs[0];
-    } else if (dp_parse_target_device(st, out, "output_device", &outdev) < 0) {
+    } else if (parse_target_device(st, out, "output_device", &outdev) < 0) {
         goto fail;
     }
     if (dimobj != NULL && dp_int_from_object(dimobj, "dim", &dim) < 0) {
         goto fail;
     }
-    if (dp_check_call_opts(in_dims, out_dims, cs, w, ndev, &cs_t, &w_t) < 0) {
+    if (check_call_opts(in_dims, out_dims, cs, w, ndev, &cs_t, &w_t) < 0) {
         goto fail;
     }
     Py_SETREF(self->module, Py_NewRef(module));
@@ -240,16 +731,16 @@ static PyObject *DataParallel_call_steps(dp_DataParallelObject *self, PyObject *
         return NULL;
     }
     if (Py_TYPE(self) == st->DataParallelType) {
-        return dp_forward_dispatch(self, args, kwargs);
+        return forward_dispatch(self, args, kwargs);
     }
     /* The call's options are read now, before any user code runs. */
     dp_snapshot snap;
     int inited = self->devs != NULL;   /* else forward raises, or is the user's */
     if (inited) {
-        if (dp_snapshot_take(self, &snap) < 0) {
+        if (snapshot_take(self, &snap) < 0) {
             return NULL;
         }
-        dp_call_push(self, &snap, 0);
+        call_push(self, &snap, 0);
     }
     PyObject *res = NULL, *fwd = PyObject_GetAttrString((PyObject *)self, "forward");
     if (fwd != NULL) {
@@ -257,8 +748,8 @@ static PyObject *DataParallel_call_steps(dp_DataParallelObject *self, PyObject *
         Py_DECREF(fwd);
     }
     if (inited) {
-        dp_call_pop(self, &snap);
-        dp_snapshot_release(&snap);
+        call_pop(self, &snap);
+        snapshot_release(&snap);
     }
     return res;
 }
@@ -295,7 +786,7 @@ PyDoc_STRVAR(forward_doc,
 
 static PyObject *DataParallel_forward(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
-    return dp_forward_dispatch(self, args, kwargs);
+    return forward_dispatch(self, args, kwargs);
 }
 
 PyDoc_STRVAR(scatter_doc,
@@ -324,9 +815,9 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     dp_snapshot snap;
     int borrowed;
 
-    if (st == NULL || dp_check_initialised(self) < 0 ||
+    if (st == NULL || check_initialised(self) < 0 ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:scatter", kwlist, &inputs, &kw, &ids) ||
-        dp_step_options(self, &snap, &borrowed) < 0) {
+        step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
     if (inputs == Py_None) {
@@ -349,8 +840,8 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
         dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
         goto fail;
     }
-    call_opts o = dp_snap_opts(&snap);
-    if (dp_scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : snap.devs,
+    call_opts o = snapshot_opts(&snap);
+    if (scatter_with(st, in, kw == Py_None ? NULL : kw, devs ? devs : snap.devs,
                      devs ? ndev : snap.ndev, &o, &ins, &kws) < 0 ||
         (ins = dp_inputs_as_lists(inputs, ins)) == NULL) {
         goto fail;   /* a list of inputs gives lists, as PyTorch's scatter_kwargs */
@@ -358,7 +849,7 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     res = PyTuple_Pack(2, ins, kws);
 fail:
     if (!borrowed) {
-        dp_snapshot_release(&snap);
+        snapshot_release(&snap);
     }
     PyMem_Free(devs);
     Py_XDECREF(in);
@@ -367,7 +858,7 @@ fail:
     return res;
 }
 
-PyDoc_STRVAR(dp_replicate_doc,
+PyDoc_STRVAR(replicate_doc,
 "replicate($self, module, device_ids)\n--\n\n"
 "dpmini.replicate(module, device_ids): one replica of module per device, as\n"
 "a list (shallow copies holding each device's copies of the module's arrays;\n"
@@ -388,7 +879,7 @@ static PyObject *DataParallel_replicate(dp_DataParallelObject *self, PyObject *a
     return replicate_common(st, module, devices);
 }
 
-PyDoc_STRVAR(dp_parallel_apply_doc,
+PyDoc_STRVAR(parallel_apply_doc,
 "parallel_apply($self, replicas, inputs, kwargs=None)\n--\n\n"
 "dpmini.parallel_apply(replicas, inputs, kwargs, self.device_ids[:len(replicas)]):\n"
 "replica i runs as replicas[i](*inputs[i], **kwargs[i]) on device_ids[i]'s\n"
@@ -405,14 +896,14 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
     static char *kwlist[] = {"replicas", "inputs", "kwargs", NULL};
     PyObject *replicas, *inputs, *kw = Py_None;
     dp_state *st = dp_state_from_type(Py_TYPE(self));
-    if (st == NULL || dp_check_initialised(self) < 0 ||
+    if (st == NULL || check_initialised(self) < 0 ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:parallel_apply", kwlist,
                                      &replicas, &inputs, &kw)) {
         return NULL;
     }
     dp_snapshot snap;
     int borrowed;
-    if (dp_step_options(self, &snap, &borrowed) < 0) {
+    if (step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
     PyObject *res = NULL;
@@ -422,7 +913,7 @@ static PyObject *DataParallel_parallel_apply(dp_DataParallelObject *self, PyObje
                                  m < snap.ndev ? m : snap.ndev);
     }
     if (!borrowed) {
-        dp_snapshot_release(&snap);
+        snapshot_release(&snap);
     }
     return res;
 }
@@ -446,17 +937,17 @@ static PyObject *DataParallel_gather(dp_DataParallelObject *self, PyObject *args
     int borrowed;
     if (st == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:gather", kwlist, &outputs, &out) ||
-        dp_step_options(self, &snap, &borrowed) < 0) {
+        step_options(self, &snap, &borrowed) < 0) {
         return NULL;
     }
     /* Options read before any user code runs (parse_target_device may warn). */
     dp_device d = snap.output_device;
     PyObject *res = NULL;
-    if (out == Py_None || dp_parse_target_device(st, out, "output_device", &d) == 0) {
+    if (out == Py_None || parse_target_device(st, out, "output_device", &d) == 0) {
         res = dp_gather_outputs_ex(st, outputs, d, snap.dim, snap.out_dims);
     }
     if (!borrowed) {
-        dp_snapshot_release(&snap);
+        snapshot_release(&snap);
     }
     return res;
 }
@@ -484,18 +975,416 @@ static PyObject *DataParallel_rebuild(PyObject *base, PyObject *args)
     return obj;
 }
 
+/* ------------------------------------------------------------------ */
+/* repr, attributes, pickling                                          */
+/* ------------------------------------------------------------------ */
+
+/* DataParallel(module=..., device_ids=[...], output_device=..., dim=...),
+ * with strict and the extension options only when set. */
+static PyObject *DataParallel_repr(dp_DataParallelObject *self)
+{
+    PyObject *parts = NULL, *sep = NULL, *ids = NULL, *res = NULL;
+    const char *name = Py_TYPE(self)->tp_name;
+    const char *dot = strrchr(name, '.');
+    char buf[32];
+    int rc = Py_ReprEnter((PyObject *)self);
+
+    if (rc != 0) {
+        return rc > 0 ? PyUnicode_FromFormat("%s(...)", dot ? dot + 1 : name) : NULL;
+    }
+    if (dot != NULL) {
+        name = dot + 1;
+    }
+    if (self->devs == NULL) {
+        res = PyUnicode_FromFormat("%s(<not initialised>)", name);
+        goto done;
+    }
+    parts = PyList_New(self->ndev);
+    sep = PyUnicode_FromString(", ");
+    if (parts == NULL || sep == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < self->ndev; i++) {
+        dp_device_format(self->devs[i], buf, sizeof buf);
+        PyObject *s = PyUnicode_FromFormat("'%s'", buf);
+        if (s == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(parts, i, s);
+    }
+    ids = PyUnicode_Join(sep, parts);
+    if (ids == NULL) {
+        goto done;
+    }
+    dp_device_format(self->output_device, buf, sizeof buf);
+    {
+        /* The extension options, only when set. repr(module) and the
+         * options' reprs run user code that may reassign dp.module. */
+        PyObject *module = Py_NewRef(self->module);
+        static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+        PyObject *vals[] = {Py_NewRef(self->in_dims), Py_NewRef(self->out_dims),
+                            Py_NewRef(self->chunk_sizes), Py_NewRef(self->weights)};
+        PyObject *extra = PyUnicode_FromString("");
+        for (int i = 0; i < 4 && extra != NULL; i++) {
+            if (vals[i] != Py_None) {
+                Py_SETREF(extra, PyUnicode_FromFormat("%U, %s=%R", extra, names[i], vals[i]));
+            }
+        }
+        if (extra != NULL) {
+            res = PyUnicode_FromFormat("%s(module=%R, device_ids=[%U], output_device='%s', "
+                                       "dim=%d%s%U)", name, module, ids, buf, self->dim,
+                                       self->strict ? ", strict=True" : "", extra);
+            Py_DECREF(extra);
+        }
+        for (int i = 0; i < 4; i++) {
+            Py_DECREF(vals[i]);
+        }
+        Py_DECREF(module);
+    }
+done:
+    Py_ReprLeave((PyObject *)self);
+    Py_XDECREF(parts);
+    Py_XDECREF(sep);
+    Py_XDECREF(ids);
+    return res;
+}
+
+/* --- attributes --- */
+
+static int refuse_delete(PyObject *value, const char *name)
+{
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "cannot delete DataParallel.%s", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *DataParallel_get_module(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->module);
+}
+
+static int DataParallel_set_module(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "module") < 0) {
+        return -1;
+    }
+    if (!PyCallable_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "DataParallel.module: expected a callable, got %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    Py_SETREF(self->module, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *DataParallel_get_device_ids(dp_DataParallelObject *self, void *c)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    if (st == NULL) {
+        return NULL;
+    }
+    return device_list_new(st, self->devs, self->devs ? self->ndev : 0);
+}
+
+static int DataParallel_set_device_ids(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    dp_device *devs;
+    Py_ssize_t n;
+    if (st == NULL || refuse_delete(value, "device_ids") < 0) {
+        return -1;
+    }
+    /* what the constructor accepts: None is the default devices */
+    if (value == Py_None ? dp_default_devices(st, &devs, &n) < 0
+                         : dp_device_list_from_object(st, value, "device_ids", &devs, &n) < 0) {
+        return -1;
+    }
+    PyMem_Free(self->devs);
+    self->devs = devs;
+    self->ndev = n;
+    return 0;
+}
+
+static PyObject *DataParallel_get_output_device(dp_DataParallelObject *self, void *c)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    if (st == NULL) {
+        return NULL;
+    }
+    return dp_device_to_object(st, self->output_device);
+}
+
+static int DataParallel_set_output_device(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    dp_state *st = dp_state_from_type(Py_TYPE(self));
+    dp_device d;
+    if (st == NULL || refuse_delete(value, "output_device") < 0) {
+        return -1;
+    }
+    if (value == Py_None) {
+        /* as in the constructor: device_ids[0], as it is now */
+        if (check_initialised(self) < 0) {
+            return -1;
+        }
+        d = self->devs[0];
+    } else if (parse_target_device(st, value, "output_device", &d) < 0) {
+        return -1;
+    }
+    self->output_device = d;
+    return 0;
+}
+
+static PyObject *DataParallel_get_dim(dp_DataParallelObject *self, void *c)
+{
+    return PyLong_FromLong(self->dim);
+}
+
+static int DataParallel_set_dim(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    int dim;
+    if (refuse_delete(value, "dim") < 0 || dp_int_from_object(value, "dim", &dim) < 0) {
+        return -1;
+    }
+    self->dim = dim;
+    return 0;
+}
+
+static PyObject *DataParallel_get_strict(dp_DataParallelObject *self, void *c)
+{
+    return PyBool_FromLong(self->strict);
+}
+
+static int DataParallel_set_strict(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "strict") < 0) {
+        return -1;
+    }
+    int v = PyObject_IsTrue(value);
+    if (v < 0) {
+        return -1;
+    }
+    self->strict = v;
+    return 0;
+}
+
+static PyObject *DataParallel_get_in_dims(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->in_dims);
+}
+
+static int DataParallel_set_in_dims(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "in_dims") < 0 || dp_check_dims_spec(value, "in_dims", 0) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->in_dims, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *DataParallel_get_out_dims(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->out_dims);
+}
+
+static int DataParallel_set_out_dims(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    if (refuse_delete(value, "out_dims") < 0 || dp_check_dims_spec(value, "out_dims", 1) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->out_dims, Py_NewRef(value));
+    return 0;
+}
+
+/* chunk_sizes / weights: checked against device_ids and the other one. */
+static int set_sizes_opt(dp_DataParallelObject *self, PyObject *value, int is_weights)
+{
+    PyObject *cs_t, *w_t;
+    if (refuse_delete(value, is_weights ? "weights" : "chunk_sizes") < 0 ||
+        check_initialised(self) < 0) {
+        return -1;
+    }
+    if (check_call_opts(Py_None, Py_None, is_weights ? self->chunk_sizes : value,
+                        is_weights ? value : self->weights, self->ndev, &cs_t, &w_t) < 0) {
+        return -1;
+    }
+    Py_SETREF(self->chunk_sizes, cs_t);
+    Py_SETREF(self->weights, w_t);
+    return 0;
+}
+
+static PyObject *DataParallel_get_chunk_sizes(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->chunk_sizes);
+}
+
+static int DataParallel_set_chunk_sizes(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    return set_sizes_opt(self, value, 0);
+}
+
+static PyObject *DataParallel_get_weights(dp_DataParallelObject *self, void *c)
+{
+    return Py_NewRef(self->weights);
+}
+
+static int DataParallel_set_weights(dp_DataParallelObject *self, PyObject *value, void *c)
+{
+    return set_sizes_opt(self, value, 1);
+}
+
+PyDoc_STRVAR(DataParallel_reduce_doc,
+"__reduce__($self)\n--\n\n"
+"Support for copy.copy, copy.deepcopy and pickle: rebuilds\n"
+"type(self)(module, device_ids as strings, output_device as a string, dim,\n"
+"strict), then restores the instance __dict__ and sets in_dims, out_dims,\n"
+"chunk_sizes and weights (those that are not None) through their attribute\n"
+"setters, so the clone splits and gathers as self does. The state is\n"
+"(__dict__ or None, {option: value}), pickle's (state, slotstate) form.\n"
+"For a subclass the object is made by DataParallel._rebuild(type(self),\n"
+"args): the subclass's memory set up by DataParallel.__init__, without\n"
+"calling the subclass's __init__ (whatever arguments it takes), as copy.copy\n"
+"does for Python objects; its __dict__ is then restored. The\n"
+"module must itself be picklable for pickle. Errors: RuntimeError when\n"
+"__init__ was not called.");
+
+/* __reduce__'s constructor arguments: (module, device_ids as strings,
+ * output_device as a string, dim, strict). New tuple, or NULL. */
+static PyObject *reduce_args(dp_DataParallelObject *self)
+{
+    char buf[32];
+    PyObject *out = NULL, *args = NULL;
+    PyObject *ids = PyList_New(self->ndev);
+    for (Py_ssize_t i = 0; ids != NULL && i < self->ndev; i++) {
+        dp_device_format(self->devs[i], buf, sizeof buf);
+        PyObject *s = PyUnicode_FromString(buf);
+        if (s == NULL) {
+            Py_CLEAR(ids);
+            break;
+        }
+        PyList_SET_ITEM(ids, i, s);
+    }
+    if (ids != NULL) {
+        dp_device_format(self->output_device, buf, sizeof buf);
+        out = PyUnicode_FromString(buf);
+    }
+    if (out != NULL) {
+        args = Py_BuildValue("(OOOiO)", self->module, ids, out, self->dim,
+                             self->strict ? Py_True : Py_False);
+    }
+    Py_XDECREF(ids);
+    Py_XDECREF(out);
+    return args;
+}
+
+/* __reduce__'s state: the instance __dict__'s copy (None when empty) and,
+ * when any is set, the extension options in pickle's slotstate: copy and
+ * pickle setattr() each entry, through the validating setters, and a
+ * subclass __init__ taking only the five PyTorch arguments still rebuilds.
+ * New reference, or NULL. */
+static PyObject *reduce_state(dp_DataParallelObject *self)
+{
+    static const char *const names[] = {"in_dims", "out_dims", "chunk_sizes", "weights"};
+    PyObject *vals[] = {self->in_dims, self->out_dims, self->chunk_sizes, self->weights};
+    PyObject *state = (self->dict != NULL && PyDict_GET_SIZE(self->dict) > 0)
+                      ? PyDict_Copy(self->dict) : Py_NewRef(Py_None);
+    PyObject *opts = state != NULL ? PyDict_New() : NULL;
+    if (opts == NULL) {
+        Py_XDECREF(state);
+        return NULL;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (vals[i] != Py_None && PyDict_SetItemString(opts, names[i], vals[i]) < 0) {
+            Py_CLEAR(state);
+            break;
+        }
+    }
+    if (state != NULL && PyDict_GET_SIZE(opts) > 0) {
+        Py_SETREF(state, PyTuple_Pack(2, state, opts));
+    }
+    Py_DECREF(opts);
+    return state;
+}
+
+static PyObject *DataParallel_reduce(dp_DataParallelObject *self, PyObject *unused)
+{
+    PyObject *args = NULL, *state = NULL, *res = NULL;
+    if (check_initialised(self) < 0) {
+        return NULL;
+    }
+    args = reduce_args(self);
+    state = args != NULL ? reduce_state(self) : NULL;
+    dp_state *st = state != NULL ? dp_state_from_type(Py_TYPE(self)) : NULL;
+    if (st == NULL) {
+        goto done;
+    }
+    if (Py_TYPE(self) == st->DataParallelType) {
+        res = PyTuple_Pack(3, (PyObject *)Py_TYPE(self), args, state);
+    } else {
+        /* A subclass: its __init__ may take other arguments, so the clone
+         * is made by DataParallel._rebuild without calling it. */
+        PyObject *rebuild = PyObject_GetAttrString((PyObject *)st->DataParallelType, "_rebuild");
+        PyObject *rargs = rebuild != NULL ? PyTuple_Pack(2, (PyObject *)Py_TYPE(self), args) : NULL;
+        if (rargs != NULL) {
+            res = PyTuple_Pack(3, rebuild, rargs, state);
+        }
+        Py_XDECREF(rebuild);
+        Py_XDECREF(rargs);
+    }
+done:
+    Py_XDECREF(args);
+    Py_XDECREF(state);
+    return res;
+}
+
+static PyGetSetDef DataParallel_getset[] = {
+    {"module", (getter)DataParallel_get_module, (setter)DataParallel_set_module,
+     "The wrapped callable (any callable object).", NULL},
+    {"device_ids", (getter)DataParallel_get_device_ids, (setter)DataParallel_set_device_ids,
+     "The devices, as a new list of dpmini.Device on each read; set with any\n"
+     "non-empty sequence of non-host devices, or None for the default devices\n"
+     "(as in the constructor).", NULL},
+    {"output_device", (getter)DataParallel_get_output_device,
+     (setter)DataParallel_set_output_device,
+     "Where forward gathers the outputs (a dpmini.Device; may be the host).\n"
+     "Setting None means device_ids[0] as it is then (as in the constructor).", NULL},
+    {"dim", (getter)DataParallel_get_dim, (setter)DataParallel_set_dim,
+     "The scatter/gather dimension (an int; negative dims wrap per array).", NULL},
+    {"strict", (getter)DataParallel_get_strict, (setter)DataParallel_set_strict,
+     "True: raise ValueError instead of warning dpmini.SplitWarning, on the\n"
+     "same condition (a split array would lose rows).", NULL},
+    {"in_dims", (getter)DataParallel_get_in_dims, (setter)DataParallel_set_in_dims,
+     "How each input is split (None: dim everywhere). A structure mirroring\n"
+     "the arguments: see DataParallel's docstring.", NULL},
+    {"out_dims", (getter)DataParallel_get_out_dims, (setter)DataParallel_set_out_dims,
+     "How each output is gathered (None: dim everywhere): an int dim, None\n"
+     "(replicas must agree), \"sum\", or a structure of them.", NULL},
+    {"chunk_sizes", (getter)DataParallel_get_chunk_sizes,
+     (setter)DataParallel_set_chunk_sizes,
+     "None, or a tuple of per-device sizes along the split dim.", NULL},
+    {"weights", (getter)DataParallel_get_weights, (setter)DataParallel_set_weights,
+     "None, or a tuple of per-device weights (sizes proportional to them).", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+/* ------------------------------------------------------------------ */
+/* The type's tables                                                   */
+/* ------------------------------------------------------------------ */
+
 static PyMethodDef DataParallel_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))DataParallel_forward,
      METH_VARARGS | METH_KEYWORDS, forward_doc},
     {"scatter", (PyCFunction)(void (*)(void))DataParallel_scatter,
      METH_VARARGS | METH_KEYWORDS, scatter_doc},
     {"replicate", (PyCFunction)(void (*)(void))DataParallel_replicate,
-     METH_VARARGS | METH_KEYWORDS, dp_replicate_doc},
+     METH_VARARGS | METH_KEYWORDS, replicate_doc},
     {"parallel_apply", (PyCFunction)(void (*)(void))DataParallel_parallel_apply,
-     METH_VARARGS | METH_KEYWORDS, dp_parallel_apply_doc},
+     METH_VARARGS | METH_KEYWORDS, parallel_apply_doc},
     {"gather", (PyCFunction)(void (*)(void))DataParallel_gather,
      METH_VARARGS | METH_KEYWORDS, gather_doc},
-    {"__reduce__", (PyCFunction)dp_DataParallel_reduce, METH_NOARGS, dp_DataParallel_reduce_doc},
+    {"__reduce__", (PyCFunction)DataParallel_reduce, METH_NOARGS, DataParallel_reduce_doc},
     {"_rebuild", (PyCFunction)DataParallel_rebuild, METH_VARARGS | METH_CLASS,
      "_rebuild(cls, args)\n--\n\nFor __reduce__: a cls object set up by DataParallel.__init__(*args),\n"
      "without calling cls.__init__. Errors: TypeError when cls is not a subclass."},
@@ -607,9 +1496,9 @@ static PyType_Slot DataParallel_slots[] = {
     {Py_tp_traverse, DataParallel_traverse},
     {Py_tp_clear, DataParallel_clear},
     {Py_tp_call, DataParallel_call},
-    {Py_tp_repr, dp_DataParallel_repr},
+    {Py_tp_repr, DataParallel_repr},
     {Py_tp_methods, DataParallel_methods},
-    {Py_tp_getset, dp_DataParallel_getset},
+    {Py_tp_getset, DataParallel_getset},
     {Py_tp_members, DataParallel_members},
     {0, NULL},
 };
@@ -620,4 +1509,118 @@ PyType_Spec dp_dataparallel_spec = {
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = DataParallel_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Public functions: module level                                      */
+/* ------------------------------------------------------------------ */
+
+PyDoc_STRVAR(data_parallel_doc,
+"data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None,\n"
+"              *, in_dims=None, out_dims=None, chunk_sizes=None, weights=None)\n"
+"--\n\n"
+"Functional DataParallel (PyTorch data_parallel, docs/spec.md 2.9): the same steps\n"
+"as DataParallel.forward (scatter, empty-call fix, one-device fast path,\n"
+"replicate, parallel_apply, gather). inputs: a tuple of positional arguments;\n"
+"anything else is one argument (a list counts as ONE argument), None means\n"
+"none. module_kwargs: None or a dict. device_ids/output_device/dim and\n"
+"in_dims/out_dims/chunk_sizes/weights as for DataParallel (in_dims addresses\n"
+"inputs by position and module_kwargs by name).\n"
+"Errors: TypeError when module is not callable or module_kwargs is not a\n"
+"dict; ValueError for bad device_ids/output_device (empty, the host in\n"
+"device_ids, a missing CUDA device), 0-dim array inputs, bad in_dims/out_dims/\n"
+"chunk_sizes/weights, or (as DataParallel) structure mismatches in the\n"
+"outputs; IndexError for a dim out of range; TypeError/OverflowError for a dim\n"
+"that is not an int; a failing replica's exception as 'Caught T in replica i\n"
+"on device d.' (docs/spec.md 6.5). Different chunk counts warn dpmini.SplitWarning\n"
+"(no strict here).");
+
+static PyObject *data_parallel_steps(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"module", "inputs", "device_ids", "output_device", "dim",
+                             "module_kwargs", "in_dims", "out_dims", "chunk_sizes",
+                             "weights", NULL};
+    PyObject *module, *inputs, *ids = Py_None, *out = Py_None, *dimobj = NULL;
+    PyObject *mkw = Py_None, *in = NULL, *res = NULL;
+    call_opts o = {0, 0, Py_None, Py_None, Py_None, Py_None};
+    dp_device *devs = NULL, outdev;
+    Py_ssize_t ndev = 0;
+    int dim = 0;
+    dp_state *st = dp_state_from_module(mod);
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOOO$OOOO:data_parallel", kwlist,
+                                     &module, &inputs, &ids, &out, &dimobj, &mkw,
+                                     &o.in_dims, &o.out_dims, &o.chunk_sizes, &o.weights)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(module)) {
+        PyErr_Format(PyExc_TypeError, "data_parallel: module must be callable, got %.100s",
+                     Py_TYPE(module)->tp_name);
+        return NULL;
+    }
+    /* A torch.nn.Module with grad mode on: the differentiable steps (docs/spec.md 7). */
+    int torch_mod = dp_is_torch_module(module);
+    if (torch_mod < 0) {
+        return NULL;
+    }
+    if (torch_mod && dp_torch_grad_enabled() == 1) {
+        return dp_torch_call("data_parallel", args, kwargs);
+    }
+    if (mkw != Py_None && !PyDict_Check(mkw)) {
+        PyErr_Format(PyExc_TypeError, "data_parallel: module_kwargs must be a dict or None, "
+                     "got %.100s", Py_TYPE(mkw)->tp_name);
+        return NULL;
+    }
+    if (dimobj != NULL && dp_int_from_object(dimobj, "dim", &dim) < 0) {
+        return NULL;
+    }
+    if (dp_check_dims_spec(o.in_dims, "in_dims", 0) < 0 ||
+        dp_check_dims_spec(o.out_dims, "out_dims", 1) < 0) {
+        return NULL;
+    }
+    o.dim = dim;
+    if (ids == Py_None) {
+        if (dp_default_devices(st, &devs, &ndev) < 0) {
+            return NULL;
+        }
+    } else if (dp_device_list_from_object(st, ids, "device_ids", &devs, &ndev) < 0) {
+        return NULL;
+    }
+    if (out == Py_None) {
+        outdev = devs[0];
+    } else if (parse_target_device(st, out, "output_device", &outdev) < 0) {
+        goto fail;
+    }
+    if (inputs == Py_None) {
+        in = PyTuple_New(0);
+    } else if (PyTuple_Check(inputs)) {
+        in = PySequence_Tuple(inputs);
+    } else {
+        in = PyTuple_Pack(1, inputs);
+    }
+    if (in == NULL) {
+        goto fail;
+    }
+    res = forward_core(st, module, in, (mkw == Py_None || PyDict_GET_SIZE(mkw) == 0) ? NULL : mkw,
+                       devs, ndev, outdev, &o);
+fail:
+    Py_XDECREF(in);
+    PyMem_Free(devs);
+    return res;
+}
+
+/* data_parallel_steps under dpmini.profile(): one span around it (profile.h). */
+static PyObject *py_data_parallel(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    dp_prof_span sp;
+    dp_prof_begin(&sp, DP_PROF_CALL);
+    PyObject *res = data_parallel_steps(mod, args, kwargs);
+    dp_prof_end(&sp, "data_parallel");
+    return res;
+}
+
+PyMethodDef dp_dataparallel_methods[] = {
+    {"data_parallel", (PyCFunction)(void (*)(void))py_data_parallel,
+     METH_VARARGS | METH_KEYWORDS, data_parallel_doc},
+    {NULL, NULL, 0, NULL},
 };

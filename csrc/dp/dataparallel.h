@@ -1,5 +1,5 @@
 /* dataparallel.h - internal: what dataparallel.c, replicate.c and
- * parallel_apply_entry.c share (not part of dpmini.h; include after it).
+ * parallel_apply.c share (not part of dpmini.h; include after it).
  *
  * Conventions as in dpmini.h: PyObject* results are new references or NULL
  * with an exception set; int results are 0 or -1 with an exception set.
@@ -21,17 +21,17 @@ PyObject *replicate_core(dp_state *st, PyObject *module, const dp_device *devs,
  * gives []); used by DataParallel.replicate and dpmini.replicate. */
 PyObject *replicate_common(dp_state *st, PyObject *module, PyObject *devices);
 
-/* parallel_apply_entry.c: parallel_apply over Python sequences; devices from cdevs
+/* parallel_apply.c: parallel_apply over Python sequences; devices from cdevs
  * (ncdevs entries) when given, else `devices`, else automatic. Used by
  * DataParallel.forward / .parallel_apply and dpmini.parallel_apply. */
 PyObject *parallel_apply_run(dp_state *st, PyObject *modules, PyObject *inputs,
                              PyObject *kwargs_tup, PyObject *devices,
                              const dp_device *cdevs, Py_ssize_t ncdevs);
-/* parallel_apply_entry.c: one replica's positional arguments as an exact tuple
+/* parallel_apply.c: one replica's positional arguments as an exact tuple
  * (a list or tuple is unpacked, else (input,)); also dataparallel.c's
  * one-device call. */
 PyObject *input_as_args(PyObject *input);
-/* parallel_apply_entry.c: one replica's keyword arguments as an exact dict or NULL
+/* parallel_apply.c: one replica's keyword arguments as an exact dict or NULL
  * in *out (None: no keywords); also dataparallel.c's one-device call. */
 int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out);
 

@@ -82,7 +82,7 @@ typedef struct dp_state {
     PyObject *replica_contexts;      /* tuple of the registered replica context
                                         providers, replaced (never mutated) on
                                         each change; NULL: none
-                                        (dp/parallel_apply_context.c) */
+                                        (dp/parallel_apply.c) */
     PyObject *torch_host;            /* tuple (torch.Tensor, nn.Parameter,
                                         torch.from_dlpack, torch.from_numpy,
                                         tuple of torch dtypes NumPy holds)
@@ -360,7 +360,7 @@ int dp_torch_grad_enabled(void);
 
 /* When torch is imported and its adapter not loaded yet: import
  * dpmini._torch, which registers torch's replica context provider
- * (parallel_apply_context.c). 0, or -1 with the import's error. */
+ * (parallel_apply.c). 0, or -1 with the import's error. */
 int dp_torch_context_load(dp_state *st);
 
 /* torch's host tensors without DLPack's Python layers (interop_torch.c).
