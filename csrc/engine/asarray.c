@@ -91,10 +91,8 @@ static PyObject *pinned_copy(dp_state *st, PyArrayObject *arr, PyObject *dev_obj
         return NULL;
     }
     job_list jobs = {0};
-    if (jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr), (size_t)PyArray_ITEMSIZE(arr),
-                 PyArray_BYTES((PyArrayObject *)result),
-                 PyArray_STRIDES((PyArrayObject *)result), PyArray_BYTES(arr),
-                 PyArray_STRIDES(arr), exec_device(dp_array_device(st, arr), host)) < 0 ||
+    if (jobs_add_array(&jobs, (PyArrayObject *)result, arr,
+                       exec_device(dp_array_device(st, arr), host)) < 0 ||
         jobs_run(&jobs) < 0) {
         Py_CLEAR(result);
     }

@@ -63,11 +63,9 @@ static PyObject *broadcast_into(dp_state *st, PyArrayObject *arr, PyObject *out_
                     check_outs_disjoint(outs, nout) < 0 ? -1 : 0;
     for (Py_ssize_t i = 0; i < nout && r == 0; i++) {
         r = check_broadcast_out(outs[i], arr, i) < 0 ||
-            jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr),
-                     (size_t)PyArray_ITEMSIZE(arr), PyArray_BYTES(outs[i]),
-                     PyArray_STRIDES(outs[i]), PyArray_BYTES(arr), PyArray_STRIDES(arr),
-                     exec_device(dp_array_device(st, arr),
-                                 dp_array_device(st, outs[i]))) < 0 ? -1 : 0;
+            jobs_add_array(&jobs, outs[i], arr,
+                           exec_device(dp_array_device(st, arr),
+                                       dp_array_device(st, outs[i]))) < 0 ? -1 : 0;
     }
     if (r == 0 && jobs_run(&jobs) == 0) {
         result = PySequence_Tuple(out_obj);

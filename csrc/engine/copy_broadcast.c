@@ -23,9 +23,7 @@ static PyObject *copy_from_to(dp_state *st, job_list *jobs, PyArrayObject *src, 
     if (dst == NULL) {
         return NULL;
     }
-    if (jobs_add(jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
-                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
-                 PyArray_STRIDES(src), exec_device(home, dev)) < 0) {
+    if (jobs_add_array(jobs, dst, src, exec_device(home, dev)) < 0) {
         Py_DECREF(dst);
         return NULL;
     }

@@ -203,6 +203,13 @@ queued:
     return 0;
 }
 
+int jobs_add_array(job_list *l, PyArrayObject *dst, PyArrayObject *src, copy_route route)
+{
+    return jobs_add(l, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
+                    PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
+                    PyArray_STRIDES(src), route);
+}
+
 /* The job's copy as a dp_copy_desc: its heap one, or *buf filled in. */
 static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
 {

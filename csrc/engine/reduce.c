@@ -51,9 +51,7 @@ static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev
     if (dst == NULL) {
         return NULL;
     }
-    if (jobs_add(&jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
-                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
-                 PyArray_STRIDES(src), exec_device(dp_array_device(st, src), dev)) < 0 ||
+    if (jobs_add_array(&jobs, dst, src, exec_device(dp_array_device(st, src), dev)) < 0 ||
         jobs_run(&jobs) < 0) {
         Py_CLEAR(dst);
     }
@@ -304,11 +302,8 @@ static PyObject *host_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t
     if (acc == NULL) {
         return NULL;
     }
-    int r = jobs_add(&jobs, PyArray_NDIM(parts[0]), PyArray_SHAPE(parts[0]),
-                     (size_t)PyArray_ITEMSIZE(parts[0]), PyArray_BYTES((PyArrayObject *)acc),
-                     PyArray_STRIDES((PyArrayObject *)acc), PyArray_BYTES(parts[0]),
-                     PyArray_STRIDES(parts[0]),
-                     exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
+    int r = jobs_add_array(&jobs, (PyArrayObject *)acc, parts[0],
+                           exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
             jobs_run(&jobs) < 0;
     jobs_free(&jobs);
     if (r) {
