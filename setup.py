@@ -220,8 +220,7 @@ def testing_extensions():
         return []
     return [Extension(
         "dpmini._testing",
-        # core/copy.c too: stream_copy runs the copy engine's code on plain buffers
-        sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))) + ["csrc/core/copy.c"],
+        sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))),
         include_dirs=["csrc/core", "csrc/backend", "csrc/py", "csrc/testing"],
         extra_compile_args=extra_compile_args,
         extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),

@@ -15,11 +15,10 @@ are noisy, the ratios less so.
 1. Scatter + gather of a 256 MiB float32 array over virtual devices, for
    (4096, 16384) on dims 0, 1 and -1 with 2 devices, dim 1 with 4 devices,
    and a time-major (T, B, F) = (512, 256, 512) array on dim 1, against
-     limit   the faster of two ways to do the same two passes with two threads,
-             each over its contiguous half, src -> tmp -> dst, on preallocated,
-             pre-touched buffers (benchmarks/copy_limit.py): libc memcpy
-             ("memcpy") and the copy engine's own streaming-store copy
-             ("stream", dpmini._testing.stream_copy), both timed in this run;
+     limit   the same two passes by two threads at the rate of dpmini.copy_limit
+             (benchmarks/copy_limit.py): the faster of libc memcpy ("memcpy")
+             and the copy engine's own streaming-store copy ("stream"), on
+             pre-touched buffers, probed once a round in this run;
      copyto  the same with NumPy's np.copyto (the figure older READMEs used);
      numpy   np.array_split + np.ascontiguousarray + np.concatenate.
    Target: dpmini <= 1.25x the limit.
@@ -62,9 +61,9 @@ os.environ.setdefault("DPMINI_CPU_DEVICES", "64")
 import numpy as np  # noqa: E402
 
 import dpmini  # noqa: E402
-from copy_limit import TwoThreadCopy, limit_of, limit_routes  # noqa: E402
+from copy_limit import CopytoRoundTrip, LimitTimes, limit_of, limit_route  # noqa: E402
 
-LIMIT_RATIO_TARGET = 1.25    # dpmini time / memcpy-limit time
+LIMIT_RATIO_TARGET = 1.25    # dpmini time / copy-limit time
 LEAF_TARGET_US = 2.0         # per leaf per call, 2 devices
 OVERHEAD_TARGET_US = 30.0    # DataParallel call minus direct call, one (8, 4) leaf
 DEVICE_TARGET_US = 4.0       # per device per call, 64 devices, tiny input
@@ -101,15 +100,19 @@ def devices(n):
 # ---------------------------------------------------------------- timing helpers
 
 def median_times(routes, rounds):
-    """Median seconds of each route over `rounds` interleaved rounds, after one warm-up round."""
+    """Median seconds of each route over `rounds` interleaved rounds, after one warm-up round.
+    A route that returns LimitTimes (copy_limit.limit_route) gives its own times, each under
+    its own name ("memcpy", "stream"), instead of the time of the call."""
     for fn in routes.values():
         fn()
-    times = {name: [] for name in routes}
+    times = {}
     for _ in range(rounds):
         for name, fn in routes.items():
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            res = fn()
+            took = {name: time.perf_counter() - start}
+            for key, t in (res if isinstance(res, LimitTimes) else took).items():
+                times.setdefault(key, []).append(t)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -184,8 +187,8 @@ def bench_bandwidth(rounds, pool):
     wide = np.random.default_rng(0).standard_normal((4096, 16384), dtype=np.float32)
     tbf = np.random.default_rng(1).standard_normal((512, 256, 512), dtype=np.float32)
     cases = [(wide, 0, 2), (wide, 1, 2), (wide, -1, 2), (wide, 1, 4), (tbf, 1, 2)]
-    limits = limit_routes(mib * 2**20, pool)
-    copyto = TwoThreadCopy(mib * 2**20, pool, "copyto")
+    limit = limit_route(mib * 2**20)
+    copyto = CopytoRoundTrip(mib * 2**20, pool)
     print(f"1. scatter+gather of {mib} MiB float32, median of {rounds} interleaved rounds; "
           "GB/s counts each byte copied once (2 passes); limit = the faster of memcpy and "
           "stream")
@@ -200,7 +203,7 @@ def bench_bandwidth(rounds, pool):
             raise AssertionError(f"dpmini scatter+gather of {x.shape} on dim {dim} changed it")
         del y
         t = median_times({"dpmini": lambda: dpmini_roundtrip(x, dim, devs),
-                          **limits, "copyto": copyto,
+                          "limit": limit, "copyto": copyto,
                           "numpy": lambda: numpy_roundtrip(x, dim, ndev)}, rounds)
         limit, how = limit_of(t)
         r = t["dpmini"] / limit
@@ -208,14 +211,10 @@ def bench_bandwidth(rounds, pool):
         ratios[key] = r
         v = verdict(f"scatter+gather {key}: {r:.2f}x the copy limit ({how}) "
                     f"(target <= {LIMIT_RATIO_TARGET}x)", r <= LIMIT_RATIO_TARGET)
-        stream = f"{t['stream'] * 1e3:>11.1f}" if "stream" in t else f"{'-':>11}"
         print(f"  {str(x.shape):<16}{dim:>4}{ndev:>5}{t['dpmini'] * 1e3:>11.1f}"
-              f"{t['memcpy'] * 1e3:>11.1f}{stream}{t['copyto'] * 1e3:>11.1f}"
+              f"{t['memcpy'] * 1e3:>11.1f}{t['stream'] * 1e3:>11.1f}{t['copyto'] * 1e3:>11.1f}"
               f"{t['numpy'] * 1e3:>10.1f}{2 * x.nbytes / t['dpmini'] / 1e9:>13.2f}{r:>9.2f}"
               f"  <= {LIMIT_RATIO_TARGET} {v}")
-    if "stream" not in limits:
-        print("  (dpmini._testing is not built: the limit is memcpy only and may be too low; "
-              "build with DPMINI_TESTING=1, as `make bench` does)")
     return ratios
 
 
@@ -381,27 +380,27 @@ def bench_scaling(rounds, max_mib, pool):
     size = 1024
     while size <= max_mib * 2**20:
         x = np.ones((size // 4 // 256, 256) if size >= 4096 else (size // 4,), np.float32)
-        lims = limit_routes(size, pool)
-        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(2)), **lims}, rounds)
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(2)),
+                          "limit": limit_route(size)}, rounds)
         lim, how = limit_of(t)
         print(f"| {fmt_bytes(size)} | {fmt_t(t['d'])} | {fmt_t(lim)} ({how}) | "
               f"{t['d'] / lim:.2f}x |")
-        del x, lims
+        del x
         size *= 8 if size < 2**20 else 4
     print("\n| devices | 64 MiB, dim 0 | x limit | (n, 4) tiny input, identity DataParallel |"
           "\n|---|---|---|---|")
     x = np.ones((4096, 4096), np.float32)
-    lims = limit_routes(x.nbytes, pool)
+    limit = limit_route(x.nbytes)
     for n in (2, 4, 8, 16, 32, 64):
         if n > dpmini.cpu_device_count():
             break
         tiny = np.ones((n, 4), np.float32)
         dp = dpmini.DataParallel(Identity(), device_ids=devices(n))
-        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(n)), **lims,
+        t = median_times({"d": lambda: dpmini_roundtrip(x, 0, devices(n)), "limit": limit,
                           "c": lambda: [dp(tiny) for _ in range(100)]}, rounds)
         print(f"| {n} | {fmt_t(t['d'])} | {t['d'] / limit_of(t)[0]:.2f}x | "
               f"{fmt_t(t['c'] / 100)} |")
-    del x, lims
+    del x
     print("\n| leaves (8, 4) float32 in a dict | identity DataParallel, 2 devices | per leaf |"
           "\n|---|---|---|")
     dp = dpmini.DataParallel(Identity(), device_ids=devices(2))

@@ -1,94 +1,65 @@
-"""The memory limit that dpmini's copies are measured against: the fastest way this machine
-moves the same bytes, measured in the same run as dpmini.
+"""The copy limit that the benchmarks measure dpmini's copies against: dpmini.copy_limit
+(csrc/core/copy_limit.c), the faster of libc memcpy and the copy engine's own streaming-store
+(non-temporal) copy on the same threads, measured in the same run as dpmini.
 
 A scatter+gather round trip of N bytes on 2 virtual devices reads and writes every byte twice
-(src -> device buffers -> result). The limit does the same two passes with two threads, each
-over its contiguous half, src -> tmp -> dst, on preallocated, pre-touched buffers (no page
-fault is timed), in two ways:
+(src -> device buffers -> result). Its limit is two passes of N bytes by two threads, each over
+its own contiguous half, at the rate dpmini.copy_limit(N, threads=2) measures (pre-touched
+buffers: no page fault is timed). On many machines the streaming stores beat memcpy by up to
+2x at hundreds of MiB, so a limit measured with memcpy alone could be beaten.
 
-  memcpy  libc memcpy through ctypes (the GIL is released for the call);
-  stream  the copy engine's own contiguous copy with streaming (non-temporal) stores
-          (dpmini._testing.stream_copy over csrc/core/copy.c), what dpmini uses for large
-          jobs; on many machines it beats memcpy by up to 2x at hundreds of MiB.
+The limit route runs between dpmini's calls, one probe a round, like any other route, but
+reports the probe's own copy times (LimitTimes): its buffers' allocation and page touching are
+not part of the limit.
 
-The limit is the faster of the two (their medians over the same interleaved rounds as
-dpmini's): a ratio under 1 to a limit measured with memcpy alone only said that memcpy was
-the slower way. dpmini._testing is built by every Makefile build (DPMINI_TESTING=1); without
-it only memcpy is timed and limit_of() says so.
-
-Use (benchmarks/bench_cpu.py; a notebook adds benchmarks/ to sys.path first):
-    routes = limit_routes(nbytes, pool)          # {"memcpy": fn, "stream": fn}, pool of 2 threads
-    times = median_times({**routes, "dpmini": ...}, rounds)
-    seconds, how = limit_of(times)               # the faster, and "memcpy" or "stream"
+Use (benchmarks/bench_cpu.py):
+    times = median_times({"dpmini": ..., "limit": limit_route(nbytes)}, rounds)
+    seconds, how = limit_of(times)      # the faster of times["memcpy"] and times["stream"]
 """
-import ctypes
-import ctypes.util
-
 import numpy as np
 
-try:
-    from dpmini import _testing
-except ImportError:   # a build without DPMINI_TESTING=1
-    _testing = None
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_MEMCPY = _LIBC.memcpy
-_MEMCPY.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_MEMCPY.restype = ctypes.c_void_p
-
-KINDS = ("memcpy", "stream", "copyto")
+import dpmini
 
 
-class TwoThreadCopy:
-    """Two threads, each copying its contiguous half src -> tmp -> dst with `kind`:
-    "memcpy" (libc), "stream" (the copy engine's streaming stores) or "copyto" (np.copyto,
-    the figure older READMEs used). Calling it runs one round trip and returns when both
-    halves are done."""
+class LimitTimes(dict):
+    """{"memcpy": seconds, "stream": seconds}: the times a limit route measured itself, which a
+    benchmark's timer takes as they are instead of timing the call."""
 
-    def __init__(self, nbytes, pool, kind="memcpy"):
-        if kind not in KINDS:
-            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-        if kind == "stream" and _testing is None:
-            raise RuntimeError("kind='stream' needs dpmini._testing (build with DPMINI_TESTING=1)")
+
+def limit_route(nbytes, threads=2, passes=2):
+    """A route that probes dpmini.copy_limit(nbytes, threads) once a call and returns the
+    LimitTimes of `passes` passes of nbytes at its memcpy and streaming-store rates."""
+    def probe():
+        lim = dpmini.copy_limit(nbytes, threads=threads, repeat=1)
+        return LimitTimes(memcpy=passes * nbytes / (lim["memcpy_gbps"] * 1e9),
+                          stream=passes * nbytes / (lim["stream_gbps"] * 1e9))
+    return probe
+
+
+def limit_of(times):
+    """(seconds, how) from a {route: seconds} that holds a limit route's "memcpy" and "stream"
+    times: the faster of the two, and which one it is."""
+    how = "stream" if times["stream"] < times["memcpy"] else "memcpy"
+    return times[how], how
+
+
+class CopytoRoundTrip:
+    """The round trip with NumPy's np.copyto, two threads, each copying its contiguous half
+    src -> tmp -> dst (the figure older READMEs used as the limit; not a limit: NumPy's copy
+    is no faster than memcpy). Calling it runs one round trip."""
+
+    def __init__(self, nbytes, pool):
         self.src = np.ones(nbytes, dtype=np.uint8)
         self.tmp = np.zeros(nbytes, dtype=np.uint8)
         self.dst = np.zeros(nbytes, dtype=np.uint8)
         half = nbytes // 2
         self.halves = [(0, half), (half, nbytes)]
         self.pool = pool
-        self.kind = kind
 
     def _copy_half(self, lo, hi):
-        if self.kind == "memcpy":
-            s, t, d = (a.ctypes.data + lo for a in (self.src, self.tmp, self.dst))
-            _MEMCPY(t, s, hi - lo)
-            _MEMCPY(d, t, hi - lo)
-        elif self.kind == "stream":
-            _testing.stream_copy(self.tmp[lo:hi], self.src[lo:hi])
-            _testing.stream_copy(self.dst[lo:hi], self.tmp[lo:hi])
-        else:
-            np.copyto(self.tmp[lo:hi], self.src[lo:hi])
-            np.copyto(self.dst[lo:hi], self.tmp[lo:hi])
+        np.copyto(self.tmp[lo:hi], self.src[lo:hi])
+        np.copyto(self.dst[lo:hi], self.tmp[lo:hi])
 
     def __call__(self):
         for f in [self.pool.submit(self._copy_half, lo, hi) for lo, hi in self.halves]:
             f.result()
-
-
-def limit_routes(nbytes, pool):
-    """{"memcpy": TwoThreadCopy, "stream": TwoThreadCopy} for nbytes (only "memcpy" when
-    dpmini._testing is missing): time them beside dpmini, then call limit_of."""
-    routes = {"memcpy": TwoThreadCopy(nbytes, pool, "memcpy")}
-    if _testing is not None:
-        routes["stream"] = TwoThreadCopy(nbytes, pool, "stream")
-    return routes
-
-
-def limit_of(times):
-    """(seconds, how) from a {route: seconds} that holds limit_routes' routes: the faster of
-    "memcpy" and "stream"; how is "memcpy", "stream", or "memcpy only" when stream was not
-    timed (then a ratio under 1 may mean the limit is too low)."""
-    if "stream" not in times:
-        return times["memcpy"], "memcpy only"
-    how = "stream" if times["stream"] < times["memcpy"] else "memcpy"
-    return times[how], how

@@ -19,8 +19,7 @@ EXTENSIONS = ["dpmini._dpmini", "dpmini._dist", "dpmini._testing"]
 
 TEST_HOOKS = ["cache_stats", "cuda_debug", "emu_busy", "emu_contexts", "emu_destroy_stream",
               "emu_fail_stream_get", "emu_free", "emu_nccl_hang", "emu_nopeer_alloc", "emu_queue",
-              "emu_stats", "emulate_fault", "emulated_nccl", "fail_alloc_after", "nccl_dtypes",
-              "stream_copy"]
+              "emu_stats", "emulate_fault", "emulated_nccl", "fail_alloc_after", "nccl_dtypes"]
 
 
 def _dynamic_symbols(path):

@@ -37,7 +37,7 @@ def test_every_public_function_has_a_signature():
             inspect.signature(obj)
     for meth in ["forward", "scatter", "replicate", "parallel_apply", "gather"]:
         inspect.signature(getattr(dpmini.DataParallel, meth))
-    assert list(inspect.signature(dpmini.asarray).parameters) == ["obj", "device"]
+    assert list(inspect.signature(dpmini.asarray).parameters) == ["obj", "device", "pin_memory"]
     assert "Rule source" in dpmini.asarray.__doc__
     assert "Rule source" in dpmini.device_of.__doc__
     assert "Errors" in dpmini.DataParallel.replicate.__doc__

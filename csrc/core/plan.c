@@ -91,17 +91,14 @@ int dp_sizes_count(int k, const int64_t *sizes)
 /* Remainders (in rows, within [0, 1)) closer than this are ties. */
 #define DP_REM_EPS 1e-9L
 
-int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
-                      int *bad_index)
+/* The weights checked (each finite and > 0; else DP_ERR_WEIGHT with
+ * *bad_index) and their sum, formed in long double; when even that
+ * overflows (weights near DBL_MAX on a platform whose long double is
+ * double) the weights are scaled by the largest one first (only ratios
+ * matter): *scale is that divisor (1 otherwise). DP_OK or DP_ERR_WEIGHT. */
+static int weights_total(int k, const double *weights, int *bad_index, long double *scale,
+                         long double *total)
 {
-    if (bad_index != NULL)
-        *bad_index = -1;
-    if (n < 0 || k < 1 || k > DP_MAX_DEVICES || weights == NULL || sizes == NULL)
-        return DP_ERR_ARG;
-
-    /* Validate. The sum is formed in long double; when even that overflows
-     * (weights near DBL_MAX on a platform whose long double is double) the
-     * weights are scaled by the largest one first (only ratios matter). */
     double wmax = 0.0;
     for (int i = 0; i < k; i++) {
         double w = weights[i];
@@ -113,18 +110,24 @@ int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
         if (w > wmax)
             wmax = w;
     }
-    long double scale = 1.0L, total = 0.0L;
+    *scale = 1.0L;
+    *total = 0.0L;
     for (int i = 0; i < k; i++)
-        total += (long double)weights[i];
-    if (!isfinite((double)total) || total > 1e300L) {
-        scale = (long double)wmax;
-        total = 0.0L;
+        *total += (long double)weights[i];
+    if (!isfinite((double)*total) || *total > 1e300L) {
+        *scale = (long double)wmax;
+        *total = 0.0L;
         for (int i = 0; i < k; i++)
-            total += (long double)weights[i] / scale;
+            *total += (long double)weights[i] / *scale;
     }
+    return DP_OK;
+}
 
-    /* 1. floor of each quota, clamped to [0, n] against rounding. */
-    long double rem[DP_MAX_DEVICES];
+/* Step 1: the floor of each quota n * w / total into sizes, clamped to
+ * [0, n] against rounding, and what the floor left off into rem. */
+static void floor_quotas(int64_t n, int k, const double *weights, long double scale,
+                         long double total, int64_t *sizes, long double *rem)
+{
     for (int i = 0; i < k; i++) {
         long double quota = (long double)n * ((long double)weights[i] / scale) / total;
         /* floor without libm: quota >= 0, so truncation is the floor once
@@ -139,12 +142,38 @@ int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
         sizes[i] = fl;
         rem[i] = quota - (long double)fl;
     }
+}
 
-    /* 2. Largest remainder: devices ordered by remainder (descending, ties
-     * to the lower index; remainders closer than DP_REM_EPS count as ties, so
-     * 10 rows at [1, 3] give [3, 7] whatever the rounding of 2.5 and 7.5);
-     * hand out what is left one row each in that order (a second round only
-     * when rounding lost more than k rows). Insertion sort: k <= 256. */
+/* The sum of the floors, at most n: when rounding pushed them past n
+ * (only for huge n) they are capped in device order, starting again. */
+static int64_t floors_sum(int64_t n, int k, int64_t *sizes)
+{
+    int64_t sum = 0;
+    int over = 0;
+    for (int i = 0; i < k; i++) {
+        if (sizes[i] > n - sum)
+            over = 1;
+        else
+            sum += sizes[i];
+    }
+    if (!over)
+        return sum;
+    int64_t left = n;
+    for (int i = 0; i < k; i++) {
+        if (sizes[i] > left)
+            sizes[i] = left;
+        left -= sizes[i];
+    }
+    return n;
+}
+
+/* Step 2, largest remainder: devices ordered by remainder (descending, ties
+ * to the lower index; remainders closer than DP_REM_EPS count as ties, so
+ * 10 rows at [1, 3] give [3, 7] whatever the rounding of 2.5 and 7.5);
+ * what is left of n is handed out one row each in that order (a second
+ * round only when rounding lost more than k rows). Insertion sort: k <= 256. */
+static void hand_out_rest(int64_t n, int k, int64_t *sizes, const long double *rem)
+{
     int order[DP_MAX_DEVICES];
     for (int i = 0; i < k; i++) {
         int j = i;
@@ -154,43 +183,45 @@ int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
         }
         order[j] = i;
     }
-    int64_t sum = 0;
-    int over = 0;
-    for (int i = 0; i < k; i++) {
-        if (sizes[i] > n - sum)
-            over = 1;
-        else
-            sum += sizes[i];
-    }
-    if (over) {
-        /* Rounding pushed the floors past n (only for huge n): start again
-         * from the floors capped in device order. */
-        int64_t left = n;
-        for (int i = 0; i < k; i++) {
-            if (sizes[i] > left)
-                sizes[i] = left;
-            left -= sizes[i];
-        }
-        sum = n;
-    }
+    int64_t sum = floors_sum(n, k, sizes);
     for (int t = 0; sum < n; t = (t + 1) % k) {
         sizes[order[t]]++;
         sum++;
     }
+}
 
-    /* 3. No empty chunk when every device can have a row. */
-    if (n >= k) {
-        for (int i = 0; i < k; i++) {
-            if (sizes[i] != 0)
-                continue;
-            int donor = 0;
-            for (int j = 1; j < k; j++)
-                if (sizes[j] >= sizes[donor])  /* the highest index among equals */
-                    donor = j;
-            sizes[donor]--;  /* >= 2: n >= k rows and a device has none */
-            sizes[i] = 1;
-        }
+/* Step 3: no empty chunk when every device can have a row (n >= k): an
+ * empty one takes a row from the largest (the highest index among equals). */
+static void fill_empty(int64_t n, int k, int64_t *sizes)
+{
+    if (n < k)
+        return;
+    for (int i = 0; i < k; i++) {
+        if (sizes[i] != 0)
+            continue;
+        int donor = 0;
+        for (int j = 1; j < k; j++)
+            if (sizes[j] >= sizes[donor])
+                donor = j;
+        sizes[donor]--;  /* >= 2: n >= k rows and a device has none */
+        sizes[i] = 1;
     }
+}
+
+int dp_weighted_sizes(int64_t n, int k, const double *weights, int64_t *sizes,
+                      int *bad_index)
+{
+    if (bad_index != NULL)
+        *bad_index = -1;
+    if (n < 0 || k < 1 || k > DP_MAX_DEVICES || weights == NULL || sizes == NULL)
+        return DP_ERR_ARG;
+    long double scale, total, rem[DP_MAX_DEVICES];
+    int r = weights_total(k, weights, bad_index, &scale, &total);
+    if (r != DP_OK)
+        return r;
+    floor_quotas(n, k, weights, scale, total, sizes, rem);
+    hand_out_rest(n, k, sizes, rem);
+    fill_empty(n, k, sizes);
     return dp_sizes_count(k, sizes);
 }
 

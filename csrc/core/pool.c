@@ -233,6 +233,81 @@ static job_node *take_loud(slot *s)
     return j;
 }
 
+/* Spin a little for loud work before sleeping on s->cv: a job that comes
+ * right after the last one starts without a wake-up. */
+static void spin_for_work(slot *s)
+{
+    long long spin_end = now_ns() + WORKER_SPIN_NS;
+    unsigned n = 0;
+    while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
+        spin_pause(++n);
+        if (n % 16 == 0 && now_ns() > spin_end)
+            break;
+    }
+}
+
+/* Wait, with s->mu held, for loud work on s. 1 when there is some; 0 when
+ * this thread is to leave (trimmed, or an extra thread idle for
+ * IDLE_EXIT_MS), with *trimmed set for a trim, s->mu still held. */
+static int wait_for_work(slot *s, int *trimmed)
+{
+    while (!s->nloud) {
+        if (s->ntrim > 0 && s->nidle <= s->nqueued) {
+            /* Quiet jobs queued since dp_pool_trim counted this thread
+             * spare count on it: the trim is called off, not the job. */
+            s->ntrim--;
+            __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
+            continue;
+        }
+        if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
+            s->ntrim--;
+            s->nthreads--;
+            s->nidle--;
+            *trimmed = 1;
+            return 0;
+        }
+        if (s->nthreads <= DP_POOL_KEEP_THREADS) {
+            pthread_cond_wait(&s->cv, &s->mu);
+            continue;
+        }
+        /* An extra thread: exit when idle for IDLE_EXIT_MS. */
+        struct timespec deadline;
+        long long d = now_ns() + IDLE_EXIT_MS * 1000000LL;
+        deadline.tv_sec = (time_t)(d / 1000000000LL);
+        deadline.tv_nsec = (long)(d % 1000000000LL);
+        /* Not while quiet jobs count on this thread (nqueued <= nidle). */
+        if (pthread_cond_timedwait(&s->cv, &s->mu, &deadline) == ETIMEDOUT &&
+            !s->nloud && s->nthreads > DP_POOL_KEEP_THREADS && s->nidle > s->nqueued) {
+            s->nthreads--;
+            s->nidle--;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Run j, taken from s. 0, or -1 when the process forked meanwhile (gen is
+ * the fork generation this thread started in): the thread then just ends. */
+static int run_job(slot *s, job_node *j, unsigned gen)
+{
+    /* A caller's node lives until its batch has finished, which is after
+     * finish_job below; a pool node is ours to free. */
+    j->fn(j->arg);
+    dp_batch *b = j->batch;
+    if (j->owned)
+        free(j);
+    if (gen != fork_gen)
+        return -1;
+    /* Idle again before the batch can see the job finished: a caller that
+     * submits its next batch right away then finds this thread idle instead
+     * of starting another one. */
+    pthread_mutex_lock(&s->mu);
+    s->nidle++;
+    pthread_mutex_unlock(&s->mu);
+    finish_job(b);
+    return 0;
+}
+
 static void *worker_main(void *p)
 {
     slot *s = p;
@@ -246,74 +321,21 @@ static void *worker_main(void *p)
     if (worker_key_ok)
         (void)pthread_setspecific(worker_key, &self);
     for (;;) {
-        long long spin_end = now_ns() + WORKER_SPIN_NS;
-        unsigned n = 0;
-        while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
-            spin_pause(++n);
-            if (n % 16 == 0 && now_ns() > spin_end)
-                break;
-        }
+        spin_for_work(s);
         pthread_mutex_lock(&s->mu);
-        while (!s->nloud) {
-            if (s->ntrim > 0 && s->nidle <= s->nqueued) {
-                /* Quiet jobs queued since dp_pool_trim counted this thread
-                 * spare count on it: the trim is called off, not the job. */
-                s->ntrim--;
-                __atomic_sub_fetch(&ntrimming, 1, __ATOMIC_RELEASE);
-                continue;
-            }
-            if (s->ntrim > 0) {   /* dp_pool_trim: leave now */
-                s->ntrim--;
-                s->nthreads--;
-                s->nidle--;
-                trimmed = 1;
-                pthread_mutex_unlock(&s->mu);
-                goto leave;
-            }
-            if (s->nthreads <= DP_POOL_KEEP_THREADS) {
-                pthread_cond_wait(&s->cv, &s->mu);
-                continue;
-            }
-            /* An extra thread: exit when idle for IDLE_EXIT_MS. */
-            struct timespec deadline;
-            long long d = now_ns() + IDLE_EXIT_MS * 1000000LL;
-            deadline.tv_sec = (time_t)(d / 1000000000LL);
-            deadline.tv_nsec = (long)(d % 1000000000LL);
-            /* Not while quiet jobs count on this thread (nqueued <= nidle). */
-            if (pthread_cond_timedwait(&s->cv, &s->mu, &deadline) == ETIMEDOUT &&
-                !s->nloud && s->nthreads > DP_POOL_KEEP_THREADS && s->nidle > s->nqueued) {
-                s->nthreads--;
-                s->nidle--;
-                pthread_mutex_unlock(&s->mu);
-                goto leave;
-            }
+        if (!wait_for_work(s, &trimmed)) {
+            pthread_mutex_unlock(&s->mu);
+            break;
         }
         job_node *j = take_loud(s);
         s->nidle--;
         pthread_mutex_unlock(&s->mu);
-
-        /* A caller's node lives until its batch has finished, which is
-         * after finish_job below; a pool node is ours to free. */
-        j->fn(j->arg);
-        dp_batch *b = j->batch;
-        if (j->owned)
-            free(j);
-        if (gen != fork_gen)
+        if (run_job(s, j, gen) < 0)
             return NULL;
-        /* Idle again before the batch can see the job finished: a caller
-         * that submits its next batch right away then finds this thread
-         * idle instead of starting another one. */
-        pthread_mutex_lock(&s->mu);
-        s->nidle++;
-        pthread_mutex_unlock(&s->mu);
-        finish_job(b);
     }
-leave:
-    {
-        dp_exit_hook_fn hook = __atomic_load_n(&exit_hook, __ATOMIC_ACQUIRE);
-        if (hook != NULL)
-            hook();
-    }
+    dp_exit_hook_fn hook = __atomic_load_n(&exit_hook, __ATOMIC_ACQUIRE);
+    if (hook != NULL)
+        hook();
     if (worker_key_ok)
         (void)pthread_setspecific(worker_key, NULL);
     if (trimmed)

@@ -99,28 +99,132 @@ static int check_out_kind(dp_state *st, PyObject *o, const char *argname)
     return -1;
 }
 
+/* out must be a sequence of arrays, not one array (a torch tensor is a
+ * sequence too, and so are str and bytes). 0, or -1 with TypeError. */
+static int refuse_single_out(dp_state *st, PyObject *out_obj)
+{
+    int single = PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj);
+    if (!single && (single = dp_is_foreign_array(st, out_obj)) < 0) {
+        return -1;
+    }
+    if (!single) {
+        return 0;
+    }
+    PyObject *tn = dp_type_name(out_obj);
+    if (tn != NULL) {
+        PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %U", tn);
+        Py_DECREF(tn);
+    }
+    return -1;
+}
+
+/* out[i] (o, as an array) fits src: its rank, its sizes outside dim, its
+ * dtype; writeable; not overlapping src. 0, or -1 naming out[i]. */
+static int check_scatter_out(PyArrayObject *o, PyArrayObject *src, int dim, Py_ssize_t i,
+                             const char *name)
+{
+    int nd = PyArray_NDIM(src);
+    if (PyArray_NDIM(o) != nd) {
+        PyErr_Format(PyExc_ValueError,
+                     "out[%zd]: Output array has incorrect shape: expected %d dimensions, "
+                     "got %d", i, nd, PyArray_NDIM(o));
+        return -1;
+    }
+    for (int d = 0; d < nd; d++) {
+        if (d != dim && PyArray_DIM(o, d) != PyArray_DIM(src, d)) {
+            PyErr_Format(PyExc_ValueError,
+                         "out[%zd]: Output array has incorrect shape: size %zd at "
+                         "dimension %d, expected %zd", i, (Py_ssize_t)PyArray_DIM(o, d),
+                         d, (Py_ssize_t)PyArray_DIM(src, d));
+            return -1;
+        }
+    }
+    if (!PyArray_EquivTypes(PyArray_DESCR(o), PyArray_DESCR(src))) {
+        PyErr_Format(PyExc_TypeError, "out[%zd]: expected dtype %S, got %S%s", i,
+                     (PyObject *)PyArray_DESCR(src), (PyObject *)PyArray_DESCR(o),
+                     dp_byteorder_note(PyArray_DESCR(src), PyArray_DESCR(o)));
+        return -1;
+    }
+    if (!PyArray_ISWRITEABLE(o)) {
+        PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
+        return -1;
+    }
+    return check_out_overlap(o, &src, 1, name, "array");
+}
+
+/* Each of seq's n items as an array into outs (new references), checked
+ * against src; their sizes along dim must add up to src's. 0 or -1. */
+static int take_scatter_outs(dp_state *st, PyObject *seq, Py_ssize_t n, PyArrayObject *src,
+                             int dim, PyArrayObject **outs)
+{
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        char name[48];
+        snprintf(name, sizeof name, "out[%zd]", i);
+        if (check_out_kind(st, o, name) < 0) {
+            return -1;
+        }
+        outs[i] = dp_as_array(st, o, name, 0); /* a GPU array: its shadow; torch: a view */
+        if (outs[i] == NULL || check_scatter_out(outs[i], src, dim, i, name) < 0) {
+            return -1;
+        }
+        /* A wrapped sum could pass the check below and copy past src. */
+        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(outs[i], dim), &total)) {
+            PyErr_Format(PyExc_ValueError,
+                         "out: Total size for output arrays along scatter dim %d does not "
+                         "match the source array size at dim %d (the sizes up to out[%zd] "
+                         "add up to more than %lld)", dim, dim, i, (long long)INT64_MAX);
+            return -1;
+        }
+    }
+    if (check_outs_disjoint(outs, n) < 0) {
+        return -1;
+    }
+    if (total != PyArray_DIM(src, dim)) {
+        PyErr_Format(PyExc_ValueError,
+                     "out: Total size for output arrays along scatter dim %d does not match "
+                     "the source array size at dim %d (%lld != %lld)", dim, dim,
+                     (long long)total, (long long)PyArray_DIM(src, dim));
+        return -1;
+    }
+    return 0;
+}
+
+/* Chunk i of src copied into outs[i], on the device threads. 0 or -1. */
+static int copy_scatter_outs(dp_state *st, PyArrayObject *src, int dim, PyArrayObject **outs,
+                             Py_ssize_t n)
+{
+    job_list jobs = {0};
+    dp_device home = dp_array_device(st, src);
+    int64_t offset = 0;
+    int r = 0;
+    for (Py_ssize_t i = 0; i < n && r == 0; i++) {
+        const char *data = PyArray_BYTES(src) + offset * PyArray_STRIDES(src)[dim];
+        offset += PyArray_DIM(outs[i], dim);
+        r = jobs_add(&jobs, PyArray_NDIM(src), PyArray_SHAPE(outs[i]),
+                     (size_t)PyArray_ITEMSIZE(src), PyArray_BYTES(outs[i]),
+                     PyArray_STRIDES(outs[i]), data, PyArray_STRIDES(src),
+                     exec_device(home, dp_array_device(st, outs[i])));
+    }
+    if (r == 0) {
+        r = jobs_run(&jobs);
+    }
+    jobs_free(&jobs);
+    return r < 0 ? -1 : 0;
+}
+
 /* comm.scatter with out=: copy chunk i of src into out[i] in place. */
 static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObject *out_obj)
 {
-    PyObject *seq = NULL, *result = NULL;
+    PyObject *result = NULL;
     PyArrayObject **outs = NULL;
-    job_list jobs = {0};
-    Py_ssize_t n = 0, i;
-    int nd = PyArray_NDIM(src);
+    Py_ssize_t n = 0;
 
-    int single = PyArray_Check(out_obj) || PyUnicode_Check(out_obj) || PyBytes_Check(out_obj);
-    if (!single && (single = dp_is_foreign_array(st, out_obj)) < 0) {
+    if (refuse_single_out(st, out_obj) < 0) {
         return NULL;
     }
-    if (single) {   /* one array (a torch tensor is a sequence too): no list of outs */
-        PyObject *tn = dp_type_name(out_obj);
-        if (tn != NULL) {
-            PyErr_Format(PyExc_TypeError, "out: expected a sequence of arrays, got %U", tn);
-            Py_DECREF(tn);
-        }
-        return NULL;
-    }
-    seq = PySequence_Fast(out_obj, "out: expected a sequence of arrays");
+    PyObject *seq = PySequence_Fast(out_obj, "out: expected a sequence of arrays");
     if (seq == NULL) {
         return NULL;
     }
@@ -134,85 +238,12 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
         PyErr_NoMemory();
         goto done;
     }
-    int64_t total = 0;
-    for (i = 0; i < n; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        char name[48];
-        snprintf(name, sizeof name, "out[%zd]", i);
-        if (check_out_kind(st, o, name) < 0) {
-            goto done;
-        }
-        outs[i] = dp_as_array(st, o, name, 0); /* a GPU array: its shadow; torch: a view */
-        if (outs[i] == NULL) {
-            goto done;
-        }
-        if (PyArray_NDIM(outs[i]) != nd) {
-            PyErr_Format(PyExc_ValueError,
-                         "out[%zd]: Output array has incorrect shape: expected %d dimensions, "
-                         "got %d", i, nd, PyArray_NDIM(outs[i]));
-            goto done;
-        }
-        for (int d = 0; d < nd; d++) {
-            if (d != dim && PyArray_DIM(outs[i], d) != PyArray_DIM(src, d)) {
-                PyErr_Format(PyExc_ValueError,
-                             "out[%zd]: Output array has incorrect shape: size %zd at "
-                             "dimension %d, expected %zd", i, (Py_ssize_t)PyArray_DIM(outs[i], d),
-                             d, (Py_ssize_t)PyArray_DIM(src, d));
-                goto done;
-            }
-        }
-        if (!PyArray_EquivTypes(PyArray_DESCR(outs[i]), PyArray_DESCR(src))) {
-            PyErr_Format(PyExc_TypeError, "out[%zd]: expected dtype %S, got %S%s", i,
-                         (PyObject *)PyArray_DESCR(src), (PyObject *)PyArray_DESCR(outs[i]),
-                         dp_byteorder_note(PyArray_DESCR(src), PyArray_DESCR(outs[i])));
-            goto done;
-        }
-        if (!PyArray_ISWRITEABLE(outs[i])) {
-            PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
-            goto done;
-        }
-        if (check_out_overlap(outs[i], &src, 1, name, "array") < 0) {
-            goto done;
-        }
-        /* A wrapped sum could pass the check below and copy past src
-         * (reliability.md, bug 3). */
-        if (__builtin_add_overflow(total, (int64_t)PyArray_DIM(outs[i], dim), &total)) {
-            PyErr_Format(PyExc_ValueError,
-                         "out: Total size for output arrays along scatter dim %d does not "
-                         "match the source array size at dim %d (the sizes up to out[%zd] "
-                         "add up to more than %lld)", dim, dim, i, (long long)INT64_MAX);
-            goto done;
-        }
+    if (take_scatter_outs(st, seq, n, src, dim, outs) == 0 &&
+        copy_scatter_outs(st, src, dim, outs, n) == 0) {
+        result = PyList_AsTuple(seq);
     }
-    if (check_outs_disjoint(outs, n) < 0) {
-        goto done;
-    }
-    if (total != PyArray_DIM(src, dim)) {
-        PyErr_Format(PyExc_ValueError,
-                     "out: Total size for output arrays along scatter dim %d does not match "
-                     "the source array size at dim %d (%lld != %lld)", dim, dim,
-                     (long long)total, (long long)PyArray_DIM(src, dim));
-        goto done;
-    }
-    dp_device home = dp_array_device(st, src);
-    int64_t offset = 0;
-    for (i = 0; i < n; i++) {
-        const char *data = PyArray_BYTES(src) + offset * PyArray_STRIDES(src)[dim];
-        offset += PyArray_DIM(outs[i], dim);
-        if (jobs_add(&jobs, nd, PyArray_SHAPE(outs[i]), (size_t)PyArray_ITEMSIZE(src),
-                     PyArray_BYTES(outs[i]), PyArray_STRIDES(outs[i]), data,
-                     PyArray_STRIDES(src),
-                     exec_device(home, dp_array_device(st, outs[i]))) < 0) {
-            goto done;
-        }
-    }
-    if (jobs_run(&jobs) < 0) {
-        goto done;
-    }
-    result = PyList_AsTuple(seq);
 done:
-    jobs_free(&jobs);
-    for (i = 0; outs != NULL && i < n; i++) {
+    for (Py_ssize_t i = 0; outs != NULL && i < n; i++) {
         Py_XDECREF(outs[i]);
     }
     PyMem_Free(outs);
@@ -244,63 +275,45 @@ PyDoc_STRVAR(comm_scatter_doc,
 "an array, object dtype, MaskedArray/matrix, out not a sequence of arrays),\n"
 "IndexError (dim out of range).");
 
-static PyObject *comm_scatter_steps(PyObject *m, PyObject *args, PyObject *kw)
+/* streams: None, or one entry per device (PyTorch's per-device copy
+ * streams; the copies are finished when scatter returns, so they need no
+ * effect). 0, or -1 with ValueError. */
+static int check_streams(PyObject *streams_obj, PyObject *devices_obj)
 {
-    static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "streams", "out", NULL};
-    PyObject *obj, *devices_obj = Py_None, *sizes_obj = Py_None, *dim_obj = NULL,
-             *streams_obj = Py_None, *out_obj = Py_None, *result = NULL;
-    dp_state *st = dp_state_from_module(m);
+    if (streams_obj == Py_None || devices_obj == Py_None) {
+        return 0;
+    }
+    Py_ssize_t ns = PySequence_Check(streams_obj) ? PySequence_Size(streams_obj) : -1;
+    Py_ssize_t nd = PySequence_Check(devices_obj) ? PySequence_Size(devices_obj) : -1;
+    if (ns < 0 || nd < 0 || ns != nd) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "streams: expected None or one stream per device "
+                     "(%zd devices), got %.100s", nd, Py_TYPE(streams_obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* comm.scatter without out=: arr split along dim into chunk_sizes (or
+ * torch.chunk's sizes), chunk i on devices[i]. A tuple of the chunks, or
+ * NULL. */
+static PyObject *scatter_to_devices(dp_state *st, PyArrayObject *arr, int dim,
+                                    PyObject *devices_obj, PyObject *sizes_obj)
+{
+    PyObject *result = NULL, **chunks = NULL;
     dp_device *devs = NULL;
     Py_ssize_t ndev = 0;
-    PyArrayObject *arr = NULL;
     int64_t *sizes = NULL;
-    PyObject **chunks = NULL;
-    int dim = 0;
+    int nchunks = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOO$O:scatter", kwlist, &obj, &devices_obj,
-                                     &sizes_obj, &dim_obj, &streams_obj, &out_obj)) {
-        return NULL;
-    }
-    if (streams_obj != Py_None && devices_obj != Py_None) {
-        Py_ssize_t ns = PySequence_Check(streams_obj) ? PySequence_Size(streams_obj) : -1;
-        Py_ssize_t nd = PySequence_Check(devices_obj) ? PySequence_Size(devices_obj) : -1;
-        if (ns < 0 || nd < 0 || ns != nd) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "streams: expected None or one stream per device "
-                         "(%zd devices), got %.100s", nd, Py_TYPE(streams_obj)->tp_name);
-            return NULL;
-        }
-    }
-    if (dim_obj != NULL && dp_int_from_object(dim_obj, "dim", &dim) < 0) {
-        return NULL;
-    }
-    arr = dp_as_array(st, obj, "array", 1);
-    if (arr == NULL) {
-        return NULL;
-    }
-    if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), "dim", &dim) < 0) {
-        goto done;
-    }
-    if (out_obj != Py_None) {
-        if (devices_obj != Py_None || sizes_obj != Py_None) {
-            PyErr_SetString(PyExc_ValueError,
-                            "out: 'devices' and 'chunk_sizes' must not be given with 'out'");
-            goto done;
-        }
-        result = scatter_into(st, arr, dim, out_obj);
-        goto done;
-    }
-    if (devices_obj == Py_None) {
+    if (devices_obj == Py_None ||
+        (PySequence_Check(devices_obj) && !PyUnicode_Check(devices_obj) &&
+         PySequence_Size(devices_obj) == 0)) {
         devices_error("devices");
-        goto done;
-    }
-    if (PySequence_Check(devices_obj) && !PyUnicode_Check(devices_obj) &&
-        PySequence_Size(devices_obj) == 0) {
-        devices_error("devices");
-        goto done;
+        return NULL;
     }
     if (dp_device_list_from_object(st, devices_obj, "devices", &devs, &ndev) < 0) {
-        goto done;
+        return NULL;
     }
     sizes = PyMem_Calloc((size_t)ndev, sizeof(int64_t));
     chunks = PyMem_Calloc((size_t)ndev, sizeof(PyObject *));
@@ -308,34 +321,63 @@ static PyObject *comm_scatter_steps(PyObject *m, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         goto done;
     }
-    int nchunks;
     if (sizes_obj == Py_None) {
         nchunks = dp_chunk_sizes(PyArray_DIM(arr, dim), (int)ndev, sizes);
-    } else {
-        if (parse_chunk_sizes(sizes_obj, ndev, PyArray_DIM(arr, dim), dim, sizes) < 0) {
-            goto done;
-        }
+    } else if (parse_chunk_sizes(sizes_obj, ndev, PyArray_DIM(arr, dim), dim, sizes) == 0) {
         nchunks = (int)ndev;
+    } else {
+        goto done;
     }
     dp_scatter_item item = {arr, dim, nchunks, sizes, chunks};
     if (dp_scatter_run(st, &item, 1, devs) < 0) {
         goto done;
     }
     result = PyTuple_New(nchunks);
-    if (result == NULL) {
-        for (int j = 0; j < nchunks; j++) {
+    for (int j = 0; j < nchunks; j++) {
+        if (result != NULL) {
+            PyTuple_SET_ITEM(result, j, chunks[j]);
+        } else {
             Py_DECREF(chunks[j]);
         }
-        goto done;
     }
-    for (int j = 0; j < nchunks; j++) {
-        PyTuple_SET_ITEM(result, j, chunks[j]);
-    }
-    result = dp_comm_back(st, obj, 0, result);   /* torch in, torch out */
 done:
     PyMem_Free(chunks);
     PyMem_Free(sizes);
     PyMem_Free(devs);
+    return result;
+}
+
+static PyObject *comm_scatter_steps(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"array", "devices", "chunk_sizes", "dim", "streams", "out", NULL};
+    PyObject *obj, *devices_obj = Py_None, *sizes_obj = Py_None, *dim_obj = NULL,
+             *streams_obj = Py_None, *out_obj = Py_None, *result = NULL;
+    dp_state *st = dp_state_from_module(m);
+    int dim = 0;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OOOO$O:scatter", kwlist, &obj, &devices_obj,
+                                     &sizes_obj, &dim_obj, &streams_obj, &out_obj) ||
+        check_streams(streams_obj, devices_obj) < 0 ||
+        (dim_obj != NULL && dp_int_from_object(dim_obj, "dim", &dim) < 0)) {
+        return NULL;
+    }
+    PyArrayObject *arr = dp_as_array(st, obj, "array", 1);
+    if (arr == NULL) {
+        return NULL;
+    }
+    if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), "dim", &dim) < 0) {
+        goto done;
+    }
+    if (out_obj == Py_None) {
+        result = scatter_to_devices(st, arr, dim, devices_obj, sizes_obj);
+        result = dp_comm_back(st, obj, 0, result);   /* torch in, torch out */
+    } else if (devices_obj != Py_None || sizes_obj != Py_None) {
+        PyErr_SetString(PyExc_ValueError,
+                        "out: 'devices' and 'chunk_sizes' must not be given with 'out'");
+    } else {
+        result = scatter_into(st, arr, dim, out_obj);
+    }
+done:
     Py_XDECREF(arr);
     return result;
 }

@@ -32,17 +32,80 @@ DP_COMM_DOC(comm_broadcast_doc,
 "out[i] overlapping array, another out[j] or itself), TypeError (not an array, object\n"
 "dtype, MaskedArray/matrix).");
 
-static PyObject *comm_broadcast_steps(PyObject *m, PyObject *args, PyObject *kw)
+/* out[i] (o) can take a copy of arr: its shape and dtype, writeable, not
+ * overlapping arr. 0, or -1 naming out[i]. */
+static int check_broadcast_out(PyArrayObject *o, PyArrayObject *arr, Py_ssize_t i)
 {
-    static char *kwlist[] = {"array", "devices", "out", NULL};
-    PyObject *obj, *devices_obj = Py_None, *out_obj = Py_None, *result = NULL;
-    dp_state *st = dp_state_from_module(m);
-    dp_device *devs = NULL;
-    Py_ssize_t ndev = 0;
-    PyArrayObject *arr;
+    if (!PyArray_SAMESHAPE(o, arr) ||
+        !PyArray_EquivTypes(PyArray_DESCR(o), PyArray_DESCR(arr))) {
+        PyErr_Format(PyExc_ValueError,
+                     "out[%zd]: expected an array of the source's shape and dtype", i);
+        return -1;
+    }
+    if (!PyArray_ISWRITEABLE(o)) {
+        PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
+        return -1;
+    }
+    char name[48];
+    PyOS_snprintf(name, sizeof name, "out[%zd]", i);
+    return check_out_overlap(o, &arr, 1, name, "array");
+}
+
+/* comm.broadcast with out=: arr copied into every array of out_obj, in
+ * place. The tuple of out's items, or NULL. */
+static PyObject *broadcast_into(dp_state *st, PyArrayObject *arr, PyObject *out_obj)
+{
     PyArrayObject **outs = NULL;
     Py_ssize_t nout = 0;
     job_list jobs = {0};
+    PyObject *result = NULL;
+    int r = arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0 ||
+                    check_outs_disjoint(outs, nout) < 0 ? -1 : 0;
+    for (Py_ssize_t i = 0; i < nout && r == 0; i++) {
+        r = check_broadcast_out(outs[i], arr, i) < 0 ||
+            jobs_add_array(&jobs, outs[i], arr,
+                           exec_device(dp_array_device(st, arr),
+                                       dp_array_device(st, outs[i]))) < 0 ? -1 : 0;
+    }
+    if (r == 0 && jobs_run(&jobs) == 0) {
+        result = PySequence_Tuple(out_obj);
+    }
+    jobs_free(&jobs);
+    arrays_free(outs, nout);
+    return result;
+}
+
+/* comm.broadcast with devices: arr on every device of devices_obj (itself
+ * on its own device). A tuple with one array per device, or NULL. */
+static PyObject *broadcast_to_devices(dp_state *st, PyArrayObject *arr, PyObject *devices_obj)
+{
+    dp_device *devs = NULL;
+    Py_ssize_t ndev = 0;
+    PyObject *one = NULL, *rows = NULL, *result = NULL;
+    if (dp_device_list_from_object(st, devices_obj, "devices", &devs, &ndev) < 0 ||
+        (one = PyList_New(1)) == NULL) {
+        goto done;
+    }
+    PyList_SET_ITEM(one, 0, Py_NewRef((PyObject *)arr));
+    rows = dp_broadcast_coalesced(st, one, devs, ndev, DP_BUCKET_BYTES);
+    if (rows == NULL || (result = PyTuple_New(ndev)) == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyTuple_SET_ITEM(result, d, Py_NewRef(PyList_GET_ITEM(PyList_GET_ITEM(rows, d), 0)));
+    }
+done:
+    Py_XDECREF(rows);
+    Py_XDECREF(one);
+    PyMem_Free(devs);
+    return result;
+}
+
+static PyObject *comm_broadcast_steps(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"array", "devices", "out", NULL};
+    PyObject *obj, *devices_obj = Py_None, *out_obj = Py_None, *result;
+    dp_state *st = dp_state_from_module(m);
 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O$O:broadcast", kwlist, &obj, &devices_obj,
                                      &out_obj)) {
@@ -53,74 +116,15 @@ static PyObject *comm_broadcast_steps(PyObject *m, PyObject *args, PyObject *kw)
                         "devices, out: Exactly one of 'devices' and 'out' must be specified");
         return NULL;
     }
-    arr = dp_as_array(st, obj, "array", 0);
+    PyArrayObject *arr = dp_as_array(st, obj, "array", 0);
     if (arr == NULL) {
         return NULL;
     }
     if (out_obj != Py_None) {
-        if (arrays_from_sequence(st, out_obj, "out", 0, &outs, &nout) < 0 ||
-            check_outs_disjoint(outs, nout) < 0) {
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < nout; i++) {
-            if (!PyArray_SAMESHAPE(outs[i], arr) ||
-                !PyArray_EquivTypes(PyArray_DESCR(outs[i]), PyArray_DESCR(arr))) {
-                PyErr_Format(PyExc_ValueError,
-                             "out[%zd]: expected an array of the source's shape and dtype",
-                             i);
-                goto done;
-            }
-            if (!PyArray_ISWRITEABLE(outs[i])) {
-                PyErr_Format(PyExc_ValueError, "out[%zd]: output array is read-only", i);
-                goto done;
-            }
-            char name[48];
-            PyOS_snprintf(name, sizeof name, "out[%zd]", i);
-            if (check_out_overlap(outs[i], &arr, 1, name, "array") < 0) {
-                goto done;
-            }
-            if (jobs_add(&jobs, PyArray_NDIM(arr), PyArray_SHAPE(arr),
-                         (size_t)PyArray_ITEMSIZE(arr), PyArray_BYTES(outs[i]),
-                         PyArray_STRIDES(outs[i]), PyArray_BYTES(arr), PyArray_STRIDES(arr),
-                         exec_device(dp_array_device(st, arr),
-                                     dp_array_device(st, outs[i]))) < 0) {
-                goto done;
-            }
-        }
-        if (jobs_run(&jobs) < 0) {
-            goto done;
-        }
-        result = PySequence_Tuple(out_obj);
-        goto done;
+        result = broadcast_into(st, arr, out_obj);
+    } else {
+        result = dp_comm_back(st, obj, 0, broadcast_to_devices(st, arr, devices_obj));
     }
-    if (dp_device_list_from_object(st, devices_obj, "devices", &devs, &ndev) < 0) {
-        goto done;
-    }
-    PyObject *one = PyList_New(1);
-    if (one == NULL) {
-        goto done;
-    }
-    Py_INCREF(arr);
-    PyList_SET_ITEM(one, 0, (PyObject *)arr);
-    PyObject *rows = dp_broadcast_coalesced(st, one, devs, ndev, DP_BUCKET_BYTES);
-    Py_DECREF(one);
-    if (rows == NULL) {
-        goto done;
-    }
-    result = PyTuple_New(ndev);
-    if (result != NULL) {
-        for (Py_ssize_t d = 0; d < ndev; d++) {
-            PyObject *item = PyList_GET_ITEM(PyList_GET_ITEM(rows, d), 0);
-            Py_INCREF(item);
-            PyTuple_SET_ITEM(result, d, item);
-        }
-    }
-    Py_DECREF(rows);
-    result = dp_comm_back(st, obj, 0, result);
-done:
-    jobs_free(&jobs);
-    arrays_free(outs, nout);
-    PyMem_Free(devs);
     Py_DECREF(arr);
     return result;
 }
@@ -268,87 +272,93 @@ DP_COMM_DOC(comm_reduce_add_coalesced_doc,
 "Raises ValueError (empty, lengths or sizes that differ, bad buffer_size), TypeError\n"
 "(as reduce_add).");
 
-static PyObject *comm_reduce_add_coalesced_steps(PyObject *m, PyObject *args, PyObject *kw)
+/* per_device (seq, ndev >= 1 entries): every entry a sequence of arrays,
+ * all of per_device[0]'s length. That length, or -1. */
+static Py_ssize_t per_device_length(PyObject *seq, Py_ssize_t ndev)
 {
-    static char *kwlist[] = {"per_device", "destination", "buffer_size", NULL};
-    PyObject *pd_obj, *dest_obj = Py_None, *bs_obj = NULL, *seq = NULL, *result = NULL;
-    PyObject *column = NULL;
-    dp_state *st = dp_state_from_module(m);
-    size_t bs;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:reduce_add_coalesced", kwlist, &pd_obj,
-                                     &dest_obj, &bs_obj)) {
-        return NULL;
-    }
-    if (parse_buffer_size(bs_obj, &bs) < 0) {
-        return NULL;
-    }
-    seq = PySequence_Fast(pd_obj, "per_device: expected a sequence of per-device sequences");
-    if (seq == NULL) {
-        return NULL;
-    }
-    Py_ssize_t ndev = PySequence_Fast_GET_SIZE(seq), ntensors = -1;
-    if (ndev == 0) {
-        PyErr_SetString(PyExc_ValueError, "per_device: expected at least one device's arrays");
-        goto done;
-    }
+    Py_ssize_t ntensors = -1;
     for (Py_ssize_t d = 0; d < ndev; d++) {
         PyObject *row = PySequence_Fast_GET_ITEM(seq, d);
         Py_ssize_t len = PyArray_Check(row) ? -1 : PySequence_Size(row);
         if (len < 0) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "per_device[%zd]: expected a sequence of arrays", d);
-            goto done;
+            return -1;
         }
         if (ntensors >= 0 && len != ntensors) {
             PyErr_Format(PyExc_ValueError,
                          "per_device[%zd]: has %zd arrays, but per_device[0] has %zd", d, len,
                          ntensors);
-            goto done;
+            return -1;
         }
         ntensors = len;
     }
-    PyObject *first_row = PySequence_Fast_GET_ITEM(seq, 0);
-    result = PyTuple_New(ntensors);
-    if (result == NULL) {
-        goto done;
+    return ntensors;
+}
+
+/* The sum over d of per_device[d][t] (seq: per_device's ndev entries) on
+ * the destination (default: the device of per_device[0][t]), in the
+ * library of the column's arrays. New reference or NULL. */
+static PyObject *reduce_column(dp_state *st, PyObject *seq, Py_ssize_t ndev, Py_ssize_t t,
+                               PyObject *dest_obj)
+{
+    PyObject *column = PyList_New(ndev);
+    if (column == NULL) {
+        return NULL;
     }
-    for (Py_ssize_t t = 0; t < ntensors; t++) {
-        column = PyList_New(ndev);
-        if (column == NULL) {
-            Py_CLEAR(result);
-            goto done;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *item = PySequence_GetItem(PySequence_Fast_GET_ITEM(seq, d), t);
+        if (item == NULL) {
+            Py_DECREF(column);
+            return NULL;
         }
-        for (Py_ssize_t d = 0; d < ndev; d++) {
-            PyObject *item = PySequence_GetItem(PySequence_Fast_GET_ITEM(seq, d), t);
-            if (item == NULL) {
+        PyList_SET_ITEM(column, d, item);
+    }
+    dp_device dest, dflt = {DP_HOST, -1};
+    PyObject *first = PyList_GET_ITEM(column, 0), *sum = NULL;
+    if (PyArray_Check(first)) {
+        dflt = dp_array_device(st, (PyArrayObject *)first);
+    }
+    char name[64];
+    snprintf(name, sizeof name, "per_device[:][%zd]", t);
+    if (parse_destination(st, dest_obj, "destination", dflt, &dest) == 0) {
+        sum = dp_comm_back(st, column, 1, dp_reduce_add(st, column, dest, name));
+    }
+    Py_DECREF(column);
+    return sum;
+}
+
+static PyObject *comm_reduce_add_coalesced_steps(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"per_device", "destination", "buffer_size", NULL};
+    PyObject *pd_obj, *dest_obj = Py_None, *bs_obj = NULL, *result = NULL;
+    dp_state *st = dp_state_from_module(m);
+    size_t bs;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:reduce_add_coalesced", kwlist, &pd_obj,
+                                     &dest_obj, &bs_obj) ||
+        parse_buffer_size(bs_obj, &bs) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(pd_obj,
+                                    "per_device: expected a sequence of per-device sequences");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t ndev = PySequence_Fast_GET_SIZE(seq), ntensors;
+    if (ndev == 0) {
+        PyErr_SetString(PyExc_ValueError, "per_device: expected at least one device's arrays");
+    } else if ((ntensors = per_device_length(seq, ndev)) >= 0 &&
+               (result = PyTuple_New(ntensors)) != NULL) {
+        for (Py_ssize_t t = 0; t < ntensors; t++) {
+            PyObject *sum = reduce_column(st, seq, ndev, t, dest_obj);
+            if (sum == NULL) {
                 Py_CLEAR(result);
-                goto done;
+                break;
             }
-            PyList_SET_ITEM(column, d, item);
+            PyTuple_SET_ITEM(result, t, sum);
         }
-        dp_device dest, dflt = {DP_HOST, -1};
-        PyObject *first = PyList_GET_ITEM(column, 0);
-        if (PyArray_Check(first)) {
-            dflt = dp_array_device(st, (PyArrayObject *)first);
-        }
-        char name[64];
-        snprintf(name, sizeof name, "per_device[:][%zd]", t);
-        if (parse_destination(st, dest_obj, "destination", dflt, &dest) < 0) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyObject *sum = dp_comm_back(st, column, 1, dp_reduce_add(st, column, dest, name));
-        Py_CLEAR(column);
-        if (sum == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyTuple_SET_ITEM(result, t, sum);
     }
-    (void)first_row;
-done:
-    Py_XDECREF(column);
     Py_DECREF(seq);
     return result;
 }

@@ -23,9 +23,7 @@ static PyObject *copy_from_to(dp_state *st, job_list *jobs, PyArrayObject *src, 
     if (dst == NULL) {
         return NULL;
     }
-    if (jobs_add(jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
-                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
-                 PyArray_STRIDES(src), exec_device(home, dev)) < 0) {
+    if (jobs_add_array(jobs, dst, src, exec_device(home, dev)) < 0) {
         Py_DECREF(dst);
         return NULL;
     }
@@ -153,6 +151,77 @@ static int nccl_broadcast_run(dp_state *st, nccl_batch *b)
     return 0;
 }
 
+/* The result: ndev rows (lists) of n entries each, empty until filled. */
+static PyObject *new_rows(Py_ssize_t ndev, Py_ssize_t n)
+{
+    PyObject *result = PyList_New(ndev);
+    for (Py_ssize_t d = 0; result != NULL && d < ndev; d++) {
+        PyObject *row = PyList_New(n);
+        if (row == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, d, row);
+    }
+    return result;
+}
+
+/* Whether the copies start while the rest are still being set up:
+ * between virtual CPU devices (a module of many parameters, none on a GPU)
+ * when there is enough to copy for streaming stores to pay
+ * (DP_STREAM_MIN_JOB a device): the jobs then go to the copying workers
+ * every MiB (copy_jobs.c). *any_cuda: a GPU among the sources or targets. */
+static int feed_copies(dp_state *st, PyArrayObject **src, Py_ssize_t n, const dp_device *devs,
+                       Py_ssize_t ndev, int *any_cuda)
+{
+    int all_vcpu = 1;
+    uint64_t src_bytes = 0;
+    *any_cuda = 0;
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        all_vcpu &= devs[d].kind == DP_VCPU;
+        *any_cuda |= devs[d].kind == DP_CUDA;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        *any_cuda |= dp_array_device(st, src[i]).kind == DP_CUDA;
+        src_bytes += (uint64_t)PyArray_NBYTES(src[i]);
+    }
+    return all_vcpu && !*any_cuda && src_bytes >= DP_STREAM_MIN_JOB;
+}
+
+/* Entry i of every row: src itself on its own device, else a copy queued
+ * on jobs. 0 or -1. */
+static int queue_copies(dp_state *st, PyArrayObject *src, const dp_device *devs,
+                        Py_ssize_t ndev, PyObject *result, Py_ssize_t i, job_list *jobs)
+{
+    dp_device home = dp_array_device(st, src);
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *item = dp_device_eq(home, devs[d])
+            ? Py_NewRef((PyObject *)src) : copy_from_to(st, jobs, src, home, devs[d]);
+        if (item == NULL) {
+            return -1;
+        }
+        PyList_SET_ITEM(PyList_GET_ITEM(result, d), i, item);
+    }
+    return 0;
+}
+
+/* The rows' GPU entries as dpmini.Array (every entry passed to dp_export).
+ * 0, or -1 with result's entries partly exported. */
+static int export_rows(dp_state *st, PyObject *result, Py_ssize_t ndev, Py_ssize_t n)
+{
+    for (Py_ssize_t d = 0; d < ndev; d++) {
+        PyObject *row = PyList_GET_ITEM(result, d);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));
+            if (e == NULL) {
+                return -1;
+            }
+            PyList_SetItem(row, i, e);
+        }
+    }
+    return 0;
+}
+
 PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device *devs,
                                  Py_ssize_t ndev, size_t buffer_size)
 {
@@ -161,94 +230,44 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     job_list jobs = {0};
     PyObject *result = NULL;
     nccl_batch batch = {0};
+    int any_cuda = 0, ok = 0;
 
     (void)buffer_size; /* see comm_broadcast_coalesced's docstring */
     if (arrays_from_sequence(st, arrays, "tensors", 0, &src, &n) < 0) {
         return NULL;
     }
-    if (batch_init(&batch, n, ndev) < 0) {
-        goto fail;
-    }
-    result = PyList_New(ndev);
-    if (result == NULL) {
-        goto fail;
-    }
-    for (Py_ssize_t d = 0; d < ndev; d++) {
-        PyObject *row = PyList_New(n);
-        if (row == NULL) {
-            goto fail;
-        }
-        PyList_SET_ITEM(result, d, row);
+    if (batch_init(&batch, n, ndev) < 0 || (result = new_rows(ndev, n)) == NULL) {
+        goto done;
     }
     if (n > 0 && ndev > PY_SSIZE_T_MAX / n) {
         PyErr_NoMemory();
-        goto fail;
+        goto done;
     }
     if (jobs_reserve(&jobs, n * ndev) < 0) {
-        goto fail;
+        goto done;
     }
-    /* Between virtual CPU devices, copies start while the rest are still
-     * being set up (a module of many parameters), when there is enough to
-     * copy for streaming stores to pay (DP_STREAM_MIN_JOB a device): the
-     * jobs go to the copying workers every MiB (copy_jobs.c). */
-    int all_vcpu = 1, any_cuda = 0;
-    uint64_t src_bytes = 0;
-    for (Py_ssize_t d = 0; d < ndev; d++) {
-        all_vcpu &= devs[d].kind == DP_VCPU;
-        any_cuda |= devs[d].kind == DP_CUDA;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        any_cuda |= dp_array_device(st, src[i]).kind == DP_CUDA;
-        src_bytes += (uint64_t)PyArray_NBYTES(src[i]);
-    }
-    int pipeline = all_vcpu && !any_cuda && src_bytes >= DP_STREAM_MIN_JOB;
+    int pipeline = feed_copies(st, src, n, devs, ndev, &any_cuda);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (pipeline && jobs.bytes - jobs.launched_bytes >= ((size_t)1 << 20) &&
             jobs_launch(&jobs) < 0) {
-            goto fail;
+            goto done;
         }
         int r = nccl_broadcast_queue(st, src[i], devs, ndev, result, i, &batch);
-        if (r < 0) {
-            goto fail;
-        }
-        dp_device home = dp_array_device(st, src[i]);
-        for (Py_ssize_t d = 0; r == 0 && d < ndev; d++) {
-            PyObject *row = PyList_GET_ITEM(result, d);
-            PyObject *item;
-            if (dp_device_eq(home, devs[d])) {
-                item = (PyObject *)src[i];
-                Py_INCREF(item);
-            } else {
-                item = copy_from_to(st, &jobs, src[i], home, devs[d]);
-                if (item == NULL) {
-                    goto fail;
-                }
-            }
-            PyList_SET_ITEM(row, i, item);
+        if (r < 0 || (r == 0 && queue_copies(st, src[i], devs, ndev, result, i, &jobs) < 0)) {
+            goto done;
         }
     }
-    if (nccl_broadcast_run(st, &batch) < 0 || jobs_run(&jobs) < 0) {
-        goto fail;
-    }
+    ok = !(nccl_broadcast_run(st, &batch) < 0 || jobs_run(&jobs) < 0);
+done:
     jobs_free(&jobs);
     batch_free(&batch);
     arrays_free(src, n);
-    for (Py_ssize_t d = 0; d < ndev && any_cuda; d++) { /* GPU entries leave as dpmini.Array */
-        PyObject *row = PyList_GET_ITEM(result, d);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *e = dp_export(st, Py_NewRef(PyList_GET_ITEM(row, i)));
-            if (e == NULL) {
-                Py_DECREF(result);
-                return NULL;
-            }
-            PyList_SetItem(row, i, e);
-        }
+    /* GPU entries leave as dpmini.Array */
+    if (ok && any_cuda && export_rows(st, result, ndev, n) < 0) {
+        ok = 0;
+    }
+    if (!ok) {
+        Py_CLEAR(result);
     }
     return result;
-fail:
-    jobs_free(&jobs);
-    batch_free(&batch);
-    arrays_free(src, n);
-    Py_XDECREF(result);
-    return NULL;
 }

@@ -77,6 +77,8 @@ int jobs_reserve(job_list *l, Py_ssize_t more);
 int jobs_add(job_list *l, int nd, const npy_intp *shape, size_t itemsize,
              char *dst, const npy_intp *dst_strides,
              const char *src, const npy_intp *src_strides, copy_route route);
+/* copy_jobs.c: queue all of src into dst (src's shape and item size) along `route`. */
+int jobs_add_array(job_list *l, PyArrayObject *dst, PyArrayObject *src, copy_route route);
 /* copy_overlap.c: refuse an out= array that overlaps itself or any of srcs:
  * ValueError naming argname. */
 int check_out_overlap(PyArrayObject *dst, PyArrayObject *const *srcs, Py_ssize_t nsrc,

@@ -203,6 +203,13 @@ queued:
     return 0;
 }
 
+int jobs_add_array(job_list *l, PyArrayObject *dst, PyArrayObject *src, copy_route route)
+{
+    return jobs_add(l, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
+                    PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
+                    PyArray_STRIDES(src), route);
+}
+
 /* The job's copy as a dp_copy_desc: its heap one, or *buf filled in. */
 static const dp_copy_desc *job_desc(const copy_job *j, dp_copy_desc *buf)
 {
@@ -518,6 +525,90 @@ static void mark_vcpu(unsigned char *seen, dp_device d)
     }
 }
 
+/* The virtual CPU devices the jobs touch into workers, by index, and the
+ * jobs' bytes into *total. The number of groups: one per such device, at
+ * most one per core, at least one (then on cpu:0). */
+static int cpu_workers(const copy_job *jobs, Py_ssize_t njobs, int *workers, uint64_t *total)
+{
+    unsigned char seen[DP_POOL_MAX_INDEX] = {0};
+    int nw = 0;
+    *total = 0;
+    for (Py_ssize_t i = 0; i < njobs; i++) {
+        mark_vcpu(seen, jobs[i].exec);
+        mark_vcpu(seen, jobs[i].src_dev);
+        mark_vcpu(seen, jobs[i].dst_dev);
+        *total += jobs[i].bytes;
+    }
+    for (int x = 0; x < DP_POOL_MAX_INDEX; x++) {
+        if (seen[x]) {
+            workers[nw++] = x;
+        }
+    }
+    int cores = dp_pool_cores();
+    int G = nw < cores ? nw : cores;
+    if (G < 1) {
+        G = 1;
+        workers[0] = 0;
+    }
+    return G;
+}
+
+/* group_cpu's cut of the queue into G runs of about equal bytes, in
+ * progress. */
+typedef struct {
+    copy_job **o;         /* the order: pointers to jobs and pieces          */
+    copy_job *pieces;     /* the split pieces                                */
+    job_group *g;         /* the groups; g[n] is being filled                */
+    Py_ssize_t k, np, n;  /* pointers, pieces, groups done                   */
+    int cut, G;           /* the next cut: at byte total * cut / G           */
+    uint64_t total, pos;  /* all bytes; bytes of the jobs before this one    */
+} cpu_cut;
+
+/* Past a cut: a new group starts unless the current one is still empty. */
+static void next_group(cpu_cut *c)
+{
+    if (c->g[c->n].n > 0) {
+        c->n++;
+        c->g[c->n].jobs = &c->o[c->k];
+        c->g[c->n].n = 0;
+    }
+    c->cut++;
+}
+
+/* Job j into the order, split by rows at each cut that falls inside it. */
+static void cut_job(cpu_cut *c, copy_job *j)
+{
+    int split = j->big == NULL && j->ndim >= 1 && j->shape[0] > 1;
+    int64_t rows = split ? j->shape[0] : 1, done = 0;
+    uint64_t row_bytes = j->bytes / (uint64_t)rows;
+    while (c->cut < c->G) {
+        uint64_t at = (uint64_t)((unsigned __int128)c->total * (unsigned)c->cut /
+                                 (unsigned)c->G);
+        if (at >= c->pos + j->bytes) {
+            break;    /* beyond this job (or at its end: the next job starts there) */
+        }
+        int64_t r = at <= c->pos ? 0 : cut_row(at - c->pos, row_bytes, rows);
+        if (r >= rows) {
+            break;    /* nearer the end: the next job takes the cut */
+        }
+        if (r > done) {
+            job_rows(j, done, r, &c->pieces[c->np]);
+            c->o[c->k++] = &c->pieces[c->np++];
+            c->g[c->n].n++;
+            done = r;
+        }
+        next_group(c);
+    }
+    if (done == 0) {
+        c->o[c->k++] = j;
+    } else {
+        job_rows(j, done, rows, &c->pieces[c->np]);
+        c->o[c->k++] = &c->pieces[c->np++];
+    }
+    c->g[c->n].n++;
+    c->pos += j->bytes;
+}
+
 /* Group the jobs (jobs_cpu_only) into one group per core, at most one per
  * virtual CPU device the copies touch (executing device, source or
  * destination: a gather of two parts onto cpu:0 copies on two cores, not
@@ -532,26 +623,9 @@ static void mark_vcpu(unsigned char *seen, dp_device d)
 static int group_cpu(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_group **groups,
                      Py_ssize_t *ng)
 {
-    unsigned char seen[DP_POOL_MAX_INDEX] = {0};
-    int workers[DP_POOL_MAX_INDEX], nw = 0;
-    uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < njobs; i++) {
-        mark_vcpu(seen, jobs[i].exec);
-        mark_vcpu(seen, jobs[i].src_dev);
-        mark_vcpu(seen, jobs[i].dst_dev);
-        total += jobs[i].bytes;
-    }
-    for (int x = 0; x < DP_POOL_MAX_INDEX; x++) {
-        if (seen[x]) {
-            workers[nw++] = x;
-        }
-    }
-    int cores = dp_pool_cores();
-    int G = nw < cores ? nw : cores;
-    if (G < 1) {
-        G = 1;
-        workers[0] = 0;
-    }
+    int workers[DP_POOL_MAX_INDEX];
+    uint64_t total;
+    int G = cpu_workers(jobs, njobs, workers, &total);
     /* pointers, then the pieces: each cut adds at most two (its two sides) */
     Py_ssize_t npieces = 2 * (Py_ssize_t)G;
     size_t head = (size_t)(njobs + npieces) * sizeof(copy_job *);
@@ -562,63 +636,19 @@ static int group_cpu(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_gr
         PyErr_NoMemory();
         return -1;
     }
-    copy_job **o = (copy_job **)block;
-    copy_job *pieces = (copy_job *)(block + head);
-    Py_ssize_t k = 0, np = 0, n = 0;
-    int cut = 1;              /* the next cut: at byte total * cut / G */
-    uint64_t pos = 0;         /* bytes of the jobs before the current one */
-    g[0].jobs = o;
+    cpu_cut c = {(copy_job **)block, (copy_job *)(block + head), g, 0, 0, 0, 1, G, total, 0};
+    g[0].jobs = c.o;
     g[0].n = 0;
-#define NEXT_GROUP()                                                   \
-    do {                                                               \
-        if (g[n].n > 0) {                                              \
-            n++;                                                       \
-            g[n].jobs = &o[k];                                         \
-            g[n].n = 0;                                                \
-        }                                                              \
-        cut++;                                                         \
-    } while (0)
     for (Py_ssize_t i = 0; i < njobs; i++) {
-        copy_job *j = &jobs[i];
-        int split = j->big == NULL && j->ndim >= 1 && j->shape[0] > 1;
-        int64_t rows = split ? j->shape[0] : 1, done = 0;
-        uint64_t row_bytes = j->bytes / (uint64_t)rows;
-        while (cut < G) {
-            uint64_t c = (uint64_t)((unsigned __int128)total * (unsigned)cut / (unsigned)G);
-            if (c >= pos + j->bytes) {
-                break;    /* beyond this job (or at its end: the next job starts there) */
-            }
-            int64_t r = c <= pos ? 0 : cut_row(c - pos, row_bytes, rows);
-            if (r >= rows) {
-                break;    /* nearer the end: the next job takes the cut */
-            }
-            if (r > done) {
-                job_rows(j, done, r, &pieces[np]);
-                o[k++] = &pieces[np++];
-                g[n].n++;
-                done = r;
-            }
-            NEXT_GROUP();
-        }
-        if (done == 0) {
-            o[k++] = j;
-        } else {
-            job_rows(j, done, rows, &pieces[np]);
-            o[k++] = &pieces[np++];
-        }
-        g[n].n++;
-        pos += j->bytes;
+        cut_job(&c, &jobs[i]);
     }
-#undef NEXT_GROUP
-    if (g[n].n > 0) {
-        n++;
-    }
+    Py_ssize_t n = c.n + (g[c.n].n > 0);
     for (Py_ssize_t x = 0; x < n; x++) {
         g[x].worker = (dp_device){DP_VCPU, workers[x]};
         g[x].status = dpc_ok();
         g[x].failed = 0;
     }
-    *order = o;
+    *order = c.o;
     *groups = g;
     *ng = n;
     return 0;
@@ -635,76 +665,70 @@ static int make_groups(copy_job *jobs, Py_ssize_t njobs, copy_job ***order, job_
     return group_jobs(jobs, njobs, order, groups, ng);
 }
 
-/* jobs_run for the jobs not launched yet: each group (make_groups) on its
- * worker, all at once, the GIL released. Small totals, host-only jobs, and
- * calls made from inside a worker (a replica) run inline (the GIL released
- * for CUDA jobs). */
-static int run_rest(job_list *l)
+/* Host copies of a few hundred KiB in all: here, in queue order (none
+ * streams below DP_STREAM_MIN_JOB). 1 when every job is a host job and all
+ * ran, 0 (nothing run) when one is a CUDA job. */
+static int run_small_inline(copy_job *jobs, Py_ssize_t n)
 {
-    copy_job *jobs = l->jobs + l->launched;
-    Py_ssize_t n = l->n - l->launched;
-    if (n == 0) {
-        return 0;
-    }
-    int small = l->bytes - l->launched_bytes < DP_INLINE_BYTES;
-    if (small) {
-        /* Host copies of a few hundred KiB in all: here, in queue order
-         * (none streams below DP_STREAM_MIN_JOB). */
-        Py_ssize_t i = 0;
-        while (i < n && jobs[i].exec.kind != DP_CUDA) {
-            i++;
-        }
-        if (i == n) {
-            copy_spans cs;
-            copy_spans_init(&cs, dp_prof_current(), DP_PROF_PATH_INLINE);
-            uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
-            for (i = 0; i < n; i++) {
-                copy_job *j = &jobs[i];
-                dp_copy_desc buf;
-                dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, DP_COPY_AUTO);
-                if (cs.ctx.s != NULL) {
-                    uint64_t t1 = dp_prof_now();
-                    copy_spans_add(&cs, j, t0, t1);
-                    t0 = t1;
-                }
-            }
-            copy_spans_flush(&cs, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (jobs[i].exec.kind == DP_CUDA) {
             return 0;
         }
     }
-    copy_job **order;
-    job_group *groups;
-    Py_ssize_t ng;
-    int here = small || dp_pool_in_worker();
-    if ((here ? group_jobs(jobs, n, &order, &groups, &ng)
-              : make_groups(jobs, n, &order, &groups, &ng)) < 0) {
-        return -1;
-    }
-    dp_prof_ctx prof = dp_prof_current();
-    for (Py_ssize_t g = 0; g < ng; g++) {
-        groups[g].prof = prof;
-        groups[g].on_caller = here || groups[g].worker.kind == DP_HOST;
-        groups[g].queued_ns = 0;
-    }
-    int err = 0, rc = 0;
-    if (here) {
-        /* one group per executing device, run here one after another */
-        for (Py_ssize_t g = 0; g < ng && rc == 0; g++) {
-            if (small && !group_has_cuda(&groups[g])) {
-                run_group(&groups[g]);
-            } else {
-                Py_BEGIN_ALLOW_THREADS
-                run_group(&groups[g]);
-                Py_END_ALLOW_THREADS
-            }
-            if (groups[g].status.code != 0) {
-                rc = group_error(&groups[g]);
-            }
+    copy_spans cs;
+    copy_spans_init(&cs, dp_prof_current(), DP_PROF_PATH_INLINE);
+    uint64_t t0 = cs.ctx.s != NULL ? dp_prof_now() : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        copy_job *j = &jobs[i];
+        dp_copy_desc buf;
+        dp_copy_run_mode(job_desc(j, &buf), j->dst, j->src, DP_COPY_AUTO);
+        if (cs.ctx.s != NULL) {
+            uint64_t t1 = dp_prof_now();
+            copy_spans_add(&cs, j, t0, t1);
+            t0 = t1;
         }
-        PyMem_Free(groups);
-        PyMem_Free(order);
-        return rc;
     }
+    copy_spans_flush(&cs, 0);
+    return 1;
+}
+
+/* The first failed group's error raised: 0, or -1. */
+static int groups_status(job_group *groups, Py_ssize_t ng)
+{
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        if (groups[g].status.code != 0) {
+            return group_error(&groups[g]);
+        }
+    }
+    return 0;
+}
+
+/* One group per executing device, run here one after another (the GIL
+ * released unless small and host-only); stops at the first failure. 0 or
+ * -1. */
+static int run_groups_here(job_group *groups, Py_ssize_t ng, int small)
+{
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        if (small && !group_has_cuda(&groups[g])) {
+            run_group(&groups[g]);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            run_group(&groups[g]);
+            Py_END_ALLOW_THREADS
+        }
+        if (groups[g].status.code != 0) {
+            return group_error(&groups[g]);
+        }
+    }
+    return 0;
+}
+
+/* Every group on its worker, all at once, the GIL released (a host group,
+ * or one no worker takes, runs on the caller). 0, or -1 (OSError when no
+ * batch could be made). */
+static int run_groups_on_workers(job_group *groups, Py_ssize_t ng, dp_prof_ctx prof)
+{
+    int err;
     Py_BEGIN_ALLOW_THREADS
     dp_batch batch;
     err = dp_batch_init(&batch);
@@ -721,20 +745,47 @@ static int run_rest(job_list *l)
         dp_batch_destroy(&batch);
     }
     Py_END_ALLOW_THREADS
-    if (err == 0) {
-        for (Py_ssize_t g = 0; g < ng && rc == 0; g++) {
-            if (groups[g].status.code != 0) {
-                rc = group_error(&groups[g]);
-            }
-        }
-    }
-    PyMem_Free(groups);
-    PyMem_Free(order);
     if (err != 0) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    return groups_status(groups, ng);
+}
+
+/* jobs_run for the jobs not launched yet: each group (make_groups) on its
+ * worker, all at once, the GIL released. Small totals, host-only jobs, and
+ * calls made from inside a worker (a replica) run inline (the GIL released
+ * for CUDA jobs). */
+static int run_rest(job_list *l)
+{
+    copy_job *jobs = l->jobs + l->launched;
+    Py_ssize_t n = l->n - l->launched;
+    if (n == 0) {
+        return 0;
+    }
+    int small = l->bytes - l->launched_bytes < DP_INLINE_BYTES;
+    if (small && run_small_inline(jobs, n)) {
+        return 0;
+    }
+    copy_job **order;
+    job_group *groups;
+    Py_ssize_t ng;
+    int here = small || dp_pool_in_worker();
+    if ((here ? group_jobs(jobs, n, &order, &groups, &ng)
+              : make_groups(jobs, n, &order, &groups, &ng)) < 0) {
+        return -1;
+    }
+    dp_prof_ctx prof = dp_prof_current();
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        groups[g].prof = prof;
+        groups[g].on_caller = here || groups[g].worker.kind == DP_HOST;
+        groups[g].queued_ns = 0;
+    }
+    int rc = here ? run_groups_here(groups, ng, small)
+                  : run_groups_on_workers(groups, ng, prof);
+    PyMem_Free(groups);
+    PyMem_Free(order);
     return rc;
 }
 

@@ -51,9 +51,7 @@ static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev
     if (dst == NULL) {
         return NULL;
     }
-    if (jobs_add(&jobs, PyArray_NDIM(src), PyArray_SHAPE(src), (size_t)PyArray_ITEMSIZE(src),
-                 PyArray_BYTES(dst), PyArray_STRIDES(dst), PyArray_BYTES(src),
-                 PyArray_STRIDES(src), exec_device(dp_array_device(st, src), dev)) < 0 ||
+    if (jobs_add_array(&jobs, dst, src, exec_device(dp_array_device(st, src), dev)) < 0 ||
         jobs_run(&jobs) < 0) {
         Py_CLEAR(dst);
     }
@@ -61,76 +59,91 @@ static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev
     return dst;
 }
 
-/* reduce_add with a GPU among the inputs or as the destination (shapes
- * already checked, n >= 1). NCCL reduce when every input is a contiguous
- * array on a distinct GPU, dest is one of them, NCCL has the dtype (not
- * int16/uint16) and NCCL loads; else the
- * fallback: copies onto dest and the add kernel; dtypes the kernel cannot
- * add (or mixed dtypes) are summed on the host by NumPy and copied. */
-static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
-                                dp_device dest)
+/* The host sum of parts onto dest: the inputs copied to the host, NumPy
+ * adds them in index order into a copy of parts[0], the result copied to
+ * dest. */
+static PyObject *host_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n, dp_device dest)
 {
     dp_device host = {DP_HOST, -1};
-    PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
-    int scale, type = add_type(d0, &scale), same = 1, distinct = 1, root = -1;
+    PyObject *acc = dp_copy_to_device(st, parts[0], host);
+    for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
+        PyObject *hp = dp_array_device(st, parts[i]).kind == DP_CUDA
+                     ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
+        PyObject *sum = hp ? PyNumber_InPlaceAdd(acc, hp) : NULL;
+        Py_XDECREF(hp);
+        if (sum == NULL) {
+            Py_CLEAR(acc);
+            break;
+        }
+        Py_DECREF(sum);
+    }
+    if (acc == NULL || dest.kind == DP_HOST) {
+        return acc;
+    }
+    PyObject *r = dp_copy_to_device(st, (PyArrayObject *)acc, dest);
+    Py_DECREF(acc);
+    return r;
+}
+
+/* What ncclReduce needs, and whether it can run where the parts are: every
+ * part a C-contiguous array on a GPU of its own (distinct), its device and
+ * data, and which part is on dest (root; -1: none). */
+typedef struct {
+    int distinct, root;
     int ids[DP_MAX_DEVICES];
     const void *send[DP_MAX_DEVICES];
-    for (Py_ssize_t i = 0; i < n; i++) {
+} nccl_inputs;
+
+static void find_nccl_inputs(dp_state *st, PyArrayObject **parts, Py_ssize_t n, dp_device dest,
+                             nccl_inputs *in)
+{
+    in->distinct = n <= DP_MAX_DEVICES;
+    in->root = -1;
+    for (Py_ssize_t i = 0; in->distinct && i < n; i++) {
         dp_device di = dp_array_device(st, parts[i]);
-        same = same && PyArray_EquivTypes(PyArray_DESCR(parts[i]), d0);
-        distinct = distinct && di.kind == DP_CUDA && PyArray_IS_C_CONTIGUOUS(parts[i]) &&
-                   n <= DP_MAX_DEVICES;
-        for (Py_ssize_t k = 0; distinct && k < i; k++) {
-            distinct = ids[k] != di.index;
+        in->distinct = di.kind == DP_CUDA && PyArray_IS_C_CONTIGUOUS(parts[i]);
+        for (Py_ssize_t k = 0; in->distinct && k < i; k++) {
+            in->distinct = in->ids[k] != di.index;
         }
-        if (distinct) {
-            ids[i] = di.index;
-            send[i] = PyArray_DATA(parts[i]);
+        if (in->distinct) {
+            in->ids[i] = di.index;
+            in->send[i] = PyArray_DATA(parts[i]);
             if (dp_device_eq(di, dest)) {
-                root = (int)i;
+                in->root = (int)i;
             }
         }
     }
-    if (dest.kind != DP_CUDA || !same || type == DPC_T_NONE) {
-        /* host sum: inputs copied to the host, NumPy adds, result to dest */
-        PyObject *acc = dp_copy_to_device(st, parts[0], host);
-        for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
-            PyObject *hp = dp_array_device(st, parts[i]).kind == DP_CUDA
-                         ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
-            PyObject *sum = hp ? PyNumber_InPlaceAdd(acc, hp) : NULL;
-            Py_XDECREF(hp);
-            if (sum == NULL) {
-                Py_CLEAR(acc);
-                break;
-            }
-            Py_DECREF(sum);
-        }
-        if (acc == NULL || dest.kind == DP_HOST) {
-            return acc;
-        }
-        PyObject *r = dp_copy_to_device(st, (PyArrayObject *)acc, dest);
-        Py_DECREF(acc);
-        return r;
+}
+
+/* ncclReduce of in's parts into a new array on dest (numel elements of the
+ * kernel's type; d0 the parts' dtype). */
+static PyObject *nccl_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n, dp_device dest,
+                          const nccl_inputs *in, int type, int64_t numel)
+{
+    PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+    Py_INCREF(d0);
+    PyArrayObject *out = dp_empty(st, dest, d0, PyArray_NDIM(parts[0]),
+                                  PyArray_SHAPE(parts[0]), NULL);
+    if (out == NULL) {
+        return NULL;
     }
-    int64_t numel = (int64_t)PyArray_SIZE(parts[0]) * scale;
-    if (distinct && root >= 0 && n > 1 && dp_nccl_supports(type) && dp_nccl_available()) {
-        Py_INCREF(d0);
-        PyArrayObject *out = dp_empty(st, dest, d0, PyArray_NDIM(parts[0]),
-                                      PyArray_SHAPE(parts[0]), NULL);
-        if (out == NULL) {
-            return NULL;
-        }
-        dpc_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = dp_nccl_reduce((int)n, ids, send, PyArray_DATA(out), numel, type, root);
-        Py_END_ALLOW_THREADS
-        if (s.code != 0) {
-            Py_DECREF(out);
-            dp_gpu_raise(st, s, "reduce_add (ncclReduce)");
-            return NULL;
-        }
-        return (PyObject *)out;
+    dpc_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dp_nccl_reduce((int)n, in->ids, in->send, PyArray_DATA(out), numel, type, in->root);
+    Py_END_ALLOW_THREADS
+    if (s.code != 0) {
+        Py_DECREF(out);
+        dp_gpu_raise(st, s, "reduce_add (ncclReduce)");
+        return NULL;
     }
+    return (PyObject *)out;
+}
+
+/* The parts copied onto dest (a GPU) and added there by the add kernel in
+ * index order. */
+static PyObject *kernel_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n, dp_device dest,
+                            int type, int64_t numel)
+{
     PyArrayObject *acc = dense_copy(st, parts[0], dest);
     for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
         PyArrayObject *x = dense_copy(st, parts[i], dest);
@@ -149,6 +162,33 @@ static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t 
         }
     }
     return (PyObject *)acc;
+}
+
+/* reduce_add with a GPU among the inputs or as the destination (shapes
+ * already checked, n >= 1). NCCL reduce when every input is a contiguous
+ * array on a distinct GPU, dest is one of them, NCCL has the dtype (not
+ * int16/uint16) and NCCL loads; else the
+ * fallback: copies onto dest and the add kernel; dtypes the kernel cannot
+ * add (or mixed dtypes) are summed on the host by NumPy and copied. */
+static PyObject *gpu_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                                dp_device dest)
+{
+    PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
+    int scale, type = add_type(d0, &scale), same = 1;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        same = same && PyArray_EquivTypes(PyArray_DESCR(parts[i]), d0);
+    }
+    if (dest.kind != DP_CUDA || !same || type == DPC_T_NONE) {
+        return host_sum(st, parts, n, dest);
+    }
+    int64_t numel = (int64_t)PyArray_SIZE(parts[0]) * scale;
+    nccl_inputs in;
+    find_nccl_inputs(st, parts, n, dest, &in);
+    if (in.distinct && in.root >= 0 && n > 1 && dp_nccl_supports(type) &&
+        dp_nccl_available()) {
+        return nccl_sum(st, parts, n, dest, &in, type, numel);
+    }
+    return kernel_sum(st, parts, n, dest, type, numel);
 }
 
 /* The sum of parts (one ml_dtypes dtype, same shapes) accumulated in accd
@@ -188,53 +228,46 @@ static PyObject *widened_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
     return r;
 }
 
-PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const char *argname)
+/* Sums need a numeric dtype: structured, string and datetime arrays have
+ * no addition, nor have ml_dtypes' small integers. 0 with *accd set to the
+ * dtype the sums accumulate in when not d0 itself (new reference: float32
+ * for ml_dtypes' floats; else NULL), or -1 with TypeError. */
+static int check_summable(PyArray_Descr *d0, const char *argname, PyArray_Descr **accd)
 {
-    PyArrayObject **parts = NULL;
-    Py_ssize_t n = 0;
-    PyObject *acc = NULL;
-    PyArray_Descr *accd = NULL;   /* the dtype sums accumulate in, when not their own */
-    job_list jobs = {0};
+    char k = d0->kind;
+    *accd = NULL;
+    if (dp_dtype_is_ml(d0) && (*accd = dp_sum_descr(d0)) == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: arrays of dtype %S cannot be summed (dpmini sums ml_dtypes' "
+                     "floating dtypes, in float32; its small integer dtypes have no "
+                     "sum): convert them to a NumPy integer dtype first", argname,
+                     (PyObject *)d0);
+        return -1;
+    }
+    if (*accd == NULL &&
+        (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M')) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: arrays of dtype %S cannot be summed (structured, void, string "
+                     "and datetime dtypes have no addition); sum numeric fields one by "
+                     "one", argname, (PyObject *)d0);
+        return -1;
+    }
+    return 0;
+}
 
-    if (arrays_from_sequence(st, arrays, argname, 0, &parts, &n) < 0) {
-        return NULL;
-    }
-    if (n == 0) {
-        PyErr_Format(PyExc_ValueError, "%s: expected at least one array to reduce", argname);
-        goto done;
-    }
-    {
-        /* Sums need a numeric dtype: structured, string and datetime arrays
-         * have no addition. */
-        PyArray_Descr *d0 = PyArray_DESCR(parts[0]);
-        char k = d0->kind;
-        if (dp_dtype_is_ml(d0) && (accd = dp_sum_descr(d0)) == NULL) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s: arrays of dtype %S cannot be summed (dpmini sums ml_dtypes' "
-                         "floating dtypes, in float32; its small integer dtypes have no "
-                         "sum): convert them to a NumPy integer dtype first", argname,
-                         (PyObject *)d0);
-            goto done;
-        }
-        if (accd == NULL &&
-            (PyDataType_HASFIELDS(d0) || k == 'V' || k == 'S' || k == 'U' || k == 'M')) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s: arrays of dtype %S cannot be summed (structured, void, string "
-                         "and datetime dtypes have no addition); sum numeric fields one by "
-                         "one", argname, (PyObject *)d0);
-            goto done;
-        }
-    }
+/* Every part has parts[0]'s dtype (PyTorch's reduce_add needs one dtype; no
+ * silent casting), then its shape. 0, or -1 naming the first that differs. */
+static int check_parts_alike(PyArrayObject **parts, Py_ssize_t n, const char *argname)
+{
     for (Py_ssize_t i = 1; i < n; i++) {
         if (!PyArray_EquivTypes(PyArray_DESCR(parts[i]), PyArray_DESCR(parts[0]))) {
-            /* PyTorch's reduce_add needs one dtype; no silent casting. */
             PyErr_Format(PyExc_TypeError,
                          "%s[%zd]: expected dtype %S (the dtype of %s[0]), got %S%s; "
                          "convert the arrays to one dtype first", argname, i,
                          (PyObject *)PyArray_DESCR(parts[0]), argname,
                          (PyObject *)PyArray_DESCR(parts[i]),
                          dp_byteorder_note(PyArray_DESCR(parts[0]), PyArray_DESCR(parts[i])));
-            goto done;
+            return -1;
         }
     }
     for (Py_ssize_t i = 1; i < n; i++) {
@@ -249,58 +282,86 @@ PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const ch
             }
             Py_XDECREF(got);
             Py_XDECREF(exp);
-            goto done;
+            return -1;
         }
     }
-    if (n == 1 && dp_device_eq(dp_array_device(st, parts[0]), dest)) {
-        Py_INCREF(parts[0]);
-        acc = (PyObject *)parts[0]; /* a single input is returned as is (docs/spec.md 8.3) */
-        goto done;
-    }
-    if (accd != NULL) {
-        acc = widened_sum(st, parts, n, dest, accd);
-        accd = NULL;   /* stolen */
-        goto done;
-    }
-    int on_gpu = dest.kind == DP_CUDA;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        on_gpu = on_gpu || dp_array_device(st, parts[i]).kind == DP_CUDA;
-    }
-    if (on_gpu) {
-        acc = gpu_reduce_add(st, parts, n, dest);
-        goto done;
-    }
-    /* The sum starts as a copy of arrays[0] on dest; the others are added in
-     * index order with NumPy's add (same_kind casting into arrays[0]'s dtype). */
+    return 0;
+}
+
+/* reduce_add with every input and dest in host memory: the sum starts as a
+ * copy of parts[0] on dest; the others are added in index order with
+ * NumPy's add (same_kind casting into parts[0]'s dtype). */
+static PyObject *host_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                                 dp_device dest)
+{
+    job_list jobs = {0};
     PyArray_Descr *descr = PyArray_DESCR(parts[0]);
     Py_INCREF(descr);
-    acc = (PyObject *)dp_empty(st, dest, descr, PyArray_NDIM(parts[0]),
-                               PyArray_SHAPE(parts[0]), NULL);
+    PyObject *acc = (PyObject *)dp_empty(st, dest, descr, PyArray_NDIM(parts[0]),
+                                         PyArray_SHAPE(parts[0]), NULL);
     if (acc == NULL) {
-        goto done;
+        return NULL;
     }
-    if (jobs_add(&jobs, PyArray_NDIM(parts[0]), PyArray_SHAPE(parts[0]),
-                 (size_t)PyArray_ITEMSIZE(parts[0]), PyArray_BYTES((PyArrayObject *)acc),
-                 PyArray_STRIDES((PyArrayObject *)acc), PyArray_BYTES(parts[0]),
-                 PyArray_STRIDES(parts[0]), exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
-        jobs_run(&jobs) < 0) {
-        Py_CLEAR(acc);
-        goto done;
+    int r = jobs_add_array(&jobs, (PyArrayObject *)acc, parts[0],
+                           exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
+            jobs_run(&jobs) < 0;
+    jobs_free(&jobs);
+    if (r) {
+        Py_DECREF(acc);
+        return NULL;
     }
     dp_prof_ctx prof = dp_prof_current();
     uint64_t t_sum = prof.s != NULL ? dp_prof_now() : 0;
     for (Py_ssize_t i = 1; i < n; i++) {
         PyObject *sum = PyNumber_InPlaceAdd(acc, (PyObject *)parts[i]);
         if (sum == NULL) {
-            Py_CLEAR(acc);
-            goto done;
+            Py_DECREF(acc);
+            return NULL;
         }
         Py_DECREF(sum); /* the same object as acc */
     }
     dp_prof_record_since(&prof, DP_PROF_SUM, dest.kind, dest.index, t_sum, NULL);
-done:
-    Py_XDECREF(accd);
-    jobs_free(&jobs);
+    return acc;
+}
+
+/* The sum of parts (checked alike) onto dest, by where they are. */
+static PyObject *reduce_parts(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
+                              dp_device dest, PyArray_Descr *accd)
+{
+    if (n == 1 && dp_device_eq(dp_array_device(st, parts[0]), dest)) {
+        Py_XDECREF(accd);
+        /* a single input is returned as is (docs/spec.md 8.3) */
+        return Py_NewRef((PyObject *)parts[0]);
+    }
+    if (accd != NULL) {
+        return widened_sum(st, parts, n, dest, accd);
+    }
+    int on_gpu = dest.kind == DP_CUDA;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        on_gpu = on_gpu || dp_array_device(st, parts[i]).kind == DP_CUDA;
+    }
+    return on_gpu ? gpu_reduce_add(st, parts, n, dest) : host_reduce_add(st, parts, n, dest);
+}
+
+PyObject *dp_reduce_add(dp_state *st, PyObject *arrays, dp_device dest, const char *argname)
+{
+    PyArrayObject **parts = NULL;
+    Py_ssize_t n = 0;
+    PyObject *acc = NULL;
+    PyArray_Descr *accd = NULL;   /* the dtype sums accumulate in, when not their own */
+
+    if (arrays_from_sequence(st, arrays, argname, 0, &parts, &n) < 0) {
+        return NULL;
+    }
+    if (n == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: expected at least one array to reduce", argname);
+    } else if (check_summable(PyArray_DESCR(parts[0]), argname, &accd) == 0) {
+        if (check_parts_alike(parts, n, argname) == 0) {
+            acc = reduce_parts(st, parts, n, dest, accd);   /* takes accd */
+        } else {
+            Py_XDECREF(accd);
+        }
+    }
     arrays_free(parts, n);
     return dp_export(st, acc);
 }

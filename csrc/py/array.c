@@ -365,62 +365,24 @@ static PyArrayObject *import_cai(dp_state *st, PyObject *obj, PyObject *cai,
 /* Import: DLPack                                                      */
 /* ------------------------------------------------------------------ */
 
-/* Owner of an imported DLPack tensor: a capsule whose destructor calls the
- * producer's deleter. */
-static void owner_versioned(PyObject *cap)
+/* obj.__dlpack__(stream=s, max_version=(1, 0)) with the producer's device
+ * dev current, or without max_version for a producer older than DLPack 1.0.
+ * New reference, or NULL (an error of __dlpack__ itself named with argname). */
+static PyObject *ask_gpu_capsule(dp_state *st, PyObject *obj, int dev, dpc_stream s,
+                                 const char *argname)
 {
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner_v");
-    if (m != NULL && m->deleter != NULL) {
-        m->deleter(m);
-    }
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static void owner_legacy(PyObject *cap)
-{
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dpmini.dlpack_owner");
-    if (m != NULL && m->deleter != NULL) {
-        m->deleter(m);
-    }
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
-                                    const char *argname)
-{
-    PyObject *cap = NULL, *owner = NULL, *stream = NULL, *kw = NULL, *meth = NULL;
-    PyArrayObject *res = NULL;
-    int readonly = 0;
-    dpc_stream s = NULL;
-    dpc_status status = dpc_stream_get(dev_hint, 0, &s);
-    if (status.code != 0) {
-        dp_gpu_raise(st, status, "import __dlpack__: get a stream");
-        return NULL;
-    }
-    stream = PyLong_FromVoidPtr(s);
-    kw = Py_BuildValue("{sOs(ii)}", "stream", stream, "max_version", 1, 0);
-    meth = PyObject_GetAttrString(obj, "__dlpack__");
-    if (stream == NULL || kw == NULL || meth == NULL) {
+    PyObject *cap = NULL, *empty = NULL, *stream = PyLong_FromVoidPtr(s);
+    PyObject *kw = Py_BuildValue("{sOs(ii)}", "stream", stream, "max_version", 1, 0);
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (stream == NULL || kw == NULL || meth == NULL || (empty = PyTuple_New(0)) == NULL)
         goto done;
-    }
-    PyObject *empty = PyTuple_New(0);
-    if (empty == NULL) {
-        goto done;
-    }
     /* The producer's device current while it runs: PyTorch's __dlpack__
      * orders its work through an event recorded on the current stream of
      * the CURRENT device, so with another device current it would wait for
      * the wrong GPU's work (and the import would read while kernels run). */
     dpc_device_guard guard;
-    status = dpc_guard_enter(dev_hint, &guard);
+    dpc_status status = dpc_guard_enter(dev, &guard);
     if (status.code != 0) {
-        Py_DECREF(empty);
         dp_gpu_raise(st, status, "import __dlpack__: make the producer's device current");
         goto done;
     }
@@ -431,84 +393,89 @@ static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
         cap = PyObject_Call(meth, empty, kw);
     }
     dpc_guard_leave(&guard);
-    Py_DECREF(empty);
-    if (cap == NULL) {
+    if (cap == NULL)
         reraise_named(argname, obj, "__dlpack__()");
-        goto done;
-    }
-    DLTensor *t;
-    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-        DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-        if (m->version.major > DP_DLPACK_MAJOR) {
-            PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than dpmini "
-                         "understands (%d.x)", argname, m->version.major, m->version.minor,
-                         DP_DLPACK_MAJOR);
-            goto done;
-        }
-        owner = PyCapsule_New(m, "dpmini.dlpack_owner_v", owner_versioned);
-        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) {
-            goto done;
-        }
-        t = &m->dl_tensor;
-        readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0; /* a read-only shadow */
-    } else if (PyCapsule_IsValid(cap, "dltensor")) {
-        DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
-        owner = PyCapsule_New(m, "dpmini.dlpack_owner", owner_legacy);
-        if (owner == NULL || PyCapsule_SetName(cap, "used_dltensor") < 0) {
-            goto done;
-        }
-        t = &m->dl_tensor;
-    } else {
-        PyErr_Format(PyExc_BufferError, "%s: __dlpack__ did not return a DLPack capsule",
-                     argname);
-        goto done;
-    }
+done:
+    Py_XDECREF(empty);
+    Py_XDECREF(meth);
+    Py_XDECREF(kw);
+    Py_XDECREF(stream);
+    return cap;
+}
+
+/* The NumPy dtype of t, a tensor on a CUDA device that an ndarray can
+ * describe (new reference), or NULL with BufferError. */
+static PyArray_Descr *gpu_tensor_descr(const DLTensor *t, const char *argname)
+{
     if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged) {
         PyErr_Format(PyExc_BufferError, "%s: DLPack tensor is not on a CUDA device "
                      "(device type %d)", argname, (int)t->device.device_type);
-        goto done;
+        return NULL;
     }
     if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
         PyErr_Format(PyExc_BufferError, "%s: DLPack ndim %d out of range", argname, t->ndim);
-        goto done;
+        return NULL;
     }
     PyArray_Descr *descr = dp_descr_from_dl(t->dtype);
-    if (descr == NULL) {
+    if (descr == NULL)
         PyErr_Format(PyExc_BufferError, "%s: DLPack dtype (code %d, bits %d, lanes %d) has no "
                      "NumPy equivalent", argname, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    return descr;
+}
+
+/* The producer's work, ordered before stream s by its __dlpack__, waited
+ * for. 0 or -1. */
+static int wait_producer(dp_state *st, const DLTensor *t, dpc_stream s)
+{
+    dpc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = dpc_stream_sync(t->device.device_id, s);
+    Py_END_ALLOW_THREADS
+    if (status.code != 0) {
+        dp_gpu_raise(st, status, "import __dlpack__: wait for the producer");
+        return -1;
+    }
+    return 0;
+}
+
+/* obj's DLPack tensor on CUDA device dev_hint (what __dlpack_device__
+ * said) as a shadow ndarray over its memory, once the producer's work is
+ * done. */
+static PyArrayObject *import_dlpack(dp_state *st, PyObject *obj, int dev_hint,
+                                    const char *argname)
+{
+    dpc_stream s = NULL;
+    dpc_status status = dpc_stream_get(dev_hint, 0, &s);
+    if (status.code != 0) {
+        dp_gpu_raise(st, status, "import __dlpack__: get a stream");
+        return NULL;
+    }
+    PyObject *cap = ask_gpu_capsule(st, obj, dev_hint, s, argname), *owner = NULL;
+    if (cap == NULL)
+        return NULL;
+    PyArrayObject *res = NULL;
+    PyArray_Descr *descr = NULL;
+    DLTensor *t;
+    int readonly;   /* a read-only shadow */
+    if (dp_dlpack_open(cap, argname, &t, &readonly) < 0 ||
+        (descr = gpu_tensor_descr(t, argname)) == NULL || wait_producer(st, t, s) < 0)
         goto done;
-    }
-    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
-    for (int i = 0; i < t->ndim; i++) {
-        shape[i] = (npy_intp)t->shape[i];
-        if (t->strides != NULL) {
-            strides[i] = (npy_intp)(t->strides[i] * (int64_t)PyDataType_ELSIZE(descr));
-        }
-    }
-    {
-        Py_BEGIN_ALLOW_THREADS
-        status = dpc_stream_sync(t->device.device_id, s);
-        Py_END_ALLOW_THREADS
-        if (status.code != 0) {
-            Py_DECREF(descr);
-            dp_gpu_raise(st, status, "import __dlpack__: wait for the producer");
-            goto done;
-        }
-    }
     if (t->device.device_id != dev_hint) {
-        Py_DECREF(descr);
         PyErr_Format(PyExc_BufferError, "%s: __dlpack_device__ said CUDA device %d, the tensor "
                      "is on %d", argname, dev_hint, (int)t->device.device_id);
         goto done;
     }
+    if ((owner = dp_dlpack_take(cap)) == NULL)
+        goto done;
+    npy_intp shape[NPY_MAXDIMS], strides_buf[NPY_MAXDIMS];
+    npy_intp *strides = dp_dlpack_shape(t, PyDataType_ELSIZE(descr), shape, strides_buf);
     res = make_shadow(st, t->device.device_id, (char *)t->data + t->byte_offset, descr,
-                      t->ndim, shape, t->strides ? strides : NULL, readonly, owner);
+                      t->ndim, shape, strides, readonly, owner);
+    descr = NULL;   /* make_shadow's */
 done:
+    Py_XDECREF(descr);
     Py_XDECREF(owner);
-    Py_XDECREF(cap);
-    Py_XDECREF(meth);
-    Py_XDECREF(kw);
-    Py_XDECREF(stream);
+    Py_DECREF(cap);
     return res;
 }
 
@@ -564,141 +531,125 @@ PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *ar
 /* Export: DLPack                                                      */
 /* ------------------------------------------------------------------ */
 
-/* One allocation per export: the managed tensor, its shape and strides, and
- * a strong reference to the exported dpmini.Array. */
+/* A consumer released what it took of owner, a dpmini.Array: its work on
+ * stream (NULL: none named) must finish before the block is reused (marked
+ * now, waited for at the free). */
+static void release_exported(PyObject *owner, void *stream)
+{
+    mark_exported(dp_state_from_type(Py_TYPE(owner)), ((dp_ArrayObject *)owner)->meta,
+                  stream != NULL, stream);
+}
+
+/* The capsule over self's memory; copied: it is a fresh copy (the
+ * IS_COPIED flag); consumer: the stream the consumer named, or NULL. */
+static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied, void *consumer)
+{
+    DLDevice dev = {kDLCUDA, self->dev.index};
+    return dp_dlpack_capsule(self->meta, (PyObject *)self, dev, versioned,
+                             copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0, release_exported,
+                             consumer);
+}
+
+/* __dlpack__'s keyword arguments, read and checked. */
 typedef struct {
-    union {
-        DLManagedTensorVersioned v;
-        DLManagedTensor legacy;
-    } mt;
-    int versioned;
-    int unconsumed;          /* set when the capsule dies never taken    */
-    int stream_known;        /* the consumer named a stream to wait on   */
-    void *stream;            /* that stream (1: the legacy default)      */
-    PyObject *owner;
-    int64_t shape[NPY_MAXDIMS];
-    int64_t strides[NPY_MAXDIMS];
-} export_ctx;
+    void *consumer;     /* a stream the consumer will use the tensor on; NULL: none */
+    int versioned;      /* max_version >= (1, 0): a versioned capsule        */
+    int want_copy;      /* copy: -1 None (copy only if needed), 0 or 1       */
+    int to_host;        /* dl_device is the CPU (a copy there)               */
+} dlpack_args;
 
-static void export_release(export_ctx *ctx)
+/* stream: None, or a CUDA stream handle as an int. 0 with *consumer set
+ * (NULL: nothing to wait on later), or -1. */
+static int dlpack_stream(PyObject *stream, void **consumer)
 {
-    /* The deleter may run on any thread (a consumer's), GIL or not. */
-    if (!Py_IsInitialized()) {
-        return; /* interpreter gone: leak rather than crash */
+    *consumer = NULL;
+    if (stream == Py_None)
+        return 0;
+    if (!PyLong_Check(stream)) {
+        PyErr_Format(PyExc_TypeError, "__dlpack__: stream must be None or an int, got "
+                     "%.100s", Py_TYPE(stream)->tp_name);
+        return -1;
     }
-    PyGILState_STATE g = PyGILState_Ensure();
-    if (!ctx->unconsumed && ctx->owner != NULL) {
-        /* a consumer had the memory: its work on ctx->stream must finish
-         * before the block is reused (marked now, waited for at the free) */
-        mark_exported(dp_state_from_type(Py_TYPE(ctx->owner)),
-                      ((dp_ArrayObject *)ctx->owner)->meta, ctx->stream_known, ctx->stream);
+    long v = PyLong_AsLong(stream);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v == 0) {
+        PyErr_SetString(PyExc_BufferError, "__dlpack__: stream 0 is disallowed for CUDA "
+                        "(ambiguous; use 1 for the legacy default stream)");
+        return -1;
     }
-    Py_XDECREF(ctx->owner);
-    PyMem_RawFree(ctx);
-    PyGILState_Release(g);
+    /* Nothing to order: dpmini arrays are always ready (see file comment).
+     * Kept to wait on before the memory is reused: a handle, or 1 (the
+     * legacy default stream); -1 (no synchronisation) and 2 (the consumer
+     * thread's per-thread default stream) name nothing dpmini can wait on
+     * later. A handle > 0 is never NULL, so NULL means "none". */
+    if (v > 0 && v != 2) {
+        *consumer = PyLong_AsVoidPtr(stream);
+        if (*consumer == NULL && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
 }
 
-static void deleter_versioned(DLManagedTensorVersioned *self)
+/* The keyword arguments of __dlpack__ on self into a, in the order they
+ * are checked. 0 or -1. */
+static int dlpack_args_read(dp_ArrayObject *self, PyObject *stream, PyObject *max_version,
+                            PyObject *dl_device, PyObject *copy, dlpack_args *a)
 {
-    export_release((export_ctx *)self->manager_ctx);
-}
-
-static void deleter_legacy(DLManagedTensor *self)
-{
-    export_release((export_ctx *)self->manager_ctx);
-}
-
-/* Destructor of an exported capsule: delete only when never consumed. */
-static void capsule_versioned(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "used_dltensor_versioned")) {
-        return;
+    *a = (dlpack_args){NULL, 0, -1, 0};
+    if (dlpack_stream(stream, &a->consumer) < 0)
+        return -1;
+    if (max_version != Py_None) {
+        int major, minor;
+        if (!PyArg_ParseTuple(max_version, "ii:max_version", &major, &minor))
+            return -1;
+        a->versioned = major >= 1;
     }
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-    if (m != NULL && m->deleter != NULL) {
-        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
-        m->deleter(m);
-    }
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static void capsule_legacy(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "used_dltensor")) {
-        return;
-    }
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
-    if (m != NULL && m->deleter != NULL) {
-        ((export_ctx *)m->manager_ctx)->unconsumed = 1; /* nobody used the memory */
-        m->deleter(m);
-    }
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static PyObject *to_capsule(dp_ArrayObject *self, int versioned, int copied, int stream_known,
-                            void *stream)
-{
-    PyArrayObject *a = self->meta;
-    DLDataType dt;
-    if (dp_dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
-        PyErr_Format(PyExc_BufferError, "__dlpack__: dtype %S has no DLPack equivalent",
-                     (PyObject *)PyArray_DESCR(a));
-        return NULL;
-    }
-    npy_intp is = PyArray_ITEMSIZE(a);
-    for (int i = 0; i < PyArray_NDIM(a); i++) {
-        if (is > 0 && PyArray_STRIDES(a)[i] % is != 0) {
-            PyErr_SetString(PyExc_BufferError, "__dlpack__: strides that are not a multiple "
-                            "of the item size cannot be expressed in DLPack");
-            return NULL;
+    if (copy != Py_None && (a->want_copy = PyObject_IsTrue(copy)) < 0)
+        return -1;
+    if (dl_device == Py_None)
+        return 0;
+    int type, id;
+    if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &type, &id))
+        return -1;
+    if (type == kDLCPU) {
+        if (a->want_copy == 0) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: the array is on a CUDA "
+                            "device; exporting to the CPU needs copy=True");
+            return -1;
         }
+        a->to_host = 1;
+        return 0;
     }
-    export_ctx *ctx = PyMem_RawCalloc(1, sizeof *ctx);
-    if (ctx == NULL) {
-        return PyErr_NoMemory();
+    if (type != kDLCUDA || id != self->dev.index) {
+        PyErr_Format(PyExc_BufferError, "__dlpack__: cannot export to device (%d, %d); "
+                     "the array is on (%d, %d)", type, id, (int)kDLCUDA, self->dev.index);
+        return -1;
     }
-    DLTensor *t = versioned ? &ctx->mt.v.dl_tensor : &ctx->mt.legacy.dl_tensor;
-    for (int i = 0; i < PyArray_NDIM(a); i++) {
-        ctx->shape[i] = PyArray_DIM(a, i);
-        ctx->strides[i] = is > 0 ? PyArray_STRIDES(a)[i] / is : 0;
-    }
-    t->data = PyArray_DATA(a);
-    t->device.device_type = kDLCUDA;
-    t->device.device_id = self->dev.index;
-    t->ndim = PyArray_NDIM(a);
-    t->dtype = dt;
-    t->shape = ctx->shape;
-    t->strides = ctx->strides;
-    t->byte_offset = 0;
-    ctx->versioned = versioned;
-    ctx->stream_known = stream_known;
-    ctx->stream = stream;
-    ctx->owner = (PyObject *)self; /* marked exported when a consumer releases it */
-    Py_INCREF(self);
-    PyObject *cap;
-    if (versioned) {
-        ctx->mt.v.version.major = DP_DLPACK_MAJOR;
-        ctx->mt.v.version.minor = DP_DLPACK_MINOR;
-        ctx->mt.v.manager_ctx = ctx;
-        ctx->mt.v.deleter = deleter_versioned;
-        ctx->mt.v.flags = (copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0) |
-                          (PyArray_ISWRITEABLE(a) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY);
-        cap = PyCapsule_New(&ctx->mt.v, "dltensor_versioned", capsule_versioned);
-    } else {
-        ctx->mt.legacy.manager_ctx = ctx;
-        ctx->mt.legacy.deleter = deleter_legacy;
-        cap = PyCapsule_New(&ctx->mt.legacy, "dltensor", capsule_legacy);
-    }
-    if (cap == NULL) {
-        Py_DECREF(self);
-        PyMem_RawFree(ctx);
-    }
+    return 0;
+}
+
+/* __dlpack__(dl_device=(kDLCPU, 0), copy=True): a host copy's own
+ * __dlpack__ (max_version passed on), or _HostDLPack's for the ml_dtypes
+ * dtypes NumPy's __dlpack__ refuses. */
+static PyObject *export_to_host(dp_state *st, dp_ArrayObject *self, PyObject *max_version)
+{
+    dp_device host = {DP_HOST, -1};
+    PyObject *h = st->copy_to_device(st, self->meta, host);
+    if (h != NULL && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)h)))
+        Py_SETREF(h, dp_host_dlpack_export(st, (PyArrayObject *)h));
+    if (h == NULL)
+        return NULL;
+    PyObject *kwargs = max_version == Py_None ? NULL
+                     : Py_BuildValue("{sO}", "max_version", max_version);
+    PyObject *m = PyObject_GetAttrString(h, "__dlpack__");
+    PyObject *empty = PyTuple_New(0);
+    PyObject *cap = (m && empty && (max_version == Py_None || kwargs))
+                  ? PyObject_Call(m, empty, kwargs) : NULL;
+    Py_XDECREF(empty);
+    Py_XDECREF(m);
+    Py_XDECREF(kwargs);
+    Py_DECREF(h);
     return cap;
 }
 
@@ -706,105 +657,23 @@ static PyObject *array_dlpack(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
-    int stream_known = 0;       /* a stream the consumer will use the tensor on */
-    void *consumer = NULL;
     dp_ArrayObject *self = (dp_ArrayObject *)op;
     dp_state *st = dp_state_from_type(Py_TYPE(op));
+    dlpack_args a;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream,
-                                     &max_version, &dl_device, &copy)) {
+                                     &max_version, &dl_device, &copy) ||
+        dlpack_args_read(self, stream, max_version, dl_device, copy, &a) < 0)
         return NULL;
-    }
-    if (stream != Py_None) {
-        if (!PyLong_Check(stream)) {
-            PyErr_Format(PyExc_TypeError, "__dlpack__: stream must be None or an int, got "
-                         "%.100s", Py_TYPE(stream)->tp_name);
-            return NULL;
-        }
-        long v = PyLong_AsLong(stream);
-        if (v == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (v == 0) {
-            PyErr_SetString(PyExc_BufferError, "__dlpack__: stream 0 is disallowed for CUDA "
-                            "(ambiguous; use 1 for the legacy default stream)");
-            return NULL;
-        }
-        /* Nothing to order: dpmini arrays are always ready (see file comment).
-         * Kept to wait on before the memory is reused: a handle, or 1 (the
-         * legacy default stream); -1 (no synchronisation) and 2 (the
-         * consumer thread's per-thread default stream) name nothing dpmini
-         * can wait on later. */
-        if (v > 0 && v != 2) {
-            stream_known = 1;
-            consumer = PyLong_AsVoidPtr(stream);
-            if (consumer == NULL && PyErr_Occurred()) {
-                return NULL;
-            }
-        }
-    }
-    int versioned = 0;
-    if (max_version != Py_None) {
-        int major, minor;
-        if (!PyArg_ParseTuple(max_version, "ii:max_version", &major, &minor)) {
-            return NULL;
-        }
-        versioned = major >= 1;
-    }
-    int want_copy = -1; /* -1: None (copy only if needed) */
-    if (copy != Py_None) {
-        want_copy = PyObject_IsTrue(copy);
-        if (want_copy < 0) {
-            return NULL;
-        }
-    }
-    if (dl_device != Py_None) {
-        int type, id;
-        if (!PyArg_ParseTuple(dl_device, "ii:dl_device", &type, &id)) {
-            return NULL;
-        }
-        if (type == kDLCPU) {
-            if (want_copy == 0) {
-                PyErr_SetString(PyExc_BufferError, "__dlpack__: the array is on a CUDA "
-                                "device; exporting to the CPU needs copy=True");
-                return NULL;
-            }
-            dp_device host = {DP_HOST, -1};
-            PyObject *h = st->copy_to_device(st, self->meta, host);
-            if (h != NULL && dp_dtype_is_ml(PyArray_DESCR((PyArrayObject *)h))) {
-                /* NumPy's own __dlpack__ refuses ml_dtypes' dtypes */
-                Py_SETREF(h, dp_host_dlpack_export(st, (PyArrayObject *)h));
-            }
-            if (h == NULL) {
-                return NULL;
-            }
-            PyObject *kwargs = max_version == Py_None ? NULL
-                             : Py_BuildValue("{sO}", "max_version", max_version);
-            PyObject *m = PyObject_GetAttrString(h, "__dlpack__");
-            PyObject *empty = PyTuple_New(0);
-            PyObject *cap = (m && empty && (max_version == Py_None || kwargs))
-                          ? PyObject_Call(m, empty, kwargs) : NULL;
-            Py_XDECREF(empty);
-            Py_XDECREF(m);
-            Py_XDECREF(kwargs);
-            Py_DECREF(h);
-            return cap;
-        }
-        if (type != kDLCUDA || id != self->dev.index) {
-            PyErr_Format(PyExc_BufferError, "__dlpack__: cannot export to device (%d, %d); "
-                         "the array is on (%d, %d)", type, id, (int)kDLCUDA, self->dev.index);
-            return NULL;
-        }
-    }
-    if (want_copy == 1) {
-        PyObject *c = dp_export(st, st->copy_to_device(st, self->meta, self->dev));
-        if (c == NULL) {
-            return NULL;
-        }
-        PyObject *cap = to_capsule((dp_ArrayObject *)c, versioned, 1, stream_known, consumer);
-        Py_DECREF(c);
-        return cap;
-    }
-    return to_capsule(self, versioned, 0, stream_known, consumer);
+    if (a.to_host)
+        return export_to_host(st, self, max_version);
+    if (a.want_copy != 1)
+        return to_capsule(self, a.versioned, 0, a.consumer);
+    PyObject *c = dp_export(st, st->copy_to_device(st, self->meta, self->dev));
+    if (c == NULL)
+        return NULL;
+    PyObject *cap = to_capsule((dp_ArrayObject *)c, a.versioned, 1, a.consumer);
+    Py_DECREF(c);
+    return cap;
 }
 
 static PyObject *array_dlpack_device(PyObject *op, PyObject *unused)

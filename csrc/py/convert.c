@@ -101,77 +101,73 @@ int dp_refused_array_subclass(PyObject *obj, const char *argname)
     return 0;
 }
 
-PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
+/* The pending error of a probe of obj (its own getter's, KeyboardInterrupt
+ * as it is) re-raised naming argname. Returns NULL. */
+static PyArrayObject *reraise_at_arg(dp_state *st, const char *argname)
 {
-    PyArrayObject *arr;
-    int kind = 0;   /* 1: buffer protocol, 2: __array_interface__/__array_struct__ */
-    if (!PyArray_Check(obj) && !PyObject_TypeCheck(obj, st->ArrayType)) {
-        /* PyTorch, JAX, CuPy...: DLPack or CUDA Array Interface first. */
-        int r = dp_is_foreign_array(st, obj);
-        if (r < 0) {
-            PyObject *path = PyUnicode_FromString(argname);
-            dp_reraise_at(st, path);
-            Py_XDECREF(path);
-            return NULL;
-        }
-        if (r) {
-            arr = dp_import_foreign(st, obj, argname);
-            if (arr == NULL)
-                return NULL;
-            goto check;
-        }
-        if (PyObject_CheckBuffer(obj)) {
-            kind = 1;
-        } else {
-            int h = dp_has_attr(obj, "__array_interface__");
-            if (h == 0) {
-                h = dp_has_attr(obj, "__array_struct__");
-            }
-            if (h < 0) {
-                /* the getter's own error (KeyboardInterrupt as it is) */
-                PyObject *path = PyUnicode_FromString(argname);
-                dp_reraise_at(st, path);
-                Py_XDECREF(path);
-                return NULL;
-            }
-            kind = h ? 2 : 0;
-        }
+    PyObject *path = PyUnicode_FromString(argname);
+    dp_reraise_at(st, path);
+    Py_XDECREF(path);
+    return NULL;
+}
+
+/* How obj (no ndarray, no dpmini.Array, no foreign array) offers its
+ * memory: 1 the buffer protocol, 2 __array_interface__ or
+ * __array_struct__, 0 neither, -1 a getter raised. */
+static int host_protocol(PyObject *obj)
+{
+    if (PyObject_CheckBuffer(obj)) {
+        return 1;
     }
-    if (PyArray_Check(obj)) {
-        if (dp_refused_array_subclass(obj, argname) != 0) {
-            return NULL;
-        }
-        Py_INCREF(obj);
-        arr = (PyArrayObject *)obj;
-    } else if (PyObject_TypeCheck(obj, st->ArrayType)) {
-        /* the shadow ndarray of a GPU array (see dpmini.h); never exposed */
-        arr = dp_device_object_meta(st, obj, argname);
-        if (arr == NULL) {
-            return NULL;
-        }
-    } else if (kind != 0) {
-        /* No copy: NumPy wraps the exporter's memory. A buffer (bytes,
-         * bytearray, memoryview, array.array) is read through a memoryview,
-         * so its format decides the dtype: bytes are a 1-D uint8 array, not
-         * NumPy's 0-dim 'S' scalar. */
-        PyObject *src = kind == 1 ? PyMemoryView_FromObject(obj) : Py_NewRef(obj);
-        arr = src ? (PyArrayObject *)PyArray_FromAny(src, NULL, 0, 0, 0, NULL) : NULL;
-        Py_XDECREF(src);
-        if (arr == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
-            return NULL;   /* KeyboardInterrupt, SystemExit: let them through */
-        }
-        if (arr == NULL) {
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            PyErr_NormalizeException(&t, &v, &tb);
-            PyErr_Format(PyExc_TypeError, "%s: cannot read %.100s as an array (%S)",
-                         argname, Py_TYPE(obj)->tp_name, v ? v : Py_None);
-            Py_XDECREF(t);
-            Py_XDECREF(v);
-            Py_XDECREF(tb);
-            return NULL;
-        }
-    } else {
+    int h = dp_has_attr(obj, "__array_interface__");
+    if (h == 0) {
+        h = dp_has_attr(obj, "__array_struct__");
+    }
+    return h < 0 ? -1 : h ? 2 : 0;
+}
+
+/* obj's memory read through its protocol (host_protocol's kind), no copy:
+ * NumPy wraps the exporter's memory. A buffer (bytes, bytearray,
+ * memoryview, array.array) is read through a memoryview, so its format
+ * decides the dtype: bytes are a 1-D uint8 array, not NumPy's 0-dim 'S'
+ * scalar. TypeError naming argname when NumPy cannot read it. */
+static PyArrayObject *read_protocol(PyObject *obj, int kind, const char *argname)
+{
+    PyObject *src = kind == 1 ? PyMemoryView_FromObject(obj) : Py_NewRef(obj);
+    PyArrayObject *arr = src ? (PyArrayObject *)PyArray_FromAny(src, NULL, 0, 0, 0, NULL)
+                             : NULL;
+    Py_XDECREF(src);
+    if (arr != NULL || !PyErr_ExceptionMatches(PyExc_Exception)) {
+        return arr;   /* KeyboardInterrupt, SystemExit: let them through */
+    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_Format(PyExc_TypeError, "%s: cannot read %.100s as an array (%S)",
+                 argname, Py_TYPE(obj)->tp_name, v ? v : Py_None);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
+/* obj, neither an ndarray nor a dpmini.Array, as an ndarray: a foreign
+ * array (PyTorch, JAX, CuPy...: DLPack or CUDA Array Interface first), else
+ * through the buffer protocol or __array_interface__. */
+static PyArrayObject *other_as_array(dp_state *st, PyObject *obj, const char *argname)
+{
+    int r = dp_is_foreign_array(st, obj);
+    if (r < 0) {
+        return reraise_at_arg(st, argname);
+    }
+    if (r) {
+        return dp_import_foreign(st, obj, argname);
+    }
+    int kind = host_protocol(obj);
+    if (kind < 0) {
+        return reraise_at_arg(st, argname);
+    }
+    if (kind == 0) {
         PyErr_Format(PyExc_TypeError,
                      "%s: expected an array (numpy.ndarray, dpmini.Array, an object with "
                      "__dlpack__ or __cuda_array_interface__ such as a torch.Tensor, JAX or "
@@ -180,7 +176,13 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
                      argname, Py_TYPE(obj)->tp_name);
         return NULL;
     }
-check:
+    return read_protocol(obj, kind, argname);
+}
+
+/* arr (stolen) when it can be copied between devices and has min_ndim
+ * dimensions or more; else NULL with TypeError / ValueError naming argname. */
+static PyArrayObject *checked_array(PyArrayObject *arr, const char *argname, int min_ndim)
+{
     if (PyDataType_REFCHK(PyArray_DESCR(arr))) {
         PyErr_Format(PyExc_TypeError,
                      "%s: arrays holding Python objects (dtype %S) cannot be copied between "
@@ -198,6 +200,23 @@ check:
         return NULL;
     }
     return arr;
+}
+
+PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
+{
+    PyArrayObject *arr;
+    if (PyArray_Check(obj)) {
+        if (dp_refused_array_subclass(obj, argname) != 0) {
+            return NULL;
+        }
+        arr = (PyArrayObject *)Py_NewRef(obj);
+    } else if (PyObject_TypeCheck(obj, st->ArrayType)) {
+        /* the shadow ndarray of a GPU array (see dpmini.h); never exposed */
+        arr = dp_device_object_meta(st, obj, argname);
+    } else {
+        arr = other_as_array(st, obj, argname);
+    }
+    return arr != NULL ? checked_array(arr, argname, min_ndim) : NULL;
 }
 
 int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out)

@@ -11,7 +11,8 @@
  *   bfloat16 result comes back as that library's bfloat16.
  *
  * Both follow the DLPack Python specification (dlpack.h's comment): a
- * consumer renames the capsule it takes and calls the deleter itself.
+ * consumer renames the capsule it takes and calls the deleter itself; the
+ * capsules themselves are dlpack_capsule.c's, shared with array.c.
  */
 #include "dpmini.h"
 #include "dlpack.h"
@@ -22,30 +23,6 @@
 /* ------------------------------------------------------------------ */
 /* Import                                                              */
 /* ------------------------------------------------------------------ */
-
-/* Destructors of the capsule that owns an imported tensor (an ndarray's
- * base): the producer's deleter. */
-static void owner_versioned(PyObject *cap)
-{
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dpmini.host_dlpack_v");
-    if (m != NULL && m->deleter != NULL)
-        m->deleter(m);
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static void owner_legacy(PyObject *cap)
-{
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);   /* an array may die while an error is pending */
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dpmini.host_dlpack");
-    if (m != NULL && m->deleter != NULL)
-        m->deleter(m);
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
 
 /* obj.__dlpack__(max_version=(1, 1)), or without the keyword for a
  * producer older than DLPack 1.0. New reference or NULL. */
@@ -77,13 +54,8 @@ static PyArrayObject *view_of(DLTensor *t, PyArray_Descr *descr, int readonly,
         PyErr_Format(PyExc_BufferError, "%s: DLPack ndim %d out of range", argname, t->ndim);
         return NULL;
     }
-    for (int i = 0; i < t->ndim; i++) {
-        shape[i] = (npy_intp)t->shape[i];
-        if (t->strides != NULL)
-            strides[i] = (npy_intp)(t->strides[i] * (int64_t)PyDataType_ELSIZE(descr));
-    }
-    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, t->ndim, shape,
-                                         t->strides != NULL ? strides : NULL,
+    npy_intp *st = dp_dlpack_shape(t, PyDataType_ELSIZE(descr), shape, strides);
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, t->ndim, shape, st,
                                          (char *)t->data + t->byte_offset,
                                          readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
     if (arr != NULL && PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(owner)) < 0)
@@ -95,24 +67,12 @@ PyArrayObject *dp_host_dlpack_import(PyObject *obj, const char *argname)
 {
     PyObject *cap = ask_capsule(obj), *owner = NULL;
     PyArrayObject *res = NULL;
+    DLTensor *t;
+    int readonly;
     if (cap == NULL)
         return NULL;
-    int versioned = PyCapsule_IsValid(cap, "dltensor_versioned");
-    if (!versioned && !PyCapsule_IsValid(cap, "dltensor")) {
-        PyErr_Format(PyExc_BufferError, "%s: __dlpack__ did not return a DLPack capsule",
-                     argname);
+    if (dp_dlpack_open(cap, argname, &t, &readonly) < 0)
         goto done;
-    }
-    DLManagedTensorVersioned *mv = versioned
-        ? PyCapsule_GetPointer(cap, "dltensor_versioned") : NULL;
-    DLManagedTensor *ml = versioned ? NULL : PyCapsule_GetPointer(cap, "dltensor");
-    if (versioned && mv->version.major > DP_DLPACK_MAJOR) {
-        PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than dpmini "
-                     "understands (%d.x)", argname, mv->version.major, mv->version.minor,
-                     DP_DLPACK_MAJOR);
-        goto done;
-    }
-    DLTensor *t = versioned ? &mv->dl_tensor : &ml->dl_tensor;
     if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost) {
         PyErr_Format(PyExc_BufferError, "%s: the DLPack tensor is not in host memory "
                      "(device type %d)", argname, (int)t->device.device_type);
@@ -121,16 +81,11 @@ PyArrayObject *dp_host_dlpack_import(PyObject *obj, const char *argname)
     PyArray_Descr *descr = dp_descr_from_dl(t->dtype);
     if (descr == NULL)
         goto done;   /* no NumPy dtype: the capsule dies unconsumed */
-    owner = versioned ? PyCapsule_New(mv, "dpmini.host_dlpack_v", owner_versioned)
-                      : PyCapsule_New(ml, "dpmini.host_dlpack", owner_legacy);
-    if (owner == NULL ||
-        PyCapsule_SetName(cap, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0) {
+    owner = dp_dlpack_take(cap);
+    if (owner == NULL) {
         Py_DECREF(descr);
-        if (owner != NULL)   /* not taken: the capsule keeps the tensor */
-            PyCapsule_SetDestructor(owner, NULL);
         goto done;
     }
-    int readonly = versioned && (mv->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
     res = view_of(t, descr, readonly, owner, argname);
 done:
     Py_XDECREF(owner);
@@ -147,116 +102,12 @@ typedef struct {
     PyArrayObject *arr;   /* the exported ndarray */
 } host_export_object;
 
-/* One allocation per exported capsule: the managed tensor, its shape and
- * strides, and a strong reference to the ndarray. */
-typedef struct {
-    union {
-        DLManagedTensorVersioned v;
-        DLManagedTensor legacy;
-    } mt;
-    PyObject *owner;
-    int64_t shape[NPY_MAXDIMS];
-    int64_t strides[NPY_MAXDIMS];
-} host_ctx;
-
-static void ctx_release(host_ctx *ctx)
-{
-    if (!Py_IsInitialized())
-        return;   /* interpreter gone: leak rather than crash */
-    PyGILState_STATE g = PyGILState_Ensure();   /* any thread may delete */
-    Py_XDECREF(ctx->owner);
-    PyMem_RawFree(ctx);
-    PyGILState_Release(g);
-}
-
-static void deleter_versioned(DLManagedTensorVersioned *self)
-{
-    ctx_release(self->manager_ctx);
-}
-
-static void deleter_legacy(DLManagedTensor *self)
-{
-    ctx_release(self->manager_ctx);
-}
-
-/* Destructors of an exported capsule: delete only when never consumed. */
-static void capsule_versioned(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "used_dltensor_versioned"))
-        return;
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-    if (m != NULL)
-        m->deleter(m);
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-static void capsule_legacy(PyObject *cap)
-{
-    if (PyCapsule_IsValid(cap, "used_dltensor"))
-        return;
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
-    if (m != NULL)
-        m->deleter(m);
-    PyErr_Clear();
-    PyErr_Restore(t, v, tb);
-}
-
-/* The capsule over a (versioned: DLManagedTensorVersioned), flags as given. */
+/* The capsule over a, a host ndarray (versioned: DLManagedTensorVersioned
+ * with flags). */
 static PyObject *to_capsule(PyArrayObject *a, int versioned, uint64_t flags)
 {
-    DLDataType dt;
-    if (dp_dl_from_descr(PyArray_DESCR(a), &dt) < 0) {
-        PyErr_Format(PyExc_BufferError, "__dlpack__: dtype %S has no DLPack type code",
-                     (PyObject *)PyArray_DESCR(a));
-        return NULL;
-    }
-    npy_intp is = PyArray_ITEMSIZE(a);
-    for (int i = 0; i < PyArray_NDIM(a); i++) {
-        if (PyArray_STRIDES(a)[i] % is != 0) {
-            PyErr_SetString(PyExc_BufferError, "__dlpack__: strides that are not a multiple "
-                            "of the item size cannot be expressed in DLPack");
-            return NULL;
-        }
-    }
-    host_ctx *ctx = PyMem_RawCalloc(1, sizeof *ctx);
-    if (ctx == NULL)
-        return PyErr_NoMemory();
-    DLTensor *t = versioned ? &ctx->mt.v.dl_tensor : &ctx->mt.legacy.dl_tensor;
-    for (int i = 0; i < PyArray_NDIM(a); i++) {
-        ctx->shape[i] = PyArray_DIM(a, i);
-        ctx->strides[i] = PyArray_STRIDES(a)[i] / is;
-    }
-    t->data = PyArray_DATA(a);
-    t->device.device_type = kDLCPU;
-    t->device.device_id = 0;
-    t->ndim = PyArray_NDIM(a);
-    t->dtype = dt;
-    t->shape = ctx->shape;
-    t->strides = ctx->strides;
-    ctx->owner = Py_NewRef(a);
-    PyObject *cap;
-    if (versioned) {
-        ctx->mt.v.version.major = DP_DLPACK_MAJOR;
-        ctx->mt.v.version.minor = DP_DLPACK_MINOR;
-        ctx->mt.v.manager_ctx = ctx;
-        ctx->mt.v.deleter = deleter_versioned;
-        ctx->mt.v.flags = flags | (PyArray_ISWRITEABLE(a) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY);
-        cap = PyCapsule_New(&ctx->mt.v, "dltensor_versioned", capsule_versioned);
-    } else {
-        ctx->mt.legacy.manager_ctx = ctx;
-        ctx->mt.legacy.deleter = deleter_legacy;
-        cap = PyCapsule_New(&ctx->mt.legacy, "dltensor", capsule_legacy);
-    }
-    if (cap == NULL) {
-        Py_DECREF(a);
-        PyMem_RawFree(ctx);
-    }
-    return cap;
+    DLDevice cpu = {kDLCPU, 0};
+    return dp_dlpack_capsule(a, (PyObject *)a, cpu, versioned, flags, NULL, NULL);
 }
 
 /* __dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None),

@@ -6,9 +6,6 @@
  * so the hooks act on the same allocator, emulator and NCCL state as the
  * module under test. The Python functions below are the method table; each
  * wraps one entry of that table (test_api.h says how to add one).
- * One function needs no state and so no table: stream_copy, the copy
- * engine's strided copy (core/copy.c, compiled into this extension as
- * well) over plain buffers, which the benchmarks time as the memory limit.
  *
  * Errors: RuntimeError "not an emulated build" for an emulator hook outside
  * the emulated CUDA build; dpmini's own exceptions (CudaError, MemoryError)
@@ -17,7 +14,6 @@
 #include <Python.h>
 
 #include "test_api.h"
-#include "copy.h"
 
 typedef struct {
     PyObject *dpmini;          /* dpmini._dpmini, whose state the hooks use */
@@ -297,35 +293,6 @@ static PyObject *emu_destroy_stream(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------- the benchmarks' copy limit */
-
-static PyObject *stream_copy(PyObject *m, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"dst", "src", "streaming", NULL};
-    Py_buffer dst, src;
-    int streaming = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*|p:stream_copy", kwlist, &dst, &src,
-                                     &streaming)) {
-        return NULL;
-    }
-    PyObject *res = NULL;
-    dp_copy_desc d;
-    int64_t n = (int64_t)src.len, one = 1;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "stream_copy: dst has %zd bytes, src %zd (expected "
-                     "the same)", dst.len, src.len);
-    } else if (dp_copy_init(&d, 1, 1, &n, &one, &one) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        dp_copy_run_mode(&d, (char *)dst.buf, (const char *)src.buf,
-                         streaming ? DP_COPY_STREAM : DP_COPY_ORDINARY);
-        Py_END_ALLOW_THREADS
-        res = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return res;
-}
-
 /* ------------------------------------------------------------ the table */
 
 static PyMethodDef testing_methods[] = {
@@ -376,12 +343,6 @@ static PyMethodDef testing_methods[] = {
     {"emu_destroy_stream", emu_destroy_stream, METH_O,
      "emu_destroy_stream(stream)\n\nEmulated build: another library destroyed that stream "
      "handle; later uses of it are counted as bad handles."},
-    {"stream_copy", (PyCFunction)(void (*)(void))stream_copy, METH_VARARGS | METH_KEYWORDS,
-     "stream_copy(dst, src, streaming=True)\n\nCopies the contiguous buffer src into dst (the "
-     "same byte count) with the copy engine's own code (csrc/core/copy.c): streaming "
-     "(non-temporal) stores when streaming is true and the CPU has them, else ordinary "
-     "stores; the GIL is released. For the benchmarks' memory limit. Errors: ValueError when "
-     "the sizes differ; BufferError/TypeError for a read-only or non-contiguous dst."},
     {NULL},
 };
 

@@ -232,110 +232,151 @@ static int plain_position(const gather_ctx *g, PyObject *const *vals, Py_ssize_t
     return 1;
 }
 
+/* A leaf position's arrays in flight: the replicas' values as ndarrays, and
+ * the parts concatenated (arrs itself, or 0-dim arrays viewed as 1-element
+ * vectors). Up to GATHER_FEW replicas the slots are on the stack. */
+typedef struct {
+    Py_ssize_t n;
+    PyObject **arrs, *arrs_few[GATHER_FEW];         /* new references           */
+    PyArrayObject **parts, *parts_few[GATHER_FEW];  /* new references if views */
+    int views;      /* parts are views made here                            */
+    int all0, any0; /* every / some array is 0-dim                          */
+} leaf_parts;
+
+/* The slots for n replicas. 0, or -1 with MemoryError. */
+static int leaf_parts_init(leaf_parts *lp, Py_ssize_t n)
+{
+    memset(lp, 0, sizeof *lp);
+    lp->n = n;
+    lp->all0 = 1;
+    if (n <= GATHER_FEW) {   /* the usual replica counts: no allocation */
+        lp->parts = lp->parts_few;
+        lp->arrs = lp->arrs_few;
+        return 0;
+    }
+    lp->parts = PyMem_Calloc((size_t)n, sizeof *lp->parts);
+    lp->arrs = lp->parts != NULL ? PyMem_Calloc((size_t)n, sizeof *lp->arrs) : NULL;
+    if (lp->arrs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void leaf_parts_clear(leaf_parts *lp)
+{
+    if (lp->parts != NULL && lp->views)
+        for (Py_ssize_t i = 0; i < lp->n; i++)
+            Py_XDECREF(lp->parts[i]);
+    if (lp->parts != lp->parts_few)
+        PyMem_Free(lp->parts);
+    if (lp->arrs != NULL)
+        for (Py_ssize_t i = 0; i < lp->n; i++)
+            Py_XDECREF(lp->arrs[i]);
+    if (lp->arrs != lp->arrs_few)
+        PyMem_Free(lp->arrs);
+}
+
+/* Each replica's value as an ndarray into lp->arrs (NumPy scalars and
+ * numbers as 0-dim arrays, GPU arrays as their shadows), noting 0-dim ones.
+ * 0 or -1. */
+static int leaf_as_arrays(gather_ctx *g, leaf_parts *lp, PyObject *const *vals,
+                          const char *cpath)
+{
+    for (Py_ssize_t i = 0; i < lp->n; i++) {
+        if (dp_refused_array_subclass(vals[i], cpath) != 0)
+            return -1;
+        PyObject *a = PyArray_Check(vals[i]) ? Py_NewRef(vals[i]) : scalar_as_array(vals[i]);
+        if (a == NULL && !PyErr_Occurred())  /* GPU arrays */
+            a = (PyObject *)dp_as_array(g->st, vals[i], cpath, 0);
+        if ((lp->arrs[i] = a) == NULL)
+            return -1;
+        if (PyArray_NDIM((PyArrayObject *)a) == 0)
+            lp->any0 = 1;
+        else
+            lp->all0 = 0;
+    }
+    return 0;
+}
+
+/* 0-dim arrays are gathered only when every replica returns one (PyTorch
+ * fails inside comm.gather on the rank mismatch). 0, or -1 with ValueError. */
+static int check_leaf_ranks(const leaf_parts *lp, const char *cpath)
+{
+    if (!lp->any0 || lp->all0)
+        return 0;
+    PyObject *dims = join_each(lp->arrs, lp->n, SHOW_NDIM);
+    if (dims != NULL)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: some replicas returned 0-dim arrays and others did not "
+                     "(ndim per replica: %U); 0-dim arrays are gathered into a "
+                     "vector only when every replica returns one", cpath, dims);
+    Py_XDECREF(dims);
+    return -1;
+}
+
+/* Every replica returned a 0-dim array: each viewed as a 1-element vector,
+ * gathered along 0 with PyTorch's UserWarning (docs/spec.md 4.5, 11.8: only
+ * dim == 0 literally turns scalars into a vector). 0 or -1. */
+static int scalars_as_vector(gather_ctx *g, leaf_parts *lp, const char *cpath)
+{
+    if (g->dim != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: every replica returned a 0-dim array, which can only "
+                     "be gathered with dim=0 (into a vector of one value per "
+                     "replica), got dim=%d", cpath, g->dim);
+        return -1;
+    }
+    npy_intp one = 1;
+    PyArray_Dims shape = {&one, 1};
+    lp->views = 1;
+    for (Py_ssize_t i = 0; i < lp->n; i++) {
+        lp->parts[i] = (PyArrayObject *)PyArray_Newshape((PyArrayObject *)lp->arrs[i],
+                                                         &shape, NPY_CORDER);
+        if (lp->parts[i] == NULL)
+            return -1;
+    }
+    return PyErr_WarnEx(PyExc_UserWarning,
+                        "Was asked to gather along dimension 0, but all input "
+                        "tensors were scalars; will instead unsqueeze and return "
+                        "a vector.", 1) < 0 ? -1 : 0;
+}
+
 /* Arrays at one position: concatenate along dim onto the target (docs/spec.md 4.5-4.8). */
 static PyObject *gather_leaf(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                       const path_seg *seg)
 {
-    int plain_dim;
-    if (plain_position(g, vals, n, &plain_dim))
+    int wdim;
+    if (plain_position(g, vals, n, &wdim))
         /* "out": never shown, plain_position checked what would name it */
-        return dp_gather_arrays_slab(g->st, (PyArrayObject **)vals, n, plain_dim, g->target,
+        return dp_gather_arrays_slab(g->st, (PyArrayObject **)vals, n, wdim, g->target,
                                      NULL, "out", g->slab);
 
-    PyArrayObject **parts = NULL, *parts_few[GATHER_FEW];
-    PyObject **arrs = NULL, *arrs_few[GATHER_FEW];  /* new references: vals as arrays */
     PyObject *path = NULL, *res = NULL;
     char buf[512];
-    const char *cpath;
-    int all0 = 1, any0 = 0, views = 0, wdim;
-
-    cpath = path_text(seg, buf, sizeof buf, &path);   /* no str object made */
-    if (cpath == NULL)
-        goto done;
-    if (n <= GATHER_FEW) {   /* the usual replica counts: no allocation */
-        memset(parts_few, 0, sizeof parts_few);
-        memset(arrs_few, 0, sizeof arrs_few);
-        parts = parts_few;
-        arrs = arrs_few;
-    } else {
-        parts = PyMem_Calloc((size_t)n, sizeof *parts);
-        arrs = parts != NULL ? PyMem_Calloc((size_t)n, sizeof *arrs) : NULL;
-        if (arrs == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
+    leaf_parts lp;
+    const char *cpath = path_text(seg, buf, sizeof buf, &path);   /* no str object made */
+    if (cpath == NULL) {
+        Py_XDECREF(path);
+        return NULL;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (dp_refused_array_subclass(vals[i], cpath) != 0)
-            goto done;
-        arrs[i] = PyArray_Check(vals[i]) ? Py_NewRef(vals[i]) : scalar_as_array(vals[i]);
-        if (arrs[i] == NULL && !PyErr_Occurred())  /* GPU arrays */
-            arrs[i] = (PyObject *)dp_as_array(g->st, vals[i], cpath, 0);
-        if (arrs[i] == NULL)
-            goto done;
-        if (PyArray_NDIM((PyArrayObject *)arrs[i]) == 0)
-            any0 = 1;
-        else
-            all0 = 0;
-    }
-    vals = arrs;
-    if (check_dtypes(arrs, n, cpath) < 0)
+    if (leaf_parts_init(&lp, n) < 0 || leaf_as_arrays(g, &lp, vals, cpath) < 0 ||
+        check_dtypes(lp.arrs, n, cpath) < 0 || check_leaf_ranks(&lp, cpath) < 0)
         goto done;
-    if (any0 && !all0) {
-        /* PyTorch fails inside comm.gather on the rank mismatch. */
-        PyObject *dims = join_each(vals, n, SHOW_NDIM);
-        if (dims != NULL)
-            PyErr_Format(PyExc_ValueError,
-                         "%s: some replicas returned 0-dim arrays and others did not "
-                         "(ndim per replica: %U); 0-dim arrays are gathered into a "
-                         "vector only when every replica returns one", cpath, dims);
-        Py_XDECREF(dims);
-        goto done;
-    }
-
-    if (all0) {
-        /* docs/spec.md 4.5, 11.8: only dim == 0 literally turns scalars into a vector. */
-        if (g->dim != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: every replica returned a 0-dim array, which can only "
-                         "be gathered with dim=0 (into a vector of one value per "
-                         "replica), got dim=%d", cpath, g->dim);
-            goto done;
-        }
-        npy_intp one = 1;
-        PyArray_Dims shape = {&one, 1};
-        views = 1;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            parts[i] = (PyArrayObject *)PyArray_Newshape((PyArrayObject *)vals[i],
-                                                         &shape, NPY_CORDER);
-            if (parts[i] == NULL)
-                goto done;
-        }
-        if (PyErr_WarnEx(PyExc_UserWarning,
-                         "Was asked to gather along dimension 0, but all input "
-                         "tensors were scalars; will instead unsqueeze and return "
-                         "a vector.", 1) < 0)
+    if (lp.all0) {
+        if (scalars_as_vector(g, &lp, cpath) < 0)
             goto done;
         wdim = 0;
     }
     else {
         for (Py_ssize_t i = 0; i < n; i++)
-            parts[i] = (PyArrayObject *)vals[i];
-        if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(parts[0]), cpath, &wdim) < 0)
+            lp.parts[i] = (PyArrayObject *)lp.arrs[i];
+        if (dp_wrap_dim_or_raise(g->dim, PyArray_NDIM(lp.parts[0]), cpath, &wdim) < 0)
             goto done;
     }
-    res = dp_gather_arrays_slab(g->st, parts, n, wdim, g->target, NULL, cpath, g->slab);
+    res = dp_gather_arrays_slab(g->st, lp.parts, n, wdim, g->target, NULL, cpath, g->slab);
 done:
-    if (parts != NULL && views)
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_XDECREF(parts[i]);
-    if (parts != parts_few)
-        PyMem_Free(parts);
-    if (arrs != NULL)
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_XDECREF(arrs[i]);
-    if (arrs != arrs_few)
-        PyMem_Free(arrs);
+    leaf_parts_clear(&lp);
     Py_XDECREF(path);
     return res;
 }
@@ -353,31 +394,45 @@ static int same_nan_value(PyObject *a, PyObject *b)
     return (ar == br || (ar != ar && br != br)) && (ai == bi || (ai != ai && bi != bi));
 }
 
+/* Whether every replica's value equals replica 0's (==, NaN counting as
+ * equal to NaN): 1 or 0, or -1 when == raised (named with the path). */
+static int values_equal(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                        const path_seg *seg)
+{
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
+        if (eq < 0)
+            return kind_error_at(g, seg);
+        if (!eq && !same_nan_value(vals[0], vals[i]))
+            return 0;
+    }
+    return 1;
+}
+
+/* The replicas' values differ: TypeError naming the path and every value,
+ * lead written before that and what after it. */
+static void values_differ(PyObject *const *vals, Py_ssize_t n, const path_seg *seg,
+                          const char *lead, const char *what)
+{
+    PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
+    if (joined != NULL && path != NULL)
+        PyErr_Format(PyExc_TypeError, "%U: %sthe replicas returned different values (%U)%s",
+                     path, lead, joined, what);
+    Py_XDECREF(joined);
+    Py_XDECREF(path);
+}
+
 /* str, bytes, numbers: returned once when every replica's value is equal
  * (NaN counting as equal to NaN). */
 static PyObject *gather_value(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                        const path_seg *seg)
 {
-    for (Py_ssize_t i = 1; i < n; i++) {
-        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
-        if (eq < 0)
-            return kind_error_at(g, seg), NULL;
-        if (!eq)
-            eq = same_nan_value(vals[0], vals[i]);
-        if (eq)
-            continue;
-        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
-        if (joined != NULL && path != NULL)
-            PyErr_Format(PyExc_TypeError,
-                         "%U: the replicas returned different values (%U); a str, "
-                         "bytes or number output is returned once, only when every "
-                         "replica returns an equal value: return an array to get "
-                         "one value per replica", path, joined);
-        Py_XDECREF(joined);
-        Py_XDECREF(path);
-        return NULL;
-    }
-    return Py_NewRef(vals[0]);
+    int eq = values_equal(g, vals, n, seg);
+    if (eq == 0)
+        values_differ(vals, n, seg, "", "; a str, bytes or number output is returned once, "
+                      "only when every replica returns an equal value: return an array to "
+                      "get one value per replica");
+    return eq == 1 ? Py_NewRef(vals[0]) : NULL;
 }
 
 /* Any other object: returned when every replica returns the same object,
@@ -646,25 +701,11 @@ static PyObject *gather_sum_values(gather_ctx *g, PyObject *const *vals, Py_ssiz
 static PyObject *gather_equal_values(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                               const path_seg *seg)
 {
-    for (Py_ssize_t i = 1; i < n; i++) {
-        int eq = PyObject_RichCompareBool(vals[0], vals[i], Py_EQ);
-        if (eq < 0)
-            return kind_error_at(g, seg), NULL;
-        if (!eq)
-            eq = same_nan_value(vals[0], vals[i]);  /* as gather_value */
-        if (eq)
-            continue;
-        PyObject *path = path_str(seg), *joined = join_each(vals, n, SHOW_REPR);
-        if (path != NULL && joined != NULL)
-            PyErr_Format(PyExc_TypeError,
-                         "%U: out_dims gives None here (every replica returns the same "
-                         "value), but the replicas returned different values (%U)",
-                         path, joined);
-        Py_XDECREF(path);
-        Py_XDECREF(joined);
-        return NULL;
-    }
-    return Py_NewRef(vals[0]);
+    int eq = values_equal(g, vals, n, seg);
+    if (eq == 0)
+        values_differ(vals, n, seg, "out_dims gives None here (every replica returns the "
+                      "same value), but ", "");
+    return eq == 1 ? Py_NewRef(vals[0]) : NULL;
 }
 
 /* An array position: every replica's arrays from one library (NumPy and
@@ -745,15 +786,64 @@ static void name_mapping_error(dp_state *st, PyObject *d, const path_seg *seg,
     dp_reraise_msg(st, msg);
 }
 
-/* Dicts: same number of keys, every key of replica 0 in every dict; key order
- * and type from replica 0 (docs/spec.md 4.1, 11.2). */
-static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                      const path_seg *seg, PyObject *spec, const path_seg *sseg)
-{
-    PyObject *keys = NULL, *acc = NULL, *res = NULL, **child = NULL;
-    int exact = PyDict_CheckExact(vals[0]);
-    Py_ssize_t len0 = PyDict_GET_SIZE(vals[0]);
+/* The walk over one container position, the same for dicts, sequences and
+ * dataclasses: the replicas' containers, the position's out_dims entry, and
+ * the slots that hold the replicas' values at one child at a time. */
+typedef struct {
+    gather_ctx *g;
+    PyObject *const *vals;  /* replica i's container (borrowed)             */
+    Py_ssize_t n;
+    const path_seg *seg;    /* the containers' path                         */
+    PyObject *spec;         /* the out_dims entry (NULL: inherited)         */
+    const path_seg *sseg;   /* its path                                     */
+    PyObject **child;       /* n slots: replica i's value at one child      */
+    int owned;              /* the slots hold new references (else borrowed) */
+} gather_walk;
 
+/* The walk's slots. 0, or -1 with MemoryError. */
+static int walk_begin(gather_walk *w, gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg, PyObject *spec, const path_seg *sseg, int owned)
+{
+    *w = (gather_walk){g, vals, n, seg, spec, sseg, NULL, owned};
+    w->child = PyMem_Calloc((size_t)n, sizeof *w->child);
+    if (w->child == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void walk_end(gather_walk *w)
+{
+    PyMem_Free(w->child);
+    w->child = NULL;
+}
+
+/* The gathered value at one child whose values the caller put in w->child
+ * (filled 0: filling them failed, an exception is set); cseg is the child's
+ * path, pos or key picks its out_dims entry. The slots are emptied either
+ * way. New reference or NULL. */
+static PyObject *walk_child(gather_walk *w, int filled, const path_seg *cseg, Py_ssize_t pos,
+                            PyObject *key)
+{
+    PyObject *v = NULL, *cspec;
+    path_seg csseg;
+    if (filled && spec_child(w->spec, w->sseg, pos, key, &cspec, &csseg) == 0)
+        v = gather_map(w->g, w->child, w->n, cseg, cspec, &csseg);
+    for (Py_ssize_t i = 0; i < w->n; i++) {
+        if (w->owned)
+            Py_CLEAR(w->child[i]);
+        else
+            w->child[i] = NULL;
+    }
+    return v;
+}
+
+/* Every replica's dict has as many keys as replica 0's (PyTorch's message
+ * first). 0, or -1 with ValueError. */
+static int check_dict_sizes(PyObject *const *vals, Py_ssize_t n, const path_seg *seg)
+{
+    Py_ssize_t len0 = PyDict_GET_SIZE(vals[0]);
     for (Py_ssize_t i = 1; i < n; i++) {
         if (PyDict_GET_SIZE(vals[i]) == len0)
             continue;
@@ -764,118 +854,121 @@ static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                          "returned %zd, replica %zd returned %zd)",
                          path, len0, i, PyDict_GET_SIZE(vals[i]));
         Py_XDECREF(path);
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+/* Replica i's dict lacks key: ValueError naming the path and the key. */
+static void missing_key_error(const path_seg *seg, Py_ssize_t i, PyObject *key)
+{
+    PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+    if (path != NULL && kr != NULL)
+        PyErr_Format(PyExc_ValueError,
+                     "%U: replica %zd returned a dict without the key %U "
+                     "that replica 0 returned; every replica must "
+                     "return the same keys", path, i, kr);
+    Py_XDECREF(kr);
+    Py_XDECREF(path);
+}
+
+/* Every replica's value at replica 0's q-th key into w->child (new
+ * references); replica 0's from flat, its dict_flat snapshot, when its dict
+ * is exact (flat NULL otherwise). 1, or 0 with an exception set. */
+static int dict_values_at(gather_walk *w, PyObject *flat, Py_ssize_t q, PyObject *key)
+{
+    for (Py_ssize_t i = 0; i < w->n; i++) {
+        int has;
+        if (i == 0 && flat != NULL) {
+            w->child[0] = Py_NewRef(PyTuple_GET_ITEM(flat, 2 * q + 1));
+            continue;
+        }
+        if (PyDict_CheckExact(w->vals[i])) {
+            /* one lookup; a str key's hash is cached */
+            PyObject *found = PyDict_GetItemWithError(w->vals[i], key);
+            if (found != NULL) {
+                w->child[i] = Py_NewRef(found);
+                continue;
+            }
+            has = PyErr_Occurred() ? -1 : 0;
+        }
+        else {
+            has = PyDict_Contains(w->vals[i], key);
+        }
+        if (has == 0) {
+            missing_key_error(w->seg, i, key);
+            return 0;
+        }
+        if (has < 0 || (w->child[i] = PyObject_GetItem(w->vals[i], key)) == NULL) {
+            name_mapping_error(w->g->st, w->vals[i], w->seg, "[key]", key);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* key: v into acc, a dict (exact) or a list of (key, value) pairs. Steals
+ * v. 0 or -1. */
+static int dict_store(PyObject *acc, int exact, PyObject *key, PyObject *v)
+{
+    int r = exact ? PyDict_SetItem(acc, key, v) : append_steal(acc, PyTuple_Pack(2, key, v));
+    Py_DECREF(v);
+    return r;
+}
+
+/* Dicts: same number of keys, every key of replica 0 in every dict; key order
+ * and type from replica 0 (docs/spec.md 4.1, 11.2). */
+static PyObject *gather_dict(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                      const path_seg *seg, PyObject *spec, const path_seg *sseg)
+{
+    PyObject *acc = NULL, *res = NULL;
+    gather_walk w = {0};
+    int exact = PyDict_CheckExact(vals[0]);
+
+    if (check_dict_sizes(vals, n, seg) < 0)
+        return NULL;
     /* An exact dict: its keys and values in one snapshot (dict_flat, no
      * user code); a subclass: its keys(). */
-    keys = exact ? dict_flat(vals[0]) : PyMapping_Keys(vals[0]);
+    PyObject *keys = exact ? dict_flat(vals[0]) : PyMapping_Keys(vals[0]);
     if (keys == NULL) {
         name_mapping_error(g->st, vals[0], seg, "keys()", NULL);
-        goto done;
+        return NULL;
     }
     Py_ssize_t nkeys = exact ? PyTuple_GET_SIZE(keys) / 2 : PyList_GET_SIZE(keys);
     if (spec_is_container(spec) &&
         spec_check_children(spec, sseg, seg, 0, vals[0], NULL) < 0)
         goto done;
-    child = PyMem_Calloc((size_t)n, sizeof *child);
-    acc = exact ? dict_new_sized(nkeys) : PyList_New(0);
-    if (child == NULL || acc == NULL) {
-        if (child == NULL)
-            PyErr_NoMemory();
+    if (walk_begin(&w, g, vals, n, seg, spec, sseg, 1) < 0)
         goto done;
-    }
+    acc = exact ? dict_new_sized(nkeys) : PyList_New(0);
+    if (acc == NULL)
+        goto done;
     for (Py_ssize_t q = 0; q < nkeys; q++) {
-        PyObject *key = exact ? PyTuple_GET_ITEM(keys, 2 * q) : PyList_GET_ITEM(keys, q), *v;
+        PyObject *key = exact ? PyTuple_GET_ITEM(keys, 2 * q) : PyList_GET_ITEM(keys, q);
         path_seg cseg = seg_child(seg, SEG_KEY, 0, key);
-        int ok = 1;
-        for (Py_ssize_t i = 0; i < n && ok; i++) {
-            int has;
-            if (i == 0 && exact) {   /* replica 0's value, from the snapshot */
-                child[0] = Py_NewRef(PyTuple_GET_ITEM(keys, 2 * q + 1));
-                continue;
-            }
-            if (PyDict_CheckExact(vals[i])) {
-                /* one lookup; a str key's hash is cached */
-                PyObject *found = PyDict_GetItemWithError(vals[i], key);
-                if (found != NULL) {
-                    child[i] = Py_NewRef(found);
-                    continue;
-                }
-                has = PyErr_Occurred() ? -1 : 0;
-            }
-            else {
-                has = PyDict_Contains(vals[i], key);
-            }
-            if (has == 0) {
-                PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
-                if (path != NULL && kr != NULL)
-                    PyErr_Format(PyExc_ValueError,
-                                 "%U: replica %zd returned a dict without the key %U "
-                                 "that replica 0 returned; every replica must "
-                                 "return the same keys", path, i, kr);
-                Py_XDECREF(kr);
-                Py_XDECREF(path);
-            }
-            if (has <= 0 || (child[i] = PyObject_GetItem(vals[i], key)) == NULL) {
-                if (has != 0)
-                    name_mapping_error(g->st, vals[i], seg, "[key]", key);
-                ok = 0;
-            }
-        }
-        path_seg csseg;
-        PyObject *cspec;
-        if (ok && spec_child(spec, sseg, q, key, &cspec, &csseg) < 0)
-            ok = 0;
-        v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_CLEAR(child[i]);
-        if (v == NULL)
-            goto done;
-        int r;
-        if (exact) {
-            r = PyDict_SetItem(acc, key, v);
-        }
-        else {
-            PyObject *pair = PyTuple_Pack(2, key, v);
-            r = append_steal(acc, pair);
-        }
-        Py_DECREF(v);
-        if (r < 0)
+        int filled = dict_values_at(&w, exact ? keys : NULL, q, key);
+        PyObject *v = walk_child(&w, filled, &cseg, q, key);
+        if (v == NULL || dict_store(acc, exact, key, v) < 0)
             goto done;
     }
-    if (exact) {
-        res = Py_NewRef(acc);
-    }
-    else {
-        res = rebuild_mapping(g->st, vals[0], acc, seg);
-    }
+    res = exact ? Py_NewRef(acc) : rebuild_mapping(g->st, vals[0], acc, seg);
 done:
-    PyMem_Free(child);
-    Py_XDECREF(keys);
+    walk_end(&w);
+    Py_DECREF(keys);
     Py_XDECREF(acc);
     return res;
 }
 
-/* Lists, tuples, namedtuples: position by position, same length everywhere
- * (docs/spec.md 4.1's strict zip, 11.5). */
-static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
-                     int kind, const path_seg *seg, PyObject *spec,
-                     const path_seg *sseg)
+/* Each replica's list or tuple as a tuple (seq_snapshot) into snap (n
+ * slots, new references), every one of replica 0's length. The length, or
+ * -1 (ValueError naming every replica's length when they differ). */
+static Py_ssize_t seq_snapshots(PyObject **snap, PyObject *const *vals, Py_ssize_t n,
+                                const path_seg *seg)
 {
-    PyObject **snap = NULL, **child = NULL;
-    PyObject *items = NULL, *names = NULL, *res = NULL;
-    Py_ssize_t len0;
-
-    snap = PyMem_Calloc((size_t)n, sizeof *snap);
-    child = PyMem_Calloc((size_t)n, sizeof *child);
-    if (snap == NULL || child == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++)
         if ((snap[i] = seq_snapshot(vals[i])) == NULL)
-            goto done;
-    len0 = PyTuple_GET_SIZE(snap[0]);
+            return -1;
+    Py_ssize_t len0 = PyTuple_GET_SIZE(snap[0]);
     for (Py_ssize_t i = 1; i < n; i++) {
         if (PyTuple_GET_SIZE(snap[i]) == len0)
             continue;
@@ -887,9 +980,56 @@ static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                          "same length", path, lens);
         Py_XDECREF(lens);
         Py_XDECREF(path);
+        return -1;
+    }
+    return len0;
+}
+
+/* The gathered items (a list) in the type of v0, replica 0's sequence:
+ * type(out)._make for a namedtuple, the list or a tuple for the exact
+ * types, type(out)(items) for a subclass. */
+static PyObject *rebuild_seq(PyObject *v0, int kind, PyObject *items, const path_seg *seg)
+{
+    PyTypeObject *tp = Py_TYPE(v0);
+    PyObject *res = NULL;
+    if (kind == G_NAMEDTUPLE) {
+        PyObject *make = PyObject_GetAttrString((PyObject *)tp, "_make");
+        if (make != NULL) {
+            res = PyObject_CallOneArg(make, items);
+            Py_DECREF(make);
+        }
+        if (res == NULL)
+            raise_rebuild_error(seg, tp, "type(out)._make(fields)", "");
+        return res;
+    }
+    if (PyList_CheckExact(v0))
+        return Py_NewRef(items);
+    if (PyTuple_CheckExact(v0))
+        return PyList_AsTuple(items);
+    res = PyObject_CallOneArg((PyObject *)tp, items);
+    if (res == NULL)
+        raise_rebuild_error(seg, tp, "type(out)(items)", "");
+    return res;
+}
+
+/* Lists, tuples, namedtuples: position by position, same length everywhere
+ * (docs/spec.md 4.1's strict zip, 11.5). */
+static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
+                     int kind, const path_seg *seg, PyObject *spec,
+                     const path_seg *sseg)
+{
+    PyObject **snap = NULL, *items = NULL, *names = NULL, *res = NULL;
+    gather_walk w = {0};
+    Py_ssize_t len0 = 0;
+
+    snap = PyMem_Calloc((size_t)n, sizeof *snap);
+    if (snap == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-
+    if (walk_begin(&w, g, vals, n, seg, spec, sseg, 0) < 0 ||
+        (len0 = seq_snapshots(snap, vals, n, seg)) < 0)
+        goto done;
     if (spec_is_container(spec) &&
         spec_check_children(spec, sseg, seg, len0, NULL, NULL) < 0)
         goto done;
@@ -902,48 +1042,126 @@ static PyObject *gather_seq(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         path_seg cseg = names != NULL
             ? seg_child(seg, SEG_ATTR, 0, PyTuple_GET_ITEM(names, pos))
             : seg_child(seg, SEG_INDEX, pos, NULL);
-        path_seg csseg;
-        PyObject *cspec;
-        if (spec_child(spec, sseg, pos, NULL, &cspec, &csseg) < 0)
-            goto done;
         for (Py_ssize_t i = 0; i < n; i++)
-            child[i] = PyTuple_GET_ITEM(snap[i], pos);  /* borrowed from snap */
-        PyObject *v = gather_map(g, child, n, &cseg, cspec, &csseg);
+            w.child[i] = PyTuple_GET_ITEM(snap[i], pos);  /* borrowed from snap */
+        PyObject *v = walk_child(&w, 1, &cseg, pos, NULL);
         if (v == NULL)
             goto done;
         PyList_SET_ITEM(items, pos, v);
     }
-
-    PyTypeObject *tp = Py_TYPE(vals[0]);
-    if (kind == G_NAMEDTUPLE) {
-        PyObject *make = PyObject_GetAttrString((PyObject *)tp, "_make");
-        if (make != NULL) {
-            res = PyObject_CallOneArg(make, items);
-            Py_DECREF(make);
-        }
-        if (res == NULL)
-            raise_rebuild_error(seg, tp, "type(out)._make(fields)", "");
-    }
-    else if (PyList_CheckExact(vals[0])) {
-        res = Py_NewRef(items);
-    }
-    else if (PyTuple_CheckExact(vals[0])) {
-        res = PyList_AsTuple(items);
-    }
-    else {
-        res = PyObject_CallOneArg((PyObject *)tp, items);
-        if (res == NULL)
-            raise_rebuild_error(seg, tp, "type(out)(items)", "");
-    }
+    res = rebuild_seq(vals[0], kind, items, seg);
 done:
     if (snap != NULL)
         for (Py_ssize_t i = 0; i < n; i++)
             Py_XDECREF(snap[i]);
     PyMem_Free(snap);
-    PyMem_Free(child);
+    walk_end(&w);
     Py_XDECREF(items);
     Py_XDECREF(names);
     return res;
+}
+
+/* dataclasses.fields(v0): a tuple (new reference), or NULL. */
+static PyObject *dataclass_fields(gather_ctx *g, PyObject *v0)
+{
+    PyObject *fields = PyObject_CallOneArg(g->st->dataclasses_fields, v0);
+    if (fields != NULL && !PyTuple_Check(fields)) {
+        PyErr_SetString(PyExc_TypeError, "dataclasses.fields() did not return a tuple");
+        Py_CLEAR(fields);
+    }
+    return fields;
+}
+
+/* A dict in out_dims names fields of the dataclass: every key must be one
+ * of fields' names. 0 or -1. */
+static int check_field_spec(PyObject *spec, const path_seg *sseg, const path_seg *seg,
+                            PyObject *fields)
+{
+    PyObject *fnames = PyTuple_New(PyTuple_GET_SIZE(fields));
+    if (fnames == NULL)
+        return -1;
+    for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+        PyObject *nm = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
+        if (nm == NULL) {
+            Py_DECREF(fnames);
+            return -1;
+        }
+        PyTuple_SET_ITEM(fnames, f, nm);
+    }
+    int r = spec_check_children(spec, sseg, seg, 0, NULL, fnames);
+    Py_DECREF(fnames);
+    return r;
+}
+
+/* Each field's gathered value into byname (name: value), in fields'
+ * order. 0 or -1. */
+static int gather_fields(gather_walk *w, PyObject *fields, PyObject *byname)
+{
+    for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
+        PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
+        if (name == NULL)
+            return -1;
+        path_seg cseg = seg_child(w->seg, SEG_ATTR, 0, name);
+        int filled = 1;
+        for (Py_ssize_t i = 0; i < w->n && filled; i++)
+            filled = (w->child[i] = PyObject_GetAttr(w->vals[i], name)) != NULL;
+        PyObject *v = walk_child(w, filled, &cseg, f, name);
+        int r = v != NULL ? PyDict_SetItem(byname, name, v) : -1;
+        Py_XDECREF(v);
+        Py_DECREF(name);
+        if (r < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* tp.__new__(tp): an instance of exactly tp, with no __init__ run. */
+static PyObject *new_instance(PyTypeObject *tp, const path_seg *seg)
+{
+    PyObject *newfn = PyObject_GetAttrString((PyObject *)tp, "__new__");
+    PyObject *inst = newfn != NULL ? PyObject_CallOneArg(newfn, (PyObject *)tp) : NULL;
+    Py_XDECREF(newfn);
+    if (inst == NULL || Py_TYPE(inst) != tp) {
+        if (inst != NULL)
+            PyErr_Format(PyExc_TypeError, "__new__ returned a %.100s",
+                         Py_TYPE(inst)->tp_name);
+        raise_rebuild_error(seg, tp, "type(out).__new__(type(out)) with its fields set", "");
+        Py_CLEAR(inst);
+    }
+    return inst;
+}
+
+/* A dataclass that is a dict: replica 0's keys (v0's own storage, in its
+ * order), each set to the gathered field of that name. 0 or -1 (TypeError
+ * for a key that is no field). */
+static int set_dataclass_keys(PyObject *inst, PyObject *v0, PyObject *byname,
+                              const path_seg *seg)
+{
+    PyObject *keys = PyDict_Keys(v0);
+    if (keys == NULL)
+        return -1;
+    int r = 0;
+    for (Py_ssize_t q = 0; r == 0 && q < PyList_GET_SIZE(keys); q++) {
+        PyObject *key = PyList_GET_ITEM(keys, q);
+        PyObject *v = PyDict_GetItemWithError(byname, key);
+        if (v != NULL) {
+            r = PyDict_SetItem(inst, key, v);
+            continue;
+        }
+        r = -1;
+        if (PyErr_Occurred())
+            break;
+        PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
+        if (path != NULL && kr != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%U: replica 0 returned a %.100s (a dataclass and a "
+                         "dict) with the key %U, which is not one of its "
+                         "fields", path, Py_TYPE(v0)->tp_name, kr);
+        Py_XDECREF(path);
+        Py_XDECREF(kr);
+    }
+    Py_DECREF(keys);
+    return r;
 }
 
 /* Dataclass instances: field by field (dataclasses.fields, init=False
@@ -958,110 +1176,34 @@ static PyObject *gather_dataclass(gather_ctx *g, PyObject *const *vals, Py_ssize
                            const path_seg *seg, PyObject *spec,
                            const path_seg *sseg)
 {
-    PyObject *fields = NULL, *byname = NULL, *newfn = NULL, *inst = NULL, *keys = NULL;
-    PyObject *res = NULL, **child = NULL;
-    PyTypeObject *tp = Py_TYPE(vals[0]);
+    PyObject *byname = NULL, *inst = NULL, *res = NULL;
+    gather_walk w = {0};
 
-    fields = PyObject_CallOneArg(g->st->dataclasses_fields, vals[0]);
+    PyObject *fields = dataclass_fields(g, vals[0]);
     if (fields == NULL)
+        return NULL;
+    if (spec != NULL && PyDict_Check(spec) && check_field_spec(spec, sseg, seg, fields) < 0)
         goto done;
-    if (!PyTuple_Check(fields)) {
-        PyErr_SetString(PyExc_TypeError, "dataclasses.fields() did not return a tuple");
-        goto done;
-    }
-    if (spec != NULL && PyDict_Check(spec)) {
-        /* A dict in out_dims names fields of the dataclass. */
-        PyObject *fnames = PyTuple_New(PyTuple_GET_SIZE(fields));
-        if (fnames == NULL)
-            goto done;
-        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
-            PyObject *nm = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, f), "name");
-            if (nm == NULL) {
-                Py_DECREF(fnames);
-                goto done;
-            }
-            PyTuple_SET_ITEM(fnames, f, nm);
-        }
-        int r = spec_check_children(spec, sseg, seg, 0, NULL, fnames);
-        Py_DECREF(fnames);
-        if (r < 0)
-            goto done;
-    }
     byname = PyDict_New();
-    child = PyMem_Calloc((size_t)n, sizeof *child);
-    if (byname == NULL || child == NULL) {
-        if (child == NULL)
-            PyErr_NoMemory();
+    if (byname == NULL || walk_begin(&w, g, vals, n, seg, spec, sseg, 1) < 0 ||
+        gather_fields(&w, fields, byname) < 0)
         goto done;
-    }
-    for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(fields); f++) {
-        PyObject *field = PyTuple_GET_ITEM(fields, f), *v = NULL;
-        PyObject *name = PyObject_GetAttrString(field, "name");
-        int ok = name != NULL;
-        if (ok) {
-            path_seg cseg = seg_child(seg, SEG_ATTR, 0, name), csseg;
-            PyObject *cspec;
-            if (spec_child(spec, sseg, f, name, &cspec, &csseg) < 0)
-                ok = 0;
-            for (Py_ssize_t i = 0; i < n && ok; i++)
-                if ((child[i] = PyObject_GetAttr(vals[i], name)) == NULL)
-                    ok = 0;
-            v = ok ? gather_map(g, child, n, &cseg, cspec, &csseg) : NULL;
-            for (Py_ssize_t i = 0; i < n; i++)
-                Py_CLEAR(child[i]);
-        }
-        int r = v != NULL ? PyDict_SetItem(byname, name, v) : -1;
-        Py_XDECREF(v);
-        Py_XDECREF(name);
-        if (r < 0)
-            goto done;
-    }
-    newfn = PyObject_GetAttrString((PyObject *)tp, "__new__");
-    inst = newfn != NULL ? PyObject_CallOneArg(newfn, (PyObject *)tp) : NULL;
-    if (inst == NULL || Py_TYPE(inst) != tp) {
-        if (inst != NULL)
-            PyErr_Format(PyExc_TypeError, "__new__ returned a %.100s",
-                         Py_TYPE(inst)->tp_name);
-        raise_rebuild_error(seg, tp, "type(out).__new__(type(out)) with its fields set", "");
+    inst = new_instance(Py_TYPE(vals[0]), seg);
+    if (inst == NULL)
         goto done;
-    }
     Py_ssize_t pos = 0;
     PyObject *name, *v;
     while (PyDict_Next(byname, &pos, &name, &v))
         if (PyObject_GenericSetAttr(inst, name, v) < 0)
             goto done;
-    if (PyDict_Check(inst)) {
-        keys = PyDict_Keys(vals[0]);  /* the dict's own storage, in its order */
-        for (Py_ssize_t q = 0; keys != NULL && q < PyList_GET_SIZE(keys); q++) {
-            PyObject *key = PyList_GET_ITEM(keys, q);
-            v = PyDict_GetItemWithError(byname, key);
-            if (v == NULL) {
-                if (!PyErr_Occurred()) {
-                    PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
-                    if (path != NULL && kr != NULL)
-                        PyErr_Format(PyExc_TypeError,
-                                     "%U: replica 0 returned a %.100s (a dataclass and a "
-                                     "dict) with the key %U, which is not one of its "
-                                     "fields", path, tp->tp_name, kr);
-                    Py_XDECREF(path);
-                    Py_XDECREF(kr);
-                }
-                goto done;
-            }
-            if (PyDict_SetItem(inst, key, v) < 0)
-                goto done;
-        }
-        if (keys == NULL)
-            goto done;
-    }
+    if (PyDict_Check(inst) && set_dataclass_keys(inst, vals[0], byname, seg) < 0)
+        goto done;
     res = Py_NewRef(inst);
 done:
-    PyMem_Free(child);
-    Py_XDECREF(fields);
+    walk_end(&w);
+    Py_DECREF(fields);
     Py_XDECREF(byname);
-    Py_XDECREF(newfn);
     Py_XDECREF(inst);
-    Py_XDECREF(keys);
     return res;
 }
 

@@ -403,128 +403,154 @@ static int leaf_sizes(scatter_ctx *c, PyArrayObject *arr, int wdim, const char *
     return count;
 }
 
-/* Pass (a) for one array leaf. spec: its in_dims entry (NULL: c->dim, an
- * int: that dim, None: broadcast); sseg its path. */
-static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
-                        PyObject *spec, const path_seg *sseg)
+/* One array leaf measured in pass (a): what its scatter_leaf records. */
+typedef struct {
+    PyArrayObject *arr;   /* new reference                                  */
+    int64_t *sizes;       /* PyMem, c->ndev chunk sizes; NULL: broadcast    */
+    int wdim, count;      /* the wrapped dim, the chunks it splits into     */
+    int bcast;            /* in_dims None: the whole array to every replica */
+} leaf_split;
+
+/* What a step of collect_leaf returns: done, an error about this leaf (plan
+ * mode may absorb it), or a failure to pass on. */
+enum { LEAF_OK = 0, LEAF_BAD = -1, LEAF_FAIL = -2 };
+
+/* The usual leaf: a plain ndarray of numbers split along the default dim
+ * into torch.chunk sizes. Nothing in it can fail with a message that names
+ * the path, so the path is not written. 1 with ls filled, 0 when obj is not
+ * such a leaf, -1 with MemoryError. */
+static int plain_leaf(scatter_ctx *c, PyObject *obj, PyObject *spec, leaf_split *ls)
 {
-    PyObject *owned = NULL, *origin = NULL;
-    PyArrayObject *arr = NULL;
-    int64_t *sizes = NULL;
-    char buf[256];
-    const char *cpath;
-    int wdim = 0, count = 0, dim = c->dim, bcast = spec == Py_None;
-
-    /* The usual leaf: a plain ndarray of numbers split along the default
-     * dim into torch.chunk sizes. Nothing in it can fail with a message
-     * that names the path, so the path is not written. */
-    if (spec == NULL && c->chunk_sizes == NULL && c->weights == NULL &&
-        PyArray_CheckExact(obj) && !PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)obj))) {
-        int nd = PyArray_NDIM((PyArrayObject *)obj);
-        if (nd > 0 && dim >= -nd && dim < nd) {
-            wdim = dim < 0 ? dim + nd : dim;
-            sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
-            if (sizes == NULL) {
-                PyErr_NoMemory();
-                goto fail;
-            }
-            count = dp_chunk_sizes((int64_t)PyArray_DIM((PyArrayObject *)obj, wdim), c->ndev,
-                                   sizes);
-            if (count >= 1) {
-                arr = (PyArrayObject *)Py_NewRef(obj);
-                goto record;
-            }
-            PyMem_Free(sizes);   /* never: the general route reports it */
-            sizes = NULL;
-        }
+    if (spec != NULL || c->chunk_sizes != NULL || c->weights != NULL ||
+        !PyArray_CheckExact(obj) || PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)obj)))
+        return 0;
+    int nd = PyArray_NDIM((PyArrayObject *)obj), dim = c->dim;
+    if (nd == 0 || dim < -nd || dim >= nd)
+        return 0;
+    int wdim = dim < 0 ? dim + nd : dim;
+    int64_t *sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
+    if (sizes == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
+    int count = dp_chunk_sizes((int64_t)PyArray_DIM((PyArrayObject *)obj, wdim), c->ndev,
+                               sizes);
+    if (count < 1) {
+        PyMem_Free(sizes);   /* never: the general route reports it */
+        return 0;
+    }
+    *ls = (leaf_split){(PyArrayObject *)Py_NewRef(obj), sizes, wdim, count, 0};
+    return 1;
+}
 
-    cpath = path_text(seg, buf, sizeof buf, &owned);
-    if (cpath == NULL)
-        goto fail;
-
+/* A leaf's in_dims entry (NULL or None: *dim as it is, an int: that dim).
+ * 0, or -1: a container entry (TypeError naming both paths) or no int. */
+static int leaf_dim(PyObject *spec, const path_seg *seg, const path_seg *sseg, int *dim)
+{
     if (spec_is_container(spec)) {
         spec_mismatch(sseg, spec, seg, "an array", NULL);
-        goto leaf_error;
+        return -1;
     }
-    if (spec != NULL && spec != Py_None) {
-        PyObject *sp = path_str(sseg);
-        const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
-        int r = csp != NULL ? dp_int_from_object(spec, csp, &dim) : -1;
-        Py_XDECREF(sp);
-        if (r < 0)
-            goto leaf_error;
-    }
-    if (bcast) {
+    if (spec == NULL || spec == Py_None)
+        return 0;
+    PyObject *sp = path_str(sseg);
+    const char *csp = sp != NULL ? PyUnicode_AsUTF8(sp) : NULL;
+    int r = csp != NULL ? dp_int_from_object(spec, csp, dim) : -1;
+    Py_XDECREF(sp);
+    return r;
+}
+
+/* Any other leaf, at cpath: its in_dims entry read, then the array taken
+ * whole (broadcast) or measured along its dim. LEAF_OK with ls filled,
+ * LEAF_BAD or LEAF_FAIL. */
+static int measure_leaf(scatter_ctx *c, PyObject *obj, const char *cpath, const path_seg *seg,
+                        PyObject *spec, const path_seg *sseg, leaf_split *ls)
+{
+    int dim = c->dim;
+    if (leaf_dim(spec, seg, sseg, &dim) < 0)
+        return LEAF_BAD;
+    if (ls->bcast) {
         /* in_dims None: the whole array, any rank (0-dim included), to every
          * replica; it takes no part in the replica count. */
-        arr = dp_as_array(c->st, obj, cpath, 0);
-        if (arr == NULL)
-            goto leaf_error;
-        goto record;
+        ls->arr = dp_as_array(c->st, obj, cpath, 0);
+        return ls->arr != NULL ? LEAF_OK : LEAF_BAD;
     }
-
     /* docs/spec.md 0.5, 10.3: never broadcast a 0-dim array, refuse it up front. */
     if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s: chunk expects at least a 1-dimensional array (got a "
                      "0-dim array); wrap it in a 1-element array or pass a "
                      "Python number to share it", cpath);
-        goto leaf_error;
+        return LEAF_BAD;
     }
-    arr = dp_as_array(c->st, obj, cpath, 1);
-    if (arr == NULL)
-        goto leaf_error;
+    ls->arr = dp_as_array(c->st, obj, cpath, 1);
     /* docs/spec.md 0.6, 10.4: a negative dim is wrapped for each array on its own. */
-    if (dp_wrap_dim_or_raise(dim, PyArray_NDIM(arr), cpath, &wdim) < 0)
-        goto leaf_error;
-
-    sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
-    if (sizes == NULL) {
+    if (ls->arr == NULL || dp_wrap_dim_or_raise(dim, PyArray_NDIM(ls->arr), cpath,
+                                                &ls->wdim) < 0)
+        return LEAF_BAD;
+    ls->sizes = PyMem_Malloc((size_t)c->ndev * sizeof(int64_t));
+    if (ls->sizes == NULL) {
         PyErr_NoMemory();
-        goto fail;
+        return LEAF_FAIL;
     }
-    count = leaf_sizes(c, arr, wdim, cpath, sizes);
-    if (count < 0) {
-        PyMem_Free(sizes);
-        sizes = NULL;
-        goto leaf_error;
+    ls->count = leaf_sizes(c, ls->arr, ls->wdim, cpath, ls->sizes);
+    if (ls->count < 0) {
+        PyMem_Free(ls->sizes);
+        ls->sizes = NULL;
+        return LEAF_BAD;
     }
+    return LEAF_OK;
+}
 
-record:
-    origin = dp_array_origin(c->st, obj);
+/* The leaf appended to c->leaves, taking ls's array and sizes. 0 or -1. */
+static int record_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg, leaf_split *ls)
+{
+    PyObject *origin = dp_array_origin(c->st, obj);
     if (origin == NULL)
-        goto fail;
+        return -1;
     int node = node_of(c, seg);
-    if (node < 0)
-        goto fail;
-    if (c->nleaves == c->cap && ctx_reserve(c, 0, 1) < 0)
-        goto fail;
+    if (node < 0 || (c->nleaves == c->cap && ctx_reserve(c, 0, 1) < 0)) {
+        Py_DECREF(origin);
+        return -1;
+    }
     scatter_leaf *lf = &c->leaves[c->nleaves++];
     lf->obj = Py_NewRef(obj);
-    lf->arr = arr;
+    lf->arr = ls->arr;
     lf->origin = origin;
     lf->node = node;
     lf->path = NULL;
-    lf->bcast = bcast;
-    lf->dim = wdim;
-    lf->count = count;
-    lf->sizes = sizes;
-    Py_XDECREF(owned);
+    lf->bcast = ls->bcast;
+    lf->dim = ls->wdim;
+    lf->count = ls->count;
+    lf->sizes = ls->sizes;
+    ls->arr = NULL;
+    ls->sizes = NULL;
     return 0;
+}
 
-leaf_error:
-    if (absorb_error(c) == 0) {
-        Py_XDECREF(arr);
+/* Pass (a) for one array leaf. spec: its in_dims entry (NULL: c->dim, an
+ * int: that dim, None: broadcast); sseg its path. */
+static int collect_leaf(scatter_ctx *c, PyObject *obj, const path_seg *seg,
+                        PyObject *spec, const path_seg *sseg)
+{
+    leaf_split ls = {NULL, NULL, 0, 0, spec == Py_None};
+    int r = plain_leaf(c, obj, spec, &ls);
+    if (r == 0) {
+        PyObject *owned = NULL;
+        char buf[256];
+        const char *cpath = path_text(seg, buf, sizeof buf, &owned);
+        r = cpath != NULL ? measure_leaf(c, obj, cpath, seg, spec, sseg, &ls) : LEAF_FAIL;
         Py_XDECREF(owned);
-        return 0;
     }
-fail:
-    PyMem_Free(sizes);
-    Py_XDECREF(origin);
-    Py_XDECREF(arr);
-    Py_XDECREF(owned);
-    return -1;
+    else {
+        r = r > 0 ? LEAF_OK : LEAF_FAIL;
+    }
+    if (r == LEAF_OK && record_leaf(c, obj, seg, &ls) == 0)
+        return 0;
+    int res = r == LEAF_BAD && absorb_error(c) == 0 ? 0 : -1;
+    PyMem_Free(ls.sizes);
+    Py_XDECREF(ls.arr);
+    return res;
 }
 
 /* Pass (a) for the children of a container of the given kind. spec: its
