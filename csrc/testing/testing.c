@@ -310,6 +310,10 @@ static const dist_test_api *dist_api(void)
 {
     PyObject *dist = PyImport_ImportModule("dpmini._dist");
     PyObject *cap = dist != NULL ? PyObject_GetAttrString(dist, "_test_api") : NULL;
+    if (dist != NULL && cap == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Format(PyExc_ImportError, "dpmini._dist (%R) has no test hooks (_test_api): "
+                     "it is another build than dpmini._testing; rebuild both", dist);
+    }
     const dist_test_api *t = cap != NULL ? PyCapsule_GetPointer(cap, DIST_TEST_API_CAPSULE)
                                          : NULL;
     Py_XDECREF(cap);   /* the module keeps the table alive: it is static storage */
