@@ -215,13 +215,15 @@ extra_compile_args += os.environ.get("DPMINI_CFLAGS", "").split()
 def testing_extensions():
     """dpmini._testing when DPMINI_TESTING=1, else none: the test hooks
     (csrc/testing/testing.c) reach _dpmini through its capsule _test_api
-    (csrc/py/test_api.h), so they are never part of the shipped module."""
+    (csrc/py/test_api.h) and _dist through its own (csrc/dist/dist_test_api.h,
+    plain C: no MPI flags needed, and _testing builds without _dist), so they
+    are never part of the shipped modules."""
     if os.environ.get("DPMINI_TESTING") != "1":
         return []
     return [Extension(
         "dpmini._testing",
         sources=sorted(glob.glob(os.path.join("csrc", "testing", "*.c"))),
-        include_dirs=["csrc/core", "csrc/backend", "csrc/py", "csrc/testing"],
+        include_dirs=["csrc/core", "csrc/backend", "csrc/py", "csrc/dist", "csrc/testing"],
         extra_compile_args=extra_compile_args,
         extra_link_args=os.environ.get("DPMINI_LDFLAGS", "").split(),
     )]

@@ -245,15 +245,17 @@ def test_collective_before_init_is_a_runtime_error():
 
 @needs_mpi
 def test_abi_guard_refuses_another_mpi_family():
+    # the guard that runs at import, reached through the test-only extension
     code = (
         "import dpmini._dist as d\n"
+        "from dpmini import _testing\n"
         "from mpi4py import MPI\n"
-        "d._check_abi(MPI.Get_library_version())\n"
+        "_testing.dist_check_abi(MPI.Get_library_version())\n"
         "fam = d.BUILD_FAMILY\n"
         "other = 'MPICH Version: 4.1.2' if fam == 'Open MPI' else 'Open MPI v4.1.4'\n"
         "for s in (other, fam + ' but another build'):\n"
         "    try:\n"
-        "        d._check_abi(s)\n"
+        "        _testing.dist_check_abi(s)\n"
         "    except ImportError as e:\n"
         "        print('REFUSED', e)\n"
     )
@@ -560,6 +562,17 @@ def test_env_switch_emulates_nccl_on_a_build_without_gpus():
     for r in range(2):
         assert lines[r] == ["INFO emulated NCCL over MPI on host memory "
                             "(csrc/dist/dist_nccl_emu.c)", "OK env_emulate"], out
+
+
+@needs_mpi
+def test_test_hook_chooses_the_emulated_nccl_and_refuses_a_switch_once_in_use():
+    rc, lines, out, _ = mpirun("hook_emulate", np=2)
+    assert rc == 0, out
+    for r in range(2):
+        assert lines[r] == ["INFO emulated NCCL over MPI on host memory "
+                            "(csrc/dist/dist_nccl_emu.c)",
+                            "ERR switch RuntimeError: dpmini.distributed: the emulated NCCL is "
+                            "already in use in this process", "OK hook_emulate"], out
 
 
 @needs_mpi

@@ -364,91 +364,112 @@ static int init_rank(dist_comm *c, const dist_nccl_api *api, int dev, const id_m
     return 0;
 }
 
-/* This rank's NCCL communicator on `dev` (-1: the CUDA current device).
- * Collective: every rank calls it at the same call. */
-int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
+/* The set-up of this rank's NCCL communicator while it is in flight. The
+ * MPI buffers are blocks of their own, leaked (set to NULL here) when a
+ * message may still be in flight (a timeout). */
+typedef struct {
+    const dist_nccl_api *api;   /* NULL: NCCL could not be loaded (mine->err says why) */
+    peer_info *all;             /* every rank's record (size of them), then this rank's */
+    peer_info *mine;            /* &all[size] */
+    id_msg *idm;                /* rank 0's unique id, broadcast */
+    int dev;                    /* the communicator's device (-1 until known) */
+    int prev;                   /* the thread's current device before, restored at the end */
+} comm_setup;
+
+/* The pending exception's text into buf (the exception cleared). */
+static void take_error_text(char *buf, size_t n)
 {
-    if (c->nccl != NULL)
-        return 0;
-    int P = c->size, rc;
-    /* One block for every MPI buffer: leaked when a message may still be in
-     * flight (a timeout). */
-    peer_info *all = PyMem_Calloc((size_t)P + 1, sizeof(peer_info));
-    id_msg *idm = PyMem_Calloc(1, sizeof(id_msg));
-    if (all == NULL || idm == NULL) {
-        PyMem_Free(all);
-        PyMem_Free(idm);
-        PyErr_NoMemory();
-        return -1;   /* the others time out: no memory for a few hundred bytes */
-    }
-    peer_info *mine = &all[P];
-    int prev = -1;   /* the thread's current device, restored at the end */
-    const dist_nccl_api *api = dist_nccl_get();
-    if (api == NULL) {
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyObject *s = v ? PyObject_Str(v) : NULL;
-        snprintf(mine->err, sizeof mine->err, "%s", s && PyUnicode_AsUTF8(s) ? PyUnicode_AsUTF8(s) : "?");
-        PyErr_Clear();
-        Py_XDECREF(s);
-        Py_XDECREF(t);
-        Py_XDECREF(v);
-        Py_XDECREF(tb);
-    } else if ((rc = api->GetDevice(&prev)) != CUDA_OK) {
-        snprintf(mine->err, sizeof mine->err, "cudaGetDevice failed: %s", api->CudaErrorString(rc));
-    } else if ((rc = api->SetDevice(dev = dev < 0 ? prev : dev)) != CUDA_OK) {
-        snprintf(mine->err, sizeof mine->err, "cudaSetDevice(%d) failed: %s", dev,
-                 api->CudaErrorString(rc));
-    } else {
-        describe_device(api, dev, mine);
-    }
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *text = v ? PyObject_Str(v) : NULL;
+    const char *utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+    snprintf(buf, n, "%s", utf8 ? utf8 : "?");
+    PyErr_Clear();
+    Py_XDECREF(text);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
+/* This rank's record: NCCL loaded, its device made current (dev < 0: the
+ * current one) and described, and the host name; a failure is not raised
+ * here but written into the record, for every rank to raise alike. */
+static void describe_self(comm_setup *s)
+{
+    peer_info *mine = s->mine;
+    int rc;
+    s->api = dist_nccl_get();
+    if (s->api == NULL)
+        take_error_text(mine->err, sizeof mine->err);
+    else if ((rc = s->api->GetDevice(&s->prev)) != CUDA_OK)
+        snprintf(mine->err, sizeof mine->err, "cudaGetDevice failed: %s",
+                 s->api->CudaErrorString(rc));
+    else if ((rc = s->api->SetDevice(s->dev = s->dev < 0 ? s->prev : s->dev)) != CUDA_OK)
+        snprintf(mine->err, sizeof mine->err, "cudaSetDevice(%d) failed: %s", s->dev,
+                 s->api->CudaErrorString(rc));
+    else
+        describe_device(s->api, s->dev, mine);
     mine->ok = mine->err[0] == '\0';
-    mine->dev = dev;
+    mine->dev = s->dev;
     if (gethostname(mine->host, sizeof mine->host - 1) != 0)
         snprintf(mine->host, sizeof mine->host, "?");
+}
+
+/* Every rank's record to every rank (MPI_Iallgather), then the checks that
+ * every rank makes alike: NCCL started everywhere, one GPU per rank. */
+static int exchange_records(dist_comm *c, comm_setup *s, double deadline, int64_t kind)
+{
     MPI_Request req = MPI_REQUEST_NULL;
-    rc = MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE,
-                        c->comm, &req);
-    if (rc != MPI_SUCCESS) {
-        dist_mpi_error(rc, "MPI_Iallgather (NCCL set-up)");
-        goto fail;
-    }
+    int rc = MPI_Iallgather(s->mine, (int)sizeof *s->mine, MPI_BYTE, s->all,
+                            (int)sizeof *s->mine, MPI_BYTE, c->comm, &req);
+    if (rc != MPI_SUCCESS)
+        return dist_mpi_error(rc, "MPI_Iallgather (NCCL set-up)");
     if (wait_one(c, &req, deadline, kind) < 0) {
-        all = NULL;   /* MPI may still read or write them: leaked */
-        idm = NULL;
-        goto fail;
+        s->all = NULL;   /* MPI may still read or write them: leaked */
+        s->idm = NULL;
+        return -1;
     }
-    for (int r = 0; r < P; r++) {
-        if (!all[r].ok) {
+    for (int r = 0; r < c->size; r++) {
+        if (!s->all[r].ok) {
             PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: rank %d could not start NCCL "
-                         "for GPU arrays (every rank raises this): %s", r, all[r].err);
-            goto fail;
+                         "for GPU arrays (every rank raises this): %s", r, s->all[r].err);
+            return -1;
         }
     }
-    if (check_one_gpu_per_rank(all, P) < 0)
-        goto fail;
-    if (c->rank == 0 && (rc = api->GetUniqueId(&idm->id)) != NCCL_OK)
-        idm->rc = rc;
-    req = MPI_REQUEST_NULL;
-    rc = MPI_Ibcast(idm, (int)sizeof *idm, MPI_BYTE, 0, c->comm, &req);
-    if (rc != MPI_SUCCESS) {
-        dist_mpi_error(rc, "MPI_Ibcast (NCCL unique id)");
-        goto fail;
-    }
+    return check_one_gpu_per_rank(s->all, c->size);
+}
+
+/* Rank 0's ncclGetUniqueId (or its failure) to every rank (MPI_Ibcast). */
+static int share_unique_id(dist_comm *c, comm_setup *s, double deadline, int64_t kind)
+{
+    int rc;
+    if (c->rank == 0 && (rc = s->api->GetUniqueId(&s->idm->id)) != NCCL_OK)
+        s->idm->rc = rc;
+    MPI_Request req = MPI_REQUEST_NULL;
+    rc = MPI_Ibcast(s->idm, (int)sizeof *s->idm, MPI_BYTE, 0, c->comm, &req);
+    if (rc != MPI_SUCCESS)
+        return dist_mpi_error(rc, "MPI_Ibcast (NCCL unique id)");
     if (wait_one(c, &req, deadline, kind) < 0) {
-        all = NULL;
-        idm = NULL;
-        goto fail;
+        s->all = NULL;   /* leaked, as above */
+        s->idm = NULL;
+        return -1;
     }
-    if (idm->rc != NCCL_OK) {
+    if (s->idm->rc != NCCL_OK) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: ncclGetUniqueId failed on rank 0 "
-                     "(every rank raises this): %s", api->GetErrorString((int)idm->rc));
-        goto fail;
+                     "(every rank raises this): %s", s->api->GetErrorString((int)s->idm->rc));
+        return -1;
     }
-    if (api->emulated)
+    return 0;
+}
+
+/* ncclCommInitRank polled against the deadline; on success the
+ * communicator, its device and the ranks' smallest 2D copy pitch go into c. */
+static int connect_rank(dist_comm *c, comm_setup *s, double deadline)
+{
+    if (s->api->emulated)
         dist_nccl_emu_set_parent(c->comm);
     dist_ncclComm_t comm = NULL;
-    int waited = init_rank(c, api, dev, idm, deadline, &comm, &rc);
+    int rc = NCCL_OK, waited = init_rank(c, s->api, s->dev, s->idm, deadline, &comm, &rc);
     if (waited != 0) {
         char secs[32];
         snprintf(secs, sizeof secs, "%g", c->timeout);
@@ -456,31 +477,49 @@ int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
             PyErr_Format(PyExc_TimeoutError, "dpmini.distributed: ncclCommInitRank on rank %d "
                          "(cuda:%d) did not complete within the timeout of %s s (a rank died "
                          "or cannot connect); GPU collectives are off on this rank", c->rank,
-                         dev, secs);
+                         s->dev, secs);
         snprintf(c->nccl_broken, sizeof c->nccl_broken, "%s in ncclCommInitRank",
                  waited > 0 ? "a TimeoutError" : "an interrupt");
-        goto fail;
+        return -1;
     }
     if (rc != NCCL_OK) {
         PyErr_Format(PyExc_RuntimeError, "dpmini.distributed: ncclCommInitRank on rank %d "
-                     "(cuda:%d) failed: %s", c->rank, dev, api->GetErrorString(rc));
-        goto fail;
+                     "(cuda:%d) failed: %s", c->rank, s->dev, s->api->GetErrorString(rc));
+        return -1;
     }
     c->nccl = comm;
-    c->nccl_dev = dev;
-    c->nccl_max_pitch = all[0].max_pitch;
-    for (int r = 1; r < P; r++)
-        if (all[r].max_pitch < c->nccl_max_pitch)
-            c->nccl_max_pitch = all[r].max_pitch;
-    rc = 0;
-    goto out;
-fail:
-    rc = -1;
-out:
-    if (api != NULL && prev >= 0 && prev != dev)
-        api->SetDevice(prev);
-    PyMem_Free(all);
-    PyMem_Free(idm);
+    c->nccl_dev = s->dev;
+    c->nccl_max_pitch = s->all[0].max_pitch;
+    for (int r = 1; r < c->size; r++)
+        if (s->all[r].max_pitch < c->nccl_max_pitch)
+            c->nccl_max_pitch = s->all[r].max_pitch;
+    return 0;
+}
+
+/* This rank's NCCL communicator on `dev` (-1: the CUDA current device).
+ * Collective: every rank calls it at the same call. */
+int dist_gpu_comm(dist_comm *c, int dev, double deadline, int64_t kind)
+{
+    if (c->nccl != NULL)
+        return 0;
+    comm_setup s = {.dev = dev, .prev = -1};
+    s.all = PyMem_Calloc((size_t)c->size + 1, sizeof(peer_info));
+    s.idm = PyMem_Calloc(1, sizeof(id_msg));
+    if (s.all == NULL || s.idm == NULL) {
+        PyMem_Free(s.all);
+        PyMem_Free(s.idm);
+        PyErr_NoMemory();
+        return -1;   /* the others time out: no memory for a few hundred bytes */
+    }
+    s.mine = &s.all[c->size];
+    describe_self(&s);
+    int rc = exchange_records(c, &s, deadline, kind) == 0 &&
+             share_unique_id(c, &s, deadline, kind) == 0 && connect_rank(c, &s, deadline) == 0
+             ? 0 : -1;
+    if (s.api != NULL && s.prev >= 0 && s.prev != s.dev)
+        s.api->SetDevice(s.prev);
+    PyMem_Free(s.all);
+    PyMem_Free(s.idm);
     return rc;
 }
 

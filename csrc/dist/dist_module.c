@@ -1,5 +1,6 @@
 /* dist_module.c - the dpmini._dist module: the Comm type, the MPI ABI
- * guard, multi-phase init with module state.
+ * guard, multi-phase init with module state, and the capsule _test_api of
+ * hooks that only the test-only dpmini._testing opens (dist_test_api.h).
  *
  * Built only when mpi.h and mpi4py's headers are found (setup.py). The
  * communicator comes from mpi4py's C API (PyMPIComm_Get after
@@ -9,6 +10,7 @@
 #define DIST_IMPORT_ARRAY
 #include "dist.h"
 #include "dist_nccl.h"
+#include "dist_test_api.h"
 #include <mpi4py/mpi4py.h>
 
 #include <string.h>
@@ -41,11 +43,11 @@ static const char *family_of(const char *version)
     return "unknown";
 }
 
-static PyObject *check_abi(PyObject *Py_UNUSED(m), PyObject *arg)
+/* The ABI guard: 0 when the MPI library whose version string is `theirs`
+ * (mpi4py's) has the handle ABI of the mpi.h this module was built with and
+ * is the library it is linked to; else -1 with ImportError. */
+static int check_abi(const char *theirs)
 {
-    const char *theirs = PyUnicode_AsUTF8(arg);
-    if (theirs == NULL)
-        return NULL;
     char ours[MPI_MAX_LIBRARY_VERSION_STRING + 1];
     int len = 0;
     if (MPI_Get_library_version(ours, &len) != MPI_SUCCESS)
@@ -60,7 +62,7 @@ static PyObject *check_abi(PyObject *Py_UNUSED(m), PyObject *arg)
                      "(pip install --no-build-isolation --force-reinstall dpmini), or point "
                      "mpi4py at the other one (MPI4PY_LIBMPI)",
                      DIST_BUILD_FAMILY, fam, theirs);
-        return NULL;
+        return -1;
     }
     size_t n = strcspn(theirs, "\n");
     if (len > 0 && (strncmp(ours, theirs, n) != 0 || strcspn(ours, "\n") != n)) {
@@ -68,9 +70,21 @@ static PyObject *check_abi(PyObject *Py_UNUSED(m), PyObject *arg)
                      "dpmini._dist is linked to one MPI library (%.80s) and mpi4py runs on "
                      "another (%.80s): two MPI libraries in one process; rebuild dpmini "
                      "against the MPI that mpi4py uses", ours, theirs);
-        return NULL;
+        return -1;
     }
-    Py_RETURN_NONE;
+    return 0;
+}
+
+/* The guard at import, before any handle crosses from mpi4py. */
+static int check_abi_of_mpi4py(void)
+{
+    PyObject *mpi = PyImport_ImportModule("mpi4py.MPI");
+    PyObject *ver = mpi ? PyObject_CallMethod(mpi, "Get_library_version", NULL) : NULL;
+    const char *theirs = ver ? PyUnicode_AsUTF8(ver) : NULL;
+    int rc = theirs ? check_abi(theirs) : -1;
+    Py_XDECREF(mpi);
+    Py_XDECREF(ver);
+    return rc;
 }
 
 static PyObject *build_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
@@ -295,36 +309,56 @@ static PyGetSetDef Comm_getset[] = {
 };
 
 #define KW (PyCFunction)(void (*)(void))
+/* Each text starts with the signature as inspect.signature shows it ("--"
+ * line) so that mypy.stubtest checks dpmini/_dist.pyi against it. */
 static PyMethodDef Comm_methods[] = {
     {"barrier", KW dist_barrier, METH_VARARGS | METH_KEYWORDS,
-     "barrier(*, tag=None, error=None, context=None) -> None (guarded)."},
+     "barrier($self, /, *, tag=None, error=None, context=None)\n--\n\n"
+     "Wait for every rank (guarded)."},
     {"scatter", KW dist_scatter, METH_VARARGS | METH_KEYWORDS,
-     "scatter(x, root=0, dim=0, chunk_sizes=None, weights=None) -> this rank's piece."},
+     "scatter($self, /, x, root=0, dim=0, chunk_sizes=None, weights=None, gpu=None, *, "
+     "tag=None, error=None, context=None)\n--\n\n"
+     "This rank's piece of root's x. gpu=(device, library, stream): a GPU array, moved by\n"
+     "NCCL (off root x only names the device)."},
     {"gather", KW dist_gather, METH_VARARGS | METH_KEYWORDS,
-     "gather(x, root=0, dim=0, gpu=None) -> the joined array on root, None elsewhere.\n"
-     "gpu: the CUDA device (int) of the GPU array x was staged from, for the guard."},
+     "gather($self, /, x, root=0, dim=0, gpu=None, *, tag=None, error=None, context=None)\n"
+     "--\n\n"
+     "The joined array on root, None elsewhere. gpu=(device, library, stream): x is a GPU\n"
+     "array, moved by NCCL; gpu=device (int): the CUDA device of the GPU array x was staged\n"
+     "from, for the guard."},
     {"all_gather", KW dist_all_gather, METH_VARARGS | METH_KEYWORDS,
-     "all_gather(x, dim=0, gpu=None) -> the joined array on every rank (gpu as gather)."},
+     "all_gather($self, /, x, dim=0, gpu=None, *, tag=None, error=None, context=None)\n"
+     "--\n\n"
+     "The joined array on every rank (gpu as gather)."},
     {"broadcast", KW dist_broadcast, METH_VARARGS | METH_KEYWORDS,
-     "broadcast(x, root=0, pickled=False, error=None, gpu=None) -> (root's array, root's\n"
-     "pickled flag). gpu=(device, library, stream): x is a GPU array, moved by NCCL."},
+     "broadcast($self, /, x, root=0, pickled=False, error=None, gpu=None, *, tag=None, "
+     "context=None)\n--\n\n"
+     "(root's array, root's pickled flag). gpu=(device, library, stream): x is a GPU array,\n"
+     "moved by NCCL."},
     {"all_reduce", KW dist_all_reduce, METH_VARARGS | METH_KEYWORDS,
-     "all_reduce(x, op='sum', gpu=None) -> the reduced array on every rank.\n"
-     "gpu=(device, library, stream): x is a GPU array, reduced by NCCL."},
+     "all_reduce($self, /, x, op='sum', gpu=None, *, tag=None, error=None, context=None)\n"
+     "--\n\n"
+     "The reduced array on every rank. gpu=(device, library, stream): x is a GPU array,\n"
+     "reduced by NCCL."},
     {"reduce", KW dist_reduce, METH_VARARGS | METH_KEYWORDS,
-     "reduce(x, root=0, op='sum', gpu=None) -> the reduced array on root, None elsewhere\n"
-     "(gpu as all_reduce)."},
+     "reduce($self, /, x, root=0, op='sum', gpu=None, *, tag=None, error=None, "
+     "context=None)\n--\n\n"
+     "The reduced array on root, None elsewhere (gpu as all_reduce)."},
     {"free", (PyCFunction)Comm_free, METH_NOARGS,
+     "free($self, /)\n--\n\n"
      "Free dpmini's duplicate communicator (and destroy its NCCL communicator)."},
     {"free_gpu", (PyCFunction)Comm_free_gpu, METH_NOARGS,
+     "free_gpu($self, /)\n--\n\n"
      "Destroy this rank's NCCL communicator (ncclCommDestroy); the next GPU collective makes\n"
      "a new one on every rank. Call it on every rank, between collectives."},
-    {"abort", (PyCFunction)Comm_abort, METH_O, "abort(code): MPI_Abort the whole job."},
+    {"abort", (PyCFunction)Comm_abort, METH_O,
+     "abort($self, code, /)\n--\n\n"
+     "MPI_Abort the whole job with this exit code (does not return)."},
     {NULL},
 };
 
 PyDoc_STRVAR(Comm_doc,
-"Comm(comm, timeout)\n--\n\n"
+"Comm(comm, timeout=60.0)\n--\n\n"
 "dpmini's duplicate of an mpi4py intracommunicator (MPI_Comm_idup: collective, every rank\n"
 "must construct it; TimeoutError when not every rank does within `timeout` seconds), with\n"
 "the guarded collectives of dpmini.distributed. See that module for the API; this type is\n"
@@ -347,21 +381,32 @@ static PyType_Spec Comm_spec = {
 /* Module                                                              */
 /* ------------------------------------------------------------------ */
 
+/* The hooks that only dpmini._testing opens, through the capsule _test_api
+ * (dist_test_api.h); this module offers no Python function for them. */
+static const dist_test_api test_api = {
+    .version = DIST_TEST_API_VERSION,
+    .check_abi = check_abi,
+    .nccl_set_emulated = dist_nccl_set_emulated,
+};
+
+static int add_test_api(PyObject *m)
+{
+    PyObject *cap = PyCapsule_New((void *)&test_api, DIST_TEST_API_CAPSULE, NULL);
+    if (cap == NULL)
+        return -1;
+    int rc = PyModule_AddObjectRef(m, "_test_api", cap);
+    Py_DECREF(cap);
+    return rc;
+}
+
 static int dist_exec(PyObject *m)
 {
     if (_import_array() < 0)
         return -1;
     if (import_mpi4py() < 0)
         return -1;
-    /* The ABI guard, before any handle crosses from mpi4py. */
-    PyObject *mpi = PyImport_ImportModule("mpi4py.MPI");
-    PyObject *ver = mpi ? PyObject_CallMethod(mpi, "Get_library_version", NULL) : NULL;
-    PyObject *ok = ver ? check_abi(m, ver) : NULL;
-    Py_XDECREF(mpi);
-    Py_XDECREF(ver);
-    if (ok == NULL)
+    if (check_abi_of_mpi4py() < 0 || add_test_api(m) < 0)
         return -1;
-    Py_DECREF(ok);
     dist_state *st = PyModule_GetState(m);
     st->Comm = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Comm_spec, NULL);
     if (st->Comm == NULL || PyModule_AddObjectRef(m, "Comm", (PyObject *)st->Comm) < 0)
@@ -383,14 +428,6 @@ static int dist_clear(PyObject *m)
     return 0;
 }
 
-static PyObject *nccl_emulate(PyObject *Py_UNUSED(m), PyObject *arg)
-{
-    int on = PyObject_IsTrue(arg);
-    if (on < 0 || dist_nccl_set_emulated(on) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
 static PyObject *stuck_inits(PyObject *m, PyObject *Py_UNUSED(a))
 {
     dist_state *st = PyModule_GetState(m);
@@ -403,28 +440,24 @@ static PyObject *nccl_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
 }
 
 static PyMethodDef dist_functions[] = {
-    {"_nccl_emulate", nccl_emulate, METH_O,
-     "_nccl_emulate(on: bool) -> None: before the first GPU collective, choose NCCL emulated\n"
-     "over MPI on host memory (csrc/dist/dist_nccl_emu.c; for dpmini's emulated build) or the\n"
-     "real libnccl. RuntimeError once the other one is in use."},
     {"_stuck_inits", stuck_inits, METH_NOARGS,
-     "_stuck_inits() -> int: how many Comm() constructions ended (TimeoutError, interrupt)\n"
-     "with their MPI_Comm_idup still pending (dpmini.distributed then skips the exit\n"
-     "agreement and goes straight to MPI_Finalize)."},
+     "_stuck_inits($module, /)\n--\n\n"
+     "How many Comm() constructions ended (TimeoutError, interrupt) with their\n"
+     "MPI_Comm_idup still pending (int); dpmini.distributed then skips the exit agreement and\n"
+     "goes straight to MPI_Finalize."},
     {"nccl_info", nccl_info, METH_NOARGS,
-     "nccl_info() -> str: the NCCL in use for GPU arrays (library version and path, or the\n"
-     "emulation), or 'not loaded' before the first GPU collective."},
-    {"_check_abi", check_abi, METH_O,
-     "_check_abi(library_version: str) -> None: ImportError unless an MPI library with this\n"
-     "version string has the handle ABI of the mpi.h dpmini._dist was built with and is\n"
-     "the library dpmini._dist is linked to."},
+     "nccl_info($module, /)\n--\n\n"
+     "The NCCL in use for GPU arrays (str): library version and path, or the emulation, or\n"
+     "'not loaded' before the first GPU collective."},
     {"split_sizes", KW dist_split_sizes, METH_VARARGS | METH_KEYWORDS,
-     "split_sizes(n, size, chunk_sizes=None, weights=None) -> list of `size` ints: the rows\n"
-     "each rank gets of n rows, by plan.c's rules (torch.chunk's ceil(n/size) pieces,\n"
-     "torch.split_with_sizes' check of chunk_sizes, or dpmini's weighted rule)."},
+     "split_sizes($module, /, n, size, chunk_sizes=None, weights=None)\n--\n\n"
+     "The rows each of `size` ranks gets of n rows (list of ints), by plan.c's rules\n"
+     "(torch.chunk's ceil(n/size) pieces, torch.split_with_sizes' check of chunk_sizes, or\n"
+     "dpmini's weighted rule)."},
     {"build_info", build_info, METH_NOARGS,
-     "build_info() -> {'family', 'mpi_version', 'library'}: the MPI this module was built\n"
-     "against and the library it runs on."},
+     "build_info($module, /)\n--\n\n"
+     "{'family', 'mpi_version', 'library'}: the MPI this module was built against and the\n"
+     "library it runs on."},
     {NULL},
 };
 

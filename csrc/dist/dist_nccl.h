@@ -91,10 +91,5 @@ void dist_launch_end(void);
  * unique id; the emulation rides on MPI instead). */
 const dist_nccl_api *dist_nccl_emu_table(void);
 void dist_nccl_emu_set_parent(MPI_Comm parent);
-/* dist_nccl_emu_math.c: bytes of an NCCL dtype (0: not one); recv[i] =
- * op over the nranks rows of scratch (count elements each), in rank order. */
-size_t dist_emu_dtype_size(int dtype);
-void dist_emu_combine(const void *scratch, void *recv, size_t count, int dtype, int op,
-                      int nranks);
 
 #endif

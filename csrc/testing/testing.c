@@ -6,6 +6,9 @@
  * so the hooks act on the same allocator, emulator and NCCL state as the
  * module under test. The Python functions below are the method table; each
  * wraps one entry of that table (test_api.h says how to add one).
+ * The dist_* functions reach dpmini._dist's hooks the same way, through its
+ * capsule dpmini._dist._test_api (csrc/dist/dist_test_api.h), imported at
+ * their first call (this module also loads where _dist is not built).
  *
  * Errors: RuntimeError "not an emulated build" for an emulator hook outside
  * the emulated CUDA build; dpmini's own exceptions (CudaError, MemoryError)
@@ -14,6 +17,7 @@
 #include <Python.h>
 
 #include "test_api.h"
+#include "dist_test_api.h"
 
 typedef struct {
     PyObject *dpmini;          /* dpmini._dpmini, whose state the hooks use */
@@ -293,6 +297,52 @@ static PyObject *emu_destroy_stream(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------- dpmini._dist's hooks */
+
+/* The table of dpmini._dist (dist_test_api.h), imported at the first call of
+ * a dist_* hook rather than with this module, which loads where _dist is not
+ * built; NULL with the ImportError when it is not. */
+static const dist_test_api *dist_api(void)
+{
+    PyObject *dist = PyImport_ImportModule("dpmini._dist");
+    PyObject *cap = dist != NULL ? PyObject_GetAttrString(dist, "_test_api") : NULL;
+    if (dist != NULL && cap == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Format(PyExc_ImportError, "dpmini._dist (%R) has no test hooks (_test_api): "
+                     "it is another build than dpmini._testing; rebuild both", dist);
+    }
+    const dist_test_api *t = cap != NULL ? PyCapsule_GetPointer(cap, DIST_TEST_API_CAPSULE)
+                                         : NULL;
+    Py_XDECREF(cap);   /* the module keeps the table alive: it is static storage */
+    Py_XDECREF(dist);
+    if (t != NULL && t->version != DIST_TEST_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "dpmini._testing was built for dpmini._dist's test "
+                     "API version %d, dpmini._dist has %d: rebuild both",
+                     DIST_TEST_API_VERSION, t->version);
+        return NULL;
+    }
+    return t;
+}
+
+static PyObject *dist_check_abi(PyObject *m, PyObject *arg)
+{
+    const char *version = PyUnicode_AsUTF8(arg);
+    const dist_test_api *t = version != NULL ? dist_api() : NULL;
+    if (t == NULL || t->check_abi(version) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *dist_nccl_emulate(PyObject *m, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    const dist_test_api *t = on >= 0 ? dist_api() : NULL;
+    if (t == NULL || t->nccl_set_emulated(on) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------ the table */
 
 static PyMethodDef testing_methods[] = {
@@ -343,6 +393,16 @@ static PyMethodDef testing_methods[] = {
     {"emu_destroy_stream", emu_destroy_stream, METH_O,
      "emu_destroy_stream(stream)\n\nEmulated build: another library destroyed that stream "
      "handle; later uses of it are counted as bad handles."},
+    {"dist_check_abi", dist_check_abi, METH_O,
+     "dist_check_abi(library_version)\n\ndpmini._dist's ABI guard on another MPI library "
+     "version string: None when it has the handle ABI of the mpi.h _dist was built with and "
+     "is the library _dist is linked to, else ImportError saying which is which. ImportError "
+     "too when dpmini._dist is not built."},
+    {"dist_nccl_emulate", dist_nccl_emulate, METH_O,
+     "dist_nccl_emulate(on)\n\nBefore the first GPU collective of dpmini.distributed: NCCL "
+     "emulated over MPI on host memory (csrc/dist/dist_nccl_emu.c) when on is true, else the "
+     "real libnccl, instead of the choice of dpmini.distributed._nccl_wants_emulation. "
+     "RuntimeError once the other one is in use; ImportError when dpmini._dist is not built."},
     {NULL},
 };
 
@@ -399,8 +459,8 @@ static struct PyModuleDef testing_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dpmini._testing",
     .m_doc = "Test hooks into dpmini._dpmini (allocation failures, allocator counters, the CUDA "
-             "emulator's fault injection): for dpmini's own tests only, not API; built when "
-             "DPMINI_TESTING=1.",
+             "emulator's fault injection) and dpmini._dist (its ABI guard, the NCCL emulation "
+             "switch): for dpmini's own tests only, not API; built when DPMINI_TESTING=1.",
     .m_size = sizeof(testing_state),
     .m_methods = testing_methods,
     .m_slots = testing_slots,

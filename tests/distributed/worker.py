@@ -677,6 +677,26 @@ def case_env_emulate():
     say("OK env_emulate")
 
 
+def case_hook_emulate():
+    """dpmini._testing.dist_nccl_emulate(True) on a build without GPUs, instead of
+    DPMINI_DIST_NCCL: the emulated NCCL moves host memory claiming to be cuda:RANK;
+    switching to the real one afterwards is refused."""
+    from dpmini import _testing
+    _testing.dist_nccl_emulate(True)
+    dist._gpu_alloc = lambda lib, shape, typestr, dev: HostClaimingCuda(np.empty(shape, typestr), dev)
+    v = np.arange(6, dtype=np.int64).reshape(2, 3) + RANK
+    got = dist.all_reduce(HostClaimingCuda(v, RANK))
+    assert isinstance(got, HostClaimingCuda) and got.dev == RANK
+    assert np.array_equal(got.a, dist.all_reduce(v))
+    say(f"INFO {dist.nccl_info()}")
+    try:
+        _testing.dist_nccl_emulate(False)
+    except RuntimeError as exc:
+        err("switch", exc)
+    _testing.dist_nccl_emulate(True)   # the one in use: accepted
+    say("OK hook_emulate")
+
+
 def case_big_reduce():
     """all_reduce of more than 2**31 elements through a broadcast_to view: the
     OverflowError comes before any copy of the view (2 GiB here)."""
