@@ -86,6 +86,8 @@ static int poll_requests(MPI_Request *reqs, int n, int *done, double deadline, d
     int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
     for (int i = 0; i < n; i++)
         left += !done[i];
+    if (left == 0)
+        return 0;
     double last_progress = dist_now(), next_signals = last_progress + 0.05;
     PyThreadState *ts = PyEval_SaveThread();
     while (left > 0) {
@@ -262,11 +264,7 @@ int dist_enter(dist_comm *c)
                      c->broken_why);
         return -1;
     }
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = PyThread_acquire_lock(c->lock, NOWAIT_LOCK);
-    Py_END_ALLOW_THREADS
-    if (!ok) {
+    if (!PyThread_acquire_lock(c->lock, NOWAIT_LOCK)) {   /* never blocks: the GIL stays */
         PyErr_SetString(PyExc_RuntimeError,
                         "dpmini.distributed: a communicator serves one thread at a time, and "
                         "another thread of this rank is inside a collective on it (calls pair "
@@ -588,7 +586,6 @@ static void abandon(dist_comm *c)
         if (i < c->size)
             MPI_Cancel(&c->reqs[i]);
         MPI_Request_free(&c->reqs[i]);
-        c->done[i] = 1;
     }
     Py_XINCREF(c->follow_keep);   /* MPI may still read it: never freed */
     c->follow_keep = NULL;
@@ -721,10 +718,10 @@ static int wait_records(dist_comm *c, const dist_meta *mine, double deadline)
     char why[160];
     snprintf(why, sizeof why, "%s in %s call %lld", st == 1 ? "a TimeoutError" : "an error",
              dist_kind_name(mine->kind), (long long)mine->call);
+    if (st == 1)
+        raise_timeout(c, mine);   /* from the requests still pending */
     abandon(c);
     set_broken(c, why);
-    if (st == 1)
-        raise_timeout(c, mine);
     return -1;
 }
 

@@ -883,15 +883,17 @@ static int broadcast_after(move_call *m, const dist_meta *rm, int root)
     return 0;
 }
 
-/* The result: root copies x while its messages travel; the others copy
- * root's fused bytes or receive them. */
+/* The result: root copies x while its messages travel (a small copy
+ * keeps the GIL: releasing it costs more), or returns the pickle bytes the
+ * wrapper made; the others copy root's fused bytes or receive them. */
 static PyObject *broadcast_host(move_call *m, int root)
 {
     dist_comm *c = m->c;
     int me = c->rank;
     const dist_meta *rm = &c->peers[root];
-    m->out = me == root ? PyArray_NewLikeArray((PyArrayObject *)m->arr, NPY_CORDER, NULL, 0)
-                        : dist_empty_like_meta(rm, -1, 0, NULL);
+    int copies = me == root && !rm->is_object;   /* pickle bytes are the wrapper's own */
+    m->out = me == root && !copies ? Py_NewRef(m->arr)
+           : dist_empty_like_meta(rm, -1, 0, me == root ? (PyArrayObject *)m->arr : NULL);
     if (m->out == NULL)
         return NULL;
     char *dst = PyArray_DATA((PyArrayObject *)m->out);
@@ -906,7 +908,9 @@ static PyObject *broadcast_host(move_call *m, int root)
     else if (rm->fused_len < 0 && rm->follow_to == -2 && broadcast_after(m, rm, root) < 0)
         return NULL;
     move_posted(m);
-    if (me == root) {
+    if (copies && nbytes < DIST_MOVE_FUSE_BYTES) {
+        memcpy(dst, PyArray_DATA((PyArrayObject *)m->arr), nbytes);
+    } else if (copies) {
         const char *src = PyArray_DATA((PyArrayObject *)m->arr);
         Py_BEGIN_ALLOW_THREADS
         memcpy(dst, src, nbytes);
