@@ -48,6 +48,8 @@ int dist_mpi_error(int code, const char *what)
     return -1;
 }
 
+#define DIST_HOT_SPIN 0.001
+
 /* spin: seconds without progress during which the loop only yields. */
 static int poll_pause(PyThreadState **ts, double deadline, double last_progress,
                       double *next_signals, double spin)
@@ -63,10 +65,16 @@ static int poll_pause(PyThreadState **ts, double deadline, double last_progress,
             return -1;
         *next_signals = t + 0.05;
     }
-    /* Yield while data may be moving (MPI progresses inside MPI_Test, so
-     * a sleep would stall a collective that is about to finish); sleep
-     * once nothing has completed for `spin` seconds (a slow peer). */
-    if (t - last_progress < spin) {
+    /* Test again at once for the first DIST_HOT_SPIN seconds without
+     * progress, as MPI's own blocking calls do (on a busy machine a
+     * sched_yield hands the core to another process for a whole time
+     * slice, milliseconds, while the message is about to arrive); then
+     * yield while data may be moving (MPI progresses inside MPI_Test, so a
+     * sleep would stall a collective that is about to finish); sleep once
+     * nothing has completed for `spin` seconds (a slow peer). */
+    if (t - last_progress < DIST_HOT_SPIN) {
+        return 0;
+    } else if (t - last_progress < spin) {
         sched_yield();
     } else {
         struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
