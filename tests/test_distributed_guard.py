@@ -172,7 +172,7 @@ def test_wrong_out_of_all_reduce_raises_on_every_rank(torch_users_run, case, bad
 
 
 @needs_mpi
-@pytest.mark.parametrize("np_", [4, 1])
+@pytest.mark.parametrize("np_", [4, 2, 1])
 def test_values_on_both_sides_of_the_fused_size(np_):
     rc, lines, out, _ = mpirun("sizes_both_paths", np=np_)
     assert rc == 0, out
@@ -185,6 +185,8 @@ MISMATCH_SIZES = {
     "g_shape": "disagree on the number of dimensions", "g_dtype": "disagree on dtype",
     "g_tag": "disagree on tag", "ag_dtype": "disagree on dtype",
     "kind": "disagree on the collective", "kind2": "disagree on the collective",
+    "ar_shape": "disagree on shape", "ar_op": "disagree on op", "r_root": "disagree on root",
+    "kind3": "disagree on the collective",
 }
 
 

@@ -12,8 +12,13 @@
  *      deadline with the GIL released. Every rank then holds every record
  *      and reaches the same verdict: go, the same ValueError everywhere, or
  *      a TimeoutError naming the ranks that did not arrive.
- *   2. data (dist_coll.c): only after agreement; non-blocking MPI
- *      operations polled against the same deadline.
+ *   2. data (dist_move.c, dist_reduce.c): non-blocking MPI operations
+ *      polled against the same deadline. A small piece travels inside the
+ *      record's message and a piece up to DIST_FOLLOW_BYTES in its own
+ *      message right behind it (both before the verdict, as one exchange
+ *      with the agreement); a rank keeps them only when every rank agrees,
+ *      and takes them into scratch memory otherwise. Larger data moves
+ *      only after agreement.
  */
 #ifndef DPMINI_DIST_H
 #define DPMINI_DIST_H

@@ -238,6 +238,7 @@ typedef struct {
     MPI_Datatype t;
     MPI_Op o;
     dist_gpu_arg g;
+    dist_piece piece;        /* this rank's array behind its record (two ranks) */
 } reduce_call;
 
 /* The op, root and array into the record (a local error stays pending for
@@ -262,12 +263,82 @@ static void reduce_read(reduce_call *r, PyObject *x, const char *opname, PyObjec
     }
 }
 
+/* How this rank's array travels: inside its record's message; or, between
+ * two ranks past DIST_PAIR_MIN bytes (where the copies into and out of
+ * the record's buffer cost more than a message), right behind it straight
+ * from the array (reduce_pair). */
+#define DIST_PAIR_MIN (8 << 10)
+static void reduce_plan_sends(reduce_call *r, dist_send *s)
+{
+    if (r->arr == NULL || PyErr_Occurred())
+        return;
+    int64_t nbytes = (int64_t)PyArray_NBYTES((PyArrayObject *)r->arr);
+    s->fused_to = r->all ? -1 : r->root;
+    if (r->c->size == 2 && nbytes > DIST_PAIR_MIN && nbytes <= dist_fuse_limit(r->c)) {
+        r->piece.buf = PyArray_DATA((PyArrayObject *)r->arr);
+        r->piece.count = (int)nbytes;
+        r->piece.type = MPI_BYTE;
+        s->follow_to = s->fused_to;
+        s->piece = &r->piece;
+        s->keep = r->arr;
+    } else {
+        s->fused = PyArray_DATA((PyArrayObject *)r->arr);
+        s->fused_len = nbytes;
+    }
+}
+
+/* Two ranks whose arrays followed their records: the other rank's array
+ * is received (into the result on rank 1, into scratch on rank 0, which
+ * copies its own into the result meanwhile) and combined in rank order,
+ * x1 op x0, on both ranks (the same bits on both, as reduce_fused). */
+static int reduce_pair(reduce_call *r)
+{
+    dist_comm *c = r->c;
+    int me = c->rank, peer = 1 - me, receives = dist_follows_to(&c->peers[peer], peer, me);
+    PyObject *theirs = NULL;
+    if (receives) {
+        r->out = PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL, 0);
+        theirs = r->out == NULL ? NULL : me == 0
+                 ? PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL, 0)
+                 : Py_NewRef(r->out);
+        if (theirs == NULL) {
+            dist_follow_drain(c, r->deadline);   /* take what was sent, finish our send */
+            return -1;
+        }
+    }
+    MPI_Request reqs[3];
+    int done[3], n = dist_follow_take(c, reqs, done), rc = MPI_SUCCESS;
+    int count = (int)PyArray_SIZE((PyArrayObject *)r->arr);
+    if (receives) {
+        rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)theirs), (int)PyArray_NBYTES((PyArrayObject *)r->arr),
+                       MPI_BYTE, peer, DIST_TAG_FOLLOW, c->comm, &reqs[n]);
+        done[n++] = rc != MPI_SUCCESS;
+        if (me == 0)
+            memcpy(PyArray_DATA((PyArrayObject *)r->out), PyArray_DATA((PyArrayObject *)r->arr),
+                   (size_t)PyArray_NBYTES((PyArrayObject *)r->arr));
+    }
+    int st = dist_wait_data(c, reqs, done, n, r->deadline, r->mine.call, r->mine.kind, r->arr,
+                            r->out, theirs);
+    if (rc != MPI_SUCCESS && st == 0)
+        st = dist_mpi_error(rc, "MPI_Irecv");
+    if (st == 0 && receives) {
+        const void *in = PyArray_DATA((PyArrayObject *)(me == 0 ? theirs : r->arr));
+        rc = MPI_Reduce_local(in, PyArray_DATA((PyArrayObject *)r->out), count, r->t, r->o);
+        if (rc != MPI_SUCCESS)
+            st = dist_mpi_error(rc, "MPI_Reduce_local");
+    }
+    Py_XDECREF(theirs);
+    return st == 0 ? 0 : -1;
+}
+
 /* The host reduction after the agreement: from the fused payloads, or by
  * MPI_Iallreduce / MPI_Ireduce (MPI writes the result: no copy of x first). */
 static int reduce_host(reduce_call *r)
 {
     dist_comm *c = r->c;
     int count = (int)PyArray_SIZE((PyArrayObject *)r->arr), receives = r->all || c->rank == r->root;
+    if (c->peers[c->rank].follow_to != -2)
+        return reduce_pair(r);
     if (every_rank_fused(c))
         return receives && (r->out = reduce_fused(c, r->arr, count, r->t, r->o)) == NULL ? -1 : 0;
     if (receives && (r->out = PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL,
@@ -331,12 +402,9 @@ static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *
     reduce_read(&r, x, opname, gpu);
     if (PyErr_Occurred())
         dist_meta_fail(&r.mine, &r.saved);
-    /* A small array travels with the record (dist_agree_fused). */
-    const void *payload = gpu == Py_None && r.arr != NULL ? PyArray_DATA((PyArrayObject *)r.arr)
-                                                          : NULL;
-    int64_t nbytes = payload != NULL ? (int64_t)PyArray_NBYTES((PyArrayObject *)r.arr) : -1;
-    if (dist_agree_fused(c, &r.mine, &r.saved, r.deadline, payload, nbytes,
-                         r.all ? -1 : root) < 0) {
+    dist_send s = DIST_SEND_NONE;   /* a rank with an error sends no data (stage_record) */
+    reduce_plan_sends(&r, &s);
+    if (dist_agree_send(c, &r.mine, &r.saved, r.deadline, &s) < 0) {
         Py_CLEAR(r.out);
     } else if (gpu != Py_None) {   /* every rank's is (the guard compared the device kinds) */
         r.out = dist_gpu_reduce(c, &r.mine, &r.g, r.nccl_op, r.all ? -1 : root, r.deadline);

@@ -886,7 +886,7 @@ def case_sizes_both_paths():
     by MPI's own messages; dims 0 and 1, ragged splits, the root's own piece."""
     P = dist.size()
     rng = np.random.default_rng(7)
-    for rows in (5, 3000):   # 5 x 40 float64 = 1.6 KB; 3000 x 40 = 960 KB
+    for rows in (5, 100, 3000):   # 5 x 40 float64 = 1.6 KB; 100 x 40 = 32 KB; 3000 x 40 = 960 KB
         full = rng.random((rows, 40))
         for dim in (0, 1):
             for root in (0, P - 1):
@@ -915,8 +915,9 @@ def case_sizes_both_paths():
 
 def case_mismatch_sizes():
     """Mismatches on each path a piece can take (inside the record up to 8 KiB,
-    right behind it up to 4 MiB, after the verdict past that): root, tag, shape,
-    dtype, dim, split and the collective differ on one rank; every rank raises
+    right behind it up to 4 MiB, after the verdict past that; all_reduce and
+    reduce on two ranks: behind the record past 8 KiB): root, tag, shape, dtype,
+    dim, split, op and the collective differ on one rank; every rank raises
     the same ValueError, and the next call (whose messages must not meet the
     failed call's data) returns the right values."""
     P = dist.size()
@@ -941,6 +942,10 @@ def case_mismatch_sizes():
                 full if RANK == 0 else None)),
             ("kind2", lambda: dist.scatter(full if RANK == 0 else None) if last
              else dist.all_gather(piece)),
+            ("ar_shape", lambda: dist.all_reduce(piece[:-1] if last else piece)),
+            ("ar_op", lambda: dist.all_reduce(piece, "max" if last else "sum")),
+            ("r_root", lambda: dist.reduce(piece, root=1 if last else 0)),
+            ("kind3", lambda: dist.all_reduce(piece) if last else dist.gather(piece)),
         ]
         for name, call in calls:
             try:
@@ -955,6 +960,7 @@ def case_mismatch_sizes():
             back = dist.gather(piece, root=P - 1)
             assert (back is None) != last and (back is None or np.array_equal(back, full))
             assert np.array_equal(dist.all_gather(piece), full), (name, n)
+            assert np.array_equal(dist.all_reduce(piece), full.reshape(P, n).sum(0)), (name, n)
     say("OK mismatch_sizes")
 
 
