@@ -310,8 +310,9 @@ static int reduce_pair(reduce_call *r)
     int done[3], n = dist_follow_take(c, reqs, done), rc = MPI_SUCCESS;
     int count = (int)PyArray_SIZE((PyArrayObject *)r->arr);
     if (receives) {
-        rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)theirs), (int)PyArray_NBYTES((PyArrayObject *)r->arr),
-                       MPI_BYTE, peer, DIST_TAG_FOLLOW, c->comm, &reqs[n]);
+        int nbytes = (int)PyArray_NBYTES((PyArrayObject *)r->arr);   /* <= DIST_FUSE_BYTES */
+        rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)theirs), nbytes, MPI_BYTE, peer,
+                       DIST_TAG_FOLLOW, c->comm, &reqs[n]);
         done[n++] = rc != MPI_SUCCESS;
         if (me == 0)
             memcpy(PyArray_DATA((PyArrayObject *)r->out), PyArray_DATA((PyArrayObject *)r->arr),
