@@ -37,7 +37,7 @@
 #include <numpy/arrayobject.h>
 
 #define DIST_MAX_NDIM 32
-#define DIST_MAGIC 0x64706d696e693132LL /* "dpmini12" */
+#define DIST_MAGIC 0x64706d696e693133LL /* "dpmini13": the record gained follow_to */
 #define DIST_TAG_META 7101
 #define DIST_TAG_DATA 7102
 #define DIST_TAG_FOLLOW 7103
