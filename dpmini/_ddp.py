@@ -5,6 +5,7 @@ its local devices by dpmini.DataParallel (torch.chunk's rule, in threads), and
 gradients are combined across ranks by reduce_gradients, weighted by the rows
 each rank had so that uneven batches give exactly the single-process step.
 """
+import contextlib
 import hashlib
 import pickle
 import sys
@@ -184,12 +185,16 @@ class DistributedDataParallel:
         bucket's all_reduce carries it as its tag, so a rank that skipped a
         backward pass (a NaN loss) meets the others' next step as a ValueError
         on every rank naming the tags, not as silently mixed steps.
+        ``no_sync()`` accumulates gradients locally over several backward
+        passes (see there); ``step`` then counts the synchronized ones.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
     (``last_rows``: the rows split of the first array that in_dims does not
-    broadcast, as chunk_sizes splits them) for reduce_gradients. Construction is collective
-    (requires dpmini.distributed.init()); calls are local.
+    broadcast, as chunk_sizes splits them) for reduce_gradients, and ``sync_rows``:
+    those rows summed over the calls since the last synchronized one (see
+    ``no_sync``). Construction is collective (requires
+    dpmini.distributed.init()); calls are local.
     """
 
     def __init__(self, module, device_ids=None, dim=0, broadcast_module=True,
@@ -201,7 +206,10 @@ class DistributedDataParallel:
         self.dim = dim
         self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
         self.last_rows = None
+        self.sync_rows = None
         self.step = 0
+        self._syncing = True
+        self._held_rows = 0   # rows of the calls inside no_sync() since the last synchronized one
         self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
@@ -217,23 +225,70 @@ class DistributedDataParallel:
         """This rank's devices (from the local DataParallel)."""
         return self.local.device_ids
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager: inside it, backward passes accumulate gradients locally
+        (no collective); the first synchronized backward after it reduces the sums.
+
+        As torch's ``DistributedDataParallel.no_sync``: every micro-batch's loss
+        is the mean over its own rows, ``param.grad`` adds up over the backward
+        passes (do not zero it in between), and the forward call after the
+        ``with`` block (outside it) is the synchronized one. Its backward gives
+        every rank ``sum_r R_r * G_r / sum_r R_r``, where G_r is rank r's
+        accumulated gradient and R_r its rows summed over the micro-batches since
+        the last synchronized step (``sync_rows``). Where every rank runs the same
+        number m of micro-batches, each of a fixed size on that rank (any size per
+        rank, 0 included), this is exactly what one process gets by accumulating m
+        micro-batches that are the union of the ranks' j-th ones: each rank's
+        gradients count by the rows they were computed on. Micro-batches of
+        different sizes on one rank are weighted by their summed rows (as their
+        mean-of-means gradient is). Only the synchronized call counts as a
+        ``step`` (its tag); ranks may run different numbers of micro-batches.
+        Without gradient hooks (not a torch module that trains with autograd),
+        ``reduce_gradients()``'s default rows are ``sync_rows`` likewise.
+        """
+        prev = self._syncing
+        self._syncing = False
+        try:
+            yield self
+        finally:
+            self._syncing = prev
+
+    def _count_rows(self, rows):
+        """last_rows and sync_rows for a training call (outside no_sync the rows
+        held since the last synchronized call are added and released)."""
+        self.last_rows = rows
+        if not self._syncing:
+            self._held_rows += rows or 0
+            return
+        self.sync_rows = None if rows is None else rows + self._held_rows
+        self._held_rows = 0
+
     def __call__(self, *args, **kwargs):
-        self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
+        rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
         if self.reducer is None:
+            self._count_rows(rows)
             return self.local(*args, **kwargs)
         torch = sys.modules["torch"]
         if not torch.is_grad_enabled():   # evaluation: no backward follows, no step
+            self.last_rows = rows
             return self.local(*args, **kwargs)
-        self.reducer.prepare(self.last_rows, self.step)
-        self.step += 1
+        self._count_rows(rows)
+        if self._syncing:
+            self.reducer.prepare(self.sync_rows, self.step)
+            self.step += 1
+        else:
+            self.reducer.hold()
         if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)
 
     def reduce_gradients(self, grads, weights="rows", rows=None, *, tag=None):
-        """reduce_gradients(grads, weights, rows or self.last_rows, tag=tag); see there."""
+        """reduce_gradients(grads, weights, rows or self.sync_rows, tag=tag); see
+        there (sync_rows: the rows since the last synchronized call, last_rows
+        when no_sync() was not used)."""
         return reduce_gradients(grads, weights=weights,
-                                rows=self.last_rows if rows is None else rows, tag=tag)
+                                rows=self.sync_rows if rows is None else rows, tag=tag)
 
     def explain(self, inputs, chunk_sizes=None, weights=None):
         """dpmini.distributed.explain for a global batch over the ranks x this

@@ -21,6 +21,13 @@ produces their gradients), split by dtype and into buckets of at most
 that the collectives pair. A parameter with no gradient in a step (unused)
 counts as zeros, and gets the reduced gradient like the others, so every rank
 ends the step with equal gradients.
+
+Accumulation (``DistributedDataParallel.no_sync``): ``hold()`` leaves the
+hooks idle for the next backward pass, so ``param.grad`` adds up locally as
+in plain torch; the next ``prepare(rows, step)`` passes the rows summed over
+those micro-batches, and its backward reduces the accumulated gradients (a
+parameter whose hook does not fire then contributes its accumulated
+``param.grad``, zeros when it has none).
 """
 import inspect
 import queue
@@ -89,6 +96,8 @@ class GradientReducer:
         self.rows = None
         self.step = 0
         self._armed = False
+        self._held = False          # no_sync: the next backward only accumulates
+        self._accumulated = False   # a held backward ran since the last reduced one
         self._queue = queue.Queue()
         self._thread = None
 
@@ -117,6 +126,12 @@ class GradientReducer:
         self.rows = rows
         self.step = step
         self._armed = False
+        self._held = False
+
+    def hold(self):
+        """Leave the hooks idle for the next backward pass (no_sync): gradients
+        accumulate in param.grad and are reduced by the next prepared pass."""
+        self._held = True
 
     def remove(self):
         """Take the hooks off the parameters."""
@@ -146,6 +161,9 @@ class GradientReducer:
         self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
 
     def _on_grad(self, p):
+        if self._held:
+            self._accumulated = True
+            return
         if not self._armed:
             self._start_pass()
         b, i = self._where[id(p)]
@@ -190,9 +208,10 @@ class GradientReducer:
         """End of backward: unused parameters count as zeros, every bucket is
         waited for, then each param.grad gets sum_r rows_r g_r / sum_r rows_r."""
         self._armed = False
+        accumulated, self._accumulated = self._accumulated, False
         for b in self.buckets:
             for i in sorted(b.pending):
-                self._fill(b, i, None)
+                self._fill(b, i, b.params[i].grad if accumulated else None)
             b.pending.clear()
         self._launch_ready()
         for _ in self.buckets:

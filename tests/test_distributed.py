@@ -584,6 +584,14 @@ def test_torch_ddp_hooks_give_the_single_process_gradient_even_when_uneven():
 
 
 @needs_mpi
+def test_torch_ddp_no_sync_accumulates_and_the_synchronized_step_weights_summed_rows():
+    pytest.importorskip("torch")
+    rc, lines, out, _ = mpirun("torch_ddp_no_sync", limit=300, worker=JOBS_WORKER)
+    assert rc == 0, out
+    assert all(lines[r] == ["OK torch_ddp_no_sync"] for r in range(4)), out
+
+
+@needs_mpi
 def test_torch_ddp_hooks_equal_torch_ddp_on_gloo_where_the_batch_divides():
     pytest.importorskip("torch")
     port = str(29500 + os.getpid() % 400)

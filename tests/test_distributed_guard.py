@@ -172,8 +172,33 @@ def test_wrong_out_of_all_reduce_raises_on_every_rank(torch_users_run, case, bad
 
 
 @needs_mpi
-@pytest.mark.parametrize("np_", [4, 1])
+@pytest.mark.parametrize("np_", [4, 2, 1])
 def test_values_on_both_sides_of_the_fused_size(np_):
     rc, lines, out, _ = mpirun("sizes_both_paths", np=np_)
     assert rc == 0, out
     assert all(lines[r] == ["OK sizes_both_paths"] for r in range(np_)), out
+
+
+MISMATCH_SIZES = {
+    "b_root": "disagree on root", "b_tag": "disagree on tag", "s_root": "disagree on root",
+    "s_split": "disagree on chunk_sizes/weights", "s_dim": "disagree on dim",
+    "g_shape": "disagree on the number of dimensions", "g_dtype": "disagree on dtype",
+    "g_tag": "disagree on tag", "ag_dtype": "disagree on dtype",
+    "kind": "disagree on the collective", "kind2": "disagree on the collective",
+    "ar_shape": "disagree on shape", "ar_op": "disagree on op", "r_root": "disagree on root",
+    "kind3": "disagree on the collective",
+}
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_", [4, 2])
+def test_mismatch_on_every_data_path_raises_everywhere_and_the_next_call_is_right(np_):
+    rc, lines, out, _ = mpirun("mismatch_sizes", np=np_, limit=240)
+    assert rc == 0, out
+    for n in (8, 4096, 1 << 20):
+        for name, words in MISMATCH_SIZES.items():
+            got = errors(lines, f"{name}_{n}")
+            assert sorted(got) == list(range(np_)), (name, n, out)
+            assert len(set(got.values())) == 1, (name, n, got)
+            assert words in got[0], (name, n, got[0])
+    assert all(lines[r][-1] == "OK mismatch_sizes" for r in range(np_)), out

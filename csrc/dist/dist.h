@@ -12,8 +12,13 @@
  *      deadline with the GIL released. Every rank then holds every record
  *      and reaches the same verdict: go, the same ValueError everywhere, or
  *      a TimeoutError naming the ranks that did not arrive.
- *   2. data (dist_coll.c): only after agreement; non-blocking MPI
- *      operations polled against the same deadline.
+ *   2. data (dist_move.c, dist_reduce.c): non-blocking MPI operations
+ *      polled against the same deadline. A small piece travels inside the
+ *      record's message and a piece up to DIST_FOLLOW_BYTES in its own
+ *      message right behind it (both before the verdict, as one exchange
+ *      with the agreement); a rank keeps them only when every rank agrees,
+ *      and takes them into scratch memory otherwise. Larger data moves
+ *      only after agreement.
  */
 #ifndef DPMINI_DIST_H
 #define DPMINI_DIST_H
@@ -32,9 +37,10 @@
 #include <numpy/arrayobject.h>
 
 #define DIST_MAX_NDIM 32
-#define DIST_MAGIC 0x64706d696e693132LL /* "dpmini12" */
+#define DIST_MAGIC 0x64706d696e693133LL /* "dpmini13": the record gained follow_to */
 #define DIST_TAG_META 7101
 #define DIST_TAG_DATA 7102
+#define DIST_TAG_FOLLOW 7103
 
 enum dist_kind {
     DIST_BARRIER = 1, DIST_SCATTER, DIST_GATHER, DIST_ALL_GATHER,
@@ -61,6 +67,8 @@ typedef struct {
     int64_t nccl_state;    /* 0 no NCCL communicator, 1 one, 2 aborted      */
     int64_t fused_len;     /* payload bytes after the record, -1 none       */
     int64_t fused_to;      /* the rank the payload went to, -1 every rank   */
+    int64_t follow_to;     /* data behind the record (dist_send): -2 none,
+                              -1 to every other rank, else to that rank    */
     int64_t has_tag;       /* 1 tag= given, 0 None, -1 a bad one (an error) */
     uint64_t tag_hash;     /* repr(tag), hashed                             */
     uint64_t ctx_hash;     /* the context text, hashed (0: none)            */
@@ -90,8 +98,9 @@ typedef struct {
     char broken_why[160];
     PyThread_type_lock lock;
     dist_meta *peers;      /* size records                                  */
-    MPI_Request *reqs;     /* 2 * size requests for the agreement           */
-    int *done;             /* 2 * size flags                                */
+    MPI_Request *reqs;     /* 3 * size requests for the agreement: records
+                              received, records sent, data that follows     */
+    int *done;             /* 3 * size flags                                */
     void *nccl;            /* this rank's NCCL communicator (dist_gpu.c)    */
     int nccl_dev;          /* its CUDA device                               */
     long long nccl_max_pitch; /* the smallest cudaDevAttrMaxPitch of the ranks */
@@ -99,6 +108,7 @@ typedef struct {
     char *wire;            /* size receive slots of wire_stride bytes       */
     char *wire_out;        /* this rank's record (+ payload) being sent     */
     size_t wire_stride;    /* sizeof(dist_meta) + DIST_FUSE_BYTES, or less  */
+    PyObject *follow_keep; /* borrowed: the buffer of this call's follow sends */
 } dist_comm;
 
 /* dist_guard.c ---------------------------------------------------------- */
@@ -142,10 +152,53 @@ int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
 #define DIST_FUSE_RANKS 16
 int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
                      const void *payload, int64_t len, int to);
+/* Phase 1 with data that follows the record as its own message, straight
+ * from the caller's buffer (no copy), sent before the verdict so that a
+ * broadcast, scatter or gather costs one message per piece, as raw MPI's
+ * does. Every rank learns from the records which ranks send it such data:
+ * when the call is agreed the caller receives it (source r, tag
+ * DIST_TAG_FOLLOW) and waits for its own sends (dist_follow_take); on any
+ * disagreement or error the guard receives it into scratch memory and waits
+ * for this rank's sends before raising, so no message outlives the call. */
+typedef struct {
+    const void *buf;
+    int count;
+    MPI_Datatype type;
+} dist_piece;
+typedef struct {
+    const void *fused;          /* bytes carried inside the record's message */
+    int64_t fused_len;          /* -1: none                                  */
+    int fused_to;               /* -1: every rank                            */
+    int follow_to;              /* -2 none, -1 every other rank, or a rank   */
+    const dist_piece *piece;    /* piece[r] for rank r (each), else piece[0] */
+    int each;
+    PyObject *keep;             /* what MPI reads: leaked if the comm breaks */
+} dist_send;
+#define DIST_SEND_NONE {NULL, -1, -1, -2, NULL, 0, NULL}
+int dist_agree_send(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
+                    const dist_send *s);
+/* After an agreed dist_agree_send: this rank's pending follow sends moved
+ * into reqs/done (room for size entries); returns their number. */
+int dist_follow_take(dist_comm *c, MPI_Request *reqs, int *done);
+/* Whether rank r's agreed record sends data that follows to rank `to`. */
+int dist_follows_to(const dist_meta *m, int r, int to);
+/* A failure after an agreed dist_agree_send (the caller could not receive):
+ * receive what was sent to this rank into scratch memory and wait for this
+ * rank's own follow sends, so that the next call pairs (the exception stays
+ * set; on a timeout the communicator is marked broken). */
+void dist_follow_drain(dist_comm *c, double deadline);
+/* Largest data message that follows a record: past it the data moves after
+ * the verdict (a rank that disagrees must take any message sent to it). */
+#define DIST_FOLLOW_BYTES ((int64_t)4 << 20)
 int64_t dist_fuse_limit(const dist_comm *c);
 const char *dist_fused_payload(const dist_comm *c, int r);
 /* Fill shape/dtype fields of `m` from an ndarray. */
 void dist_meta_array(dist_meta *m, PyObject *arr);
+/* The dtype whose numpy str is `str` (new reference, or NULL with the
+ * exception set): one of the last few seen when it can (parsing the string
+ * costs a small collective's time; a structured dtype's fields are not in
+ * its str, so those are never taken from the cache). */
+PyArray_Descr *dist_descr_of(const char *str);
 /* dist_args.c: root / dim / op of a collective. A bad one does not fail
  * here: its exception goes to *argerr (the first one kept; obj NULL: *out
  * unchanged), and the collective raises it at its guard with

@@ -48,6 +48,8 @@ int dist_mpi_error(int code, const char *what)
     return -1;
 }
 
+#define DIST_HOT_SPIN 0.001
+
 /* spin: seconds without progress during which the loop only yields. */
 static int poll_pause(PyThreadState **ts, double deadline, double last_progress,
                       double *next_signals, double spin)
@@ -63,10 +65,16 @@ static int poll_pause(PyThreadState **ts, double deadline, double last_progress,
             return -1;
         *next_signals = t + 0.05;
     }
-    /* Yield while data may be moving (MPI progresses inside MPI_Test, so
-     * a sleep would stall a collective that is about to finish); sleep
-     * once nothing has completed for `spin` seconds (a slow peer). */
-    if (t - last_progress < spin) {
+    /* Test again at once for the first DIST_HOT_SPIN seconds without
+     * progress, as MPI's own blocking calls do (on a busy machine a
+     * sched_yield hands the core to another process for a whole time
+     * slice, milliseconds, while the message is about to arrive); then
+     * yield while data may be moving (MPI progresses inside MPI_Test, so a
+     * sleep would stall a collective that is about to finish); sleep once
+     * nothing has completed for `spin` seconds (a slow peer). */
+    if (t - last_progress < DIST_HOT_SPIN) {
+        return 0;
+    } else if (t - last_progress < spin) {
         sched_yield();
     } else {
         struct timespec nap = {0, t - last_progress < 0.1 ? 50000 : 500000};
@@ -86,6 +94,8 @@ static int poll_requests(MPI_Request *reqs, int n, int *done, double deadline, d
     int left = 0, rc = MPI_SUCCESS, result = 0, interrupted = 0;
     for (int i = 0; i < n; i++)
         left += !done[i];
+    if (left == 0)
+        return 0;
     double last_progress = dist_now(), next_signals = last_progress + 0.05;
     PyThreadState *ts = PyEval_SaveThread();
     while (left > 0) {
@@ -196,6 +206,24 @@ static void dtype_names(PyArray_Descr *d, dist_meta *m)
     memcpy(names[i].name, m->dtype_name, sizeof names[i].name);
 }
 
+PyArray_Descr *dist_descr_of(const char *str)
+{
+    for (int i = 0; i < NAME_CACHE; i++) {
+        PyArray_Descr *d = names[i].descr;
+        if (d != NULL && !PyDataType_HASFIELDS(d) && strcmp(names[i].str, str) == 0)
+            return (PyArray_Descr *)Py_NewRef((PyObject *)d);
+    }
+    PyArray_Descr *d = NULL;
+    PyObject *s = PyUnicode_FromString(str);
+    int ok = s != NULL && PyArray_DescrConverter(s, &d);
+    Py_XDECREF(s);
+    if (!ok)
+        return NULL;
+    dist_meta seen;
+    dtype_names(d, &seen);   /* cached from now on */
+    return d;
+}
+
 void dist_meta_array(dist_meta *m, PyObject *arr)
 {
     PyArrayObject *a = (PyArrayObject *)arr;
@@ -244,11 +272,7 @@ int dist_enter(dist_comm *c)
                      c->broken_why);
         return -1;
     }
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = PyThread_acquire_lock(c->lock, NOWAIT_LOCK);
-    Py_END_ALLOW_THREADS
-    if (!ok) {
+    if (!PyThread_acquire_lock(c->lock, NOWAIT_LOCK)) {   /* never blocks: the GIL stays */
         PyErr_SetString(PyExc_RuntimeError,
                         "dpmini.distributed: a communicator serves one thread at a time, and "
                         "another thread of this rank is inside a collective on it (calls pair "
@@ -417,10 +441,13 @@ static const char *first_difference(const dist_meta *a, const dist_meta *b)
     return NULL;
 }
 
-static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
+/* ------------------------------------------------------------------ */
+/* The verdict: the same on every rank, from the same records           */
+/* ------------------------------------------------------------------ */
+
+static int check_magic(const dist_comm *c, const dist_meta *mine)
 {
-    int P = c->size;
-    for (int r = 0; r < P; r++) {
+    for (int r = 0; r < c->size; r++) {
         if (c->peers[r].magic != DIST_MAGIC) {
             PyErr_Format(PyExc_RuntimeError,
                          "dpmini.distributed.%s: rank %d sent a record that is not "
@@ -429,16 +456,26 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
             return -1;
         }
     }
-    /* 1. Every rank in the same call of the same collective. */
-    for (int r = 1; r < P; r++)
+    return 0;
+}
+
+/* Every rank in the same call of the same collective. */
+static int check_same_call(dist_comm *c, const dist_meta *mine)
+{
+    for (int r = 1; r < c->size; r++)
         if (c->peers[r].call != c->peers[0].call || c->peers[r].kind != c->peers[0].kind)
             return raise_mismatch(c, mine, c->peers[r].call != c->peers[0].call
                                   ? "the call number (a rank skipped or added a collective)"
                                   : "the collective");
-    /* 2. The same tag: a rank that skipped a tagged call (a training step)
-     * is named here instead of pairing its next call with this one. */
+    return 0;
+}
+
+/* The same tag: a rank that skipped a tagged call (a training step) is
+ * named here instead of pairing its next call with this one. */
+static int check_tags(dist_comm *c, const dist_meta *mine)
+{
     const dist_meta *tagged = NULL;   /* the first rank whose tag was read */
-    for (int r = 0; r < P; r++) {
+    for (int r = 0; r < c->size; r++) {
         const dist_meta *m = &c->peers[r];
         if (m->has_tag < 0)
             continue;
@@ -447,36 +484,46 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         else if (m->has_tag != tagged->has_tag || m->tag_hash != tagged->tag_hash)
             return raise_mismatch(c, mine, "tag (a rank skipped or added a call)");
     }
-    /* 3. Local argument errors: raised everywhere. */
+    return 0;
+}
+
+/* Local argument errors, raised everywhere: this rank's own exception
+ * where it had one, else a ValueError quoting the first rank's. */
+static int raise_local_errors(const dist_comm *c, const dist_meta *mine, PyObject **saved)
+{
     int first_err = -1;
-    for (int r = 0; r < P && first_err < 0; r++)
+    for (int r = 0; r < c->size && first_err < 0; r++)
         if (c->peers[r].err[0])
             first_err = r;
-    if (first_err >= 0) {
-        if (*saved != NULL) {
-            PyObject *exc = *saved;
-            *saved = NULL;
-            PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
-            return -1;
-        }
-        PyErr_Format(PyExc_ValueError,
-                     "dpmini.distributed.%s (call %lld): rank %d rejected its arguments: %s "
-                     "(every rank raises; the communicator stays usable)",
-                     dist_kind_name(mine->kind), (long long)mine->call, first_err,
-                     c->peers[first_err].err);
+    if (first_err < 0)
+        return 0;
+    if (*saved != NULL) {
+        PyObject *exc = *saved;
+        *saved = NULL;
+        PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
         return -1;
     }
-    /* 4. The fields this collective needs to agree. */
-    for (int r = 1; r < P; r++) {
+    PyErr_Format(PyExc_ValueError,
+                 "dpmini.distributed.%s (call %lld): rank %d rejected its arguments: %s "
+                 "(every rank raises; the communicator stays usable)",
+                 dist_kind_name(mine->kind), (long long)mine->call, first_err,
+                 c->peers[first_err].err);
+    return -1;
+}
+
+/* The fields this collective needs to agree, then a structured dtype's
+ * fields among the ranks that have them, against the first such rank (not
+ * rank 0's: scatter hands the other ranks raw void of the same size, which
+ * has none and gathers back). */
+static int check_fields(dist_comm *c, const dist_meta *mine)
+{
+    for (int r = 1; r < c->size; r++) {
         const char *what = first_difference(&c->peers[0], &c->peers[r]);
         if (what != NULL)
             return raise_mismatch(c, mine, what);
     }
-    /* A structured dtype's fields, among the ranks that have them, against
-     * the first such rank (not rank 0's: scatter hands the other ranks raw
-     * void of the same size, which has none and gathers back). */
     const dist_meta *fields = NULL;
-    for (int r = 0; r < P && kind_compares_arrays(mine->kind); r++) {
+    for (int r = 0; r < c->size && kind_compares_arrays(mine->kind); r++) {
         if (c->peers[r].fields_hash == 0)
             continue;
         if (fields == NULL)
@@ -484,13 +531,18 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
         else if (c->peers[r].fields_hash != fields->fields_hash)
             return raise_mismatch(c, mine, "dtype");
     }
-    /* 5. A GPU collective needs an NCCL communicator on every rank or on
-     * none (made together), and none aborted. */
+    return 0;
+}
+
+/* A GPU collective needs an NCCL communicator on every rank or on none
+ * (made together), and none aborted. */
+static int check_nccl(const dist_comm *c, const dist_meta *mine)
+{
     const dist_meta *lead = kind_has_root(mine->kind) && !kind_compares_arrays(mine->kind)
                             ? &c->peers[mine->root] : &c->peers[0];
     if (lead->dev_kind != DIST_DEV_GPU)
         return 0;
-    for (int r = 0; r < P; r++) {
+    for (int r = 0; r < c->size; r++) {
         if (c->peers[r].nccl_state == 2 || c->peers[r].nccl_state != c->peers[0].nccl_state) {
             int bad = c->peers[r].nccl_state == 2 ? r : 0;
             PyErr_Format(PyExc_RuntimeError,
@@ -505,9 +557,25 @@ static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
     return 0;
 }
 
+static int verdict(dist_comm *c, const dist_meta *mine, PyObject **saved)
+{
+    if (check_magic(c, mine) < 0 || check_same_call(c, mine) < 0 || check_tags(c, mine) < 0 ||
+        raise_local_errors(c, mine, saved) < 0 || check_fields(c, mine) < 0 ||
+        check_nccl(c, mine) < 0)
+        return -1;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ */
 /* The exchange                                                        */
 /* ------------------------------------------------------------------ */
+
+/* c->reqs / c->done hold one agreement's requests: [0, P) the records
+ * received, [P, 2P) the records sent, [2P, 3P) the data that follows this
+ * rank's record. */
+#define RECORD_REQS(c) (2 * (c)->size)
+#define FOLLOW_REQS(c) ((c)->reqs + 2 * (c)->size)
+#define FOLLOW_DONE(c) ((c)->done + 2 * (c)->size)
 
 static void set_broken(dist_comm *c, const char *why)
 {
@@ -515,17 +583,20 @@ static void set_broken(dist_comm *c, const char *why)
     snprintf(c->broken_why, sizeof c->broken_why, "%s", why);
 }
 
-/* Cancel pending receives, release pending sends (their buffers,
- * c->wire and c->wire_out, are kept alive for good once the comm is broken). */
-static void abandon(dist_comm *c, int n)
+/* Cancel pending receives, release pending sends (their buffers, c->wire,
+ * c->wire_out and the follow data's c->follow_keep, are kept alive for
+ * good once the comm is broken). */
+static void abandon(dist_comm *c)
 {
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < 3 * c->size; i++) {
         if (c->done[i] || c->reqs[i] == MPI_REQUEST_NULL)
             continue;
         if (i < c->size)
             MPI_Cancel(&c->reqs[i]);
         MPI_Request_free(&c->reqs[i]);
     }
+    Py_XINCREF(c->follow_keep);   /* MPI may still read it: never freed */
+    c->follow_keep = NULL;
 }
 
 /* The agreement's buffers, made at the first call: P receive slots of
@@ -559,31 +630,34 @@ const char *dist_fused_payload(const dist_comm *c, int r)
     return c->wire + (size_t)r * c->wire_stride + sizeof(dist_meta);
 }
 
-int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
+int dist_follows_to(const dist_meta *m, int r, int to)
 {
-    return dist_agree_fused(c, mine, saved, deadline, NULL, -1, -1);
+    return r != to && (m->follow_to == -1 || m->follow_to == to);
 }
 
-int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
-                     const void *payload, int64_t len, int to)
+/* This rank's record (and fused payload) into c->wire_out and c->peers. */
+static void stage_record(dist_comm *c, dist_meta *mine, const dist_send *s)
 {
-    int P = c->size, me = c->rank, rc = MPI_SUCCESS;
-    if (wire_buffers(c) < 0) {
-        Py_CLEAR(*saved);
-        return -1;
-    }
-    if (payload == NULL || len < 0 || len > dist_fuse_limit(c) || mine->err[0])
+    int64_t len = s->fused_len;
+    if (s->fused == NULL || len < 0 || len > dist_fuse_limit(c) || mine->err[0])
         len = -1;
     mine->magic = DIST_MAGIC;
     mine->call = ++c->calls;
     mine->nccl_state = c->nccl_broken[0] ? 2 : c->nccl != NULL ? 1 : 0;
     mine->fused_len = len;
-    mine->fused_to = to;
-    c->peers[me] = *mine;
+    mine->fused_to = s->fused_to;
+    mine->follow_to = mine->err[0] || s->piece == NULL ? -2 : s->follow_to;
+    c->peers[c->rank] = *mine;
     memcpy(c->wire_out, mine, sizeof(dist_meta));
     if (len > 0)
-        memcpy(c->wire_out + sizeof(dist_meta), payload, (size_t)len);
-    for (int i = 0; i < 2 * P; i++) {
+        memcpy(c->wire_out + sizeof(dist_meta), s->fused, (size_t)len);
+}
+
+/* Post the record receives, the record sends, then the follow sends. */
+static int post_exchange(dist_comm *c, const dist_meta *mine, const dist_send *s)
+{
+    int P = c->size, me = c->rank, rc = MPI_SUCCESS;
+    for (int i = 0; i < 3 * P; i++) {
         c->reqs[i] = MPI_REQUEST_NULL;
         c->done[i] = 1;
     }
@@ -594,64 +668,194 @@ int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double dea
                        DIST_TAG_META, c->comm, &c->reqs[r]);
         c->done[r] = rc != MPI_SUCCESS;
     }
+    int64_t len = mine->fused_len;
     for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
         if (r == me)
             continue;
-        int64_t n = sizeof(dist_meta) + (len > 0 && (to < 0 || to == r) ? len : 0);
-        rc = MPI_Isend(c->wire_out, (int)n, MPI_BYTE, r, DIST_TAG_META, c->comm,
-                       &c->reqs[P + r]);
+        int64_t n = sizeof(dist_meta) + (len > 0 && (mine->fused_to < 0 || mine->fused_to == r)
+                                         ? len : 0);
+        rc = MPI_Isend(c->wire_out, (int)n, MPI_BYTE, r, DIST_TAG_META, c->comm, &c->reqs[P + r]);
         c->done[P + r] = rc != MPI_SUCCESS;
     }
-    int st = rc == MPI_SUCCESS ? dist_poll(c->reqs, 2 * P, c->done, deadline) : -1;
+    for (int r = 0; r < P && rc == MPI_SUCCESS; r++) {
+        if (!dist_follows_to(mine, me, r))
+            continue;
+        const dist_piece *p = &s->piece[s->each ? r : 0];
+        rc = MPI_Isend(p->buf, p->count, p->type, r, DIST_TAG_FOLLOW, c->comm,
+                       &FOLLOW_REQS(c)[r]);
+        FOLLOW_DONE(c)[r] = rc != MPI_SUCCESS;
+    }
+    return rc == MPI_SUCCESS ? 0 : dist_mpi_error(rc, "posting the agreement messages");
+}
+
+/* TimeoutError naming the ranks whose record did not arrive (or, when
+ * every record arrived, those that did not take this rank's). */
+static void raise_timeout(const dist_comm *c, const dist_meta *mine)
+{
+    int P = c->size, me = c->rank;
+    int *miss = PyMem_Malloc(sizeof(int) * (size_t)P);
+    if (miss == NULL) {
+        PyErr_NoMemory();
+        return;
+    }
+    int nmiss = 0;
+    for (int r = 0; r < P; r++)
+        nmiss += miss[r] = (r != me && !c->done[r]);
+    if (nmiss == 0)
+        for (int r = 0; r < P; r++)
+            nmiss += miss[r] = (r != me && !c->done[P + r]);
+    char ranks[160], secs[32];
+    rank_list(miss, P, 1, ranks, sizeof ranks);
+    snprintf(secs, sizeof secs, "%g", c->timeout);
+    PyErr_Format(PyExc_TimeoutError,
+                 "dpmini.distributed.%s (call %lld on rank %d): rank%s %s did not "
+                 "arrive within the timeout of %s s (a rank skipped this call, is "
+                 "still busy, or has exited); this communicator cannot be used again",
+                 dist_kind_name(mine->kind), (long long)mine->call, me,
+                 nmiss == 1 ? "" : "s", ranks, secs);
+    PyMem_Free(miss);
+}
+
+/* Wait for the records; on a timeout or an error the exchange is
+ * abandoned and the communicator marked broken. */
+static int wait_records(dist_comm *c, const dist_meta *mine, double deadline)
+{
+    int st = dist_poll(c->reqs, RECORD_REQS(c), c->done, deadline);
+    if (st == 0)
+        return 0;
+    char why[160];
+    snprintf(why, sizeof why, "%s in %s call %lld", st == 1 ? "a TimeoutError" : "an error",
+             dist_kind_name(mine->kind), (long long)mine->call);
+    if (st == 1)
+        raise_timeout(c, mine);   /* from the requests still pending */
+    abandon(c);
+    set_broken(c, why);
+    return -1;
+}
+
+static void read_records(dist_comm *c)
+{
+    for (int r = 0; r < c->size; r++)
+        if (r != c->rank)
+            memcpy(&c->peers[r], c->wire + (size_t)r * c->wire_stride, sizeof(dist_meta));
+}
+
+int dist_agree(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline)
+{
+    dist_send s = DIST_SEND_NONE;
+    return dist_agree_send(c, mine, saved, deadline, &s);
+}
+
+int dist_agree_fused(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
+                     const void *payload, int64_t len, int to)
+{
+    dist_send s = DIST_SEND_NONE;
+    s.fused = payload;
+    s.fused_len = len;
+    s.fused_to = to;
+    return dist_agree_send(c, mine, saved, deadline, &s);
+}
+
+int dist_agree_send(dist_comm *c, dist_meta *mine, PyObject **saved, double deadline,
+                    const dist_send *s)
+{
+    int v = -1;
+    if (wire_buffers(c) < 0)
+        goto out;
+    stage_record(c, mine, s);
+    c->follow_keep = mine->follow_to != -2 ? s->keep : NULL;
+    if (post_exchange(c, mine, s) < 0) {
+        abandon(c);
+        set_broken(c, "an MPI error posting the agreement messages");
+        goto out;
+    }
+    if (wait_records(c, mine, deadline) < 0)
+        goto out;
+    read_records(c);
+    v = verdict(c, mine, saved);
+    if (v < 0)
+        dist_follow_drain(c, deadline);
+out:
+    Py_CLEAR(*saved);
+    return v;
+}
+
+int dist_follow_take(dist_comm *c, MPI_Request *reqs, int *done)
+{
+    int n = 0;
+    for (int r = 0; r < c->size; r++) {
+        if (FOLLOW_DONE(c)[r])
+            continue;
+        reqs[n] = FOLLOW_REQS(c)[r];
+        done[n++] = 0;
+        FOLLOW_REQS(c)[r] = MPI_REQUEST_NULL;
+        FOLLOW_DONE(c)[r] = 1;
+    }
+    c->follow_keep = NULL;
+    return n;
+}
+
+/* Wait (GIL released, signals checked) until rank src's follow message
+ * can be received: 0 matched (*msg, *st), 1 deadline, -1 exception set. */
+static int probe_follow(dist_comm *c, int src, double deadline, MPI_Message *msg,
+                        MPI_Status *st)
+{
+    int flag = 0, pause = 0, rc;
+    double start = dist_now(), next_signals = start + 0.05;
+    PyThreadState *ts = PyEval_SaveThread();
+    while ((rc = MPI_Improbe(src, DIST_TAG_FOLLOW, c->comm, &flag, msg, st)) == MPI_SUCCESS &&
+           !flag && (pause = dist_poll_pause(&ts, deadline, start, &next_signals)) == 0)
+        ;
+    PyEval_RestoreThread(ts);
     if (rc != MPI_SUCCESS)
-        dist_mpi_error(rc, "posting the agreement messages");
-    if (st != 0) {
-        char why[160];
-        snprintf(why, sizeof why, "%s in %s call %lld",
-                 st == 1 ? "a TimeoutError" : "an error", dist_kind_name(mine->kind),
-                 (long long)mine->call);
-        abandon(c, 2 * P);
-        set_broken(c, why);
-    }
-    if (st == 1) {
-        int *miss = PyMem_Malloc(sizeof(int) * (size_t)P);
-        if (miss == NULL) {
-            Py_XDECREF(*saved);
-            *saved = NULL;
-            PyErr_NoMemory();
-            return -1;
-        }
-        int nmiss = 0, pending_sends = 0;
-        for (int r = 0; r < P; r++) {
-            miss[r] = (r != me && !c->done[r]) ? 1 : 0;
-            nmiss += miss[r];
-            pending_sends += (r != me && !c->done[P + r]);
-        }
-        if (nmiss == 0)   /* every record arrived but ours was not taken */
-            for (int r = 0; r < P; r++)
-                nmiss += miss[r] = (r != me && !c->done[P + r]);
-        char ranks[160], secs[32];
-        rank_list(miss, P, 1, ranks, sizeof ranks);
-        snprintf(secs, sizeof secs, "%g", c->timeout);
-        PyErr_Format(PyExc_TimeoutError,
-                     "dpmini.distributed.%s (call %lld on rank %d): rank%s %s did not "
-                     "arrive within the timeout of %s s (a rank skipped this call, is "
-                     "still busy, or has exited); this communicator cannot be used again",
-                     dist_kind_name(mine->kind), (long long)mine->call, me,
-                     nmiss == 1 ? "" : "s", ranks, secs);
-        (void)pending_sends;
-        PyMem_Free(miss);
-    }
-    if (st != 0) {
-        Py_XDECREF(*saved);
-        *saved = NULL;
+        return dist_mpi_error(rc, "MPI_Improbe");
+    return flag ? 0 : pause > 0 ? 1 : -1;
+}
+
+/* Receive rank src's follow message into scratch memory (leaked if MPI
+ * may still write it). 0, 1 deadline, -1 exception set. */
+static int discard_follow(dist_comm *c, int src, double deadline)
+{
+    MPI_Message msg;
+    MPI_Status st;
+    int n = 0, done = 0, rc = probe_follow(c, src, deadline, &msg, &st);
+    if (rc != 0)
+        return rc;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    char *buf = PyMem_RawMalloc(n > 0 ? (size_t)n : 1);
+    if (buf == NULL) {
+        PyErr_NoMemory();
         return -1;
     }
-    for (int r = 0; r < P; r++)
-        if (r != me)
-            memcpy(&c->peers[r], c->wire + (size_t)r * c->wire_stride, sizeof(dist_meta));
-    int v = verdict(c, mine, saved);
-    Py_XDECREF(*saved);
-    *saved = NULL;
-    return v;
+    MPI_Request req = MPI_REQUEST_NULL;
+    rc = MPI_Imrecv(buf, n, MPI_BYTE, &msg, &req);
+    if (rc != MPI_SUCCESS) {
+        PyMem_RawFree(buf);
+        return dist_mpi_error(rc, "MPI_Imrecv");
+    }
+    int w = dist_poll(&req, 1, &done, deadline);
+    if (w == 0)
+        PyMem_RawFree(buf);
+    else
+        MPI_Request_free(&req);
+    return w;
+}
+
+void dist_follow_drain(dist_comm *c, double deadline)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int st = 0;
+    for (int r = 0; r < c->size && st == 0; r++)
+        if (dist_follows_to(&c->peers[r], r, c->rank))
+            st = discard_follow(c, r, deadline);
+    if (st == 0)
+        st = dist_poll(FOLLOW_REQS(c), c->size, FOLLOW_DONE(c), deadline);
+    if (st != 0) {
+        abandon(c);
+        set_broken(c, "a TimeoutError taking the data of a call the ranks disagreed on");
+    }
+    c->follow_keep = NULL;
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
 }

@@ -211,8 +211,8 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     MPI_Comm_size(c->comm, &c->size);
     c->lock = PyThread_allocate_lock();
     c->peers = PyMem_Calloc((size_t)c->size, sizeof(dist_meta));
-    c->reqs = PyMem_Calloc((size_t)c->size * 2, sizeof(MPI_Request));
-    c->done = PyMem_Calloc((size_t)c->size * 2, sizeof(int));
+    c->reqs = PyMem_Calloc((size_t)c->size * 3, sizeof(MPI_Request));
+    c->done = PyMem_Calloc((size_t)c->size * 3, sizeof(int));
     if (c->lock == NULL || c->peers == NULL || c->reqs == NULL || c->done == NULL) {
         PyErr_NoMemory();
         goto fail;

@@ -226,109 +226,198 @@ static PyObject *reduce_fused(dist_comm *c, PyObject *arr, int count, MPI_Dataty
     return out;
 }
 
+/* One call of all_reduce or reduce: this rank's record, arrays and MPI
+ * operation. */
+typedef struct {
+    dist_comm *c;
+    dist_meta mine;
+    double deadline;
+    int all, root, op, nccl_op;
+    PyObject *arr, *out, *saved, *argerr;
+    PyArray_Descr *narrow;   /* a small-integer sum's own dtype */
+    MPI_Datatype t;
+    MPI_Op o;
+    dist_gpu_arg g;
+    dist_piece piece;        /* this rank's array behind its record (two ranks) */
+} reduce_call;
+
+/* The op, root and array into the record (a local error stays pending for
+ * the guard). */
+static void reduce_read(reduce_call *r, PyObject *x, const char *opname, PyObject *gpu)
+{
+    dist_comm *c = r->c;
+    r->op = dist_arg_error(&r->argerr) ? -1 : parse_op(opname);
+    r->mine.op = r->op < 0 ? DIST_OP_NONE : r->op;
+    if (r->op < 0)
+        return;
+    if (!r->all && (r->root < 0 || r->root >= c->size)) {
+        PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
+                     r->root, c->size - 1);
+    } else if (gpu != Py_None) {   /* NCCL (dist_gpu.c) */
+        if (dist_gpu_read(c, x, gpu, r->all || c->rank == r->root, &r->mine, &r->g) == 0)
+            r->nccl_op = dist_gpu_op(&r->mine, r->op);
+    } else if ((r->arr = dist_as_array(x, "x", 1, DIST_WHOLE)) != NULL &&
+               mpi_op_for((PyArrayObject *)r->arr, r->op, &r->t, &r->o) == 0) {
+        dist_meta_array(&r->mine, r->arr);   /* the caller's dtype, before any widening */
+        r->narrow = widen_small_int_sum(&r->arr, r->op, &r->t, &r->o);
+    }
+}
+
+/* How this rank's array travels: inside its record's message; or, between
+ * two ranks past DIST_PAIR_MIN bytes (where the copies into and out of
+ * the record's buffer cost more than a message), right behind it straight
+ * from the array (reduce_pair). */
+#define DIST_PAIR_MIN (8 << 10)
+static void reduce_plan_sends(reduce_call *r, dist_send *s)
+{
+    if (r->arr == NULL || PyErr_Occurred())
+        return;
+    int64_t nbytes = (int64_t)PyArray_NBYTES((PyArrayObject *)r->arr);
+    s->fused_to = r->all ? -1 : r->root;
+    if (r->c->size == 2 && nbytes > DIST_PAIR_MIN && nbytes <= dist_fuse_limit(r->c)) {
+        r->piece.buf = PyArray_DATA((PyArrayObject *)r->arr);
+        r->piece.count = (int)nbytes;
+        r->piece.type = MPI_BYTE;
+        s->follow_to = s->fused_to;
+        s->piece = &r->piece;
+        s->keep = r->arr;
+    } else {
+        s->fused = PyArray_DATA((PyArrayObject *)r->arr);
+        s->fused_len = nbytes;
+    }
+}
+
+/* Two ranks whose arrays followed their records: the other rank's array
+ * is received (into the result on rank 1, into scratch on rank 0, which
+ * copies its own into the result meanwhile) and combined in rank order,
+ * x1 op x0, on both ranks (the same bits on both, as reduce_fused). */
+static int reduce_pair(reduce_call *r)
+{
+    dist_comm *c = r->c;
+    int me = c->rank, peer = 1 - me, receives = dist_follows_to(&c->peers[peer], peer, me);
+    PyObject *theirs = NULL;
+    if (receives) {
+        r->out = PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL, 0);
+        theirs = r->out == NULL ? NULL : me == 0
+                 ? PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL, 0)
+                 : Py_NewRef(r->out);
+        if (theirs == NULL) {
+            dist_follow_drain(c, r->deadline);   /* take what was sent, finish our send */
+            return -1;
+        }
+    }
+    MPI_Request reqs[3];
+    int done[3], n = dist_follow_take(c, reqs, done), rc = MPI_SUCCESS;
+    int count = (int)PyArray_SIZE((PyArrayObject *)r->arr);
+    if (receives) {
+        int nbytes = (int)PyArray_NBYTES((PyArrayObject *)r->arr);   /* <= DIST_FUSE_BYTES */
+        rc = MPI_Irecv(PyArray_DATA((PyArrayObject *)theirs), nbytes, MPI_BYTE, peer,
+                       DIST_TAG_FOLLOW, c->comm, &reqs[n]);
+        done[n++] = rc != MPI_SUCCESS;
+        if (me == 0)
+            memcpy(PyArray_DATA((PyArrayObject *)r->out), PyArray_DATA((PyArrayObject *)r->arr),
+                   (size_t)PyArray_NBYTES((PyArrayObject *)r->arr));
+    }
+    int st = dist_wait_data(c, reqs, done, n, r->deadline, r->mine.call, r->mine.kind, r->arr,
+                            r->out, theirs);
+    if (rc != MPI_SUCCESS && st == 0)
+        st = dist_mpi_error(rc, "MPI_Irecv");
+    if (st == 0 && receives) {
+        const void *in = PyArray_DATA((PyArrayObject *)(me == 0 ? theirs : r->arr));
+        rc = MPI_Reduce_local(in, PyArray_DATA((PyArrayObject *)r->out), count, r->t, r->o);
+        if (rc != MPI_SUCCESS)
+            st = dist_mpi_error(rc, "MPI_Reduce_local");
+    }
+    Py_XDECREF(theirs);
+    return st == 0 ? 0 : -1;
+}
+
+/* The host reduction after the agreement: from the fused payloads, or by
+ * MPI_Iallreduce / MPI_Ireduce (MPI writes the result: no copy of x first). */
+static int reduce_host(reduce_call *r)
+{
+    dist_comm *c = r->c;
+    int count = (int)PyArray_SIZE((PyArrayObject *)r->arr), receives = r->all || c->rank == r->root;
+    if (c->peers[c->rank].follow_to != -2)
+        return reduce_pair(r);
+    if (every_rank_fused(c))
+        return receives && (r->out = reduce_fused(c, r->arr, count, r->t, r->o)) == NULL ? -1 : 0;
+    if (receives && (r->out = PyArray_NewLikeArray((PyArrayObject *)r->arr, NPY_CORDER, NULL,
+                                                   0)) == NULL)
+        return -1;
+    void *src = PyArray_DATA((PyArrayObject *)r->arr);
+    void *dst = receives ? PyArray_DATA((PyArrayObject *)r->out) : NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int done = 0;
+    int rc = r->all ? MPI_Iallreduce(src, dst, count, r->t, r->o, c->comm, &req)
+                    : MPI_Ireduce(src, dst, count, r->t, r->o, r->root, c->comm, &req);
+    if (rc != MPI_SUCCESS)
+        return dist_mpi_error(rc, r->all ? "MPI_Iallreduce" : "MPI_Ireduce");
+    return dist_wait_data(c, &req, &done, 1, r->deadline, r->mine.call, r->mine.kind, r->arr,
+                          r->out, NULL);
+}
+
+/* A widened sum cast back to 8 or 16 bits (wrapping as NumPy does), or a
+ * mean divided by the number of ranks. */
+static int reduce_finish(reduce_call *r)
+{
+    if (r->out == NULL) {
+        r->out = Py_NewRef(Py_None);
+    } else if (r->narrow != NULL) {
+        PyObject *back = PyArray_CastToType((PyArrayObject *)r->out, r->narrow, 0);
+        r->narrow = NULL;   /* stolen */
+        Py_SETREF(r->out, back);
+    } else if (r->op == DIST_OP_MEAN) {
+        PyObject *k = PyLong_FromLong(r->c->size);
+        PyObject *q = k ? PyNumber_InPlaceTrueDivide(r->out, k) : NULL;
+        Py_XDECREF(k);
+        if (q == NULL)
+            Py_CLEAR(r->out);
+        Py_XDECREF(q);   /* in place: q is out */
+    }
+    return r->out == NULL ? -1 : 0;
+}
+
 /* argerr: a bad root or op (dist_args.c), raised at the guard; stolen. */
 static PyObject *reduce_common(dist_comm *c, PyObject *x, int root, const char *opname,
                                int64_t kind, PyObject *gpu, const dist_guard_kw *gk,
                                PyObject *argerr)
 {
-    int P = c->size, me = c->rank, all = kind == DIST_ALL_REDUCE;
     if (dist_enter(c) < 0) {
         Py_XDECREF(argerr);
         return NULL;
     }
-    double deadline = dist_now() + c->timeout;
-    PyObject *arr = NULL, *out = NULL, *saved = NULL;
-    PyArray_Descr *narrow = NULL;   /* a small-integer sum's own dtype */
-    MPI_Datatype t = MPI_DATATYPE_NULL;
-    MPI_Op o = MPI_OP_NULL;
-    MPI_Request req = MPI_REQUEST_NULL;
-    int done = 0, nccl_op = 0;
-    dist_gpu_arg g;
-    memset(&g, 0, sizeof g);
-    dist_meta mine;
-    memset(&mine, 0, sizeof mine);
-    mine.kind = kind;
-    mine.root = all ? -1 : root;
-    mine.ndim = -1;
-    dist_guard_kw_read(gk, &mine, &argerr);
-    int op = dist_arg_error(&argerr) ? -1 : parse_op(opname);
-    mine.op = op < 0 ? DIST_OP_NONE : op;
-    if (op >= 0 && !all && (root < 0 || root >= P))
-        PyErr_Format(PyExc_ValueError, "root: %d is not a rank of this communicator (0..%d)",
-                     root, P - 1);
-    else if (op >= 0 && gpu != Py_None) {   /* NCCL (dist_gpu.c) */
-        if (dist_gpu_read(c, x, gpu, all || me == root, &mine, &g) == 0)
-            nccl_op = dist_gpu_op(&mine, op);
-    } else if (op >= 0 && (arr = dist_as_array(x, "x", 1, DIST_WHOLE)) != NULL
-               && mpi_op_for((PyArrayObject *)arr, op, &t, &o) == 0) {
-        dist_meta_array(&mine, arr);   /* the caller's dtype, before any widening */
-        narrow = widen_small_int_sum(&arr, op, &t, &o);
-    }
+    reduce_call r;
+    memset(&r, 0, sizeof r);
+    r.c = c;
+    r.deadline = dist_now() + c->timeout;
+    r.all = kind == DIST_ALL_REDUCE;
+    r.root = root;
+    r.argerr = argerr;
+    r.t = MPI_DATATYPE_NULL;
+    r.o = MPI_OP_NULL;
+    r.mine.kind = kind;
+    r.mine.root = r.all ? -1 : root;
+    r.mine.ndim = -1;
+    dist_guard_kw_read(gk, &r.mine, &r.argerr);
+    reduce_read(&r, x, opname, gpu);
     if (PyErr_Occurred())
-        dist_meta_fail(&mine, &saved);
-    /* A small array travels with the record (dist_agree_fused). */
-    const void *payload = gpu == Py_None && arr != NULL ? PyArray_DATA((PyArrayObject *)arr) : NULL;
-    int64_t nbytes = payload != NULL ? (int64_t)PyArray_NBYTES((PyArrayObject *)arr) : -1;
-    if (dist_agree_fused(c, &mine, &saved, deadline, payload, nbytes, all ? -1 : root) < 0)
-        goto fail;
-    if (gpu != Py_None) {   /* every rank's is (the guard compared the device kinds) */
-        out = dist_gpu_reduce(c, &mine, &g, nccl_op, all ? -1 : root, deadline);
-        goto done;
+        dist_meta_fail(&r.mine, &r.saved);
+    dist_send s = DIST_SEND_NONE;   /* a rank with an error sends no data (stage_record) */
+    reduce_plan_sends(&r, &s);
+    if (dist_agree_send(c, &r.mine, &r.saved, r.deadline, &s) < 0) {
+        Py_CLEAR(r.out);
+    } else if (gpu != Py_None) {   /* every rank's is (the guard compared the device kinds) */
+        r.out = dist_gpu_reduce(c, &r.mine, &r.g, r.nccl_op, r.all ? -1 : root, r.deadline);
+    } else if (reduce_host(&r) < 0 || reduce_finish(&r) < 0) {
+        Py_CLEAR(r.out);
     }
-    int count = (int)PyArray_SIZE((PyArrayObject *)arr);
-    int rc;
-    if (every_rank_fused(c)) {
-        if ((all || me == root) && (out = reduce_fused(c, arr, count, t, o)) == NULL)
-            goto fail;
-        goto finish;
-    }
-    if (all || me == root) {   /* MPI writes the result there: no copy of x first */
-        out = PyArray_NewLikeArray((PyArrayObject *)arr, NPY_CORDER, NULL, 0);
-        if (out == NULL)
-            goto fail;
-    }
-    if (all)
-        rc = MPI_Iallreduce(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)out),
-                            count, t, o, c->comm, &req);
-    else if (me == root)
-        rc = MPI_Ireduce(PyArray_DATA((PyArrayObject *)arr), PyArray_DATA((PyArrayObject *)out),
-                         count, t, o, root, c->comm, &req);
-    else
-        rc = MPI_Ireduce(PyArray_DATA((PyArrayObject *)arr), NULL, count, t, o, root,
-                         c->comm, &req);
-    if (rc != MPI_SUCCESS) {
-        dist_mpi_error(rc, all ? "MPI_Iallreduce" : "MPI_Ireduce");
-        goto fail;
-    }
-    if (dist_wait_data(c, &req, &done, 1, deadline, mine.call, kind, arr, out, NULL) < 0)
-        goto fail;
-finish:
-    if (out == NULL) {
-        out = Py_NewRef(Py_None);
-    } else if (narrow != NULL) {   /* back to 8 or 16 bits, wrapping */
-        PyObject *back = PyArray_CastToType((PyArrayObject *)out, narrow, 0);
-        narrow = NULL;   /* stolen */
-        Py_SETREF(out, back);
-        if (out == NULL)
-            goto fail;
-    } else if (op == DIST_OP_MEAN) {
-        PyObject *k = PyLong_FromLong(P);
-        PyObject *q = k ? PyNumber_InPlaceTrueDivide(out, k) : NULL;
-        Py_XDECREF(k);
-        if (q == NULL)
-            goto fail;
-        Py_DECREF(q);   /* in place: q is out */
-    }
-    goto done;
-fail:
-    Py_CLEAR(out);
-done:
-    dist_gpu_arg_clear(&g);
-    Py_XDECREF(arr);
-    Py_XDECREF(narrow);
-    Py_XDECREF(argerr);   /* already raised (NULL) unless the call failed before */
+    dist_gpu_arg_clear(&r.g);
+    Py_XDECREF(r.arr);
+    Py_XDECREF(r.narrow);
+    Py_XDECREF(r.argerr);   /* already raised (NULL) unless the call failed before */
     dist_leave(c);
-    return out;
+    return r.out;
 }
 
 PyObject *dist_all_reduce(dist_comm *c, PyObject *args, PyObject *kw)

@@ -197,5 +197,58 @@ def case_torch_ddp_skipped_backward():
     assert float(dist.all_reduce(np.float64(1.0))) == dist.size()   # still usable
     say("OK usable")
 
+def case_torch_ddp_no_sync():
+    """no_sync(): two micro-batches accumulated locally, the third synchronized,
+    rank r with r + 1 rows per micro-batch (uneven): after each step's backward
+    every rank's grads are what one process gets accumulating the three
+    micro-batches made of every rank's j-th rows (each loss its mean), and two
+    SGD steps match single-process training."""
+    import torch
+    dist.init(timeout=60.0)
+    P = dist.size()
+    model = _torch_model(torch, seed=RANK)
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"], bucket_cap_mb=0.0005)
+    ref = _torch_model(torch, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rows = [r + 1 for r in range(P)]
+    start = sum(rows[:RANK])
+    g = torch.Generator().manual_seed(11)
+    for step in range(2):
+        micro = [(torch.randn(sum(rows), 6, generator=g, dtype=torch.float64),
+                  torch.randn(sum(rows), 3, generator=g, dtype=torch.float64))
+                 for _ in range(3)]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for j, (X, Y) in enumerate(micro):
+            x, y = X[start:start + rows[RANK]], Y[start:start + rows[RANK]]
+            if j < 2:
+                with ddp.no_sync():
+                    ((ddp(x) - y) ** 2).mean().backward()
+            else:
+                ((ddp(x) - y) ** 2).mean().backward()
+            ((ref(X) - Y) ** 2).mean().backward()
+        assert ddp.sync_rows == 3 * rows[RANK] and ddp.step == step + 1, (ddp.sync_rows, ddp.step)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            diff = float((p.grad - q.grad).abs().max())
+            assert diff <= 1e-12, (step, name, diff)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert float((p - q).detach().abs().max()) <= 1e-12
+    # a synchronized step after no_sync is back to one micro-batch
+    opt.zero_grad()
+    X = torch.randn(sum(rows), 6, generator=g, dtype=torch.float64)
+    Y = torch.randn(sum(rows), 3, generator=g, dtype=torch.float64)
+    ((ddp(X[start:start + rows[RANK]]) - Y[start:start + rows[RANK]]) ** 2).mean().backward()
+    ref_opt.zero_grad()
+    ((ref(X) - Y) ** 2).mean().backward()
+    assert ddp.sync_rows == rows[RANK]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert float((p.grad - q.grad).abs().max()) <= 1e-12
+    ddp.reducer.remove()
+    say("OK torch_ddp_no_sync")
+
+
 if __name__ == "__main__":
     globals()["case_" + CASE]()

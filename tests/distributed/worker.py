@@ -906,7 +906,7 @@ def case_sizes_both_paths():
     by MPI's own messages; dims 0 and 1, ragged splits, the root's own piece."""
     P = dist.size()
     rng = np.random.default_rng(7)
-    for rows in (5, 3000):   # 5 x 40 float64 = 1.6 KB; 3000 x 40 = 960 KB
+    for rows in (5, 100, 3000):   # 5 x 40 float64 = 1.6 KB; 100 x 40 = 32 KB; 3000 x 40 = 960 KB
         full = rng.random((rows, 40))
         for dim in (0, 1):
             for root in (0, P - 1):
@@ -931,6 +931,57 @@ def case_sizes_both_paths():
         want = np.full(rows * 40, 100 * P, np.int64).astype(np.int8)
         assert np.array_equal(dist.all_reduce(ints), want), rows
     say("OK sizes_both_paths")
+
+
+def case_mismatch_sizes():
+    """Mismatches on each path a piece can take (inside the record up to 8 KiB,
+    right behind it up to 4 MiB, after the verdict past that; all_reduce and
+    reduce on two ranks: behind the record past 8 KiB): root, tag, shape, dtype,
+    dim, split, op and the collective differ on one rank; every rank raises
+    the same ValueError, and the next call (whose messages must not meet the
+    failed call's data) returns the right values."""
+    P = dist.size()
+    last = RANK == P - 1
+    for n in (8, 4096, 1 << 20):   # float64: 64 B, 32 KiB, 8 MiB
+        full = np.arange(n * P, dtype=np.float64) + n
+        piece = full[RANK * n:(RANK + 1) * n].copy()
+        calls = [
+            ("b_root", lambda: dist.broadcast(full, root=1 if last else 0)),
+            ("b_tag", lambda: dist.broadcast(full if RANK == 0 else None,
+                                             tag=2 if last else 1)),
+            ("s_root", lambda: dist.scatter(full, root=1 if last else 0)),
+            ("s_split", lambda: dist.scatter(full if RANK == 0 else None, chunk_sizes=(
+                [n * P] + [0] * (P - 1)) if last else None)),
+            ("s_dim", lambda: dist.scatter(full.reshape(P, n) if RANK == 0 else None,
+                                           dim=1 if last else 0)),
+            ("g_shape", lambda: dist.gather(piece if not last else piece[:-1].reshape(1, -1))),
+            ("g_dtype", lambda: dist.gather(piece.astype(np.float32) if last else piece)),
+            ("g_tag", lambda: dist.gather(piece, tag="x" if last else "y")),
+            ("ag_dtype", lambda: dist.all_gather(piece.astype(np.float32) if last else piece)),
+            ("kind", lambda: dist.gather(piece) if last else dist.broadcast(
+                full if RANK == 0 else None)),
+            ("kind2", lambda: dist.scatter(full if RANK == 0 else None) if last
+             else dist.all_gather(piece)),
+            ("ar_shape", lambda: dist.all_reduce(piece[:-1] if last else piece)),
+            ("ar_op", lambda: dist.all_reduce(piece, "max" if last else "sum")),
+            ("r_root", lambda: dist.reduce(piece, root=1 if last else 0)),
+            ("kind3", lambda: dist.all_reduce(piece) if last else dist.gather(piece)),
+        ]
+        for name, call in calls:
+            try:
+                call()
+                say(f"NOERR {name} {n}")
+            except ValueError as exc:
+                err(f"{name}_{n}", exc)
+            got = dist.broadcast(full if RANK == 0 else None)
+            assert np.array_equal(got, full), (name, n)
+            assert np.array_equal(dist.scatter(full if RANK == P - 1 else None, root=P - 1),
+                                  piece), (name, n)
+            back = dist.gather(piece, root=P - 1)
+            assert (back is None) != last and (back is None or np.array_equal(back, full))
+            assert np.array_equal(dist.all_gather(piece), full), (name, n)
+            assert np.array_equal(dist.all_reduce(piece), full.reshape(P, n).sum(0)), (name, n)
+    say("OK mismatch_sizes")
 
 
 def init_with_missing_rank():
