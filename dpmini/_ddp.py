@@ -153,9 +153,16 @@ def broadcast_arrays(arrays, root=0):
                          f"has {roots}")
     for name in sorted(arrays):
         v, put = arrays[name]
-        host = np.ascontiguousarray(_to_numpy(v)[0])
-        got = dist.broadcast(host, root=root)
-        put(got)
+        put(broadcast_host_copy(v, root))
+
+
+def broadcast_host_copy(v, root=0):
+    """Root's value of the array v (collective), as a NumPy array of v's shape,
+    0-dim included (np.ascontiguousarray would make a 0-dim array 1-dim)."""
+    from . import distributed as dist
+
+    host = np.array(_to_numpy(v)[0], copy=True, order="C")
+    return dist.broadcast(host, root=root).reshape(host.shape)
 
 
 class DistributedDataParallel:
