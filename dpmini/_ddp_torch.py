@@ -7,6 +7,13 @@ computing the other gradients (torch's DDP overlaps the same way). At the end
 of the backward pass (a callback queued on autograd's engine, as torch's DDP
 does) every bucket has been reduced and each ``param.grad`` holds the result.
 
+Which backward passes are reduced (torch's DDP rule): only the one that follows
+a forward through the wrapper with grad mode on. That forward arms the hooks
+(``prepare``); the reduction at the end of the pass disarms them. Any other
+backward pass (through the unwrapped module, a second backward of the same
+graph, one before the first forward through the wrapper) finds them disarmed
+and leaves its gradients accumulated locally, untouched, as plain torch does.
+
 Weighting (exact for uneven batches): this rank's gradients are taken as the
 mean over its ``rows`` rows (a loss that is a mean over the local batch, as in
 torch's DDP); every bucket carries ``rows * grad`` and ``rows``, so the result
@@ -65,7 +72,8 @@ class GradientReducer:
 
     module: a torch.nn.Module (its parameters already equal on every rank).
     bucket_cap_mb: bucket size in MiB (float > 0; torch's DDP default is 25).
-    Call ``prepare(rows, step)`` before each backward pass (the forward does).
+    ``prepare(rows, step)`` arms the hooks for the next backward pass (the
+    wrapper's forward does it); without it a backward pass is not reduced.
     """
 
     def __init__(self, module, bucket_cap_mb=25.0):
@@ -88,7 +96,8 @@ class GradientReducer:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.rows = None
         self.step = 0
-        self._armed = False
+        self._ready = False     # armed by a forward through the wrapper
+        self._in_pass = False   # a reduced backward pass is under way
         self._queue = queue.Queue()
         self._thread = None
 
@@ -113,10 +122,11 @@ class GradientReducer:
 
     def prepare(self, rows, step):
         """Arm the hooks for the next backward pass: this rank's rows (int >= 0)
-        and the step number carried as the collectives' tag."""
+        and the step number carried as the collectives' tag. A forward that no
+        backward followed is simply replaced by the next one."""
         self.rows = rows
         self.step = step
-        self._armed = False
+        self._ready = True
 
     def remove(self):
         """Take the hooks off the parameters."""
@@ -128,10 +138,7 @@ class GradientReducer:
     def _start_pass(self):
         """At the first gradient of a backward pass: reset the buckets, queue
         the end-of-pass callback, start the reducing thread if needed."""
-        if self.rows is None:
-            raise RuntimeError("DistributedDataParallel: backward() before a forward call "
-                               "of the DistributedDataParallel (its rows weight the gradients)")
-        self._armed = True
+        self._in_pass = True
         self._next = 0
         for b in self.buckets:
             b.pending = set(range(len(b.params)))
@@ -146,7 +153,9 @@ class GradientReducer:
         self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
 
     def _on_grad(self, p):
-        if not self._armed:
+        if not self._in_pass:
+            if not self._ready:   # not the backward of a forward through the wrapper
+                return
             self._start_pass()
         b, i = self._where[id(p)]
         self._fill(b, i, p.grad)
@@ -188,8 +197,10 @@ class GradientReducer:
 
     def _finish_pass(self):
         """End of backward: unused parameters count as zeros, every bucket is
-        waited for, then each param.grad gets sum_r rows_r g_r / sum_r rows_r."""
-        self._armed = False
+        waited for, then each param.grad gets sum_r rows_r g_r / sum_r rows_r.
+        The reduction disarms the hooks, whatever its outcome."""
+        self._in_pass = False
+        self._ready = False
         for b in self.buckets:
             for i in sorted(b.pending):
                 self._fill(b, i, None)

@@ -24,3 +24,10 @@ def test_zero_dim_parameters_and_buffers_are_broadcast_with_their_shape():
     rc, lines, out, _ = run("zero_dim_arrays")
     assert rc == 0, out
     assert all(lines[r] == ["OK zero_dim_arrays"] for r in range(2)), out
+
+
+@needs_mpi
+def test_only_the_backward_of_a_forward_through_the_wrapper_is_reduced():
+    rc, lines, out, _ = run("hooks_only_after_wrapper_forward", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK hooks_only_after_wrapper_forward"] for r in range(2)), out

@@ -62,6 +62,60 @@ def case_zero_dim_arrays():
     say("OK zero_dim_arrays")
 
 
+def _steps(ddp, model, n=2, rows=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        opt.zero_grad()
+        ddp(torch.randn(rows, 4, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+
+
+def _local_grad(model, x):
+    return torch.autograd.grad(model(x).pow(2).sum(), model.weight)[0]
+
+
+def _equal_on_every_rank(t):
+    got = dist.all_gather(t.detach()[None])
+    return all(torch.equal(got[0], got[i]) for i in range(len(got)))
+
+
+def case_hooks_only_after_wrapper_forward():
+    """Only the backward of a forward through the wrapper is reduced; a backward
+    through the unwrapped module (on one rank or all), a second backward of the
+    same graph, and one before the first forward stay local."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    model.zero_grad()
+    x0 = torch.randn(2, 4, dtype=torch.float64) + RANK
+    model(x0).pow(2).sum().backward()       # before any forward through the wrapper
+    assert torch.equal(model.weight.grad, _local_grad(model, x0))
+    torch.manual_seed(1 + RANK)
+    _steps(ddp, model)
+    assert _equal_on_every_rank(model.weight.grad)
+    if RANK == 0:                            # one rank alone: must not wait for the others
+        model.zero_grad()
+        x = torch.randn(1, 4, dtype=torch.float64)
+        model(x).sum().backward()
+        assert torch.equal(model.weight.grad,
+                           torch.autograd.grad(model(x).sum(), model.weight)[0])
+    model.zero_grad()
+    x = torch.randn(5, 4, dtype=torch.float64) * (RANK + 1)
+    model(x).pow(2).sum().backward()         # every rank, unwrapped: local gradients
+    assert torch.equal(model.weight.grad, _local_grad(model, x))
+    model.zero_grad()
+    loss = ddp(x).pow(2).mean()
+    loss.backward(retain_graph=True)         # reduced
+    reduced = model.weight.grad.clone()
+    assert _equal_on_every_rank(reduced)
+    model.zero_grad()
+    loss.backward()                          # the same graph again: local
+    assert torch.allclose(model.weight.grad, _local_grad(model, x) / 10, rtol=1e-14, atol=0)
+    _steps(ddp, model, n=1)                  # the next step through the wrapper is reduced
+    assert _equal_on_every_rank(model.weight.grad) and ddp.step == 4
+    say("OK hooks_only_after_wrapper_forward")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
