@@ -187,10 +187,18 @@ class DistributedDataParallel:
         mean over this rank's rows; call ``optimizer.zero_grad()`` every step.
         With autograd on and one local device the module runs itself (torch's
         graph intact); several local devices need a DataParallel that keeps
-        torch's graph. ``step`` counts the calls made with grad mode on; each
-        bucket's all_reduce carries it as its tag, so a rank that skipped a
-        backward pass (a NaN loss) meets the others' next step as a ValueError
-        on every rank naming the tags, not as silently mixed steps.
+        torch's graph. Only the backward of a forward through the wrapper with
+        grad mode on is reduced (that forward arms the hooks, the reduction
+        disarms them; other backward passes stay local, as with torch's DDP).
+        ``step`` counts the reductions that ran on this rank plus the
+        training-mode forwards that no backward followed (each replaced by
+        the next forward, its rows forgotten: a skipped step); an eval-mode
+        forward without backward counts nothing, so a validation forward
+        without torch.no_grad() may run on one rank alone. Each bucket's
+        all_reduce carries ``step`` as its tag, so a rank that skipped a
+        training step's backward (a NaN loss) meets the others' next step as
+        a ValueError on every rank naming the tags and saying what to do, not
+        as silently mixed steps.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
@@ -208,7 +216,7 @@ class DistributedDataParallel:
         self.dim = dim
         self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
         self.last_rows = None
-        self.step = 0
+        self._step = 0
         self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
@@ -218,6 +226,18 @@ class DistributedDataParallel:
             from ._ddp_torch import GradientReducer, trains_with_autograd
             if trains_with_autograd(module):
                 self.reducer = GradientReducer(module, bucket_cap_mb)
+
+    @property
+    def step(self):
+        """The reductions of gradient hooks that ran on this rank (0 without hooks)."""
+        return self.reducer.step if self.reducer is not None else self._step
+
+    @step.setter
+    def step(self, value):
+        if self.reducer is not None:
+            self.reducer.step = int(value)
+        else:
+            self._step = int(value)
 
     @property
     def device_ids(self):
@@ -231,8 +251,7 @@ class DistributedDataParallel:
         torch = sys.modules["torch"]
         if not torch.is_grad_enabled():   # evaluation: no backward follows, no step
             return self.local(*args, **kwargs)
-        self.reducer.prepare(self.last_rows, self.step)
-        self.step += 1
+        self.reducer.prepare(self.last_rows, training=self.module.training)
         if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)

@@ -52,6 +52,23 @@ def _tag_keyword(all_reduce):
     return (lambda tag: {"tag": tag}) if takes else (lambda tag: {})
 
 
+def _explained(error):
+    """A reduction's error; the guard's tag mismatch (the ranks were at
+    different steps) gets what to do appended, the original as __cause__."""
+    if not (isinstance(error, ValueError) and "tag=" in str(error)):
+        return error
+    out = ValueError(
+        f"{error} -- DistributedDataParallel: the ranks are at different steps: a rank "
+        "skipped the backward of a training-mode forward through the wrapper that the other "
+        "ranks ran (e.g. it skipped a NaN loss alone). Every rank must skip a step together: "
+        "all_reduce a flag ('my loss is finite', op='min') before backward() and skip on "
+        "every rank when it is 0 (docs/distributed.md). The ranks raised this at different "
+        "iterations of their training loops, now one backward apart: end the job and "
+        "restart from a checkpoint")
+    out.__cause__ = error
+    return out
+
+
 class _Bucket:
     """Parameters of one dtype reduced together; flat holds rows * grad of each
     and, last, this rank's rows."""
@@ -72,8 +89,15 @@ class GradientReducer:
 
     module: a torch.nn.Module (its parameters already equal on every rank).
     bucket_cap_mb: bucket size in MiB (float > 0; torch's DDP default is 25).
-    ``prepare(rows, step)`` arms the hooks for the next backward pass (the
+    ``prepare(rows, training)`` arms the hooks for the next backward pass (the
     wrapper's forward does it); without it a backward pass is not reduced.
+    ``step`` is the tag of the reduction's collectives: it counts the
+    reductions that ran on this rank, plus the training-mode forwards that no
+    backward followed (replaced by the next forward: a skipped step). An
+    eval-mode forward without backward (a validation forward without
+    torch.no_grad()) counts nothing, so it may run on one rank alone; a rank
+    that skipped a training step's backward the others ran is a ValueError on
+    every rank at its next reduction (it says what to do).
     """
 
     def __init__(self, module, bucket_cap_mb=25.0):
@@ -97,6 +121,7 @@ class GradientReducer:
         self.rows = None
         self.step = 0
         self._ready = False     # armed by a forward through the wrapper
+        self._ready_training = False   # that forward was in training mode
         self._in_pass = False   # a reduced backward pass is under way
         self._queue = queue.Queue()
         self._thread = None
@@ -120,13 +145,16 @@ class GradientReducer:
                 buckets.append(_Bucket(len(buckets), cur, np_dtype))
         return buckets
 
-    def prepare(self, rows, step):
-        """Arm the hooks for the next backward pass: this rank's rows (int >= 0)
-        and the step number carried as the collectives' tag. A forward that no
-        backward followed is simply replaced by the next one."""
+    def prepare(self, rows, training=True):
+        """Arm the hooks for the next backward pass with this rank's rows (int >= 0);
+        training: the module's mode in this forward. A forward that no backward
+        followed is replaced by this one (its rows forgotten); if it was in
+        training mode its step counts as skipped."""
+        if self._ready and self._ready_training:
+            self.step += 1
         self.rows = rows
-        self.step = step
         self._ready = True
+        self._ready_training = bool(training)
 
     def remove(self):
         """Take the hooks off the parameters."""
@@ -209,9 +237,10 @@ class GradientReducer:
         for _ in self.buckets:
             self._done.get()
         if self._pass_error is not None:
-            raise self._pass_error
+            raise _explained(self._pass_error)
         for b in self.buckets:
             self._write_back(b)
+        self.step += 1
 
     def _write_back(self, b):
         torch = self._torch

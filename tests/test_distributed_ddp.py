@@ -31,3 +31,22 @@ def test_only_the_backward_of_a_forward_through_the_wrapper_is_reduced():
     rc, lines, out, _ = run("hooks_only_after_wrapper_forward", DIST_TEST_TIMEOUT="10")
     assert rc == 0, out
     assert all(lines[r] == ["OK hooks_only_after_wrapper_forward"] for r in range(2)), out
+
+
+@needs_mpi
+def test_a_forward_without_backward_on_one_rank_leaves_the_steps_paired_and_exact():
+    rc, lines, out, _ = run("forward_without_backward", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK forward_without_backward"] for r in range(2)), out
+
+
+@needs_mpi
+def test_a_backward_skipped_on_one_rank_is_an_error_on_every_rank_saying_what_to_do():
+    rc, lines, out, _ = run("skipped_backward", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    got = errors(lines, "skipped")
+    assert sorted(got) == [0, 1] and len(set(got.values())) == 1, out
+    assert got[0].startswith("ValueError:") and "ddp step 1 bucket 0" in got[0] \
+        and "ddp step 2 bucket 0" in got[0], got[0]
+    assert "Every rank must skip a step together" in got[0], got[0]
+    assert all(lines[r][-1] == "OK usable" for r in range(2)), out

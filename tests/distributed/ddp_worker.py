@@ -116,6 +116,59 @@ def case_hooks_only_after_wrapper_forward():
     say("OK hooks_only_after_wrapper_forward")
 
 
+def case_forward_without_backward():
+    """A grad-mode forward through the wrapper on one rank with no backward after
+    it (a validation forward under model.eval() only) changes nothing: the step
+    counts reductions, and the next step pairs with the others' and is exact."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    ref = nn.Linear(4, 1).double()
+    ref.load_state_dict(model.state_dict())
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    P = dist.size()
+    for step in range(3):
+        X = torch.randn(3 * P, 4, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        ddp(X[3 * RANK:3 * RANK + 3]).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(X).pow(2).mean().backward()
+        ref_opt.step()
+        if RANK == 0 and step == 0:
+            model.eval()
+            ddp(torch.randn(5, 4, dtype=torch.float64)).pow(2).mean().item()
+            model.train()
+        assert float((model.weight - ref.weight).detach().abs().max()) <= 1e-12, step
+    assert ddp.step == 3, ddp.step
+    say("OK forward_without_backward")
+
+
+def case_skipped_backward():
+    """The last rank skips a training step's backward alone: every rank gets the
+    same ValueError at the next reduction, saying what to do; the communicator
+    stays usable."""
+    import numpy as np
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    x = torch.randn(3, 4, dtype=torch.float64)
+    last = dist.size() - 1
+    for step in range(3):
+        model.zero_grad()
+        loss = ddp(x).pow(2).mean()
+        if step == 1 and RANK == last:
+            continue
+        try:
+            loss.backward()
+        except ValueError as exc:
+            err("skipped", exc)
+            break
+    assert float(dist.all_reduce(np.float64(1.0))) == dist.size()
+    say("OK usable")
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
