@@ -8,6 +8,7 @@ each rank had so that uneven batches give exactly the single-process step.
 import hashlib
 import pickle
 import sys
+import weakref
 
 import numpy as np
 
@@ -185,6 +186,11 @@ class DistributedDataParallel:
         uneven batches; torch's DDP divides by the rank count instead, which is
         the same only where every rank has the same rows). The loss must be the
         mean over this rank's rows; call ``optimizer.zero_grad()`` every step.
+        The hooks belong to this wrapper: they are removed when it is
+        garbage-collected or when a new DistributedDataParallel of the same
+        module is made (wrapping the model again each epoch is fine; the older
+        wrapper's forward then raises RuntimeError). ``reducer.remove()``
+        removes them at once.
         With autograd on and one local device the module runs itself (torch's
         graph intact); several local devices need a DataParallel that keeps
         torch's graph. Only the backward of a forward through the wrapper with
@@ -226,6 +232,7 @@ class DistributedDataParallel:
             from ._ddp_torch import GradientReducer, trains_with_autograd
             if trains_with_autograd(module):
                 self.reducer = GradientReducer(module, bucket_cap_mb)
+                weakref.finalize(self, self.reducer.remove)   # the hooks are the wrapper's
 
     @property
     def step(self):

@@ -28,12 +28,23 @@ produces their gradients), split by dtype and into buckets of at most
 that the collectives pair. A parameter with no gradient in a step (unused)
 counts as zeros, and gets the reduced gradient like the others, so every rank
 ends the step with equal gradients.
+
+Whose hooks (one set per module): the hooks belong to the wrapper that made
+them. They are removed when that wrapper is garbage-collected (a
+``weakref.finalize`` on it) or when a new wrapper of the same module is made
+(the new one's replace them, so re-wrapping a model every epoch works);
+a forward through the older wrapper then raises RuntimeError.
 """
 import inspect
 import queue
 import threading
+import weakref
 
 import numpy as np
+
+
+# module -> the GradientReducer whose hooks it carries now.
+_HOOKED = weakref.WeakKeyDictionary()
 
 
 def trains_with_autograd(module):
@@ -117,6 +128,7 @@ class GradientReducer:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
+        self._take_over(module)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.rows = None
         self.step = 0
@@ -152,15 +164,35 @@ class GradientReducer:
         training mode its step counts as skipped."""
         if self._ready and self._ready_training:
             self.step += 1
+        if self._removed:
+            raise RuntimeError("DistributedDataParallel: this wrapper's gradient hooks were "
+                               "removed, as a newer DistributedDataParallel wraps the same "
+                               "module (one set of hooks per module): call the newer one")
         self.rows = rows
         self._ready = True
         self._ready_training = bool(training)
 
+    def _take_over(self, module):
+        """The module's hooks are this reducer's from now on: an older reducer's
+        are removed (one set of hooks per module)."""
+        self._removed = False
+        older = _HOOKED.get(module)
+        if older is not None:
+            older.remove()
+        _HOOKED[module] = self
+
     def remove(self):
-        """Take the hooks off the parameters."""
+        """Take the hooks off the parameters and end the reducing thread (the
+        wrapper's finalizer, or a newer wrapper of the module, calls it). A later
+        prepare() raises RuntimeError; calling it twice is harmless."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._removed = True
+        self._ready = False
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
 
     # ---------------------------------------------------------------- backward
     def _start_pass(self):
@@ -212,7 +244,10 @@ class GradientReducer:
         on every rank) the pass's later buckets are not sent, on any rank, so the
         next pass pairs again (and a timeout is waited for once, not per bucket)."""
         while True:
-            b, step = self._queue.get()
+            item = self._queue.get()
+            if item is None:   # remove(): the hooks are gone
+                return
+            b, step = item
             if self._pass_error is not None:
                 b.error = self._pass_error
             else:

@@ -50,3 +50,14 @@ def test_a_backward_skipped_on_one_rank_is_an_error_on_every_rank_saying_what_to
         and "ddp step 2 bucket 0" in got[0], got[0]
     assert "Every rank must skip a step together" in got[0], got[0]
     assert all(lines[r][-1] == "OK usable" for r in range(2)), out
+
+
+@needs_mpi
+def test_a_new_wrapper_of_the_same_model_takes_the_hooks_over():
+    rc, lines, out, _ = run("rewrap_each_epoch", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    got = errors(lines, "old_wrapper")
+    assert sorted(got) == [0, 1], out
+    assert got[0].startswith("RuntimeError: DistributedDataParallel: this wrapper's gradient "
+                             "hooks were removed"), got[0]
+    assert all(lines[r][-1] == "OK rewrap_each_epoch" for r in range(2)), out

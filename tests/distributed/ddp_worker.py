@@ -169,6 +169,49 @@ def case_skipped_backward():
     assert float(dist.all_reduce(np.float64(1.0))) == dist.size()
     say("OK usable")
 
+def case_rewrap_each_epoch():
+    """A new wrapper of the same model each epoch takes its hooks over (training
+    matches one process); the older wrapper's forward raises; a collected
+    wrapper's hooks and thread are gone."""
+    import copy
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    P = dist.size()
+    old = None
+    for epoch in range(3):
+        ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+        if epoch == 0:
+            old = ddp
+        X = torch.randn(3 * P, 4, generator=g, dtype=torch.float64)
+        Y = torch.randn(3 * P, 2, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        ((ddp(X[3 * RANK:3 * RANK + 3]) - Y[3 * RANK:3 * RANK + 3]) ** 2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ((ref(X) - Y) ** 2).mean().backward()
+        ref_opt.step()
+        assert float((model.weight - ref.weight).detach().abs().max()) <= 1e-12, epoch
+    try:
+        old(torch.randn(2, 4, dtype=torch.float64))
+    except RuntimeError as exc:
+        err("old_wrapper", exc)
+    reducer = ddp.reducer
+    thread = reducer._thread
+    gone = weakref.ref(ddp)
+    del ddp, old
+    gc.collect()
+    assert gone() is None and reducer._handles == [] and reducer._removed
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    say("OK rewrap_each_epoch")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
