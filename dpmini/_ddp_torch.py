@@ -29,6 +29,13 @@ that the collectives pair. A parameter with no gradient in a step (unused)
 counts as zeros, and gets the reduced gradient like the others, so every rank
 ends the step with equal gradients.
 
+Dtypes: float16 and bfloat16 gradients travel in float32 buckets (MPI has no
+16-bit float) and are rounded to the parameter's dtype once, when written
+back. Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``)
+are made dense for the reduction (a dense buffer of the parameter's size) and
+given back sparse: the reduced gradient as a coalesced sparse tensor, whose
+``to_dense()`` is torch's DDP result where every rank has the same rows.
+
 Whose hooks (one set per module): the hooks belong to the wrapper that made
 them. They are removed when that wrapper is garbage-collected (a
 ``weakref.finalize`` on it) or when a new wrapper of the same module is made
@@ -80,6 +87,17 @@ def _explained(error):
     return out
 
 
+def _sparse_parameters(module):
+    """ids of the parameters whose gradients torch makes sparse: the weights of
+    nn.Embedding / nn.EmbeddingBag built with sparse=True."""
+    import torch
+    out = set()
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            out.add(id(m.weight))
+    return out
+
+
 class _Bucket:
     """Parameters of one dtype reduced together; flat holds rows * grad of each
     and, last, this rank's rows."""
@@ -123,6 +141,7 @@ class GradientReducer:
         self._all_reduce = dist.all_reduce
         self._tag = _tag_keyword(dist.all_reduce)
         params = [p for p in module.parameters() if p.requires_grad]
+        self._sparse = _sparse_parameters(module)
         self.buckets = self._make_buckets(params, bucket_cap_mb * 2 ** 20)
         self._where = {}
         for b in self.buckets:
@@ -144,7 +163,7 @@ class GradientReducer:
             by_dtype.setdefault(p.dtype, []).append(p)
         buckets = []
         for dtype, ps in by_dtype.items():
-            np_dtype = self._torch.empty(0, dtype=dtype).numpy().dtype
+            np_dtype = self._bucket_dtype(dtype)
             cur, size = [], 0
             for p in ps:
                 nbytes = p.numel() * np_dtype.itemsize
@@ -156,6 +175,14 @@ class GradientReducer:
             if cur:
                 buckets.append(_Bucket(len(buckets), cur, np_dtype))
         return buckets
+
+    def _bucket_dtype(self, dtype):
+        """The NumPy dtype a torch dtype's gradients are reduced in: float32 for
+        float16 and bfloat16 (rounded back once), else the dtype itself."""
+        torch = self._torch
+        if dtype in (torch.float16, torch.bfloat16):
+            return np.dtype(np.float32)
+        return torch.empty(0, dtype=dtype).numpy().dtype
 
     def prepare(self, rows, training=True):
         """Arm the hooks for the next backward pass with this rank's rows (int >= 0);
@@ -229,9 +256,14 @@ class GradientReducer:
             view[...] = 0
             return
         g = grad.detach()
+        if g.is_sparse:
+            g = g.to_dense()
         if g.device.type != "cpu":
             g = g.cpu()
-        np.multiply(g.reshape(-1).numpy(), w, out=view)
+        g = g.reshape(-1)
+        if g.dtype != self._torch.float32 and view.dtype == np.float32:
+            g = g.float()   # float16 / bfloat16 in a float32 bucket
+        np.multiply(g.numpy(), w, out=view)
 
     def _launch_ready(self):
         """Queue buckets in order while the next one has every gradient."""
@@ -286,6 +318,10 @@ class GradientReducer:
         for i, p in enumerate(b.params):
             src = torch.from_numpy(b.result[b.offsets[i]:b.offsets[i + 1]]).view(p.shape)
             g = p.grad
+            if id(p) in self._sparse:   # given back sparse, as it came
+                dense = (src / total).to(device=p.device, dtype=p.dtype)
+                p.grad = dense.to_sparse(1)
+                continue
             if g is not None and g.device.type == "cpu" and g.dtype == src.dtype \
                     and g.is_contiguous():
                 torch.div(src, total, out=g)   # in place, one pass

@@ -61,3 +61,27 @@ def test_a_new_wrapper_of_the_same_model_takes_the_hooks_over():
     assert got[0].startswith("RuntimeError: DistributedDataParallel: this wrapper's gradient "
                              "hooks were removed"), got[0]
     assert all(lines[r][-1] == "OK rewrap_each_epoch" for r in range(2)), out
+
+
+@needs_mpi
+def test_float16_and_bfloat16_gradients_are_reduced_in_float32_and_rounded_once():
+    rc, lines, out, _ = run("half_gradients")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK half_gradients"] for r in range(2)), out
+
+
+@needs_mpi
+def test_sparse_embedding_gradients_come_back_sparse_with_the_mean():
+    rc, lines, out, _ = run("sparse_gradients")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK sparse_gradients"] for r in range(2)), out
+
+
+@needs_mpi
+def test_all_reduce_takes_float16_and_bfloat16_summing_in_float32():
+    rc, lines, out, _ = run("half_all_reduce")
+    assert rc == 0, out
+    got = errors(lines, "mixed")
+    assert sorted(got) == [0, 1] and len(set(got.values())) == 1, out
+    assert "float16 summed in float32" in got[0], got[0]
+    assert all(lines[r][-1] == "OK half_all_reduce" for r in range(2)), out

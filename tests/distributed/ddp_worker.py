@@ -212,6 +212,85 @@ def case_rewrap_each_epoch():
     say("OK rewrap_each_epoch")
 
 
+def _local_grads(model, x):
+    return torch.autograd.grad(model(x).float().pow(2).mean(), list(model.parameters()))
+
+
+def case_half_gradients():
+    """float16 and bfloat16 gradients are reduced in float32 and rounded once:
+    sum_r rows_r * g_r / sum_r rows_r in float32, then the parameter's dtype."""
+    P = dist.size()
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(dtype)
+        ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+        rows = RANK + 2
+        x = (torch.randn(rows, 4) * (RANK + 1)).to(dtype)
+        local = _local_grads(model, x)
+        every = [dist.all_gather(g.float()[None]) for g in local]
+        all_rows = [r + 2 for r in range(P)]
+        ddp(x).float().pow(2).mean().backward()
+        for p, got in zip(model.parameters(), every):
+            want = sum(n * got[r] for r, n in enumerate(all_rows)) / sum(all_rows)
+            assert p.grad.dtype == dtype and torch.equal(p.grad, want.to(dtype)), (dtype, p.grad)
+    say("OK half_gradients")
+
+
+def case_sparse_gradients():
+    """nn.Embedding(sparse=True): the reduced gradient comes back sparse, its
+    dense form the rows-weighted mean of every rank's dense gradient."""
+    P = dist.size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True)).double()
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    idx = torch.tensor([RANK, RANK + 1, 7])
+    w = model[0].weight
+    local = torch.autograd.grad(model(idx).pow(2).mean(), w)[0].to_dense()
+    every = dist.all_gather(local[None])
+    ddp(idx).pow(2).mean().backward()
+    assert w.grad.is_sparse, w.grad.layout
+    want = every.sum(0) / P                     # every rank has 3 rows
+    assert torch.allclose(w.grad.to_dense(), want, rtol=1e-15, atol=0)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()   # SGD takes sparse gradients
+    assert _equal_on_every_rank(w)
+    say("OK sparse_gradients")
+
+
+def case_half_all_reduce():
+    """all_reduce / reduce of float16 and bfloat16 (NumPy, ml_dtypes, torch):
+    summed in float32, rounded once, in the input's dtype; float16 on one rank
+    and float32 on another is a ValueError on every rank."""
+    import numpy as np
+    P = dist.size()
+    x = np.array([1.0, 2049.0, 0.1], dtype=np.float16) * (RANK + 1)
+    want = (sum(x.astype(np.float32) / (RANK + 1) * (r + 1) for r in range(P))).astype(np.float16)
+    got = dist.all_reduce(x)
+    assert got.dtype == np.float16 and np.array_equal(got, want), got
+    got = dist.all_reduce(torch.from_numpy(x))
+    assert got.dtype == torch.float16 and np.array_equal(got.numpy(), want)
+    out = torch.empty(3, dtype=torch.float16)
+    assert dist.all_reduce(torch.from_numpy(x), out=out) is out and np.array_equal(out, want)
+    got = dist.all_reduce(torch.from_numpy(x).to(torch.bfloat16), op="max")
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.from_numpy(x * 0 + x / (RANK + 1) * P).to(torch.bfloat16))
+    r = dist.reduce(x)
+    assert (r is None) == (RANK != 0) and (r is None or np.array_equal(r, want))
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+    if ml_dtypes is not None:
+        b = x.astype(np.float32).astype(ml_dtypes.bfloat16)
+        got = dist.all_reduce(b)
+        want_b = sum(b.astype(np.float32) / (RANK + 1) * (k + 1) for k in range(P))
+        assert got.dtype == b.dtype and np.array_equal(got, want_b.astype(ml_dtypes.bfloat16))
+    try:
+        dist.all_reduce(x if RANK == 0 else x.astype(np.float32))
+    except ValueError as exc:
+        err("mixed", exc)
+    say("OK half_all_reduce")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
