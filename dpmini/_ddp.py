@@ -178,6 +178,12 @@ class DistributedDataParallel:
         chunk_sizes, weights, strict): passed to dpmini.DataParallel for the
         local devices.
     broadcast_module: False skips the broadcast at construction.
+    broadcast_buffers: for a torch.nn.Module with buffers (BatchNorm's running
+        statistics), True (torch's DDP name and default) copies rank 0's
+        buffers into every rank's before each training forward (the module in
+        training mode, grad mode on), so they do not drift apart per rank:
+        then every rank must make the same training forwards (a collective).
+        False leaves each rank's buffers its own after construction.
     bucket_cap_mb: for a torch.nn.Module with parameters that require grad,
         the size in MiB (float > 0, torch's DDP default 25) of the buckets in
         which gradient hooks all-reduce the gradients during ``loss.backward()``
@@ -214,7 +220,7 @@ class DistributedDataParallel:
     """
 
     def __init__(self, module, device_ids=None, dim=0, broadcast_module=True,
-                 bucket_cap_mb=25.0, **dp_kwargs):
+                 bucket_cap_mb=25.0, broadcast_buffers=True, **dp_kwargs):
         from . import distributed as dist
 
         dist._comm()
@@ -227,9 +233,11 @@ class DistributedDataParallel:
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
         self.reducer = None
+        self.broadcast_buffers = False
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(module, torch.nn.Module):
-            from ._ddp_torch import GradientReducer, trains_with_autograd
+            from ._ddp_torch import GradientReducer, has_buffers, trains_with_autograd
+            self.broadcast_buffers = bool(broadcast_buffers) and has_buffers(module)
             if trains_with_autograd(module):
                 self.reducer = GradientReducer(module, bucket_cap_mb)
                 weakref.finalize(self, self.reducer.remove)   # the hooks are the wrapper's
@@ -253,6 +261,7 @@ class DistributedDataParallel:
 
     def __call__(self, *args, **kwargs):
         self.last_rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
+        self._sync_buffers()
         if self.reducer is None:
             return self.local(*args, **kwargs)
         torch = sys.modules["torch"]
@@ -262,6 +271,16 @@ class DistributedDataParallel:
         if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)
+
+    def _sync_buffers(self):
+        """Rank 0's buffers into every rank's before a training forward (torch's
+        broadcast_buffers rule; collective)."""
+        if not self.broadcast_buffers:
+            return
+        torch = sys.modules["torch"]
+        if torch.is_grad_enabled() and self.module.training:
+            from ._ddp_torch import broadcast_buffers
+            broadcast_buffers(self.module)
 
     def reduce_gradients(self, grads, weights="rows", rows=None, *, tag=None):
         """reduce_gradients(grads, weights, rows or self.last_rows, tag=tag); see there."""

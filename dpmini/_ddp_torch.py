@@ -54,6 +54,29 @@ import numpy as np
 _HOOKED = weakref.WeakKeyDictionary()
 
 
+def has_buffers(module):
+    """Whether the torch.nn.Module has buffers (BatchNorm's running statistics...)."""
+    return any(True for _ in module.buffers())
+
+
+def broadcast_buffers(module, root=0):
+    """Copy root's buffers into every rank's module, in place (collective; by
+    name, in sorted order, so that the broadcasts pair). torch's DDP does this
+    before every forward with grad mode on (broadcast_buffers=True), so that
+    BatchNorm's running statistics stay rank 0's rather than drift per rank."""
+    import torch
+
+    from ._ddp import broadcast_host_copy
+    from . import distributed as dist
+
+    mine = dist.rank() == root
+    for _, buf in sorted(module.named_buffers(), key=lambda kv: kv[0]):
+        got = broadcast_host_copy(buf, root)
+        if not mine:
+            with torch.no_grad():
+                buf.copy_(torch.from_numpy(got).to(device=buf.device, dtype=buf.dtype))
+
+
 def trains_with_autograd(module):
     """Whether the torch.nn.Module has a parameter that requires grad."""
     return any(p.requires_grad for p in module.parameters())

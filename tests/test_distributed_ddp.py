@@ -85,3 +85,10 @@ def test_all_reduce_takes_float16_and_bfloat16_summing_in_float32():
     assert sorted(got) == [0, 1] and len(set(got.values())) == 1, out
     assert "float16 summed in float32" in got[0], got[0]
     assert all(lines[r][-1] == "OK half_all_reduce" for r in range(2)), out
+
+
+@needs_mpi
+def test_broadcast_buffers_copies_rank_0s_buffers_before_each_training_forward():
+    rc, lines, out, _ = run("broadcast_buffers", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK broadcast_buffers"] for r in range(2)), out

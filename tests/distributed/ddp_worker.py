@@ -291,6 +291,39 @@ def case_half_all_reduce():
     say("OK half_all_reduce")
 
 
+def case_broadcast_buffers():
+    """broadcast_buffers=True: rank 0's buffers are copied in before each training
+    forward (then this rank's batch updates them); False keeps each rank's own;
+    an eval-mode or no_grad forward broadcasts nothing (it may run on one rank)."""
+    for flag in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).double()
+        ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"], broadcast_buffers=flag)
+        bn = model[1]
+        with torch.no_grad():
+            bn.running_mean.fill_(float(RANK))
+            bn.num_batches_tracked.fill_(10 * RANK)
+        if RANK == 0:
+            with torch.no_grad():
+                ddp(torch.randn(4, 3, dtype=torch.float64))   # alone: no collective
+            model.eval()
+            ddp(torch.randn(4, 3, dtype=torch.float64))
+            model.train()
+            with torch.no_grad():
+                bn.running_mean.fill_(0.0)
+                bn.num_batches_tracked.fill_(0)
+        x = torch.randn(4, 3, dtype=torch.float64) + RANK
+        with torch.no_grad():
+            batch_mean = model[0](x).mean(0)
+        ddp(x).pow(2).mean().backward()
+        start = 0.0 if flag else float(RANK)
+        want = 0.9 * start + 0.1 * batch_mean
+        assert torch.allclose(bn.running_mean, want, rtol=1e-14, atol=1e-15), (flag, RANK)
+        assert bn.num_batches_tracked.item() == (1 if flag else 10 * RANK + 1)
+        assert ddp.broadcast_buffers == flag
+    say("OK broadcast_buffers")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
