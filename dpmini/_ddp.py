@@ -212,6 +212,12 @@ class DistributedDataParallel:
         a ValueError on every rank naming the tags and saying what to do, not
         as silently mixed steps.
 
+    Around a torch.nn.Module the wrapper is also an nn.Module (as torch's DDP is)
+    whose one child is ``module``: ``parameters()`` for the optimizer,
+    ``state_dict()`` with keys ``module.*`` (as torch's DDP saves them),
+    ``train()``/``eval()``, ``to()``, ``zero_grad()``, forward hooks; it stays an
+    instance of DistributedDataParallel (``dpmini/_ddp_torch.py``, adapter_type).
+
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
     (``last_rows``: the rows split of the first array that in_dims does not
@@ -219,14 +225,26 @@ class DistributedDataParallel:
     (requires dpmini.distributed.init()); calls are local.
     """
 
+    def __new__(cls, module=None, *args, **kwargs):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(module, torch.nn.Module):
+            from ._ddp_torch import adapter_type
+            cls = adapter_type(cls)
+        return object.__new__(cls)
+
     def __init__(self, module, device_ids=None, dim=0, broadcast_module=True,
                  bucket_cap_mb=25.0, broadcast_buffers=True, **dp_kwargs):
         from . import distributed as dist
 
         dist._comm()
+        if "torch" in sys.modules:
+            from ._ddp_torch import begin_module
+            begin_module(self)
         self.module = module
         self.dim = dim
-        self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
+        # Not a child module of the nn.Module adapter: state_dict() keys stay module.*.
+        object.__setattr__(self, "local", dpmini.DataParallel(module, device_ids=device_ids,
+                                                               dim=dim, **dp_kwargs))
         self.last_rows = None
         self._step = 0
         self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}

@@ -54,6 +54,40 @@ import numpy as np
 _HOOKED = weakref.WeakKeyDictionary()
 
 
+# DistributedDataParallel class -> its nn.Module adapter class.
+_ADAPTERS = {}
+
+
+def adapter_type(cls):
+    """The class of a DistributedDataParallel (class cls) around a torch.nn.Module:
+    cls itself when it already is an nn.Module, else a class made once per cls
+    with bases (cls, nn.Module), so that the wrapper is an nn.Module whose one
+    child is ``module`` (parameters(), state_dict() with keys "module.*",
+    train()/eval(), to(), zero_grad(), hooks), as torch's DDP is, and still an
+    instance of cls. Its call is nn.Module's (hooks), its forward cls's call."""
+    import torch
+
+    nn = torch.nn
+    if issubclass(cls, nn.Module):
+        return cls
+    made = _ADAPTERS.get(cls)
+    if made is None:
+        made = type(cls.__name__, (cls, nn.Module),
+                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                     "__doc__": cls.__doc__, "__call__": nn.Module.__call__,
+                     "forward": cls.__call__, "__repr__": nn.Module.__repr__})
+        _ADAPTERS[cls] = made
+    return made
+
+
+def begin_module(wrapper):
+    """Set up nn.Module's state on an adapter object (before any attribute)."""
+    import torch
+
+    if isinstance(wrapper, torch.nn.Module):
+        torch.nn.Module.__init__(wrapper)
+
+
 def has_buffers(module):
     """Whether the torch.nn.Module has buffers (BatchNorm's running statistics...)."""
     return any(True for _ in module.buffers())
@@ -165,11 +199,9 @@ class GradientReducer:
         self._tag = _tag_keyword(dist.all_reduce)
         params = [p for p in module.parameters() if p.requires_grad]
         self._sparse = _sparse_parameters(module)
-        self.buckets = self._make_buckets(params, bucket_cap_mb * 2 ** 20)
-        self._where = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
+        self._params = params
+        self._cap_bytes = bucket_cap_mb * 2 ** 20
+        self._plan_buckets()
         self._take_over(module)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.rows = None
@@ -179,6 +211,15 @@ class GradientReducer:
         self._in_pass = False   # a reduced backward pass is under way
         self._queue = queue.Queue()
         self._thread = None
+
+    def _plan_buckets(self):
+        """Buckets for the parameters' dtypes now (again after module.to(dtype))."""
+        self._dtypes = tuple(p.dtype for p in self._params)
+        self.buckets = self._make_buckets(self._params, self._cap_bytes)
+        self._where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
 
     def _make_buckets(self, params, cap_bytes):
         by_dtype = {}
@@ -218,6 +259,8 @@ class GradientReducer:
             raise RuntimeError("DistributedDataParallel: this wrapper's gradient hooks were "
                                "removed, as a newer DistributedDataParallel wraps the same "
                                "module (one set of hooks per module): call the newer one")
+        if self._dtypes != tuple(p.dtype for p in self._params):
+            self._plan_buckets()
         self.rows = rows
         self._ready = True
         self._ready_training = bool(training)

@@ -92,3 +92,10 @@ def test_broadcast_buffers_copies_rank_0s_buffers_before_each_training_forward()
     rc, lines, out, _ = run("broadcast_buffers", DIST_TEST_TIMEOUT="10")
     assert rc == 0, out
     assert all(lines[r] == ["OK broadcast_buffers"] for r in range(2)), out
+
+
+@needs_mpi
+def test_the_wrapper_of_a_torch_module_is_an_nn_module_whose_child_is_module():
+    rc, lines, out, _ = run("module_face")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK module_face"] for r in range(2)), out

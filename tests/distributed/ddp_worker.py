@@ -324,6 +324,67 @@ def case_broadcast_buffers():
     say("OK broadcast_buffers")
 
 
+def case_module_face():
+    """Around a torch module the wrapper is an nn.Module whose one child is
+    ``module`` (torch's DDP's face) and still a DistributedDataParallel."""
+    import copy
+
+    import numpy as np
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))   # float32
+    ref = copy.deepcopy(model).double()
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    assert isinstance(ddp, nn.Module) and isinstance(ddp, dist.DistributedDataParallel)
+    assert type(ddp).__name__ == "DistributedDataParallel"
+    assert dict(ddp.named_children()) == {"module": model}
+    assert list(ddp.state_dict()) == ["module." + k for k in model.state_dict()]
+    assert [n for n, _ in ddp.named_parameters()] == \
+        ["module." + n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(ddp.parameters(), model.parameters()))
+    ddp.eval()
+    assert not model.training and not ddp.training
+    ddp.train()
+    assert model.training
+    assert ddp.to(torch.float64) is ddp and model[0].weight.dtype == torch.float64
+    calls = []
+    ddp.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    P = dist.size()
+    sizes = [3 + r for r in range(P)]                 # uneven
+    start = sum(sizes[:RANK])
+    for step in range(2):
+        X = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+        ddp.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        ddp(X[start:start + sizes[RANK]]).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(X).pow(2).mean().backward()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float64
+            assert float((p - q).detach().abs().max()) <= 1e-12, step
+    assert calls == [(sizes[RANK], 2)] * 2, calls
+    saved = {k: v.clone() for k, v in ddp.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.zero_()
+    ddp.load_state_dict(saved)                          # keys module.*, as torch's DDP saves
+    assert torch.equal(model[0].weight, saved["module.0.weight"])
+
+    class Plain:
+        def __init__(self):
+            self.w = np.ones(3)
+
+        def __call__(self, x):
+            return x * self.w
+
+    plain = dist.DistributedDataParallel(Plain(), device_ids=["cpu:0"])
+    assert not isinstance(plain, nn.Module) and isinstance(plain, dist.DistributedDataParallel)
+    say("OK module_face")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
