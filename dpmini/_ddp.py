@@ -140,7 +140,9 @@ def broadcast_arrays(arrays, root=0):
     {name: (array, setter)} as _module_arrays gives; each travels as NumPy.
 
     Every rank's names, shapes, dtypes (and libraries) are first checked against
-    root's: a difference raises the same ValueError on every rank, naming the ranks.
+    root's: a difference raises the same ValueError on every rank, naming the
+    ranks that differ and, for each array that differs (the first few), what
+    every rank has under that name (shape, dtype, library, or missing).
     """
     from . import distributed as dist
 
@@ -149,9 +151,10 @@ def broadcast_arrays(arrays, root=0):
     bad = dist.all_gather(np.array([int(mine != roots)], dtype=np.int64))
     if bad.any():
         ranks = [int(r) for r in np.flatnonzero(bad)]
+        every = _gather_objects(dist, mine)
         raise ValueError(f"DistributedDataParallel: the module's arrays on rank(s) {ranks} "
-                         f"differ from rank {root}'s (names, shapes or dtypes); rank {root} "
-                         f"has {roots}")
+                         f"differ from rank {root}'s (names, shapes or dtypes): "
+                         f"{_layout_differences(every)} (every rank raises this)")
     for name in sorted(arrays):
         v, put = arrays[name]
         put(broadcast_host_copy(v, root))
@@ -164,6 +167,30 @@ def broadcast_host_copy(v, root=0):
 
     host = np.array(_to_numpy(v)[0], copy=True, order="C")
     return dist.broadcast(host, root=root).reshape(host.shape)
+
+
+def _gather_objects(dist, obj):
+    """Every rank's obj (picklable), in rank order (collective: two all_gathers)."""
+    blob = np.frombuffer(pickle.dumps(obj, protocol=4), dtype=np.uint8)
+    lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
+    allb = dist.all_gather(blob)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    return [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+
+
+def _layout_differences(every, most=4):
+    """'name' with each rank's (shape, dtype, library) or 'missing', for the
+    first `most` names whose entries differ between the ranks' descriptions."""
+    names = sorted(set().union(*every))
+    parts = []
+    for name in names:
+        got = [d.get(name) for d in every]
+        if all(g == got[0] for g in got):
+            continue
+        parts.append(f"{name!r} is " + _by_rank(
+            got, lambda g: "missing" if g is None else f"shape {g[0]} dtype {g[2]} ({g[1]})"))
+    more = f"; and {len(parts) - most} more" if len(parts) > most else ""
+    return "; ".join(parts[:most]) + more
 
 
 class DistributedDataParallel:
@@ -463,11 +490,7 @@ def _check_layout(dist, keys, arrays, error=None, tag=None, context=None):
     got = dist._comm().all_gather(digest, 0, None, tag=tag, error=error, context=context)
     if (got == digest[0]).all():
         return
-    blob = np.frombuffer(blob, dtype=np.uint8)
-    lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
-    allb = dist.all_gather(blob)
-    starts = np.concatenate([[0], np.cumsum(lens)])
-    full = [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+    full = _gather_objects(dist, layout)
     if any(f[0] != full[0][0] for f in full):
         raise ValueError("reduce_gradients: grads is " + _by_rank(
             [f[0] for f in full], lambda d: "a dict" if d else "a list/tuple")

@@ -99,3 +99,18 @@ def test_the_wrapper_of_a_torch_module_is_an_nn_module_whose_child_is_module():
     rc, lines, out, _ = run("module_face")
     assert rc == 0, out
     assert all(lines[r] == ["OK module_face"] for r in range(2)), out
+
+
+@needs_mpi
+def test_different_models_on_the_ranks_name_what_each_rank_has():
+    rc, lines, out, _ = run("layout_mismatch")
+    assert rc == 0, out
+    got = errors(lines, "layout")
+    assert sorted(got) == [0, 1] and len(set(got.values())) == 1, out
+    msg = got[0]
+    assert "on rank(s) [1] differ from rank 0's" in msg, msg
+    assert "'0.weight' is shape (3, 2) dtype torch.float32 (torch) on rank(s) [0], " \
+           "shape (4, 2) dtype torch.float32 (torch) on rank(s) [1]" in msg, msg
+    assert "'0.bias' is shape (3,)" in msg and "shape (4,)" in msg, msg
+    assert "'extra' is missing on rank(s) [0], shape (2,) dtype torch.float32 (torch) on rank(s) [1]" \
+        in msg, msg

@@ -385,6 +385,20 @@ def case_module_face():
     say("OK module_face")
 
 
+def case_layout_mismatch():
+    """Different models on the ranks: the same ValueError on every rank names
+    each differing array with what every rank has."""
+    width = 3 if RANK == 0 else 4
+    model = nn.Sequential(nn.Linear(2, width))
+    if RANK == 1:
+        model.register_buffer("extra", torch.zeros(2))
+    try:
+        dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    except ValueError as exc:
+        err("layout", exc)
+    say("OK layout_mismatch")
+
+
 if __name__ == "__main__":
     dist.init(timeout=float(os.environ.get("DIST_TEST_TIMEOUT", "30")))
     RANK = dist.rank()
