@@ -289,7 +289,9 @@ class DistributedDataParallel:
 
     @property
     def step(self):
-        """The reductions of gradient hooks that ran on this rank (0 without hooks)."""
+        """The gradient hooks' step on this rank (0 without hooks): the reductions
+        that ran plus the training-mode forwards that no backward followed; the
+        tag of the reduction's collectives. Settable (the same value on every rank)."""
         return self.reducer.step if self.reducer is not None else self._step
 
     @step.setter
