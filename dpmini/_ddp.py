@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import pickle
 import sys
+import weakref
 
 import numpy as np
 
@@ -140,7 +141,9 @@ def broadcast_arrays(arrays, root=0):
     {name: (array, setter)} as _module_arrays gives; each travels as NumPy.
 
     Every rank's names, shapes, dtypes (and libraries) are first checked against
-    root's: a difference raises the same ValueError on every rank, naming the ranks.
+    root's: a difference raises the same ValueError on every rank, naming the
+    ranks that differ and, for each array that differs (the first few), what
+    every rank has under that name (shape, dtype, library, or missing).
     """
     from . import distributed as dist
 
@@ -149,14 +152,46 @@ def broadcast_arrays(arrays, root=0):
     bad = dist.all_gather(np.array([int(mine != roots)], dtype=np.int64))
     if bad.any():
         ranks = [int(r) for r in np.flatnonzero(bad)]
+        every = _gather_objects(dist, mine)
         raise ValueError(f"DistributedDataParallel: the module's arrays on rank(s) {ranks} "
-                         f"differ from rank {root}'s (names, shapes or dtypes); rank {root} "
-                         f"has {roots}")
+                         f"differ from rank {root}'s (names, shapes or dtypes): "
+                         f"{_layout_differences(every)} (every rank raises this)")
     for name in sorted(arrays):
         v, put = arrays[name]
-        host = np.ascontiguousarray(_to_numpy(v)[0])
-        got = dist.broadcast(host, root=root)
-        put(got)
+        put(broadcast_host_copy(v, root))
+
+
+def broadcast_host_copy(v, root=0):
+    """Root's value of the array v (collective), as a NumPy array of v's shape,
+    0-dim included (np.ascontiguousarray would make a 0-dim array 1-dim)."""
+    from . import distributed as dist
+
+    host = np.array(_to_numpy(v)[0], copy=True, order="C")
+    return dist.broadcast(host, root=root).reshape(host.shape)
+
+
+def _gather_objects(dist, obj):
+    """Every rank's obj (picklable), in rank order (collective: two all_gathers)."""
+    blob = np.frombuffer(pickle.dumps(obj, protocol=4), dtype=np.uint8)
+    lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
+    allb = dist.all_gather(blob)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    return [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+
+
+def _layout_differences(every, most=4):
+    """'name' with each rank's (shape, dtype, library) or 'missing', for the
+    first `most` names whose entries differ between the ranks' descriptions."""
+    names = sorted(set().union(*every))
+    parts = []
+    for name in names:
+        got = [d.get(name) for d in every]
+        if all(g == got[0] for g in got):
+            continue
+        parts.append(f"{name!r} is " + _by_rank(
+            got, lambda g: "missing" if g is None else f"shape {g[0]} dtype {g[2]} ({g[1]})"))
+    more = f"; and {len(parts) - most} more" if len(parts) > most else ""
+    return "; ".join(parts[:most]) + more
 
 
 class DistributedDataParallel:
@@ -171,6 +206,12 @@ class DistributedDataParallel:
         chunk_sizes, weights, strict): passed to dpmini.DataParallel for the
         local devices.
     broadcast_module: False skips the broadcast at construction.
+    broadcast_buffers: for a torch.nn.Module with buffers (BatchNorm's running
+        statistics), True (torch's DDP name and default) copies rank 0's
+        buffers into every rank's before each training forward (the module in
+        training mode, grad mode on), so they do not drift apart per rank:
+        then every rank must make the same training forwards (a collective).
+        False leaves each rank's buffers its own after construction.
     bucket_cap_mb: for a torch.nn.Module with parameters that require grad,
         the size in MiB (float > 0, torch's DDP default 25) of the buckets in
         which gradient hooks all-reduce the gradients during ``loss.backward()``
@@ -179,14 +220,33 @@ class DistributedDataParallel:
         uneven batches; torch's DDP divides by the rank count instead, which is
         the same only where every rank has the same rows). The loss must be the
         mean over this rank's rows; call ``optimizer.zero_grad()`` every step.
+        The hooks belong to this wrapper: they are removed when it is
+        garbage-collected or when a new DistributedDataParallel of the same
+        module is made (wrapping the model again each epoch is fine; the older
+        wrapper's forward then raises RuntimeError). ``reducer.remove()``
+        removes them at once.
         With autograd on and one local device the module runs itself (torch's
         graph intact); several local devices need a DataParallel that keeps
-        torch's graph. ``step`` counts the calls made with grad mode on; each
-        bucket's all_reduce carries it as its tag, so a rank that skipped a
-        backward pass (a NaN loss) meets the others' next step as a ValueError
-        on every rank naming the tags, not as silently mixed steps.
+        torch's graph. Only the backward of a forward through the wrapper with
+        grad mode on is reduced (that forward arms the hooks, the reduction
+        disarms them; other backward passes stay local, as with torch's DDP).
+        ``step`` counts the reductions that ran on this rank plus the
+        training-mode forwards that no backward followed (each replaced by
+        the next forward, its rows forgotten: a skipped step); an eval-mode
+        forward without backward counts nothing, so a validation forward
+        without torch.no_grad() may run on one rank alone. Each bucket's
+        all_reduce carries ``step`` as its tag, so a rank that skipped a
+        training step's backward (a NaN loss) meets the others' next step as
+        a ValueError on every rank naming the tags and saying what to do, not
+        as silently mixed steps.
+
+    Around a torch.nn.Module the wrapper is also an nn.Module (as torch's DDP is)
+    whose one child is ``module``: ``parameters()`` for the optimizer,
+    ``state_dict()`` with keys ``module.*`` (as torch's DDP saves them),
+    ``train()``/``eval()``, ``to()``, ``zero_grad()``, forward hooks; it stays an
+    instance of DistributedDataParallel (``dpmini/_ddp_torch.py``, adapter_type).
         ``no_sync()`` accumulates gradients locally over several backward
-        passes (see there); ``step`` then counts the synchronized ones.
+        passes (see there); only the synchronized backward is a reduction.
 
     Calling it runs dpmini.DataParallel on this rank's batch (split over the
     local devices, gathered locally) and remembers the batch's rows
@@ -197,28 +257,57 @@ class DistributedDataParallel:
     dpmini.distributed.init()); calls are local.
     """
 
+    def __new__(cls, module=None, *args, **kwargs):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(module, torch.nn.Module):
+            from ._ddp_torch import adapter_type
+            cls = adapter_type(cls)
+        return object.__new__(cls)
+
     def __init__(self, module, device_ids=None, dim=0, broadcast_module=True,
-                 bucket_cap_mb=25.0, **dp_kwargs):
+                 bucket_cap_mb=25.0, broadcast_buffers=True, **dp_kwargs):
         from . import distributed as dist
 
         dist._comm()
+        if "torch" in sys.modules:
+            from ._ddp_torch import begin_module
+            begin_module(self)
         self.module = module
         self.dim = dim
-        self.local = dpmini.DataParallel(module, device_ids=device_ids, dim=dim, **dp_kwargs)
+        # Not a child module of the nn.Module adapter: state_dict() keys stay module.*.
+        object.__setattr__(self, "local", dpmini.DataParallel(module, device_ids=device_ids,
+                                                               dim=dim, **dp_kwargs))
         self.last_rows = None
         self.sync_rows = None
-        self.step = 0
+        self._step = 0
         self._syncing = True
         self._held_rows = 0   # rows of the calls inside no_sync() since the last synchronized one
         self._split = {k: dp_kwargs.get(k) for k in ("in_dims", "chunk_sizes", "weights")}
         if broadcast_module:
             broadcast_arrays(_module_arrays(module), root=0)
         self.reducer = None
+        self.broadcast_buffers = False
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(module, torch.nn.Module):
-            from ._ddp_torch import GradientReducer, trains_with_autograd
+            from ._ddp_torch import GradientReducer, has_buffers, trains_with_autograd
+            self.broadcast_buffers = bool(broadcast_buffers) and has_buffers(module)
             if trains_with_autograd(module):
                 self.reducer = GradientReducer(module, bucket_cap_mb)
+                weakref.finalize(self, self.reducer.remove)   # the hooks are the wrapper's
+
+    @property
+    def step(self):
+        """The gradient hooks' step on this rank (0 without hooks): the reductions
+        that ran plus the training-mode forwards that no backward followed; the
+        tag of the reduction's collectives. Settable (the same value on every rank)."""
+        return self.reducer.step if self.reducer is not None else self._step
+
+    @step.setter
+    def step(self, value):
+        if self.reducer is not None:
+            self.reducer.step = int(value)
+        else:
+            self._step = int(value)
 
     @property
     def device_ids(self):
@@ -266,6 +355,8 @@ class DistributedDataParallel:
 
     def __call__(self, *args, **kwargs):
         rows = _split_rows(args, kwargs, self.device_ids, self.dim, **self._split)
+        if self._syncing:   # torch's DDP does not sync buffers inside no_sync() either
+            self._sync_buffers()
         if self.reducer is None:
             self._count_rows(rows)
             return self.local(*args, **kwargs)
@@ -275,13 +366,20 @@ class DistributedDataParallel:
             return self.local(*args, **kwargs)
         self._count_rows(rows)
         if self._syncing:
-            self.reducer.prepare(self.sync_rows, self.step)
-            self.step += 1
-        else:
-            self.reducer.hold()
+            self.reducer.prepare(self.sync_rows, training=self.module.training)
         if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)
+
+    def _sync_buffers(self):
+        """Rank 0's buffers into every rank's before a training forward (torch's
+        broadcast_buffers rule; collective)."""
+        if not self.broadcast_buffers:
+            return
+        torch = sys.modules["torch"]
+        if torch.is_grad_enabled() and self.module.training:
+            from ._ddp_torch import broadcast_buffers
+            broadcast_buffers(self.module)
 
     def reduce_gradients(self, grads, weights="rows", rows=None, *, tag=None):
         """reduce_gradients(grads, weights, rows or self.sync_rows, tag=tag); see
@@ -448,11 +546,7 @@ def _check_layout(dist, keys, arrays, error=None, tag=None, context=None):
     got = dist._comm().all_gather(digest, 0, None, tag=tag, error=error, context=context)
     if (got == digest[0]).all():
         return
-    blob = np.frombuffer(blob, dtype=np.uint8)
-    lens = dist.all_gather(np.array([blob.size], dtype=np.int64))
-    allb = dist.all_gather(blob)
-    starts = np.concatenate([[0], np.cumsum(lens)])
-    full = [pickle.loads(allb[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lens))]
+    full = _gather_objects(dist, layout)
     if any(f[0] != full[0][0] for f in full):
         raise ValueError("reduce_gradients: grads is " + _by_rank(
             [f[0] for f in full], lambda d: "a dict" if d else "a list/tuple")

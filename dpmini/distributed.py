@@ -424,8 +424,11 @@ def all_reduce(x, op="sum", *, tag=None, out=None):
     op: "sum", "mean" (sum / size(), floating and complex dtypes only), "max"
     or "min". Every rank's x must have the same shape, dtype and device kind
     (host or GPU; checked). Host dtypes: bool (max = any, min = all),
-    integers, float32, float64, longdouble, complex64, complex128 (float16 has
-    no MPI type). GPU arrays (C-contiguous, with a ``__cuda_array_interface__``)
+    integers, float16, bfloat16 (torch's, or ml_dtypes' in NumPy), float32,
+    float64, longdouble, complex64, complex128. MPI has no 16-bit floats:
+    float16 and bfloat16 are reduced in float32 and rounded to their dtype once
+    at the end (as dpmini's single-process sums of bfloat16 are), so the result
+    can differ in the last bit from a chain of 16-bit adds. GPU arrays (C-contiguous, with a ``__cuda_array_interface__``)
     go through NCCL (ncclAllReduce on the library's current stream, "mean" as
     ncclAvg) with NCCL's dtypes: int8, uint8, int32, uint32, int64, uint64,
     float16, float32, float64 (others: TypeError naming the dtype). Returns a new array (GPU: of x's library on x's
@@ -453,10 +456,11 @@ def all_reduce(x, op="sum", *, tag=None, out=None):
     is in one raises RuntimeError.
     """
     c = _state.comm
-    if type(x) is np.ndarray and out is None and tag is None and c is not None:
+    if type(x) is np.ndarray and out is None and tag is None and c is not None \
+            and x.dtype.char != "e" and x.dtype.kind != "V":
         return c.all_reduce(x, op)   # the common case, without the wrappers' checks
-    return _reduce(x, out, lambda c, v, gpu, error: c.all_reduce(v, op, gpu, tag=tag,
-                                                                   error=error))
+    return _reduce(x, out, lambda c, v, gpu, error, context: c.all_reduce(
+        v, op, gpu, tag=tag, error=error, context=context))
 
 
 def reduce(x, root=0, op="sum", *, tag=None, out=None):
@@ -465,7 +469,8 @@ def reduce(x, root=0, op="sum", *, tag=None, out=None):
     written on root only)."""
     mine = _is_rank(_comm(), root)
     return _reduce(x, out if mine else None,
-                   lambda c, v, gpu, error: c.reduce(v, root, op, gpu, tag=tag, error=error))
+                   lambda c, v, gpu, error, context: c.reduce(v, root, op, gpu, tag=tag,
+                                                              error=error, context=context))
 
 
 def _reduce(x, out, call):
@@ -474,8 +479,39 @@ def _reduce(x, out, call):
     x, back, gpu, error = _prepare(x)
     if error is None and out is not None:   # the result is shaped and typed as x
         error = _out_error(out, given)
-    result = call(c, x, gpu, error)
+    narrow, context = None, None
+    if gpu is None and error is None:
+        x, narrow, context = _in_float32(given, x)
+    result = call(c, x, gpu, error, context)
+    if narrow is not None and result is not None:
+        result = result.astype(narrow)   # rounded once
     return _write_out(out, result, None if gpu is not None else back)
+
+
+def _half_name(given, host):
+    """'float16' or 'bfloat16' when the caller's array (given; host: its NumPy
+    form) has a 16-bit float dtype, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(given, torch.Tensor) and given.dtype in (
+            torch.float16, torch.bfloat16):
+        return str(given.dtype).split(".")[-1]
+    dt = getattr(host, "dtype", None)
+    if isinstance(dt, np.dtype) and (dt.char == "e" or (
+            dt.type.__module__ == "ml_dtypes" and dt.name == "bfloat16")):
+        return dt.name
+    return None
+
+
+def _in_float32(given, host):
+    """(array to reduce, dtype to round the result to or None, guard context).
+    MPI has no 16-bit float: float16 and bfloat16 are reduced in float32 and
+    rounded once; the context keeps a float16 rank and a float32 rank apart
+    at the guard."""
+    name = _half_name(given, host)
+    if name is None:
+        return host, None, None
+    narrow = host.dtype if host.dtype != np.float32 else None   # torch bfloat16: back() rounds
+    return np.asarray(host, dtype=np.float32), narrow, f"{name} summed in float32"
 
 
 # ------------------------------------------------------------------ local checks
