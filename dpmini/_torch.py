@@ -594,9 +594,9 @@ def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], lis
 # or removed anywhere in the tree: the key differs and the walk is made again.
 # What the walk does not hold is read at every call: each module's __dict__
 # (its training flag and other attributes), the tensors' requires_grad, and
-# the tensors' values. Module classes that change how torch walks a tree
-# (overriding modules(), parameters(), buffers() or their named_ forms) are
-# walked on every call.
+# the tensors' values. A tree with a module class that changes how torch
+# walks it (overriding modules(), parameters(), buffers() or their named_
+# forms, checked when the walk is made) is walked on every call.
 _PLAN_ATTR = "_dpmini_replica_plan"
 _WALK_METHODS = ("modules", "named_modules", "parameters", "named_parameters", "buffers",
                  "named_buffers", "_named_members")
@@ -641,8 +641,12 @@ class _ReplicaPlan:
 
     def current(self, root: nn.Module) -> bool:
         """Is this still the walk of root's tree?"""
-        return root is self.root and all(_walks_as_torch(t) for t in self.types) and \
-            tuple(_module_key(m) for m in self.modules) == self.key
+        if root is not self.root:
+            return False
+        for m, key in zip(self.modules, self.key):
+            if _module_key(m) != key:
+                return False
+        return True
 
 
 def _plan_for(holder: Any, network: nn.Module) -> _ReplicaPlan:
@@ -651,8 +655,10 @@ def _plan_for(holder: Any, network: nn.Module) -> _ReplicaPlan:
     plan = holder.__dict__.get(_PLAN_ATTR)
     if plan is None or not plan.current(network):
         plan = _ReplicaPlan(network)
-        if all(_walks_as_torch(t) for t in plan.types):
+        if all(map(_walks_as_torch, plan.types)):
             holder.__dict__[_PLAN_ATTR] = plan
+        else:
+            holder.__dict__.pop(_PLAN_ATTR, None)
     return plan
 
 

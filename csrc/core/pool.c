@@ -43,6 +43,15 @@
 #define IDLE_EXIT_MS 10000L             /* extra threads idle this long exit */
 #define WORKER_SPIN_NS 50000L           /* idle worker polls its queue this long */
 #define WAIT_SPIN_NS 50000L             /* dp_batch_wait polls this long */
+/* When work comes in quick succession (a loop of small DataParallel calls),
+ * a thread that blocks between two pieces of it pays a wake-up for each; on
+ * an idle virtual machine waking a halted vCPU takes far longer than on a
+ * busy one. So a worker whose last job came less than QUICK_GAP_NS after its
+ * previous one polls for QUICK_SPIN_NS, and dp_batch_wait polls that long
+ * while the last batch it waited for finished within QUICK_GAP_NS. Other
+ * work (long replicas, rare calls) keeps the short spins. */
+#define QUICK_GAP_NS 1000000L
+#define QUICK_SPIN_NS 250000L
 #define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
 
 typedef dp_job_node job_node;
@@ -78,6 +87,9 @@ static void init_slots(void);
  * must not touch the batch (its mutex may be stuck locked) and it stops,
  * which ends the child with status 0 unless the job exited or exec'd. */
 static unsigned fork_gen;
+/* How long the last dp_batch_wait waited (QUICK_GAP_NS when it timed out):
+ * only a hint for the next one's spin, so racing updates are harmless. */
+static long long last_wait_ns = QUICK_GAP_NS;
 
 
 /* What a worker keeps on its stack; found through worker_key. */
@@ -245,8 +257,11 @@ static void *worker_main(void *p)
      * which still works below DP_POOL_MAX_THREADS. */
     if (worker_key_ok)
         (void)pthread_setspecific(worker_key, &self);
+    long long idle_since, last_gap = QUICK_GAP_NS;   /* ns between jobs */
     for (;;) {
-        long long spin_end = now_ns() + WORKER_SPIN_NS;
+        idle_since = now_ns();
+        long long spin_end = idle_since + (last_gap < QUICK_GAP_NS ? QUICK_SPIN_NS
+                                                                   : WORKER_SPIN_NS);
         unsigned n = 0;
         while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
             spin_pause(++n);
@@ -291,6 +306,7 @@ static void *worker_main(void *p)
         job_node *j = take_loud(s);
         s->nidle--;
         pthread_mutex_unlock(&s->mu);
+        last_gap = now_ns() - idle_since;
 
         /* A caller's node lives until its batch has finished, which is
          * after finish_job below; a pool node is ours to free. */
@@ -487,7 +503,8 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
     if (timeout_ms > 1000000000000L)   /* > 31 years: forever, avoids overflow */
         timeout_ms = -1;
     long long start = now_ns();
-    long long spin_ns = WAIT_SPIN_NS;
+    long long spin_ns = __atomic_load_n(&last_wait_ns, __ATOMIC_RELAXED) < QUICK_GAP_NS
+                            ? QUICK_SPIN_NS : WAIT_SPIN_NS;
     if (timeout_ms >= 0 && timeout_ms * 1000000LL < spin_ns)
         spin_ns = timeout_ms * 1000000LL;
     unsigned n = 0;
@@ -518,6 +535,7 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
         }
     }
     pthread_mutex_unlock(&b->mu);
+    __atomic_store_n(&last_wait_ns, done ? now_ns() - start : QUICK_GAP_NS, __ATOMIC_RELAXED);
     return done;
 }
 
