@@ -17,7 +17,8 @@
  *
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
- * short while before blocking. The spin only *reads* the loud-job count / batch
+ * short while before blocking (longer while work comes in quick succession:
+ * QUICK_SPIN_NS). The spin only *reads* the loud-job count / batch
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
