@@ -53,6 +53,7 @@
  * work (long replicas, rare calls) keeps the short spins. */
 #define QUICK_GAP_NS 1000000L
 #define QUICK_SPIN_NS 250000L
+#define SPIN_CONTENDED_NS 100000L       /* 16 spin turns taking longer: stop */
 #define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
 
 typedef dp_job_node job_node;
@@ -133,6 +134,30 @@ static long long now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The clock of a spin loop, read every 16 turns. */
+typedef struct {
+    long long end;    /* stop polling after this time */
+    long long last;   /* the previous reading */
+    unsigned turns;
+} spin_clock;
+
+/* One turn of a spin loop: pause, and 0 when the spin should end: its time
+ * is up, or 16 turns took over SPIN_CONTENDED_NS. Those turns yield the
+ * CPU, so taking that long means other threads wanted this core (the
+ * machine is busy): blocking then gives them the core instead of taking
+ * turns with them, and a busy machine wakes a thread quickly anyway. */
+static int spin_turn(spin_clock *c)
+{
+    spin_pause(++c->turns);
+    if (c->turns % 16 != 0)
+        return 1;
+    long long t = now_ns();
+    if (t > c->end || t - c->last > SPIN_CONTENDED_NS)
+        return 0;
+    c->last = t;
+    return 1;
 }
 
 static void reset_slots(void)
@@ -263,11 +288,8 @@ static void *worker_main(void *p)
         idle_since = now_ns();
         long long spin_end = idle_since + (last_gap < QUICK_GAP_NS ? QUICK_SPIN_NS
                                                                    : WORKER_SPIN_NS);
-        unsigned n = 0;
-        while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
-            spin_pause(++n);
-            if (n % 16 == 0 && now_ns() > spin_end)
-                break;
+        spin_clock clock = {spin_end, idle_since, 0};
+        while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED) && spin_turn(&clock)) {
         }
         pthread_mutex_lock(&s->mu);
         while (!s->nloud) {
@@ -508,11 +530,9 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
                             ? QUICK_SPIN_NS : WAIT_SPIN_NS;
     if (timeout_ms >= 0 && timeout_ms * 1000000LL < spin_ns)
         spin_ns = timeout_ms * 1000000LL;
-    unsigned n = 0;
-    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0) {
-        spin_pause(++n);
-        if (n % 16 == 0 && now_ns() - start > spin_ns)
-            break;
+    spin_clock clock = {start + spin_ns, start, 0};
+    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0 &&
+           spin_turn(&clock)) {
     }
 
     struct timespec deadline = {0, 0};
