@@ -47,8 +47,9 @@
 /* When work comes in quick succession (a loop of small DataParallel calls),
  * a thread that blocks between two pieces of it pays a wake-up for each; on
  * an idle virtual machine waking a halted vCPU takes far longer than on a
- * busy one. So a worker whose last job came less than QUICK_GAP_NS after its
- * previous one polls for QUICK_SPIN_NS, and dp_batch_wait polls that long
+ * busy one. So a kept worker (DP_POOL_KEEP_THREADS) whose last job came
+ * less than QUICK_GAP_NS after it went idle polls for QUICK_SPIN_NS, and
+ * dp_batch_wait polls that long
  * while the last batch it waited for finished within QUICK_GAP_NS. Other
  * work (long replicas, rare calls) keeps the short spins. */
 #define QUICK_GAP_NS 1000000L
@@ -283,11 +284,11 @@ static void *worker_main(void *p)
      * which still works below DP_POOL_MAX_THREADS. */
     if (worker_key_ok)
         (void)pthread_setspecific(worker_key, &self);
-    long long idle_since, last_gap = QUICK_GAP_NS;   /* ns between jobs */
+    long long idle_since;
+    int quick = 0;   /* the last job came in quick succession (QUICK_SPIN_NS) */
     for (;;) {
         idle_since = now_ns();
-        long long spin_end = idle_since + (last_gap < QUICK_GAP_NS ? QUICK_SPIN_NS
-                                                                   : WORKER_SPIN_NS);
+        long long spin_end = idle_since + (quick ? QUICK_SPIN_NS : WORKER_SPIN_NS);
         spin_clock clock = {spin_end, idle_since, 0};
         while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED) && spin_turn(&clock)) {
         }
@@ -328,8 +329,11 @@ static void *worker_main(void *p)
         }
         job_node *j = take_loud(s);
         s->nidle--;
+        /* Only a device's kept threads poll long: the extra ones serve
+         * bursts of overlapping jobs, and many of them polling would crowd
+         * the cores. */
+        quick = now_ns() - idle_since < QUICK_GAP_NS && s->nthreads <= DP_POOL_KEEP_THREADS;
         pthread_mutex_unlock(&s->mu);
-        last_gap = now_ns() - idle_since;
 
         /* A caller's node lives until its batch has finished, which is
          * after finish_job below; a pool node is ours to free. */
