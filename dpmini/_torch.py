@@ -528,26 +528,29 @@ def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> l
     gives [].
     Errors: those of dpmini.comm.broadcast_coalesced for bad devices.
     """
+    return _replicate(_ReplicaPlan(network), devices, detach)
+
+
+def _replicate(plan: _ReplicaPlan, devices: Any, detach: bool | None) -> list[nn.Module]:
+    """replicate of plan's tree (plan: its walk, current)."""
     devices = list(devices)
     if not devices:
         return []
     if detach is None:
         detach = not torch.is_grad_enabled()
     share = detach and all(_is_virtual_cpu(d) for d in devices)
-    modules = list(network.modules())
-    params = list(network.parameters())
-    param_copies = _replicate_tensors(params, devices, detach, share)
-    buffers = list(network.buffers())
+    param_copies = _replicate_tensors(plan.params, devices, detach, share)
+    buffers = plan.buffers
     grad_buffers = [b for b in buffers if b.requires_grad]
-    plain_buffers = [b for b in buffers if not b.requires_grad]
-    buffer_copies = _merge_rows(
-        buffers,
-        (grad_buffers, _replicate_tensors(grad_buffers, devices, detach, False)),
-        (plain_buffers, _replicate_tensors(plain_buffers, devices, True, False)))
-    param_index = {id(p): i for i, p in enumerate(params)}
-    buffer_index = {id(b): i for i, b in enumerate(buffers)}
-    return [_replica_tree(modules, param_copies[j], param_index, buffer_copies[j],
-                          buffer_index, register=detach and j == 0)
+    if not grad_buffers:
+        buffer_copies = _replicate_tensors(buffers, devices, True, False)
+    else:
+        plain_buffers = [b for b in buffers if not b.requires_grad]
+        buffer_copies = _merge_rows(
+            buffers,
+            (grad_buffers, _replicate_tensors(grad_buffers, devices, detach, False)),
+            (plain_buffers, _replicate_tensors(plain_buffers, devices, True, False)))
+    return [_replica_tree(plan, param_copies[j], buffer_copies[j], register=detach and j == 0)
             for j in range(len(devices))]
 
 
@@ -578,6 +581,87 @@ def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], lis
             for j in range(ndev)]
 
 
+# ---------------------------------------------------------------------------
+# The replica plan: replicate's walk of a module tree, kept between calls
+# ---------------------------------------------------------------------------
+# DataParallel's replicate walks the module tree on every call (its modules,
+# parameters and buffers in torch's order, and where each one sits). A
+# DataParallel keeps that walk (a _ReplicaPlan) and reuses it while the tree
+# is the same: every module of the plan still has the same class and the same
+# names bound to the same child modules, parameters and buffers (identities;
+# the plan holds those objects, so an identity cannot be reused by a new one).
+# A parameter or buffer swapped, added or removed, a submodule added, replaced
+# or removed anywhere in the tree: the key differs and the walk is made again.
+# What the walk does not hold is read at every call: each module's __dict__
+# (its training flag and other attributes), the tensors' requires_grad, and
+# the tensors' values. A tree with a module class that changes how torch
+# walks it (overriding modules(), parameters(), buffers() or their named_
+# forms, checked when the walk is made) is walked on every call.
+_PLAN_ATTR = "_dpmini_replica_plan"
+_WALK_METHODS = ("modules", "named_modules", "parameters", "named_parameters", "buffers",
+                 "named_buffers", "_named_members")
+
+
+def _walks_as_torch(cls: type) -> bool:
+    """Does cls walk a module tree with nn.Module's own methods?"""
+    return all(getattr(cls, name, None) is getattr(nn.Module, name) for name in _WALK_METHODS)
+
+
+def _module_key(m: nn.Module) -> tuple[Any, ...]:
+    """What the plan depends on in one module: its class, and the names and
+    identities of its children, parameters and buffers, in order."""
+    mods, params, bufs = m._modules, m._parameters, m._buffers
+    return (type(m), tuple(mods), tuple(map(id, mods.values())), tuple(params),
+            tuple(map(id, params.values())), tuple(bufs), tuple(map(id, bufs.values())))
+
+
+class _ReplicaPlan:
+    """replicate's walk of the tree under root: modules (root first), params and
+    buffers (torch's order, each once), and per module the positions of its
+    children, parameters and buffers in those lists (None for a None entry);
+    key: _module_key of every module, as it was when walked."""
+
+    __slots__ = ("root", "modules", "params", "buffers", "links", "key", "types")
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.modules = modules = list(root.modules())
+        self.params = list(root.parameters())
+        self.buffers = list(root.buffers())
+        where = {id(m): i for i, m in enumerate(modules)}
+        pwhere = {id(p): i for i, p in enumerate(self.params)}
+        bwhere = {id(b): i for i, b in enumerate(self.buffers)}
+
+        def places(items, index):
+            return tuple((k, None if v is None else index[id(v)]) for k, v in items)
+        self.links = [(places(m._modules.items(), where), places(m._parameters.items(), pwhere),
+                       places(m._buffers.items(), bwhere)) for m in modules]
+        self.key = tuple(_module_key(m) for m in modules)
+        self.types = tuple({type(m): None for m in modules})
+
+    def current(self, root: nn.Module) -> bool:
+        """Is this still the walk of root's tree?"""
+        if root is not self.root:
+            return False
+        for m, key in zip(self.modules, self.key):
+            if _module_key(m) != key:
+                return False
+        return True
+
+
+def _plan_for(holder: Any, network: nn.Module) -> _ReplicaPlan:
+    """holder's plan for network (made again when not current; holder: the
+    DataParallel, which keeps it in its __dict__ under _PLAN_ATTR)."""
+    plan = holder.__dict__.get(_PLAN_ATTR)
+    if plan is None or not plan.current(network):
+        plan = _ReplicaPlan(network)
+        if all(map(_walks_as_torch, plan.types)):
+            holder.__dict__[_PLAN_ATTR] = plan
+        else:
+            holder.__dict__.pop(_PLAN_ATTR, None)
+    return plan
+
+
 _MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
 
 
@@ -601,31 +685,29 @@ def _shallow_replica(module: nn.Module) -> nn.Module:
     return replica
 
 
-def _replica_tree(modules: list[nn.Module], params: list[torch.Tensor],
-                  param_index: dict[int, int], buffers: list[torch.Tensor],
-                  buffer_index: dict[int, int], register: bool) -> nn.Module:
-    """One device's replica of modules[0]: every module's replica, linked to its
+def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[torch.Tensor],
+                  register: bool) -> nn.Module:
+    """One device's replica of plan's root: every module's replica, linked to its
     children's replicas, holding that device's parameters and buffers. register: params
     are the original Parameters (detached replica 0), registered as parameters as
     setattr does in PyTorch; otherwise plain attributes (docs/spec.md 5.5)."""
-    replicas = [_shallow_replica(m) for m in modules]
-    index = {id(m): i for i, m in enumerate(modules)}
-    for module, replica in zip(modules, replicas):
-        for key, child in module._modules.items():
-            value = None if child is None else replicas[index[id(child)]]
+    replicas = [_shallow_replica(m) for m in plan.modules]
+    for replica, (kids, own_params, own_buffers) in zip(replicas, plan.links):
+        for key, i in kids:
+            value = None if i is None else replicas[i]
             if isinstance(replica, _DP):
                 setattr(replica, key, value)   # keeps the wrapper's own module in step
             else:
                 replica._modules[key] = value
-        for key, param in module._parameters.items():
-            copy = None if param is None else params[param_index[id(param)]]
+        for key, i in own_params:
+            copy = None if i is None else params[i]
             if register and copy is not None:
                 replica._parameters[key] = copy
             else:
                 replica.__dict__[key] = copy
             replica._former_parameters[key] = copy
-        for key, buf in module._buffers.items():
-            replica._buffers[key] = None if buf is None else buffers[buffer_index[id(buf)]]
+        for key, i in own_buffers:
+            replica._buffers[key] = None if i is None else buffers[i]
     return replicas[0]
 
 
@@ -697,9 +779,12 @@ class DataParallel(_DP, nn.Module):
         if self.__dict__.get("_modules") is not None:
             nn.Module.__setattr__(self, name, value)   # registers (or raises TypeError)
         _DP.module.__set__(self, value)
+        self.__dict__.pop(_PLAN_ATTR, None)   # the old tree's walk: let it go
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        state = {"module_state": nn.Module.__getstate__(self), "settings": _settings(self)}
+        module_state = nn.Module.__getstate__(self)
+        module_state.pop(_PLAN_ATTR, None)   # a cache of this object's tree, made again
+        state = {"module_state": module_state, "settings": _settings(self)}
         return (_rebuild_adapter, (self._dpmini_user_class,), state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -710,6 +795,7 @@ class DataParallel(_DP, nn.Module):
 
     def _replicate_for_data_parallel(self) -> Any:
         replica = nn.Module._replicate_for_data_parallel(self)
+        replica.__dict__.pop(_PLAN_ATTR, None)
         settings = _settings(self)
         _DP.__init__(replica, self._modules["module"], settings.pop("device_ids"),
                      settings.pop("output_device"), **settings)
@@ -729,7 +815,7 @@ class DataParallel(_DP, nn.Module):
         differentiable with grad mode on."""
         if not isinstance(module, nn.Module):
             return _DP.replicate(self, module, device_ids)
-        return replicate(module, device_ids, detach=not torch.is_grad_enabled())
+        return _replicate(_plan_for(self, module), device_ids, not torch.is_grad_enabled())
 
     def gather(self, outputs: Any, output_device: Any = None) -> Any:
         """DataParallel.gather; with grad mode on, differentiable in the replicas'
@@ -1127,16 +1213,22 @@ class _ReplicaRandom(_TorchFunctionMode):
         self.__exit__(None, None, None)
         self.call = None
 
+    def seeded_generator(self):
+        """The replica's generator, seeded first if no random function has
+        drawn from it in this call yet."""
+        if not self.seeded:
+            with torch._C.DisableTorchFunction():   # the call's draw is the default's
+                self.generator.manual_seed((self.call.get() + self.index) % 2**32)
+            self.seeded = True
+        return self.generator
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         how = _RANDOM.get(func)
         kwargs = kwargs or {}
         if how is None or not _on_cpu(args, kwargs):
             # random draws on a GPU use that GPU's own generator, as in torch
             return func(*args, **kwargs)
-        if not self.seeded:
-            self.generator.manual_seed((self.call.get() + self.index) % 2**32)
-            self.seeded = True
-        return how(self.generator, func, args, kwargs)
+        return how(self.seeded_generator(), func, args, kwargs)
 
 
 def _call_seed(devices):
@@ -1150,6 +1242,60 @@ def _call_seed(devices):
     return _CallSeed()
 
 
+def _replica_random():
+    """This thread's _ReplicaRandom while it runs a replica under the rule, else None."""
+    mode = getattr(_rng_local, "mode", None)
+    return mode if mode is not None and mode.call is not None else None
+
+
+# torch.get_rng_state / torch.set_rng_state are the CPU generator's state, as
+# torch.cuda.get_rng_state(d) is device d's. In a replica under the rule the
+# replica's generator is its CPU generator, so there they read and set that
+# generator's state. torch.utils.checkpoint stashes torch.get_rng_state() in
+# forward and, in backward, runs the recomputation (on the thread that runs
+# backward, outside the replica) with the default generator set to it: the
+# recomputation then draws what the replica drew (the replica's F.dropout is
+# torch's own CPU dropout drawing from its generator), as checkpoint's stash of
+# a GPU's generator makes it do on GPUs.
+_TORCH_GET_RNG_STATE = torch.random.get_rng_state
+_TORCH_SET_RNG_STATE = torch.random.set_rng_state
+
+
+def get_rng_state() -> torch.Tensor:
+    """torch.get_rng_state, which dpmini replaces: the default CPU generator's
+    state as a ByteTensor, or, in a replica thread that draws from a generator of
+    its own (the random numbers rule of docs/libraries.md), that generator's
+    state (seeded first, as the replica's first random function would)."""
+    mode = _replica_random()
+    if mode is None:
+        return _TORCH_GET_RNG_STATE()
+    return mode.seeded_generator().get_state()
+
+
+def set_rng_state(new_state: torch.Tensor) -> None:
+    """torch.set_rng_state, which dpmini replaces: set the default CPU
+    generator's state (a ByteTensor from get_rng_state), or, in a replica thread
+    that draws from a generator of its own, that generator's; errors as torch's."""
+    mode = _replica_random()
+    if mode is None:
+        _TORCH_SET_RNG_STATE(new_state)
+        return
+    mode.generator.set_state(new_state)
+    mode.seeded = True
+
+
+def _install_rng_state_functions():
+    """Put get_rng_state / set_rng_state in place of torch's (torch and
+    torch.random; torch.utils.checkpoint and torch.random.fork_rng look them up
+    as torch.get_rng_state and torch.set_rng_state at each call)."""
+    for name, fn, orig in (("get_rng_state", get_rng_state, _TORCH_GET_RNG_STATE),
+                           ("set_rng_state", set_rng_state, _TORCH_SET_RNG_STATE)):
+        fn.__wrapped__ = orig
+        for owner in (torch, torch.random):
+            if getattr(owner, name, None) is orig:
+                setattr(owner, name, fn)
+
+
 def _enter_random(call, index):
     """Make this replica thread (replica `index` of the call) draw from a
     generator of its own; returns the function that ends it."""
@@ -1160,4 +1306,5 @@ def _enter_random(call, index):
     return mode.leave
 
 
+_install_rng_state_functions()
 register_replica_context(_replica_context)

@@ -17,7 +17,8 @@
  *
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
- * short while before blocking. The spin only *reads* the loud-job count / batch
+ * short while before blocking (longer while work comes in quick succession:
+ * QUICK_SPIN_NS). The spin only *reads* the loud-job count / batch
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
@@ -43,6 +44,17 @@
 #define IDLE_EXIT_MS 10000L             /* extra threads idle this long exit */
 #define WORKER_SPIN_NS 50000L           /* idle worker polls its queue this long */
 #define WAIT_SPIN_NS 50000L             /* dp_batch_wait polls this long */
+/* When work comes in quick succession (a loop of small DataParallel calls),
+ * a thread that blocks between two pieces of it pays a wake-up for each; on
+ * an idle virtual machine waking a halted vCPU takes far longer than on a
+ * busy one. So a kept worker (DP_POOL_KEEP_THREADS) whose last job came
+ * less than QUICK_GAP_NS after it went idle polls for QUICK_SPIN_NS, and
+ * dp_batch_wait polls that long
+ * while the last batch it waited for finished within QUICK_GAP_NS. Other
+ * work (long replicas, rare calls) keeps the short spins. */
+#define QUICK_GAP_NS 1000000L
+#define QUICK_SPIN_NS 250000L
+#define SPIN_CONTENDED_NS 100000L       /* 16 spin turns taking longer: stop */
 #define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
 
 typedef dp_job_node job_node;
@@ -78,6 +90,9 @@ static void init_slots(void);
  * must not touch the batch (its mutex may be stuck locked) and it stops,
  * which ends the child with status 0 unless the job exited or exec'd. */
 static unsigned fork_gen;
+/* How long the last dp_batch_wait waited (QUICK_GAP_NS when it timed out):
+ * only a hint for the next one's spin, so racing updates are harmless. */
+static long long last_wait_ns = QUICK_GAP_NS;
 
 
 /* What a worker keeps on its stack; found through worker_key. */
@@ -120,6 +135,30 @@ static long long now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The clock of a spin loop, read every 16 turns. */
+typedef struct {
+    long long end;    /* stop polling after this time */
+    long long last;   /* the previous reading */
+    unsigned turns;
+} spin_clock;
+
+/* One turn of a spin loop: pause, and 0 when the spin should end: its time
+ * is up, or 16 turns took over SPIN_CONTENDED_NS. Those turns yield the
+ * CPU, so taking that long means other threads wanted this core (the
+ * machine is busy): blocking then gives them the core instead of taking
+ * turns with them, and a busy machine wakes a thread quickly anyway. */
+static int spin_turn(spin_clock *c)
+{
+    spin_pause(++c->turns);
+    if (c->turns % 16 != 0)
+        return 1;
+    long long t = now_ns();
+    if (t > c->end || t - c->last > SPIN_CONTENDED_NS)
+        return 0;
+    c->last = t;
+    return 1;
 }
 
 static void reset_slots(void)
@@ -234,15 +273,14 @@ static job_node *take_loud(slot *s)
 }
 
 /* Spin a little for loud work before sleeping on s->cv: a job that comes
- * right after the last one starts without a wake-up. */
-static void spin_for_work(slot *s)
+ * right after the last one starts without a wake-up. Longer (QUICK_SPIN_NS)
+ * when the last job came in quick succession; spin_turn stops early when
+ * other threads want the core. */
+static void spin_for_work(slot *s, long long idle_since, int quick)
 {
-    long long spin_end = now_ns() + WORKER_SPIN_NS;
-    unsigned n = 0;
-    while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED)) {
-        spin_pause(++n);
-        if (n % 16 == 0 && now_ns() > spin_end)
-            break;
+    long long spin_end = idle_since + (quick ? QUICK_SPIN_NS : WORKER_SPIN_NS);
+    spin_clock clock = {spin_end, idle_since, 0};
+    while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED) && spin_turn(&clock)) {
     }
 }
 
@@ -320,8 +358,11 @@ static void *worker_main(void *p)
      * which still works below DP_POOL_MAX_THREADS. */
     if (worker_key_ok)
         (void)pthread_setspecific(worker_key, &self);
+    long long idle_since;
+    int quick = 0;   /* the last job came in quick succession (QUICK_SPIN_NS) */
     for (;;) {
-        spin_for_work(s);
+        idle_since = now_ns();
+        spin_for_work(s, idle_since, quick);
         pthread_mutex_lock(&s->mu);
         if (!wait_for_work(s, &trimmed)) {
             pthread_mutex_unlock(&s->mu);
@@ -329,6 +370,10 @@ static void *worker_main(void *p)
         }
         job_node *j = take_loud(s);
         s->nidle--;
+        /* Only a device's kept threads poll long: the extra ones serve
+         * bursts of overlapping jobs, and many of them polling would crowd
+         * the cores. */
+        quick = now_ns() - idle_since < QUICK_GAP_NS && s->nthreads <= DP_POOL_KEEP_THREADS;
         pthread_mutex_unlock(&s->mu);
         if (run_job(s, j, gen) < 0)
             return NULL;
@@ -509,14 +554,13 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
     if (timeout_ms > 1000000000000L)   /* > 31 years: forever, avoids overflow */
         timeout_ms = -1;
     long long start = now_ns();
-    long long spin_ns = WAIT_SPIN_NS;
+    long long spin_ns = __atomic_load_n(&last_wait_ns, __ATOMIC_RELAXED) < QUICK_GAP_NS
+                            ? QUICK_SPIN_NS : WAIT_SPIN_NS;
     if (timeout_ms >= 0 && timeout_ms * 1000000LL < spin_ns)
         spin_ns = timeout_ms * 1000000LL;
-    unsigned n = 0;
-    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0) {
-        spin_pause(++n);
-        if (n % 16 == 0 && now_ns() - start > spin_ns)
-            break;
+    spin_clock clock = {start + spin_ns, start, 0};
+    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0 &&
+           spin_turn(&clock)) {
     }
 
     struct timespec deadline = {0, 0};
@@ -540,6 +584,7 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
         }
     }
     pthread_mutex_unlock(&b->mu);
+    __atomic_store_n(&last_wait_ns, done ? now_ns() - start : QUICK_GAP_NS, __ATOMIC_RELAXED);
     return done;
 }
 

@@ -4,10 +4,10 @@ On GPUs each replica's dropout draws from its device's generator, and checkpoint
 stashes that generator's state so the recomputation in backward draws the same
 mask: the gradients equal those of the same call without checkpoint. dpmini's
 replicas on virtual CPU devices draw from per-replica generators (the random
-numbers rule of docs/libraries.md), which checkpoint does not stash: the
-recomputation, run by torch's autograd engine on the caller's thread, draws from
-the default generator instead, so the gradients are computed with another mask.
-Known and not fixed (docs/libraries.md, "Random numbers")."""
+numbers rule of docs/libraries.md); in a replica torch.get_rng_state and
+torch.set_rng_state are that generator's, so checkpoint stashes its state and the
+recomputation, run by torch's autograd engine on the caller's thread, draws the
+replica's mask from the default generator set to it."""
 import os
 
 import pytest
@@ -58,8 +58,6 @@ def _grads_with_and_without_checkpoint(torch, use_reentrant):
     return grads
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint's recomputation does not use the "
-                   "replica's generator (dropout mask differs)")
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_with_dropout_gives_the_gradients_of_the_call_without_it(torch, use_reentrant):
     plain, checkpointed = _grads_with_and_without_checkpoint(torch, use_reentrant)

@@ -208,6 +208,42 @@ def test_replica_dropout_equals_torchs_own_with_the_replicas_generator_state(tor
         assert torch.equal(seen[i], want)
 
 
+def test_get_rng_state_in_a_replica_is_its_generators_state(torch):
+    # torch.get_rng_state() in replica i: the state of its generator, seeded
+    # (s + i) mod 2**32 from the call's one draw s; outside: the default's
+    seen = {}
+
+    def replica(i):
+        seen[i] = torch.get_rng_state()
+        return i
+    torch.manual_seed(11)
+    dpmini.parallel_apply([replica, replica], [(0,), (1,)], devices=DEVS)
+    torch.manual_seed(11)
+    s = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+    for i in (0, 1):
+        want = torch.Generator().manual_seed((s + i) % 2**32).get_state()
+        assert torch.equal(seen[i], want)
+    assert torch.equal(torch.get_rng_state(), torch.default_generator.get_state())
+
+
+def test_set_rng_state_in_a_replica_replays_its_draws(torch):
+    def replica(i):
+        state = torch.get_rng_state()
+        first = torch.rand(4)
+        torch.set_rng_state(state)
+        return first, torch.rand(4)
+    torch.manual_seed(4)
+    outs = dpmini.parallel_apply([replica, replica], [(0,), (1,)], devices=DEVS)
+    for first, again in outs:
+        assert torch.equal(first, again)
+    assert not torch.equal(outs[0][0], outs[1][0])
+    # the caller's generator moved by the call's one draw only
+    after_call = torch.default_generator.get_state()
+    torch.manual_seed(4)
+    torch.randint(0, 2**32, (1,), dtype=torch.int64)
+    assert torch.equal(torch.default_generator.get_state(), after_call)
+
+
 def test_one_replica_draws_as_the_caller_would(torch):
     m = dropout_model(torch)
     x = torch.randn(6, 8)
