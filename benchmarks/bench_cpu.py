@@ -205,8 +205,8 @@ def bench_bandwidth(rounds, pool):
         t = median_times({"dpmini": lambda: dpmini_roundtrip(x, dim, devs),
                           "limit": limit, "copyto": copyto,
                           "numpy": lambda: numpy_roundtrip(x, dim, ndev)}, rounds)
-        limit, how = limit_of(t)
-        r = t["dpmini"] / limit
+        limit_s, how = limit_of(t)
+        r = t["dpmini"] / limit_s
         key = f"{x.shape} dim {dim} on {ndev} devices"
         ratios[key] = r
         v = verdict(f"scatter+gather {key}: {r:.2f}x the copy limit ({how}) "
