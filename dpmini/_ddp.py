@@ -367,6 +367,8 @@ class DistributedDataParallel:
         self._count_rows(rows)
         if self._syncing:
             self.reducer.prepare(self.sync_rows, training=self.module.training)
+        else:
+            self.reducer.disarm()
         if len(self.device_ids) == 1:
             return self.module(*args, **kwargs)
         return self.local(*args, **kwargs)

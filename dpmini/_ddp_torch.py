@@ -273,6 +273,15 @@ class GradientReducer:
         self._ready = True
         self._ready_training = bool(training)
 
+    def disarm(self):
+        """A forward inside no_sync(): the backward that follows stays local.
+        A forward that was armed and never reduced is forgotten here as it
+        would be by the next prepare() (a training one counts as a skipped
+        step), so every rank counts it once, whichever forward comes next."""
+        if self._ready and self._ready_training:
+            self.step += 1
+        self._ready = False
+
     def _take_over(self, module):
         """The module's hooks are this reducer's from now on: an older reducer's
         are removed (one set of hooks per module)."""

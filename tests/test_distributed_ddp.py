@@ -41,6 +41,13 @@ def test_a_forward_without_backward_on_one_rank_leaves_the_steps_paired_and_exac
 
 
 @needs_mpi
+def test_no_sync_after_a_forward_without_backward_on_one_rank_stays_local():
+    rc, lines, out, _ = run("no_sync_after_forward_without_backward", DIST_TEST_TIMEOUT="10")
+    assert rc == 0, out
+    assert all(lines[r] == ["OK no_sync_after_forward_without_backward"] for r in range(2)), out
+
+
+@needs_mpi
 def test_a_backward_skipped_on_one_rank_is_an_error_on_every_rank_saying_what_to_do():
     rc, lines, out, _ = run("skipped_backward", DIST_TEST_TIMEOUT="10")
     assert rc == 0, out

@@ -146,6 +146,38 @@ def case_forward_without_backward():
     say("OK forward_without_backward")
 
 
+def case_no_sync_after_forward_without_backward():
+    """An eval-mode forward with grad on (no backward) on rank 0 alone, then
+    no_sync() micro-batches: their backward stays local (no collective on rank 0
+    alone, which would wait for the others until the timeout), and the next
+    synchronized step is exact and paired."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    ref = nn.Linear(4, 1).double()
+    ref.load_state_dict(model.state_dict())
+    ddp = dist.DistributedDataParallel(model, device_ids=["cpu:0"])
+    g = torch.Generator().manual_seed(3)
+    P = dist.size()
+    if RANK == 0:
+        model.eval()
+        ddp(torch.randn(5, 4, dtype=torch.float64)).pow(2).mean().item()
+        model.train()
+    micro = [torch.randn(3 * P, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    model.zero_grad()
+    with ddp.no_sync():
+        for X in micro[:-1]:
+            ddp(X[3 * RANK:3 * RANK + 3]).pow(2).mean().backward()
+    assert ddp.step == 0, ddp.step
+    ddp(micro[-1][3 * RANK:3 * RANK + 3]).pow(2).mean().backward()
+    ref.zero_grad()
+    for X in micro:
+        ref(X).pow(2).mean().backward()
+    assert ddp.step == 1, ddp.step
+    diff = float((model.weight.grad - ref.weight.grad).abs().max())
+    assert diff <= 1e-12, diff
+    say("OK no_sync_after_forward_without_backward")
+
+
 def case_skipped_backward():
     """The last rank skips a training step's backward alone: every rank gets the
     same ValueError at the next reduction, saying what to do; the communicator
