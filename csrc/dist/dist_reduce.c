@@ -68,12 +68,19 @@ static int too_many(npy_intp n)
  * drops a NaN depending on the order it meets it: min(1, NaN, 3, 4) gave
  * 3). A NaN in `in` replaces inout; a NaN in inout stays, since every
  * comparison with it is false. */
+/* Elements are read and written with memcpy: the small arrays that travel
+ * inside the guard's record start 8-byte aligned, less than a long double
+ * needs. */
 #define NAN_PROPAGATING(name, T, cmp)                                        \
-    static void name(const T *in, T *inout, int n)                          \
+    static void name(const void *in, void *inout, int n)                    \
     {                                                                        \
-        for (int i = 0; i < n; i++)                                          \
-            if (in[i] != in[i] || in[i] cmp inout[i])                        \
-                inout[i] = in[i];                                            \
+        for (int i = 0; i < n; i++) {                                        \
+            T a, b;                                                          \
+            memcpy(&a, (const char *)in + (size_t)i * sizeof(T), sizeof(T)); \
+            memcpy(&b, (const char *)inout + (size_t)i * sizeof(T), sizeof(T)); \
+            if (a != a || a cmp b)                                           \
+                memcpy((char *)inout + (size_t)i * sizeof(T), &a, sizeof(T)); \
+        }                                                                    \
     }
 NAN_PROPAGATING(max_f, float, >)
 NAN_PROPAGATING(min_f, float, <)
