@@ -177,6 +177,10 @@ class _Bucket:
         self.error = None
 
 
+# How long remove() waits for the reducing thread to finish its bucket in flight.
+_JOIN_S = 10.0
+
+
 class GradientReducer:
     """Installs the hooks on `module`'s parameters that require grad.
 
@@ -300,9 +304,16 @@ class GradientReducer:
         self._handles = []
         self._removed = True
         self._ready = False
-        if self._thread is not None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread = None
+            # Joined, not left to run: at interpreter exit (the wrapper's
+            # finalizer runs from atexit) a daemon thread that still drops a
+            # tensor while Python finalizes is ended inside torch's C++
+            # (pthread_exit through its frames), which aborts the process.
+            # Its bucket in flight is bounded by the communicator's timeout.
+            if thread is not threading.current_thread():
+                thread.join(timeout=_JOIN_S)
 
     # ---------------------------------------------------------------- backward
     def _start_pass(self):
