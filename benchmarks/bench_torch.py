@@ -13,10 +13,11 @@ spell hits all routes alike. The load average is printed before and after.
    backward, SGD step): DataParallel on 2 virtual devices against the same step on the
    module itself. Target: >= 0.95x plain torch (plain time / DataParallel time).
    Backward runs on the caller's thread in torch's engine; the parallel part is the
-   forward. Printed twice: as the environment has it, and (1b, a child process)
-   with OMP_WAIT_POLICY=PASSIVE. With libgomp's default policy the two OpenMP
-   threads of the caller's backward keep spinning for milliseconds after it
-   ends, so the next forward's replicas share the cores with them (docs/libraries.md).
+   forward. Printed three times: as the environment has it; (1b, a child process)
+   with OMP_WAIT_POLICY=PASSIVE; (1c, a child process) with DPMINI_PARK_OPENMP=0.
+   With libgomp's default policy the OpenMP threads of the caller's backward keep
+   spinning for milliseconds after it ends; dpmini parks them while the next
+   forward's replicas run (docs/libraries.md), and 1c shows the step without that.
 2. A conv net of about 5 M parameters in eval mode under torch.no_grad() (batch 128 of
    3 x 32 x 32): DataParallel on 2 virtual devices against the module itself.
    Target: >= 1.0x plain torch.
@@ -122,16 +123,15 @@ def bench_tiny_overhead(rounds):
     return out
 
 
-def mlp_training_passive(rounds):
-    """Figure 1 again in a child process whose OpenMP threads sleep at once
-    when idle (OMP_WAIT_POLICY=PASSIVE, read by libgomp when torch loads it),
-    for plain torch and DataParallel alike."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+def mlp_training_child(rounds, label, **env_vars):
+    """Figure 1 again in a child process with env_vars in its environment
+    (OMP_WAIT_POLICY is read by libgomp when torch loads it, DPMINI_PARK_OPENMP
+    when torch is first used through dpmini)."""
+    env = dict(os.environ, **env_vars)
     out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--mlp-only"],
                          env=env, capture_output=True, text=True, check=False)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("1.")), None)
-    print("1b. the same, OMP_WAIT_POLICY=PASSIVE:",
-          line.split(":", 1)[1].strip() if line else f"failed: {out.stderr[-300:]}")
+    print(f"{label}:", line.split(":", 1)[1].strip() if line else f"failed: {out.stderr[-300:]}")
 
 
 def main(argv=None):
@@ -141,12 +141,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, torch threads "
           f"{torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')!r}, "
+          f"DPMINI_PARK_OPENMP={os.environ.get('DPMINI_PARK_OPENMP', '')!r}, "
           f"load {os.getloadavg()[0]:.2f}")
     bench_mlp_training(args.rounds)
     if args.mlp_only:
         return 0
     if "OMP_WAIT_POLICY" not in os.environ:
-        mlp_training_passive(args.rounds)
+        mlp_training_child(args.rounds, "1b. the same, OMP_WAIT_POLICY=PASSIVE",
+                           OMP_WAIT_POLICY="PASSIVE")
+    if "DPMINI_PARK_OPENMP" not in os.environ:
+        mlp_training_child(args.rounds, "1c. the same, DPMINI_PARK_OPENMP=0 (OpenMP team "
+                           "not parked)", DPMINI_PARK_OPENMP="0")
     bench_convnet_eval(args.rounds)
     bench_tiny_overhead(args.rounds)
     print(f"load after: {os.getloadavg()[0]:.2f}")

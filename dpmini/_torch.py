@@ -1308,3 +1308,11 @@ def _enter_random(call, index):
 
 _install_rng_state_functions()
 register_replica_context(_replica_context)
+
+# torch's work on the caller's thread (the backward before the next forward) runs
+# on the caller's OpenMP team, whose threads keep spinning for milliseconds after
+# each parallel region under libgomp's default wait policy; while nn.Module replicas
+# run on virtual CPU devices that team is parked (docs/spec.md 6.3). DPMINI_PARK_OPENMP=0
+# in the environment when torch is first used through dpmini turns it off.
+_dpmini._park_openmp_team(nn.Module if os.environ.get("DPMINI_PARK_OPENMP", "1").strip() != "0"
+                          else None)

@@ -33,11 +33,10 @@
 #define _GNU_SOURCE 1 /* the same spelling as pyconfig.h, which may define it too */
 #endif
 #include "pool.h"
+#include "spin.h"
 
 #include <errno.h>
 #include <stdlib.h>
-#include <sched.h>
-#include <time.h>
 
 #define NKINDS 2
 #define STACK_BYTES ((size_t)8 << 20)   /* Python runs on workers: deep stacks */
@@ -54,8 +53,6 @@
  * work (long replicas, rare calls) keeps the short spins. */
 #define QUICK_GAP_NS 1000000L
 #define QUICK_SPIN_NS 250000L
-#define SPIN_CONTENDED_NS 100000L       /* 16 spin turns taking longer: stop */
-#define SPIN_YIELD_AFTER 16u            /* spin turns before sched_yield */
 
 typedef dp_job_node job_node;
 
@@ -108,57 +105,6 @@ static worker_self *self_of_thread(void)
 {
     pthread_once(&slots_once, init_slots);
     return worker_key_ok ? pthread_getspecific(worker_key) : NULL;
-}
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-/* Pause for the n-th turn of a spin loop. After the first few turns give
- * the CPU away: with more spinning threads than cores (e.g. 2 workers
- * and a waiter on 2 CPUs) the thread we are waiting for may need our core. */
-static inline void spin_pause(unsigned n)
-{
-    if (n < SPIN_YIELD_AFTER)
-        cpu_relax();
-    else
-        sched_yield();
-}
-
-static long long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-/* The clock of a spin loop, read every 16 turns. */
-typedef struct {
-    long long end;    /* stop polling after this time */
-    long long last;   /* the previous reading */
-    unsigned turns;
-} spin_clock;
-
-/* One turn of a spin loop: pause, and 0 when the spin should end: its time
- * is up, or 16 turns took over SPIN_CONTENDED_NS. Those turns yield the
- * CPU, so taking that long means other threads wanted this core (the
- * machine is busy): blocking then gives them the core instead of taking
- * turns with them, and a busy machine wakes a thread quickly anyway. */
-static int spin_turn(spin_clock *c)
-{
-    spin_pause(++c->turns);
-    if (c->turns % 16 != 0)
-        return 1;
-    long long t = now_ns();
-    if (t > c->end || t - c->last > SPIN_CONTENDED_NS)
-        return 0;
-    c->last = t;
-    return 1;
 }
 
 static void reset_slots(void)

@@ -19,6 +19,10 @@
  * drops its own references when its replica returns, and its result is
  * discarded (docs/reliability.md).
  *
+ * While two or more replicas run on virtual CPU devices, the caller's
+ * OpenMP team can be parked (omp_team.h; torch asks for it): its idle
+ * threads sleep instead of spinning on the cores the replicas need.
+ *
  * Sections: types; a replica's exception; the replica contexts; the run
  * (the memory the workers share) and the chain that wakes them; the worker;
  * running a batch; arguments and devices; public functions (parallel_apply,
@@ -30,6 +34,7 @@
 #include "pool.h"
 #include "profile.h"
 #include "cuda_api.h"
+#include "omp_team.h"
 
 #include <errno.h>
 #include <string.h>
@@ -1365,6 +1370,39 @@ static PyObject *collect_results(run_state *rs)
     return result;
 }
 
+/* Queue the worker jobs, run the inline ones, wait for the workers. */
+static void run_replicas(void *arg)
+{
+    run_state *rs = arg;
+    submit_jobs(rs);
+    run_inline_jobs(rs);
+    wait_workers(rs);
+}
+
+/* Park the caller's OpenMP team while the replicas run (omp_team.h): when
+ * two or more replicas run on virtual CPU devices (they would share the
+ * cores with the team's spinning threads) and one of them is of the type a
+ * library registered (_park_openmp_team: torch.nn.Module, whose work on the
+ * caller's thread, a backward, leaves the team spinning). Replicas of other
+ * libraries do not: parking a team that was asleep would wake it, and it
+ * would then spin after the call. Not inside a replica: the outer call's
+ * team is parked already. */
+static int park_openmp_team(const run_state *rs)
+{
+    PyTypeObject *tp = (PyTypeObject *)rs->st->park_openmp_type;
+    if (tp == NULL || rs->nested) {
+        return 0;
+    }
+    Py_ssize_t ncpu = 0;
+    int typed = 0;
+    for (Py_ssize_t i = 0; i < rs->m; i++) {
+        const apply_job *job = &rs->jobs[i];
+        ncpu += job->on_worker && job->dev.kind == DP_VCPU;
+        typed = typed || (job->module != NULL && PyType_IsSubtype(Py_TYPE(job->module), tp));
+    }
+    return ncpu >= 2 && typed;
+}
+
 /* Run the m prepared jobs (GIL held) and return their results as a list,
  * in replica order; on failure re-raise the first failing replica's error
  * (docs/spec.md 6.5). The worker jobs are queued first, then the caller
@@ -1379,9 +1417,11 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     if (any_worker < 0 || start_run(&rs, any_worker) < 0 || limit_blas_pools(&rs) < 0) {
         return NULL;
     }
-    submit_jobs(&rs);
-    run_inline_jobs(&rs);
-    wait_workers(&rs);
+    if (park_openmp_team(&rs)) {
+        (void)dp_omp_run_parked(run_replicas, &rs);
+    } else {
+        run_replicas(&rs);
+    }
     finish_run(&rs);
     return collect_results(&rs);
 }
@@ -1779,10 +1819,35 @@ static PyObject *py_unregister_replica_context(PyObject *mod, PyObject *provider
     return registry_update(mod, provider, 0);
 }
 
+PyDoc_STRVAR(park_openmp_team_doc,
+"_park_openmp_team(cls) -> type | None\n\n"
+"Private (dpmini/_torch.py registers torch.nn.Module). A parallel_apply call\n"
+"that runs two or more replicas on virtual CPU devices, one of them an\n"
+"instance of cls, first parks the caller's OpenMP team: its other threads,\n"
+"which an OpenMP runtime keeps spinning for milliseconds after a parallel\n"
+"region (libgomp's default wait policy), sleep until the replicas are done\n"
+"instead of sharing the cores with them (docs/spec.md 6.3). None: no call\n"
+"parks. Returns the previous cls (None: none). Raises TypeError when cls is\n"
+"neither a type nor None.");
+
+static PyObject *py_park_openmp_team(PyObject *mod, PyObject *cls)
+{
+    if (cls != Py_None && !PyType_Check(cls)) {
+        PyErr_Format(PyExc_TypeError, "_park_openmp_team: cls: expected a type or None, got %.100s",
+                     Py_TYPE(cls)->tp_name);
+        return NULL;
+    }
+    dp_state *st = dp_state_from_module(mod);
+    PyObject *prev = st->park_openmp_type;
+    st->park_openmp_type = cls == Py_None ? NULL : Py_NewRef(cls);
+    return prev != NULL ? prev : Py_NewRef(Py_None);
+}
+
 PyMethodDef dp_replica_context_methods[] = {
     {"register_replica_context", py_register_replica_context, METH_O,
      register_replica_context_doc},
     {"unregister_replica_context", py_unregister_replica_context, METH_O,
      unregister_replica_context_doc},
+    {"_park_openmp_team", py_park_openmp_team, METH_O, park_openmp_team_doc},
     {NULL, NULL, 0, NULL},
 };

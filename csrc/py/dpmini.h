@@ -88,6 +88,11 @@ typedef struct dp_state {
                                         tuple of torch dtypes NumPy holds)
                                         once torch is imported; NULL before
                                         (interop_torch.c, the host fast path) */
+    PyObject *park_openmp_type;      /* a type whose instances, as replicas on
+                                        virtual CPU devices, park the caller's
+                                        OpenMP team (torch.nn.Module, set by
+                                        dpmini/_torch.py); NULL: never
+                                        (dp/parallel_apply.c, core/omp_team.h) */
     int torch_context_loaded;        /* 1 once a call found torch imported and
                                         loaded its adapter (interop_torch.c) */
     /* A copy of src (any device) on dev, synchronously; a new shadow or

@@ -334,3 +334,46 @@ def test_a_failing_step_of_the_context_undoes_the_steps_before_it(torch, monkeyp
     finally:
         dpmini.register_replica_context(_torch._replica_context)
     assert probe == [True, True]
+
+
+# The caller's OpenMP team (docs/spec.md 6.3). With OMP_WAIT_POLICY=ACTIVE, read
+# by libgomp when torch loads it, the team's idle threads spin for good after a
+# parallel region, so a team left spinning while the replicas sleep shows as
+# about a core's worth of CPU time. The replicas sleep 0.3 s; process CPU time
+# over the call is printed.
+_TEAM_SCRIPT = """
+import os, time, torch, dpmini
+from torch import nn
+
+class Sleep(nn.Module):
+    def forward(self, x):
+        time.sleep(0.3)
+        return x * 1
+
+torch.set_num_threads(2)
+dp = dpmini.DataParallel(Sleep(), ["cpu:0", "cpu:1"])
+x = torch.ones(4, 3)
+dp(x)                                          # workers started
+big = torch.ones(4_000_000)
+assert float((big + 1).sum()) == 8_000_000.0   # a region of the caller's team
+c0 = time.process_time()
+out = dp(x)
+print("cpu", time.process_time() - c0)
+assert torch.equal(out, x)
+assert torch.get_num_threads() == 2
+print("OK")
+"""
+
+
+def _call_cpu_seconds(park):
+    from script_runner import run_script
+    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", DPMINI_PARK_OPENMP=park)
+    res = run_script(_TEAM_SCRIPT, env=env)
+    return float(res.stdout.split("cpu", 1)[1].split()[0])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a team of two threads")
+def test_the_callers_openmp_team_sleeps_while_replicas_run(torch):
+    assert _call_cpu_seconds("1") < 0.1
+    # the control: the same call with the team left as it was spins through it
+    assert _call_cpu_seconds("0") > 0.2

@@ -1,0 +1,234 @@
+/* omp_team.c - park the calling thread's OpenMP team (omp_team.h).
+ *
+ * Sections: the runtimes (found among the loaded objects), the parked
+ * region.
+ */
+#define _GNU_SOURCE
+#include "omp_team.h"
+#include "spin.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_RUNTIMES 4
+/* A parked thread polls this long before it blocks: a call of small
+ * replicas is over by then, and its end does not wait for a wake-up. */
+#define PARK_SPIN_NS 50000L
+
+/* ------------------------------------------------------------------ */
+/* The runtimes                                                        */
+/* ------------------------------------------------------------------ */
+
+/* The entry points used, as libgomp names them (GOMP_parallel: GCC's call
+ * for `#pragma omp parallel`; LLVM's and Intel's runtimes export it too). */
+typedef struct {
+    void (*parallel)(void (*fn)(void *), void *data, unsigned nthreads, unsigned flags);
+    int (*max_threads)(void);
+    int (*in_parallel)(void);
+    int (*thread_num)(void);
+    void *handle;   /* dlopen handle: keeps the object loaded while listed */
+} omp_runtime;
+
+static pthread_mutex_t runtimes_mu = PTHREAD_MUTEX_INITIALIZER;
+static omp_runtime runtimes[MAX_RUNTIMES];   /* guarded by runtimes_mu */
+static int nruntimes;
+static unsigned long long seen_adds, seen_subs;
+static int scanned;
+
+/* The loader's counts of objects loaded and unloaded so far (glibc keeps
+ * them in every dl_iterate_phdr record): stop at the first object. */
+static int read_counts(struct dl_phdr_info *info, size_t size, void *data)
+{
+    unsigned long long *counts = data;
+    if (size < offsetof(struct dl_phdr_info, dlpi_subs) + sizeof info->dlpi_subs) {
+        return 1;   /* an old loader without the counts: 0, 0 (looked up once) */
+    }
+    counts[0] = info->dlpi_adds;
+    counts[1] = info->dlpi_subs;
+    return 1;
+}
+
+typedef struct {
+    char *names[MAX_RUNTIMES];
+    int n;
+} runtime_names;
+
+/* Objects named like an OpenMP runtime (libgomp*, libiomp*, libomp*; a
+ * wheel's bundled copy has a hash after the name). Only names are taken
+ * here: dlopen must not be called while dl_iterate_phdr holds its lock. */
+static int collect_name(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    runtime_names *found = data;
+    const char *path = info->dlpi_name;
+    const char *base = path != NULL ? strrchr(path, '/') : NULL;
+    base = base != NULL ? base + 1 : path;
+    if (base == NULL || found->n == MAX_RUNTIMES) {
+        return found->n == MAX_RUNTIMES;
+    }
+    if (strncmp(base, "libgomp", 7) == 0 || strncmp(base, "libiomp", 7) == 0 ||
+        strncmp(base, "libomp", 6) == 0) {
+        char *copy = strdup(path);
+        if (copy != NULL) {
+            found->names[found->n++] = copy;
+        }
+    }
+    return 0;
+}
+
+/* The runtime of an object already loaded: 1 with *rt filled (its handle
+ * held), 0 when it is gone or lacks an entry point. */
+static int open_runtime(const char *path, omp_runtime *rt)
+{
+    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL) {
+        return 0;
+    }
+    *(void **)&rt->parallel = dlsym(h, "GOMP_parallel");
+    *(void **)&rt->max_threads = dlsym(h, "omp_get_max_threads");
+    *(void **)&rt->in_parallel = dlsym(h, "omp_in_parallel");
+    *(void **)&rt->thread_num = dlsym(h, "omp_get_thread_num");
+    if (rt->parallel == NULL || rt->max_threads == NULL || rt->in_parallel == NULL ||
+        rt->thread_num == NULL) {
+        dlclose(h);
+        return 0;
+    }
+    rt->handle = h;
+    return 1;
+}
+
+/* Look the runtimes up again (runtimes_mu held). Two names of one object
+ * (a link and its target) count once. */
+static void rescan(void)
+{
+    runtime_names found = {{NULL}, 0};
+    omp_runtime fresh[MAX_RUNTIMES];
+    int n = 0;
+    dl_iterate_phdr(collect_name, &found);
+    for (int i = 0; i < found.n; i++) {
+        omp_runtime rt;
+        if (open_runtime(found.names[i], &rt)) {
+            int dup = 0;
+            for (int j = 0; j < n; j++) {
+                dup |= fresh[j].parallel == rt.parallel;
+            }
+            if (dup) {
+                dlclose(rt.handle);
+            } else {
+                fresh[n++] = rt;
+            }
+        }
+        free(found.names[i]);
+    }
+    for (int i = 0; i < nruntimes; i++) {
+        dlclose(runtimes[i].handle);
+    }
+    memcpy(runtimes, fresh, (size_t)n * sizeof *fresh);
+    nruntimes = n;
+}
+
+/* A child forked while another thread looked the runtimes up would find
+ * runtimes_mu held forever: it starts with the lock free (the list stays
+ * valid: the same objects are mapped in the child). */
+static void unlock_in_child(void)
+{
+    pthread_mutex_init(&runtimes_mu, NULL);
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void register_atfork(void)
+{
+    (void)pthread_atfork(NULL, NULL, unlock_in_child);
+}
+
+/* The loaded runtimes, copied into out; their number. Looked up again only
+ * when the loader's counts changed since the last look. */
+static int current_runtimes(omp_runtime *out)
+{
+    unsigned long long counts[2] = {0, 0};
+    pthread_once(&atfork_once, register_atfork);
+    dl_iterate_phdr(read_counts, counts);
+    pthread_mutex_lock(&runtimes_mu);
+    if (!scanned || counts[0] != seen_adds || counts[1] != seen_subs) {
+        rescan();
+        seen_adds = counts[0];
+        seen_subs = counts[1];
+        scanned = 1;
+    }
+    int n = nruntimes;
+    memcpy(out, runtimes, (size_t)n * sizeof *out);
+    pthread_mutex_unlock(&runtimes_mu);
+    return n;
+}
+
+/* ------------------------------------------------------------------ */
+/* The parked region                                                   */
+/* ------------------------------------------------------------------ */
+
+/* One parked region: the master (thread 0) runs the rest (the runtimes
+ * after this one, then fn); the others wait on `woken` until it is done. */
+typedef struct {
+    const omp_runtime *rts;
+    int level, n;
+    dp_team_fn fn;
+    void *arg;
+    int parked;             /* runtimes parked so far (the master's count) */
+    pthread_mutex_t mu;
+    pthread_cond_t woken;
+    int done;               /* written under mu; polled atomically */
+} parked_region;
+
+static int run_from(const omp_runtime *rts, int level, int n, dp_team_fn fn, void *arg);
+
+static void region_body(void *data)
+{
+    parked_region *p = data;
+    if (p->rts[p->level].thread_num() != 0) {
+        spin_clock clock = {now_ns() + PARK_SPIN_NS, now_ns(), 0};
+        while (!__atomic_load_n(&p->done, __ATOMIC_ACQUIRE) && spin_turn(&clock)) {
+        }
+        pthread_mutex_lock(&p->mu);
+        while (!p->done) {
+            pthread_cond_wait(&p->woken, &p->mu);
+        }
+        pthread_mutex_unlock(&p->mu);
+        return;
+    }
+    p->parked = 1 + run_from(p->rts, p->level + 1, p->n, p->fn, p->arg);
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(&p->done, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&p->woken);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* fn(arg) with the teams of runtimes level .. n-1 parked; how many were. */
+static int run_from(const omp_runtime *rts, int level, int n, dp_team_fn fn, void *arg)
+{
+    for (; level < n; level++) {
+        const omp_runtime *rt = &rts[level];
+        int team = rt->max_threads();
+        if (team > 1 && !rt->in_parallel()) {
+            parked_region p = {.rts = rts, .level = level, .n = n, .fn = fn, .arg = arg,
+                               .mu = PTHREAD_MUTEX_INITIALIZER,
+                               .woken = PTHREAD_COND_INITIALIZER};
+            rt->parallel(region_body, &p, (unsigned)team, 0);
+            pthread_mutex_destroy(&p.mu);
+            pthread_cond_destroy(&p.woken);
+            return p.parked;
+        }
+    }
+    fn(arg);
+    return 0;
+}
+
+int dp_omp_run_parked(dp_team_fn fn, void *arg)
+{
+    omp_runtime rts[MAX_RUNTIMES];
+    int n = current_runtimes(rts);
+    return run_from(rts, 0, n, fn, arg);
+}

@@ -1,0 +1,146 @@
+/* test_omp_team.c - standalone tests of csrc/core/omp_team.c: the calling
+ * thread's OpenMP team sleeps while dp_omp_run_parked runs a function.
+ *
+ * Build: cc -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -fopenmp -Icsrc/core \
+ *            tests/c/test_omp_team.c csrc/core/omp_team.c
+ * The program runs itself again with OMP_WAIT_POLICY=active (libgomp reads
+ * it when it loads): an idle team then spins for good, so a team that was
+ * not parked shows as CPU time. Exit status 0 when every check passes.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1
+#endif
+#include "omp_team.h"
+
+#include <errno.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include "check.h"
+
+static double cpu_secs(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
+    }
+}
+
+/* A region of two threads: afterwards the second one waits, spinning. */
+static long team_sum(int n)
+{
+    long sum = 0;
+#pragma omp parallel for num_threads(2) reduction(+ : sum)
+    for (int i = 0; i < n; i++) {
+        sum += i;
+    }
+    return sum;
+}
+
+static void noop(void *arg)
+{
+    (void)arg;
+}
+
+typedef struct {
+    int calls;
+    int in_parallel;   /* omp_in_parallel() inside the function */
+    int nested;        /* dp_omp_run_parked's result from inside it */
+    double cpu;        /* process CPU seconds over a 200 ms sleep */
+} probe;
+
+static void sleep_probe(void *arg)
+{
+    probe *p = arg;
+    p->calls++;
+    p->in_parallel = omp_in_parallel();
+    p->nested = dp_omp_run_parked(noop, NULL);
+    double c0 = cpu_secs();
+    sleep_ms(200);
+    p->cpu = cpu_secs() - c0;
+}
+
+/* The control: with the active policy an idle team burns a core. */
+static void test_idle_team_spins_unparked(void)
+{
+    omp_set_num_threads(2);
+    CHECK(team_sum(1000) == 499500);
+    double c0 = cpu_secs();
+    sleep_ms(200);
+    double cpu = cpu_secs() - c0;
+    if (!(cpu > 0.1)) {
+        printf("an idle team used %.3f s of CPU in 0.2 s\n", cpu);
+    }
+    CHECK(cpu > 0.1);
+}
+
+static void test_team_sleeps_while_parked(void)
+{
+    omp_set_num_threads(2);
+    CHECK(team_sum(1000) == 499500);
+    probe p = {0};
+    CHECK(dp_omp_run_parked(sleep_probe, &p) == 1);
+    CHECK(p.calls == 1);
+    CHECK(p.in_parallel == 1);
+    CHECK(p.nested == 0);   /* inside the region: nothing more to park */
+    if (!(p.cpu < 0.05)) {
+        printf("a parked team used %.3f s of CPU in 0.2 s\n", p.cpu);
+    }
+    CHECK(p.cpu < 0.05);
+    /* the team works as before */
+    CHECK(omp_get_max_threads() == 2);
+    CHECK(omp_in_parallel() == 0);
+    CHECK(team_sum(100000) == 4999950000L);
+}
+
+static void test_team_of_one_runs_plain(void)
+{
+    omp_set_num_threads(1);
+    probe p = {0};
+    CHECK(dp_omp_run_parked(sleep_probe, &p) == 0);
+    CHECK(p.calls == 1);
+    CHECK(p.in_parallel == 0);
+    omp_set_num_threads(2);
+}
+
+static void test_repeated_parks(void)
+{
+    omp_set_num_threads(2);
+    int parked = 0;
+    for (int i = 0; i < 2000; i++) {
+        parked += dp_omp_run_parked(noop, NULL);
+        if (i % 100 == 0) {
+            CHECK(team_sum(1000) == 499500);
+        }
+    }
+    CHECK(parked == 2000);
+}
+
+int main(int argc, char **argv)
+{
+    (void)argc;
+    const char *policy = getenv("OMP_WAIT_POLICY");
+    if (policy == NULL || strcmp(policy, "active") != 0) {
+        setenv("OMP_WAIT_POLICY", "active", 1);
+        execv("/proc/self/exe", argv);
+        printf("cannot run again with OMP_WAIT_POLICY=active: %s\n", strerror(errno));
+        return 1;
+    }
+    test_idle_team_spins_unparked();
+    test_team_sleeps_while_parked();
+    test_team_of_one_runs_plain();
+    test_repeated_parks();
+    if (failures) {
+        printf("%d check(s) failed\n", failures);
+    }
+    return failures != 0;
+}
