@@ -476,6 +476,41 @@ fail:
     return res;
 }
 
+/* forward_generic as the function dp_run_park_candidate runs. */
+typedef struct {
+    dp_DataParallelObject *self;
+    dp_state *st;
+    const dp_snapshot *snap;
+    PyObject *args, *kwargs;
+    PyObject *res;
+} generic_call;
+
+static void forward_generic_parked(void *arg)
+{
+    generic_call *c = arg;
+    c->res = forward_generic(c->self, c->st, c->snap, c->args, c->kwargs);
+}
+
+/* The overridable steps, with the caller's OpenMP team parked for all of
+ * them when the call is a park candidate (dp_park_candidate): the scatter and
+ * broadcast copies run on the devices' worker threads as the replicas do,
+ * and would share the cores with the team's spinning threads too. */
+static PyObject *forward_generic_call(dp_DataParallelObject *self, dp_state *st,
+                                      const dp_snapshot *snap, PyObject *args,
+                                      PyObject *kwargs)
+{
+    Py_ssize_t nvcpu = 0;
+    for (Py_ssize_t i = 0; i < snap->ndev; i++) {
+        nvcpu += snap->devs[i].kind == DP_VCPU;
+    }
+    if (!dp_park_candidate(st, snap->module, nvcpu)) {
+        return forward_generic(self, st, snap, args, kwargs);
+    }
+    generic_call c = {self, st, snap, args, kwargs, NULL};
+    dp_run_park_candidate(forward_generic_parked, &c);
+    return c.res;
+}
+
 /* forward: the C path on the exact type, the overridable steps on a subclass. */
 static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -510,7 +545,7 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
         }
         call_push(self, &snap, 1);
     }
-    res = forward_generic(self, st, use, args, kwargs);
+    res = forward_generic_call(self, st, use, args, kwargs);
     if (use == &snap) {
         call_pop(self, &snap);
         snapshot_release(&snap);

@@ -35,6 +35,16 @@ PyObject *input_as_args(PyObject *input);
  * in *out (None: no keywords); also dataparallel.c's one-device call. */
 int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out);
 
+/* parallel_apply.c: whether a call whose replicas are (of) `module`, with
+ * `nvcpu` of its devices virtual CPU devices, may park the caller's OpenMP
+ * team (core/omp_team.h): two or more such devices and `module` an
+ * instance of the type a library registered (_park_openmp_team). */
+int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu);
+/* parallel_apply.c: run fn(arg), a park candidate's work (GIL held), with
+ * the caller's OpenMP team parked unless the last candidate call was short;
+ * records how long this one took. */
+void dp_run_park_candidate(void (*fn)(void *), void *arg);
+
 #pragma GCC visibility pop
 
 #endif

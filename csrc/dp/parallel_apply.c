@@ -1379,28 +1379,52 @@ static void run_replicas(void *arg)
     wait_workers(rs);
 }
 
-/* Park the caller's OpenMP team while the replicas run (omp_team.h): when
- * two or more replicas run on virtual CPU devices (they would share the
- * cores with the team's spinning threads) and one of them is of the type a
- * library registered (_park_openmp_team: torch.nn.Module, whose work on the
- * caller's thread, a backward, leaves the team spinning). Replicas of other
- * libraries do not: parking a team that was asleep would wake it, and it
- * would then spin after the call. Not inside a replica: the outer call's
- * team is parked already. */
-static int park_openmp_team(const run_state *rs)
+/* The type a library registered is torch.nn.Module, whose work on the
+ * caller's thread (a backward) leaves the team spinning. Replicas of other
+ * libraries do not park: parking a team that was asleep would wake it, and
+ * it would then spin after the call. */
+int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu)
 {
-    PyTypeObject *tp = (PyTypeObject *)rs->st->park_openmp_type;
-    if (tp == NULL || rs->nested) {
+    PyTypeObject *tp = (PyTypeObject *)st->park_openmp_type;
+    return tp != NULL && nvcpu >= 2 && module != NULL && PyType_IsSubtype(Py_TYPE(module), tp);
+}
+
+/* Parking is for calls that run long enough for a spinning team to cost
+ * them: after a parked region the team spins again (milliseconds), so in a
+ * loop of short calls with nothing else in between, parking each one would
+ * keep a core spinning that was otherwise asleep, and cost each call the
+ * team's wake-up (tens of microseconds). So a candidate call parks only
+ * when the last candidate call (any thread) ran at least PARK_MIN_NS; the
+ * first one parks. */
+#define PARK_MIN_NS 1000000LL
+static long long last_candidate_ns = PARK_MIN_NS;   /* atomic */
+
+void dp_run_park_candidate(void (*fn)(void *), void *arg)
+{
+    uint64_t t0 = dp_prof_now();
+    if (__atomic_load_n(&last_candidate_ns, __ATOMIC_RELAXED) >= PARK_MIN_NS) {
+        (void)dp_omp_run_parked(fn, arg);
+    } else {
+        fn(arg);
+    }
+    __atomic_store_n(&last_candidate_ns, (long long)(dp_prof_now() - t0), __ATOMIC_RELAXED);
+}
+
+/* A parallel_apply call is a park candidate (dp_park_candidate) for its
+ * first replica and the jobs on virtual CPU workers. Not inside a replica:
+ * the outer call parked the team or chose not to. Inside a DataParallel
+ * call that parked it already (its whole forward), omp_team finds nothing
+ * to park. */
+static int park_candidate(const run_state *rs)
+{
+    if (rs->nested || rs->m == 0) {
         return 0;
     }
     Py_ssize_t ncpu = 0;
-    int typed = 0;
     for (Py_ssize_t i = 0; i < rs->m; i++) {
-        const apply_job *job = &rs->jobs[i];
-        ncpu += job->on_worker && job->dev.kind == DP_VCPU;
-        typed = typed || (job->module != NULL && PyType_IsSubtype(Py_TYPE(job->module), tp));
+        ncpu += rs->jobs[i].on_worker && rs->jobs[i].dev.kind == DP_VCPU;
     }
-    return ncpu >= 2 && typed;
+    return dp_park_candidate(rs->st, rs->jobs[0].module, ncpu);
 }
 
 /* Run the m prepared jobs (GIL held) and return their results as a list,
@@ -1417,8 +1441,8 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
     if (any_worker < 0 || start_run(&rs, any_worker) < 0 || limit_blas_pools(&rs) < 0) {
         return NULL;
     }
-    if (park_openmp_team(&rs)) {
-        (void)dp_omp_run_parked(run_replicas, &rs);
+    if (park_candidate(&rs)) {
+        dp_run_park_candidate(run_replicas, &rs);
     } else {
         run_replicas(&rs);
     }

@@ -377,3 +377,31 @@ def test_the_callers_openmp_team_sleeps_while_replicas_run(torch):
     assert _call_cpu_seconds("1") < 0.1
     # the control: the same call with the team left as it was spins through it
     assert _call_cpu_seconds("0") > 0.2
+
+
+_SHORT_THEN_LONG = _TEAM_SCRIPT.replace("c0 = time.process_time()", """
+tiny = dpmini.DataParallel(nn.Linear(3, 3), ["cpu:0", "cpu:1"])
+with torch.no_grad():
+    for _ in range(200):                       # until one took well under 1 ms
+        t = time.perf_counter()
+        tiny(x)
+        if time.perf_counter() - t < 0.0005:
+            break
+    else:
+        raise AssertionError("no call of nn.Linear(3, 3) took under 0.5 ms")
+c0 = time.process_time()
+dp(x)
+print("unparked", time.process_time() - c0)
+assert float((big + 1).sum()) == 8_000_000.0
+c0 = time.process_time()""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a team of two threads")
+def test_a_call_after_a_short_call_leaves_the_team_as_it_was(torch):
+    from script_runner import run_script
+    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", DPMINI_PARK_OPENMP="1")
+    out = run_script(_SHORT_THEN_LONG, env=env).stdout
+    unparked = float(out.split("unparked", 1)[1].split()[0])
+    parked = float(out.split("cpu", 1)[1].split()[0])
+    assert unparked > 0.2     # after calls under 1 ms: not parked, the team spins
+    assert parked < 0.1       # after that long call: parked again
