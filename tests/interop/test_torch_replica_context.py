@@ -339,8 +339,8 @@ def test_a_failing_step_of_the_context_undoes_the_steps_before_it(torch, monkeyp
 # The caller's OpenMP team (docs/spec.md 6.3). With OMP_WAIT_POLICY=ACTIVE, read
 # by libgomp when torch loads it, the team's idle threads spin for good after a
 # parallel region, so a team left spinning while the replicas sleep shows as
-# about a core's worth of CPU time (0.3 s; a parked one: a few ms). The replicas sleep 0.3 s; process CPU time
-# over the call is printed.
+# about a core's worth of CPU time. The replicas sleep 0.3 s; the process's CPU
+# time over the call is printed (spinning: about 0.3 s; parked: a few ms).
 _TEAM_SCRIPT = """
 import os, time, torch, dpmini
 from torch import nn
