@@ -1845,14 +1845,15 @@ static PyObject *py_unregister_replica_context(PyObject *mod, PyObject *provider
 
 PyDoc_STRVAR(park_openmp_team_doc,
 "_park_openmp_team(cls) -> type | None\n\n"
-"Private (dpmini/_torch.py registers torch.nn.Module). A parallel_apply call\n"
-"that runs two or more replicas on virtual CPU devices, one of them an\n"
-"instance of cls, first parks the caller's OpenMP team: its other threads,\n"
-"which an OpenMP runtime keeps spinning for milliseconds after a parallel\n"
-"region (libgomp's default wait policy), sleep until the replicas are done\n"
-"instead of sharing the cores with them (docs/spec.md 6.3). None: no call\n"
-"parks. Returns the previous cls (None: none). Raises TypeError when cls is\n"
-"neither a type nor None.");
+"Private (dpmini/_torch.py registers torch.nn.Module). A DataParallel or\n"
+"parallel_apply call that runs two or more replicas on virtual CPU devices,\n"
+"the first an instance of cls, parks the caller's OpenMP team: its other\n"
+"threads, which an OpenMP runtime keeps spinning for milliseconds after a\n"
+"parallel region (libgomp's default wait policy), sleep until the call is\n"
+"done instead of sharing the cores with it; unless the previous such call\n"
+"took under 1 ms (docs/spec.md 6.3). None: no call parks. Returns the\n"
+"previous cls (None: none). Raises TypeError when cls is neither a type nor\n"
+"None.");
 
 static PyObject *py_park_openmp_team(PyObject *mod, PyObject *cls)
 {
