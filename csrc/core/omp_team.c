@@ -30,6 +30,7 @@ typedef struct {
     int (*max_threads)(void);
     int (*in_parallel)(void);
     int (*thread_num)(void);
+    void (*set_threads)(int);   /* omp_set_num_threads */
     void *handle;   /* dlopen handle: keeps the object loaded while listed */
 } omp_runtime;
 
@@ -92,8 +93,9 @@ static int open_runtime(const char *path, omp_runtime *rt)
     *(void **)&rt->max_threads = dlsym(h, "omp_get_max_threads");
     *(void **)&rt->in_parallel = dlsym(h, "omp_in_parallel");
     *(void **)&rt->thread_num = dlsym(h, "omp_get_thread_num");
+    *(void **)&rt->set_threads = dlsym(h, "omp_set_num_threads");
     if (rt->parallel == NULL || rt->max_threads == NULL || rt->in_parallel == NULL ||
-        rt->thread_num == NULL) {
+        rt->thread_num == NULL || rt->set_threads == NULL) {
         dlclose(h);
         return 0;
     }
@@ -178,6 +180,8 @@ typedef struct {
     dp_team_fn fn;
     void *arg;
     int parked;             /* runtimes parked so far (the master's count) */
+    int threads_set;        /* the master's thread count when fn returned, */
+    int threads_changed;    /* when fn changed it (omp_set_num_threads) */
     pthread_mutex_t mu;
     pthread_cond_t woken;
     int done;               /* written under mu; polled atomically */
@@ -199,7 +203,10 @@ static void region_body(void *data)
         pthread_mutex_unlock(&p->mu);
         return;
     }
+    int threads = p->rts[p->level].max_threads();
     p->parked = 1 + run_from(p->rts, p->level + 1, p->n, p->fn, p->arg);
+    p->threads_set = p->rts[p->level].max_threads();
+    p->threads_changed = p->threads_set != threads;
     pthread_mutex_lock(&p->mu);
     __atomic_store_n(&p->done, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&p->woken);
@@ -217,6 +224,12 @@ static int run_from(const omp_runtime *rts, int level, int n, dp_team_fn fn, voi
                                .mu = PTHREAD_MUTEX_INITIALIZER,
                                .woken = PTHREAD_COND_INITIALIZER};
             rt->parallel(region_body, &p, (unsigned)team, 0);
+            /* The region's end drops what fn set in its implicit task: a
+             * thread count fn set (torch.set_num_threads, or torch setting
+             * a new thread's count when it first uses it) is the thread's. */
+            if (p.threads_changed) {
+                rt->set_threads(p.threads_set);
+            }
             pthread_mutex_destroy(&p.mu);
             pthread_cond_destroy(&p.woken);
             return p.parked;

@@ -125,6 +125,25 @@ static void test_repeated_parks(void)
     CHECK(parked == 2000);
 }
 
+static void set_one_thread(void *arg)
+{
+    (void)arg;
+    omp_set_num_threads(1);
+}
+
+/* A thread count the function sets stays the thread's after the region (torch
+ * sets a thread's count when it first uses it, maybe inside the region). */
+static void test_thread_count_set_inside_is_kept(void)
+{
+    omp_set_num_threads(2);
+    CHECK(team_sum(1000) == 499500);
+    CHECK(dp_omp_run_parked(set_one_thread, NULL) == 1);
+    CHECK(omp_get_max_threads() == 1);
+    omp_set_num_threads(2);
+    CHECK(dp_omp_run_parked(noop, NULL) == 1);
+    CHECK(omp_get_max_threads() == 2);
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -139,6 +158,7 @@ int main(int argc, char **argv)
     test_team_sleeps_while_parked();
     test_team_of_one_runs_plain();
     test_repeated_parks();
+    test_thread_count_set_inside_is_kept();
     if (failures) {
         printf("%d check(s) failed\n", failures);
     }
