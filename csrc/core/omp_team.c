@@ -133,17 +133,25 @@ static void rescan(void)
     nruntimes = n;
 }
 
+/* Set in a forked child: it never parks. A runtime's team does not survive
+ * fork (libgomp's child still counts the parent's threads in the team of the
+ * thread that forked, and its next region of more than one thread waits for
+ * them for good), so the region that parks would hang a child whose own code
+ * (small ops, replicas on dpmini's workers) never started one. */
+static int forked_child;
+
 /* A child forked while another thread looked the runtimes up would find
  * runtimes_mu held forever: it starts with the lock free (the list stays
  * valid: the same objects are mapped in the child). */
 static void unlock_in_child(void)
 {
     pthread_mutex_init(&runtimes_mu, NULL);
+    forked_child = 1;
 }
 
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void register_atfork(void)
+/* Registered when the object is loaded, so that a fork before the first
+ * parked call is seen too. */
+__attribute__((constructor)) static void register_atfork(void)
 {
     (void)pthread_atfork(NULL, NULL, unlock_in_child);
 }
@@ -153,7 +161,6 @@ static void register_atfork(void)
 static int current_runtimes(omp_runtime *out)
 {
     unsigned long long counts[2] = {0, 0};
-    pthread_once(&atfork_once, register_atfork);
     dl_iterate_phdr(read_counts, counts);
     pthread_mutex_lock(&runtimes_mu);
     if (!scanned || counts[0] != seen_adds || counts[1] != seen_subs) {
@@ -241,6 +248,10 @@ static int run_from(const omp_runtime *rts, int level, int n, dp_team_fn fn, voi
 
 int dp_omp_run_parked(dp_team_fn fn, void *arg)
 {
+    if (__atomic_load_n(&forked_child, __ATOMIC_RELAXED)) {
+        fn(arg);
+        return 0;
+    }
     omp_runtime rts[MAX_RUNTIMES];
     int n = current_runtimes(rts);
     return run_from(rts, 0, n, fn, arg);

@@ -16,7 +16,9 @@
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include "check.h"
@@ -144,6 +146,30 @@ static void test_thread_count_set_inside_is_kept(void)
     CHECK(omp_get_max_threads() == 2);
 }
 
+/* A child forked after the team ran does not park: the team's threads are not
+ * in the child, and a region of two threads there would wait for them. */
+static void test_forked_child_runs_plain(void)
+{
+    omp_set_num_threads(2);
+    CHECK(team_sum(1000) == 499500);
+    CHECK(dp_omp_run_parked(noop, NULL) == 1);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(10);   /* a hang shows as SIGALRM */
+        probe p = {0};
+        int parked = dp_omp_run_parked(sleep_probe, &p);
+        _exit(parked == 0 && p.calls == 1 ? 0 : 3);
+    }
+    CHECK(pid > 0);
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+        printf("the forked child ended with status %#x\n", status);
+    }
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -159,6 +185,7 @@ int main(int argc, char **argv)
     test_team_of_one_runs_plain();
     test_repeated_parks();
     test_thread_count_set_inside_is_kept();
+    test_forked_child_runs_plain();
     if (failures) {
         printf("%d check(s) failed\n", failures);
     }
