@@ -410,3 +410,38 @@ def test_a_call_after_a_short_call_leaves_the_team_as_it_was(torch):
     parked = float(out.split("cpu", 1)[1].split()[0])
     assert unparked > 0.1     # after calls under 1 ms: not parked, the team spins
     assert parked < 0.05      # after that long call: parked again
+
+
+# A Python thread whose first torch use is inside a parked DataParallel call:
+# torch sets that thread's OpenMP thread count there, inside the region, and
+# the region's end must not drop it (it did: the thread's count, then the
+# process-wide one through the replicas' set-back, went back to the core count).
+_FRESH_THREAD_SCRIPT = """
+import threading, torch, dpmini
+from torch import nn
+
+torch.set_num_threads(1)
+m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+x = torch.randn(33, 64)
+seen = []
+
+def work():
+    dp = dpmini.DataParallel(m, ["cpu:0", "cpu:1"])
+    for _ in range(3):
+        dp(x)
+        seen.append(torch.get_num_threads())
+
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print("thread", seen, "main", torch.get_num_threads())
+assert seen == [1, 1, 1] and torch.get_num_threads() == 1
+print("OK")
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a team of two threads")
+def test_a_new_threads_first_call_keeps_torchs_thread_count(torch):
+    from script_runner import run_script
+    env = dict(os.environ, DPMINI_PARK_OPENMP="1")
+    assert "OK" in run_script(_FRESH_THREAD_SCRIPT, env=env).stdout
