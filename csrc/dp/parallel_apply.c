@@ -191,7 +191,7 @@ static PyObject *replica_take_exception(void)
 static void restore_exception(PyObject *exc)
 {
 #if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(exc);
+    PyErr_Restore(et, ev, tb);
 #else
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 #endif
@@ -1383,10 +1383,39 @@ static void run_replicas(void *arg)
  * caller's thread (a backward) leaves the team spinning. Replicas of other
  * libraries do not park: parking a team that was asleep would wake it, and
  * it would then spin after the call. */
+/* torch sets a thread's OpenMP thread count when the thread first asks for it
+ * (torch.get_num_threads, or its first parallel op): to the process-wide
+ * count, or, before torch.set_num_threads was called, to MKL's count. Inside a
+ * parked region that first time would read MKL's count as 1 (MKL answers 1
+ * inside a parallel region), and omp_team keeps what the region set: the
+ * thread would run single-threaded for good. So a thread's first candidate
+ * call asks torch once, outside the region. */
+static _Thread_local int torch_threads_asked;
+
+static void ask_torch_threads(void)
+{
+    torch_threads_asked = 1;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *name = PyUnicode_FromString("torch");
+    PyObject *torch = name != NULL ? PyImport_GetModule(name) : NULL;
+    Py_XDECREF(name);
+    PyObject *res = torch != NULL ? PyObject_CallMethod(torch, "get_num_threads", NULL) : NULL;
+    Py_XDECREF(res);
+    Py_XDECREF(torch);
+    PyErr_Clear();   /* best effort: a call parks either way */
+    PyErr_Restore(et, ev, tb);
+}
+
 int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu)
 {
     PyTypeObject *tp = (PyTypeObject *)st->park_openmp_type;
-    return tp != NULL && nvcpu >= 2 && module != NULL && PyType_IsSubtype(Py_TYPE(module), tp);
+    int candidate = tp != NULL && nvcpu >= 2 && module != NULL &&
+                    PyType_IsSubtype(Py_TYPE(module), tp);
+    if (candidate && !torch_threads_asked) {
+        ask_torch_threads();
+    }
+    return candidate;
 }
 
 /* Parking is for calls that run long enough for a spinning team to cost

@@ -445,3 +445,30 @@ def test_a_new_threads_first_call_keeps_torchs_thread_count(torch):
     from script_runner import run_script
     env = dict(os.environ, DPMINI_PARK_OPENMP="1")
     assert "OK" in run_script(_FRESH_THREAD_SCRIPT, env=env).stdout
+
+
+# The same with no torch.set_num_threads: torch then sets a thread's count from
+# MKL's when it first asks, and MKL answers 1 inside a parallel region; the
+# first call of a thread asks outside the parked region (the caller went on
+# single-threaded for good otherwise).
+_FIRST_ASK_SCRIPT = """
+import torch, dpmini
+from torch import nn
+
+m = nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 3))
+dp = dpmini.DataParallel(m, ["cpu:0", "cpu:1"])
+y = dp(torch.randn(8, 7))   # the first thing to ask for the thread count
+y.sum().backward()
+dp(torch.randn(8, 7))
+print("threads", torch.get_num_threads())
+assert torch.get_num_threads() == 2
+print("OK")
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="expects torch's default of two threads")
+def test_a_threads_first_ask_for_its_count_is_outside_the_parked_region(torch):
+    from script_runner import run_script
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
+    env["DPMINI_PARK_OPENMP"] = "1"
+    assert "OK" in run_script(_FIRST_ASK_SCRIPT, env=env).stdout
