@@ -191,7 +191,7 @@ static PyObject *replica_take_exception(void)
 static void restore_exception(PyObject *exc)
 {
 #if PY_VERSION_HEX >= 0x030C0000
-    PyErr_Restore(et, ev, tb);
+    PyErr_SetRaisedException(exc);
 #else
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 #endif
@@ -1379,22 +1379,17 @@ static void run_replicas(void *arg)
     wait_workers(rs);
 }
 
-/* The type a library registered is torch.nn.Module, whose work on the
- * caller's thread (a backward) leaves the team spinning. Replicas of other
- * libraries do not park: parking a team that was asleep would wake it, and
- * it would then spin after the call. */
 /* torch sets a thread's OpenMP thread count when the thread first asks for it
  * (torch.get_num_threads, or its first parallel op): to the process-wide
  * count, or, before torch.set_num_threads was called, to MKL's count. Inside a
  * parked region that first time would read MKL's count as 1 (MKL answers 1
  * inside a parallel region), and omp_team keeps what the region set: the
- * thread would run single-threaded for good. So a thread's first candidate
- * call asks torch once, outside the region. */
-static _Thread_local int torch_threads_asked;
-
+ * thread would run single-threaded for good. So each candidate call asks
+ * torch first, outside the region (a dict lookup and a call: about a
+ * microsecond; no thread-local flag, which parallel_apply does without, see
+ * WL_PINNED). */
 static void ask_torch_threads(void)
 {
-    torch_threads_asked = 1;
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     PyObject *name = PyUnicode_FromString("torch");
@@ -1407,12 +1402,16 @@ static void ask_torch_threads(void)
     PyErr_Restore(et, ev, tb);
 }
 
+/* The type a library registered is torch.nn.Module, whose work on the
+ * caller's thread (a backward) leaves the team spinning. Replicas of other
+ * libraries do not park: parking a team that was asleep would wake it, and
+ * it would then spin after the call. */
 int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu)
 {
     PyTypeObject *tp = (PyTypeObject *)st->park_openmp_type;
     int candidate = tp != NULL && nvcpu >= 2 && module != NULL &&
                     PyType_IsSubtype(Py_TYPE(module), tp);
-    if (candidate && !torch_threads_asked) {
+    if (candidate) {
         ask_torch_threads();
     }
     return candidate;
