@@ -26,8 +26,11 @@ typedef void (*dp_team_fn)(void *arg);
  * parallel region already and its team would have more than one thread
  * (omp_get_max_threads). fn runs inside that region: OpenMP code it calls
  * on this thread runs on one thread (nested regions are inactive), so fn
- * must not wait for OpenMP work of this thread. Returns the number of
- * runtimes whose team was parked (0: fn ran plain). */
+ * must not wait for OpenMP work of this thread. In a process forked after
+ * this object was loaded fn always runs plain (a team does not survive
+ * fork). A thread count fn sets (omp_set_num_threads) stays set after the
+ * region. Returns the number of runtimes whose team was parked (0: fn ran
+ * plain). */
 int dp_omp_run_parked(dp_team_fn fn, void *arg);
 
 #endif
