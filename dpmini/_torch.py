@@ -1314,5 +1314,9 @@ register_replica_context(_replica_context)
 # each parallel region under libgomp's default wait policy; while nn.Module replicas
 # run on virtual CPU devices that team is parked (docs/spec.md 6.3). DPMINI_PARK_OPENMP=0
 # in the environment when torch is first used through dpmini turns it off.
-_dpmini._park_openmp_team(nn.Module if os.environ.get("DPMINI_PARK_OPENMP", "1").strip() != "0"
-                          else None)
+# torch.get_num_threads is called before each parked call: torch sets a thread's
+# count on its first use, which must not be inside the parked region.
+if os.environ.get("DPMINI_PARK_OPENMP", "1").strip() != "0":
+    _dpmini._park_openmp_team(nn.Module, torch.get_num_threads)
+else:
+    _dpmini._park_openmp_team(None)

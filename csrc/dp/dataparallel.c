@@ -507,7 +507,7 @@ static PyObject *forward_generic_call(dp_DataParallelObject *self, dp_state *st,
         return forward_generic(self, st, snap, args, kwargs);
     }
     generic_call c = {self, st, snap, args, kwargs, NULL};
-    dp_run_park_candidate(forward_generic_parked, &c);
+    dp_run_park_candidate(st, forward_generic_parked, &c);
     return c.res;
 }
 

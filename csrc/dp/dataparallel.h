@@ -41,9 +41,9 @@ int kwargs_as_dict(PyObject *kw, const char *what, Py_ssize_t i, PyObject **out)
  * instance of the type a library registered (_park_openmp_team). */
 int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu);
 /* parallel_apply.c: run fn(arg), a park candidate's work (GIL held), with
- * the caller's OpenMP team parked unless the last candidate call was short;
- * records how long this one took. */
-void dp_run_park_candidate(void (*fn)(void *), void *arg);
+ * the caller's OpenMP team parked unless the last candidate call was short
+ * (the library's prepare callable first); records how long this one took. */
+void dp_run_park_candidate(const dp_state *st, void (*fn)(void *), void *arg);
 
 #pragma GCC visibility pop
 

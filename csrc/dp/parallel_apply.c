@@ -1379,29 +1379,6 @@ static void run_replicas(void *arg)
     wait_workers(rs);
 }
 
-/* torch sets a thread's OpenMP thread count when the thread first asks for it
- * (torch.get_num_threads, or its first parallel op): to the process-wide
- * count, or, before torch.set_num_threads was called, to MKL's count. Inside a
- * parked region that first time would read MKL's count as 1 (MKL answers 1
- * inside a parallel region), and omp_team keeps what the region set: the
- * thread would run single-threaded for good. So each candidate call asks
- * torch first, outside the region (a dict lookup and a call: about a
- * microsecond; no thread-local flag, which parallel_apply does without, see
- * WL_PINNED). */
-static void ask_torch_threads(void)
-{
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    PyObject *name = PyUnicode_FromString("torch");
-    PyObject *torch = name != NULL ? PyImport_GetModule(name) : NULL;
-    Py_XDECREF(name);
-    PyObject *res = torch != NULL ? PyObject_CallMethod(torch, "get_num_threads", NULL) : NULL;
-    Py_XDECREF(res);
-    Py_XDECREF(torch);
-    PyErr_Clear();   /* best effort: a call parks either way */
-    PyErr_Restore(et, ev, tb);
-}
-
 /* The type a library registered is torch.nn.Module, whose work on the
  * caller's thread (a backward) leaves the team spinning. Replicas of other
  * libraries do not park: parking a team that was asleep would wake it, and
@@ -1409,12 +1386,26 @@ static void ask_torch_threads(void)
 int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu)
 {
     PyTypeObject *tp = (PyTypeObject *)st->park_openmp_type;
-    int candidate = tp != NULL && nvcpu >= 2 && module != NULL &&
-                    PyType_IsSubtype(Py_TYPE(module), tp);
-    if (candidate) {
-        ask_torch_threads();
+    return tp != NULL && nvcpu >= 2 && module != NULL && PyType_IsSubtype(Py_TYPE(module), tp);
+}
+
+/* Call the library's prepare callable (its errors are dropped: a call parks
+ * either way). torch's, torch.get_num_threads, makes torch set the thread's
+ * OpenMP count now if it never did: torch sets it on a thread's first use,
+ * to MKL's count before torch.set_num_threads was called, and MKL answers 1
+ * inside a parallel region; omp_team keeps a count set inside the region, so
+ * that first use inside it would leave the thread single-threaded for good. */
+static void prepare_to_park(const dp_state *st)
+{
+    if (st->park_openmp_prepare == NULL) {
+        return;
     }
-    return candidate;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *res = PyObject_CallNoArgs(st->park_openmp_prepare);
+    Py_XDECREF(res);
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
 }
 
 /* Parking is for calls that run long enough for a spinning team to cost
@@ -1427,10 +1418,11 @@ int dp_park_candidate(const dp_state *st, PyObject *module, Py_ssize_t nvcpu)
 #define PARK_MIN_NS 1000000LL
 static long long last_candidate_ns = PARK_MIN_NS;   /* atomic */
 
-void dp_run_park_candidate(void (*fn)(void *), void *arg)
+void dp_run_park_candidate(const dp_state *st, void (*fn)(void *), void *arg)
 {
     uint64_t t0 = dp_prof_now();
     if (__atomic_load_n(&last_candidate_ns, __ATOMIC_RELAXED) >= PARK_MIN_NS) {
+        prepare_to_park(st);
         (void)dp_omp_run_parked(fn, arg);
     } else {
         fn(arg);
@@ -1470,7 +1462,7 @@ static PyObject *run_jobs(dp_state *st, apply_job *caller_jobs, Py_ssize_t m)
         return NULL;
     }
     if (park_candidate(&rs)) {
-        dp_run_park_candidate(run_replicas, &rs);
+        dp_run_park_candidate(st, run_replicas, &rs);
     } else {
         run_replicas(&rs);
     }
@@ -1872,27 +1864,40 @@ static PyObject *py_unregister_replica_context(PyObject *mod, PyObject *provider
 }
 
 PyDoc_STRVAR(park_openmp_team_doc,
-"_park_openmp_team(cls) -> type | None\n\n"
-"Private (dpmini/_torch.py registers torch.nn.Module). A DataParallel or\n"
-"parallel_apply call that runs two or more replicas on virtual CPU devices,\n"
-"the first an instance of cls, parks the caller's OpenMP team: its other\n"
-"threads, which an OpenMP runtime keeps spinning for milliseconds after a\n"
-"parallel region (libgomp's default wait policy), sleep until the call is\n"
-"done instead of sharing the cores with it; unless the previous such call\n"
-"took under 1 ms (docs/spec.md 6.3). None: no call parks. Returns the\n"
-"previous cls (None: none). Raises TypeError when cls is neither a type nor\n"
-"None.");
+"_park_openmp_team(cls, prepare=None) -> type | None\n\n"
+"Private (dpmini/_torch.py registers torch.nn.Module and\n"
+"torch.get_num_threads). A DataParallel or parallel_apply call that runs two\n"
+"or more replicas on virtual CPU devices, the first an instance of cls, parks\n"
+"the caller's OpenMP team: its other threads, which an OpenMP runtime keeps\n"
+"spinning for milliseconds after a parallel region (libgomp's default wait\n"
+"policy), sleep until the call is done instead of sharing the cores with it;\n"
+"unless the previous such call took under 1 ms (docs/spec.md 6.3). prepare,\n"
+"when given, is called with no arguments before each call parks (its errors\n"
+"are ignored). cls None: no call parks. Returns the previous cls (None:\n"
+"none). Raises TypeError when cls is neither a type nor None, or prepare is\n"
+"neither callable nor None.");
 
-static PyObject *py_park_openmp_team(PyObject *mod, PyObject *cls)
+static PyObject *py_park_openmp_team(PyObject *mod, PyObject *args)
 {
+    PyObject *cls, *prepare = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:_park_openmp_team", &cls, &prepare)) {
+        return NULL;
+    }
     if (cls != Py_None && !PyType_Check(cls)) {
         PyErr_Format(PyExc_TypeError, "_park_openmp_team: cls: expected a type or None, got %.100s",
                      Py_TYPE(cls)->tp_name);
         return NULL;
     }
+    if (prepare != Py_None && !PyCallable_Check(prepare)) {
+        PyErr_Format(PyExc_TypeError,
+                     "_park_openmp_team: prepare: expected a callable or None, got %.100s",
+                     Py_TYPE(prepare)->tp_name);
+        return NULL;
+    }
     dp_state *st = dp_state_from_module(mod);
     PyObject *prev = st->park_openmp_type;
     st->park_openmp_type = cls == Py_None ? NULL : Py_NewRef(cls);
+    Py_XSETREF(st->park_openmp_prepare, prepare == Py_None ? NULL : Py_NewRef(prepare));
     return prev != NULL ? prev : Py_NewRef(Py_None);
 }
 
@@ -1901,6 +1906,6 @@ PyMethodDef dp_replica_context_methods[] = {
      register_replica_context_doc},
     {"unregister_replica_context", py_unregister_replica_context, METH_O,
      unregister_replica_context_doc},
-    {"_park_openmp_team", py_park_openmp_team, METH_O, park_openmp_team_doc},
+    {"_park_openmp_team", py_park_openmp_team, METH_VARARGS, park_openmp_team_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -93,6 +93,10 @@ typedef struct dp_state {
                                         OpenMP team (torch.nn.Module, set by
                                         dpmini/_torch.py); NULL: never
                                         (dp/parallel_apply.c, core/omp_team.h) */
+    PyObject *park_openmp_prepare;   /* called (no arguments) before a call
+                                        parks, or NULL (torch.get_num_threads:
+                                        torch sets a thread's count on first use,
+                                        which must not happen inside the region) */
     int torch_context_loaded;        /* 1 once a call found torch imported and
                                         loaded its adapter (interop_torch.c) */
     /* A copy of src (any device) on dev, synchronously; a new shadow or
