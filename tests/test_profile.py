@@ -47,6 +47,10 @@ def copies(prof, phase, device):
 # ------------------------------------------------------------ round trip
 
 
+@pytest.mark.skipif(bool(os.environ.get("DPMINI_SANITIZER")),
+                    reason="a sanitizer slows the caller's own steps (the walk, the frees), "
+                    "which no device span covers, far more than the copies; the 10% bound "
+                    "is the release build's")
 @pytest.mark.parametrize("dim", [0, 1])
 def test_round_trip_spans_cover_each_devices_wall_time_within_10_percent(dim):
     # a device's spans: its copies, the waits for its worker thread, its replica
