@@ -186,11 +186,29 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any):
         n = ctx.n
         per_param = [[grads[d * n + i] for d in range(len(grads) // n)] for i in range(n)]
-        sums = []
-        for i, gs in enumerate(per_param):
-            present = [g for g in gs if g is not None]
-            sums.append(_sum_grads(present, ctx.dests[i]) if present else None)
-        return (None, *sums)
+        return (None, *_sum_param_grads(per_param, ctx.dests))
+
+
+def _sum_param_grads(per_param: list[list[Any]], dests: list[str]) -> list[Any]:
+    """Each parameter's gradients (per_param[i]: one per replica, None where a
+    replica gave none) summed onto its device dests[i]; None where no replica gave
+    one. Parameters whose replicas all gave dense gradients are summed in one
+    dpmini reduce_add_coalesced call per destination (torch's ReduceAddCoalesced),
+    the others one by one (_sum_grads); the sums are the same either way."""
+    sums: list[Any] = [None] * len(per_param)
+    together: dict[str, list[int]] = {}
+    for i, gs in enumerate(per_param):
+        present = [g for g in gs if g is not None]
+        if len(gs) > 1 and len(present) == len(gs) and all(g.layout == torch.strided
+                                                            for g in gs):
+            together.setdefault(dests[i], []).append(i)
+        elif present:
+            sums[i] = _sum_grads(present, dests[i])
+    for dest, idx in together.items():
+        rows = [[per_param[i][d] for i in idx] for d in range(len(per_param[idx[0]]))]
+        for i, total in zip(idx, _comm.reduce_add_coalesced(rows, destination=dest)):
+            sums[i] = total
+    return sums
 
 
 def _sum_grads(grads: list[torch.Tensor], dest: str) -> torch.Tensor:
