@@ -51,3 +51,33 @@ def test_a_sparse_gradient_of_a_broadcast_input_is_summed(torch):
     for i in (1, 2, 2, 7):
         expected[i] += 1
     assert torch.equal(weight.grad.to_dense(), expected)
+
+
+def test_sparse_dense_and_partly_used_parameters_each_get_their_summed_gradient(torch):
+    # the broadcast's backward sums dense gradients of all replicas together,
+    # sparse ones apart, and a parameter only some replicas used from those alone
+    import dpmini
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 4, sparse=True)
+            self.lin = torch.nn.Linear(4, 3)
+            self.extra = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, idx):
+            h = self.lin(self.emb(idx).sum(1))
+            return h + self.extra if bool(idx[0, 0] >= 10) else h
+
+    torch.manual_seed(2)
+    model = Mixed().double()
+    ref = copy.deepcopy(model)
+    idx = torch.tensor([[1, 4], [3, 3], [12, 0], [15, 19]])   # only replica 1 uses extra
+    dpmini.DataParallel(model, DEVS)(idx).pow(2).sum().backward()
+    torch.cat([ref(c) for c in idx.chunk(2)]).pow(2).sum().backward()
+    assert model.emb.weight.grad.is_sparse
+    assert torch.allclose(model.emb.weight.grad.to_dense(), ref.emb.weight.grad.to_dense(),
+                          rtol=0, atol=1e-12)
+    for name in ("lin.weight", "lin.bias", "extra"):
+        got, want = model.get_parameter(name).grad, ref.get_parameter(name).grad
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), name
