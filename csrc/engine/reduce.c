@@ -288,40 +288,13 @@ static int check_parts_alike(PyArrayObject **parts, Py_ssize_t n, const char *ar
     return 0;
 }
 
-/* acc = parts[0] + parts[1] in one pass (numpy.add with acc as out): the
- * same values as copying parts[0] into acc and adding parts[1] in place,
- * without the copy's extra pass over memory. 0 or -1. */
-static int add_first_two(PyObject *acc, PyArrayObject **parts)
-{
-    PyObject *np = PyImport_ImportModule("numpy");
-    PyObject *add = np != NULL ? PyObject_GetAttrString(np, "add") : NULL;
-    Py_XDECREF(np);
-    PyObject *sum = add != NULL ? PyObject_CallFunctionObjArgs(add, (PyObject *)parts[0],
-                                                               (PyObject *)parts[1], acc, NULL)
-                                : NULL;
-    Py_XDECREF(add);
-    Py_XDECREF(sum);   /* acc itself */
-    return sum != NULL ? 0 : -1;
-}
-
-/* A copy of parts[0] into acc (dpmini's copy jobs). 0 or -1. */
-static int copy_first(dp_state *st, PyObject *acc, PyArrayObject **parts, dp_device dest)
-{
-    job_list jobs = {0};
-    int r = jobs_add_array(&jobs, (PyArrayObject *)acc, parts[0],
-                           exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
-            jobs_run(&jobs) < 0;
-    jobs_free(&jobs);
-    return r ? -1 : 0;
-}
-
-/* reduce_add with every input and dest in host memory: a new array on dest
- * holds parts[0] + parts[1] (a copy of parts[0] when it is the only one);
- * the others are added in index order with NumPy's add (the parts have one
- * dtype, so nothing is cast). */
+/* reduce_add with every input and dest in host memory: the sum starts as a
+ * copy of parts[0] on dest; the others are added in index order with
+ * NumPy's add (same_kind casting into parts[0]'s dtype). */
 static PyObject *host_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
                                  dp_device dest)
 {
+    job_list jobs = {0};
     PyArray_Descr *descr = PyArray_DESCR(parts[0]);
     Py_INCREF(descr);
     PyObject *acc = (PyObject *)dp_empty(st, dest, descr, PyArray_NDIM(parts[0]),
@@ -329,18 +302,17 @@ static PyObject *host_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t
     if (acc == NULL) {
         return NULL;
     }
-    if (n == 1) {
-        if (copy_first(st, acc, parts, dest) < 0)
-            Py_CLEAR(acc);
-        return acc;
-    }
-    dp_prof_ctx prof = dp_prof_current();
-    uint64_t t_sum = prof.s != NULL ? dp_prof_now() : 0;
-    if (add_first_two(acc, parts) < 0) {
+    int r = jobs_add_array(&jobs, (PyArrayObject *)acc, parts[0],
+                           exec_device(dp_array_device(st, parts[0]), dest)) < 0 ||
+            jobs_run(&jobs) < 0;
+    jobs_free(&jobs);
+    if (r) {
         Py_DECREF(acc);
         return NULL;
     }
-    for (Py_ssize_t i = 2; i < n; i++) {
+    dp_prof_ctx prof = dp_prof_current();
+    uint64_t t_sum = prof.s != NULL ? dp_prof_now() : 0;
+    for (Py_ssize_t i = 1; i < n; i++) {
         PyObject *sum = PyNumber_InPlaceAdd(acc, (PyObject *)parts[i]);
         if (sum == NULL) {
             Py_DECREF(acc);
