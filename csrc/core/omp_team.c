@@ -18,6 +18,10 @@
 /* A parked thread polls this long before it blocks: a call of small
  * replicas is over by then, and its end does not wait for a wake-up. */
 #define PARK_SPIN_NS 50000L
+/* A parked thread woken early (dp_omp_wake_parked) polls this long for the
+ * region's end before it blocks again: the rest of the call (a gather) is
+ * well under it, and the end then waits for no wake-up. */
+#define WAKE_SPIN_NS 2000000L
 
 /* ------------------------------------------------------------------ */
 /* The runtimes                                                        */
@@ -181,7 +185,7 @@ static int current_runtimes(omp_runtime *out)
 
 /* One parked region: the master (thread 0) runs the rest (the runtimes
  * after this one, then fn); the others wait on `woken` until it is done. */
-typedef struct {
+typedef struct parked_region {
     const omp_runtime *rts;
     int level, n;
     dp_team_fn fn;
@@ -192,26 +196,56 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t woken;
     int done;               /* written under mu; polled atomically */
+    int wake;               /* dp_omp_wake_parked was called; under mu */
+    struct parked_region *outer;   /* the master's enclosing parked region */
 } parked_region;
 
+/* The innermost region the calling thread is the master of (one per loaded
+ * runtime, nested), for dp_omp_wake_parked. */
+static __thread parked_region *current_region;
+
 static int run_from(const omp_runtime *rts, int level, int n, dp_team_fn fn, void *arg);
+
+/* Poll for the region's end for spin_ns, unless it ended already. */
+static void poll_for_end(parked_region *p, long spin_ns)
+{
+    spin_clock clock = {now_ns() + spin_ns, now_ns(), 0};
+    while (!__atomic_load_n(&p->done, __ATOMIC_ACQUIRE) && spin_turn(&clock)) {
+    }
+}
+
+/* A parked thread: poll briefly, then sleep until the region ends; woken
+ * early, poll once more (WAKE_SPIN_NS) before sleeping again. */
+static void wait_for_end(parked_region *p)
+{
+    int polled_after_wake = 0;
+    poll_for_end(p, PARK_SPIN_NS);
+    pthread_mutex_lock(&p->mu);
+    while (!p->done) {
+        if (p->wake && !polled_after_wake) {
+            polled_after_wake = 1;
+            pthread_mutex_unlock(&p->mu);
+            poll_for_end(p, WAKE_SPIN_NS);
+            pthread_mutex_lock(&p->mu);
+            continue;
+        }
+        pthread_cond_wait(&p->woken, &p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
 
 static void region_body(void *data)
 {
     parked_region *p = data;
     if (p->rts[p->level].thread_num() != 0) {
-        spin_clock clock = {now_ns() + PARK_SPIN_NS, now_ns(), 0};
-        while (!__atomic_load_n(&p->done, __ATOMIC_ACQUIRE) && spin_turn(&clock)) {
-        }
-        pthread_mutex_lock(&p->mu);
-        while (!p->done) {
-            pthread_cond_wait(&p->woken, &p->mu);
-        }
-        pthread_mutex_unlock(&p->mu);
+        wait_for_end(p);
         return;
     }
     int threads = p->rts[p->level].max_threads();
+    p->outer = current_region;
+    current_region = p;
     p->parked = 1 + run_from(p->rts, p->level + 1, p->n, p->fn, p->arg);
+    current_region = p->outer;
     p->threads_set = p->rts[p->level].max_threads();
     p->threads_changed = p->threads_set != threads;
     pthread_mutex_lock(&p->mu);
@@ -255,4 +289,14 @@ int dp_omp_run_parked(dp_team_fn fn, void *arg)
     omp_runtime rts[MAX_RUNTIMES];
     int n = current_runtimes(rts);
     return run_from(rts, 0, n, fn, arg);
+}
+
+void dp_omp_wake_parked(void)
+{
+    for (parked_region *p = current_region; p != NULL; p = p->outer) {
+        pthread_mutex_lock(&p->mu);
+        p->wake = 1;
+        pthread_cond_broadcast(&p->woken);
+        pthread_mutex_unlock(&p->mu);
+    }
 }

@@ -33,4 +33,10 @@ typedef void (*dp_team_fn)(void *arg);
  * plain). */
 int dp_omp_run_parked(dp_team_fn fn, void *arg);
 
+/* Called by fn, on the thread running it, when its own threads' work is
+ * done and only a short tail (a gather) is left: the parked threads wake
+ * now and poll for the region's end, so that its end does not wait for
+ * their wake-up. Nothing when the thread runs no parked region. */
+void dp_omp_wake_parked(void);
+
 #endif

@@ -18,7 +18,8 @@
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
  * short while before blocking (longer while work comes in quick succession:
- * QUICK_SPIN_NS). The spin only *reads* the loud-job count / batch
+ * QUICK_SPIN_NS), and a blocked dp_batch_wait woken by one job's end polls
+ * for the others (SIBLING_SPIN_NS). The spin only *reads* the loud-job count / batch
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
@@ -53,6 +54,11 @@
  * work (long replicas, rare calls) keeps the short spins. */
 #define QUICK_GAP_NS 1000000L
 #define QUICK_SPIN_NS 250000L
+/* A blocked dp_batch_wait is woken when one of several jobs finishes and
+ * polls this long for the rest: jobs started together (replicas of one
+ * call) usually end close together, and the last one's end then needs no
+ * wake-up of the waiter, which may sit on a halted vCPU. */
+#define SIBLING_SPIN_NS 2000000L
 
 typedef dp_job_node job_node;
 
@@ -181,6 +187,8 @@ static void finish_job(dp_batch *b)
         orphan_arg = b->orphan_arg;
         if (orphan_free == NULL)
             pthread_cond_signal(&b->done_cv);
+    } else if (b->sleepers > 0) {
+        pthread_cond_signal(&b->done_cv);   /* poll for the others (SIBLING_SPIN_NS) */
     }
     pthread_mutex_unlock(&b->mu);
     if (orphan_free != NULL)
@@ -378,6 +386,7 @@ int dp_batch_init(dp_batch *b)
         return rc;
     }
     b->pending = 0;
+    b->sleepers = 0;
     b->orphan_free = NULL;
     b->orphan_arg = NULL;
     return 0;
@@ -495,6 +504,15 @@ void dp_batch_finish(dp_batch *b, int n)
         finish_job(b);
 }
 
+/* Poll b->pending for 0 from start for spin_ns (nothing when <= 0). */
+static void poll_pending(dp_batch *b, long long start, long long spin_ns)
+{
+    spin_clock clock = {start + spin_ns, start, 0};
+    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0 &&
+           spin_turn(&clock)) {
+    }
+}
+
 int dp_batch_wait(dp_batch *b, long timeout_ms)
 {
     if (timeout_ms > 1000000000000L)   /* > 31 years: forever, avoids overflow */
@@ -504,27 +522,35 @@ int dp_batch_wait(dp_batch *b, long timeout_ms)
                             ? QUICK_SPIN_NS : WAIT_SPIN_NS;
     if (timeout_ms >= 0 && timeout_ms * 1000000LL < spin_ns)
         spin_ns = timeout_ms * 1000000LL;
-    spin_clock clock = {start + spin_ns, start, 0};
-    while (spin_ns > 0 && __atomic_load_n(&b->pending, __ATOMIC_RELAXED) > 0 &&
-           spin_turn(&clock)) {
-    }
+    poll_pending(b, start, spin_ns);
 
+    long long end = timeout_ms >= 0 ? start + timeout_ms * 1000000LL : -1;
     struct timespec deadline = {0, 0};
-    if (timeout_ms >= 0) {
-        long long d = start + timeout_ms * 1000000LL;
-        deadline.tv_sec = (time_t)(d / 1000000000LL);
-        deadline.tv_nsec = (long)(d % 1000000000LL);
+    if (end >= 0) {
+        deadline.tv_sec = (time_t)(end / 1000000000LL);
+        deadline.tv_nsec = (long)(end % 1000000000LL);
     }
     /* Always take the lock, even when the spin saw 0: it orders the jobs'
      * writes before our return, and it cannot be acquired until the last
      * worker has unlocked, after which the batch may be destroyed safely. */
     pthread_mutex_lock(&b->mu);
     int done = 1;
+    int seen = b->pending;
     while (b->pending > 0) {   /* loop: wakeups may be spurious */
-        if (timeout_ms < 0) {
-            pthread_cond_wait(&b->done_cv, &b->mu);
-        } else if (pthread_cond_timedwait(&b->done_cv, &b->mu, &deadline)
-                   == ETIMEDOUT) {
+        if (b->pending < seen) {   /* a job finished: poll for the others */
+            seen = b->pending;
+            long long t = now_ns();
+            long long poll_ns = end >= 0 && end - t < SIBLING_SPIN_NS ? end - t : SIBLING_SPIN_NS;
+            pthread_mutex_unlock(&b->mu);
+            poll_pending(b, t, poll_ns);
+            pthread_mutex_lock(&b->mu);
+            continue;
+        }
+        b->sleepers++;
+        int rc = timeout_ms < 0 ? pthread_cond_wait(&b->done_cv, &b->mu)
+                                : pthread_cond_timedwait(&b->done_cv, &b->mu, &deadline);
+        b->sleepers--;
+        if (rc == ETIMEDOUT) {
             done = b->pending == 0;
             break;
         }

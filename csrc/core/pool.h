@@ -48,6 +48,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t done_cv;
     int pending;   /* jobs submitted and not finished; guarded by mu */
+    int sleepers;  /* threads blocked in dp_batch_wait; guarded by mu */
     void (*orphan_free)(void *);  /* set by dp_batch_abandon; guarded by mu */
     void *orphan_arg;
 } dp_batch;

@@ -25,6 +25,7 @@
 #include "walk.h"
 #include "plan.h"
 #include "profile.h"
+#include "omp_team.h"
 
 #include <structmember.h>
 #include <string.h>
@@ -455,6 +456,9 @@ static PyObject *forward_generic(dp_DataParallelObject *self, dp_state *st,
         goto fail;
     }
     outputs = PyObject_CallMethod((PyObject *)self, "parallel_apply", "OOO", replicas, inputs, kws);
+    /* The replicas are done; the gather runs on this thread: a parked team
+     * (forward_generic_call) wakes now, not when the gather has ended. */
+    dp_omp_wake_parked();
     if (outputs == NULL) {
         goto fail;
     }

@@ -104,6 +104,43 @@ static void test_team_sleeps_while_parked(void)
     CHECK(team_sum(100000) == 4999950000L);
 }
 
+typedef struct {
+    double cpu_asleep;   /* process CPU seconds over 100 ms before the wake */
+    double cpu_woken;    /* and over 100 ms after it */
+} wake_probe;
+
+static void wake_midway(void *arg)
+{
+    wake_probe *w = arg;
+    double c0 = cpu_secs();
+    sleep_ms(100);
+    double c1 = cpu_secs();
+    dp_omp_wake_parked();
+    dp_omp_wake_parked();   /* a second wake changes nothing */
+    sleep_ms(100);
+    w->cpu_asleep = c1 - c0;
+    w->cpu_woken = cpu_secs() - c1;
+}
+
+/* Woken early, the parked thread polls for the end (WAKE_SPIN_NS, 2 ms)
+ * and then sleeps again: the rest of the call is not spent spinning. */
+static void test_woken_team_polls_briefly_then_sleeps(void)
+{
+    omp_set_num_threads(2);
+    CHECK(team_sum(1000) == 499500);
+    dp_omp_wake_parked();   /* no parked region: nothing to wake */
+    wake_probe w = {0, 0};
+    CHECK(dp_omp_run_parked(wake_midway, &w) == 1);
+    if (!(w.cpu_asleep < 0.02 && w.cpu_woken > 0.0005 && w.cpu_woken < 0.05)) {
+        printf("a woken team used %.4f s of CPU asleep, %.4f s after the wake\n",
+               w.cpu_asleep, w.cpu_woken);
+    }
+    CHECK(w.cpu_asleep < 0.02);
+    CHECK(w.cpu_woken > 0.0005);
+    CHECK(w.cpu_woken < 0.05);
+    CHECK(team_sum(100000) == 4999950000L);
+}
+
 static void test_team_of_one_runs_plain(void)
 {
     omp_set_num_threads(1);
@@ -182,6 +219,7 @@ int main(int argc, char **argv)
     }
     test_idle_team_spins_unparked();
     test_team_sleeps_while_parked();
+    test_woken_team_polls_briefly_then_sleeps();
     test_team_of_one_runs_plain();
     test_repeated_parks();
     test_thread_count_set_inside_is_kept();

@@ -282,6 +282,34 @@ static void test_timeout(void)
     dp_batch_destroy(&b);
 }
 
+/* ---- one job of several ends: the waiter wakes, polls, and waits on ---- */
+static void job_sleep20(void *arg) { (void)arg; sleep_ms(20); atomic_fetch_add(&counter, 1); }
+static void job_sleep100(void *arg) { (void)arg; sleep_ms(100); atomic_fetch_add(&counter, 1); }
+
+static void test_wait_outlasts_first_finisher(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    atomic_store(&counter, 0);
+    CHECK(dp_batch_submit(&b, 1, 0, job_sleep20, NULL) == 0);
+    CHECK(dp_batch_submit(&b, 1, 1, job_sleep100, NULL) == 0);
+    double t0 = secs();
+    /* woken at 20 ms by the first job; its poll must stop at the deadline */
+    CHECK(dp_batch_wait(&b, 50) == 0);
+    double waited = secs() - t0;
+    CHECK(waited >= 0.049 && waited < 0.095);
+    CHECK(atomic_load(&counter) == 1);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(atomic_load(&counter) == 2);
+    CHECK(secs() - t0 >= 0.099);
+    /* and without a timeout, through the wake-up of the first */
+    CHECK(dp_batch_submit(&b, 1, 0, job_sleep20, NULL) == 0);
+    CHECK(dp_batch_submit(&b, 1, 1, job_sleep100, NULL) == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    CHECK(atomic_load(&counter) == 4);
+    dp_batch_destroy(&b);
+}
+
 /* ---- bad arguments ---- */
 static void test_einval(void)
 {
@@ -547,6 +575,7 @@ int main(void)
     test_sequential_keeps_one_thread();
     test_many_batches();
     test_timeout();
+    test_wait_outlasts_first_finisher();
     test_einval();
     test_on_worker();
     test_fork();
