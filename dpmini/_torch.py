@@ -26,6 +26,7 @@ paths are used as they are.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import threading
@@ -68,6 +69,16 @@ def _is_virtual_cpu(device: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _resolved(g: Any) -> Any:
+    """g with a conjugate or negative bit applied (a new tensor then; None stays
+    None). Gradients autograd makes may carry those lazy bits (the backward of
+    x.conj() is a conj view), which dpmini's DLPack import refuses (docs/libraries.md);
+    torch's own comm functions accept them."""
+    if g is not None and (g.is_conj() or g.is_neg()):
+        return g.resolve_conj().resolve_neg()
+    return g
+
+
 def _zeros_for(like: list[tuple[Any, ...]], grads: tuple[Any, ...]) -> list[torch.Tensor]:
     """The gradients of the pieces, a zero tensor where a piece got none (like: each
     piece's (shape, dtype, device))."""
@@ -94,6 +105,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any):
+        grads = tuple(_resolved(g) for g in grads)
         if all(g is None for g in grads):
             return None, None, None
         if ctx.dim is None:
@@ -127,6 +139,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
+        g = _resolved(g)
         kind, k = ctx.rule[0], len(ctx.devices)
         if kind == "first":
             grads: list[Any] = [g] + [None] * (k - 1)
@@ -162,7 +175,7 @@ class _ReduceAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        return (None, *_fan_out(g, ctx.devices))
+        return (None, *_fan_out(_resolved(g), ctx.devices))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -185,6 +198,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any):
         n = ctx.n
+        grads = tuple(_resolved(g) for g in grads)
         per_param = [[grads[d * n + i] for d in range(len(grads) // n)] for i in range(n)]
         return (None, *_sum_param_grads(per_param, ctx.dests))
 
@@ -276,7 +290,14 @@ def _child(obj: Any, key: Any) -> Any:
 
 
 def _rebuild(like: Any, new: dict[Any, Any]) -> Any:
-    """like with the children in new replaced (same type)."""
+    """like with the children in new replaced, keeping its type as dpmini's C walkers
+    do (docs/spec.md 3.1, 11.4): a tuple or namedtuple is made anew, a list copied, a
+    dict subclass is copy.copy(like) with the new values assigned as items, a dataclass
+    copy.copy(like) with the fields set by object.__setattr__ (neither __init__ nor
+    __post_init__ runs again; frozen ones work), and items too when it is also a dict.
+    like itself when no child changes (an autograd Function returns the very tensor
+    the C step made)."""
+    new = {k: v for k, v in new.items() if v is not _child(like, k)}
     if not new:
         return like
     if isinstance(like, tuple):
@@ -289,11 +310,17 @@ def _rebuild(like: Any, new: dict[Any, Any]) -> Any:
         for i, v in new.items():
             out[i] = v
         return out
-    if isinstance(like, dict):
-        out = like.copy()
-        out.update(new)
-        return out
-    return dataclasses.replace(like, **new)
+    out = dict(like) if type(like) is dict else copy.copy(like)
+    for key, v in new.items():
+        if dataclasses.is_dataclass(out) and key in _field_names(out):
+            object.__setattr__(out, key, v)
+        if isinstance(out, dict):
+            out[key] = v
+    return out
+
+
+def _field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)}
 
 
 def _fits(src: Any, outs: list[Any]) -> bool:
@@ -321,7 +348,9 @@ def _attach_scatter(src: Any, outs: list[Any], depth: int = 0) -> list[Any]:
         if not src.requires_grad or not all(isinstance(o, torch.Tensor) for o in outs):
             return outs
         return list(_Scatter.apply(src, list(outs), _split_dim(src, outs)))
-    kids = _children(src)
+    # Only the containers the C scatter splits: anything else (a dataclass) reaches
+    # every replica as the same object, its tensors with their own autograd history.
+    kids = _children(src) if isinstance(src, (tuple, list, dict)) else None
     if kids is None or depth > 512 or not outs or not _fits(src, outs):
         return outs
     new: list[dict[Any, Any]] = [{} for _ in outs]
@@ -681,6 +710,7 @@ def _plan_for(holder: Any, network: nn.Module) -> _ReplicaPlan:
 
 
 _MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
+_MODULE_SETATTR = nn.Module.__setattr__
 
 
 def _shallow_replica(module: nn.Module) -> nn.Module:
@@ -711,21 +741,31 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
     setattr does in PyTorch; otherwise plain attributes (docs/spec.md 5.5)."""
     replicas = [_shallow_replica(m) for m in plan.modules]
     for replica, (kids, own_params, own_buffers) in zip(replicas, plan.links):
+        # A class with its own __setattr__ gets the values through it, as PyTorch's
+        # replicate assigns them (an RNN keeps its _flat_weights in step there, the
+        # adapter its module); nn.Module's own would store them where the direct
+        # writes below do, which cost less.
+        own_setattr = type(replica).__setattr__ is not _MODULE_SETATTR
         for key, i in kids:
             value = None if i is None else replicas[i]
-            if isinstance(replica, _DP):
-                setattr(replica, key, value)   # keeps the wrapper's own module in step
+            if own_setattr:
+                setattr(replica, key, value)
             else:
                 replica._modules[key] = value
         for key, i in own_params:
             copy = None if i is None else params[i]
-            if register and copy is not None:
+            if own_setattr and copy is not None:
+                setattr(replica, key, copy)
+            elif register and copy is not None:
                 replica._parameters[key] = copy
             else:
                 replica.__dict__[key] = copy
             replica._former_parameters[key] = copy
         for key, i in own_buffers:
-            replica._buffers[key] = None if i is None else buffers[i]
+            if own_setattr and i is not None:
+                setattr(replica, key, buffers[i])
+            else:
+                replica._buffers[key] = None if i is None else buffers[i]
     return replicas[0]
 
 

@@ -249,6 +249,31 @@ def test_gathered_dict_dataclass_keeps_replica_0_keys():
     assert g["logits"] is g.logits
 
 
+@dataclasses.dataclass
+class OrderedDictOutput(collections.OrderedDict):
+    """ModelOutput's own base: a dataclass that is an OrderedDict."""
+    loss: object = None
+    logits: object = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                self[f.name] = v
+
+
+def test_gathered_ordered_dict_dataclass_is_a_whole_ordered_dict():
+    outs = [OrderedDictOutput(logits=np.zeros(1), loss=np.ones(1)),
+            OrderedDictOutput(logits=np.ones(1), loss=np.ones(1))]
+    g = dpmini.gather(outs, "cpu")
+    assert type(g) is OrderedDictOutput
+    assert list(g.keys()) == ["loss", "logits"] and len(g) == 2
+    assert g == collections.OrderedDict([("loss", g.loss), ("logits", g.logits)])
+    g.move_to_end("loss")
+    assert list(g) == ["logits", "loss"]
+    np.testing.assert_array_equal(g["logits"], [0.0, 1.0])
+
+
 # ------------------------------------------- namedtuples with tuples and lists
 
 P = collections.namedtuple("P", "a b")

@@ -1131,13 +1131,14 @@ static PyObject *new_instance(PyTypeObject *tp, const path_seg *seg)
     return inst;
 }
 
-/* A dataclass that is a dict: replica 0's keys (v0's own storage, in its
- * order), each set to the gathered field of that name. 0 or -1 (TypeError
- * for a key that is no field). */
+/* A dataclass that is a dict: replica 0's keys (in the order its keys()
+ * gives), each set to the gathered field of that name through the class's
+ * own item assignment, which an OrderedDict (Hugging Face's ModelOutput)
+ * needs to keep its order. 0 or -1 (TypeError for a key that is no field). */
 static int set_dataclass_keys(PyObject *inst, PyObject *v0, PyObject *byname,
                               const path_seg *seg)
 {
-    PyObject *keys = PyDict_Keys(v0);
+    PyObject *keys = PyMapping_Keys(v0);
     if (keys == NULL)
         return -1;
     int r = 0;
@@ -1145,7 +1146,7 @@ static int set_dataclass_keys(PyObject *inst, PyObject *v0, PyObject *byname,
         PyObject *key = PyList_GET_ITEM(keys, q);
         PyObject *v = PyDict_GetItemWithError(byname, key);
         if (v != NULL) {
-            r = PyDict_SetItem(inst, key, v);
+            r = PyObject_SetItem(inst, key, v);
             continue;
         }
         r = -1;

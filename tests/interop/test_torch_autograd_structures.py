@@ -1,0 +1,205 @@
+"""With grad mode on, DataParallel's structures keep what the C walkers give without
+it (docs/spec.md 3.1, 4.1, 11.4): dict subclasses keep their type, dataclasses are not
+rebuilt through __init__, a dataclass input reaches every replica as the same object,
+Hugging Face's ModelOutput (a dataclass that is an OrderedDict) stays a whole one, and
+the gradients equal a single-device run. Also the gradients autograd hands over with a
+conjugate bit, and modules whose own __setattr__ keeps state (an RNN's flat weights)."""
+import collections
+import dataclasses
+
+import pytest
+
+import dpmini
+from .conftest import DEVS
+
+
+class TaggedDict(dict):
+    pass
+
+
+@dataclasses.dataclass
+class ModelOutputLike(collections.OrderedDict):
+    """transformers.utils.ModelOutput's shape: keys are the fields that are not None."""
+    loss: object = None
+    logits: object = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+POST_INITS = []
+
+
+@dataclasses.dataclass
+class Scaled:
+    y: object
+    twice: object = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        POST_INITS.append(1)
+        self.twice = self.y * 2
+
+
+def _linear(torch):
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3).double()
+
+
+def _x(torch, rows=6):
+    return torch.randn(rows, 4, dtype=torch.float64)
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def _same_grads(torch, m, loss_dp, loss_plain):
+    loss_dp.backward()
+    got = _grads(m)
+    m.zero_grad()
+    loss_plain().backward()
+    for g, w in zip(got, _grads(m)):
+        assert torch.allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_dict_subclass_output_keeps_its_type_with_grad(torch):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, x):
+            return TaggedDict(a=self.lin(x))
+
+    m, x = M(), _x(torch)
+    out = dpmini.DataParallel(m, DEVS)(x)
+    assert type(out) is TaggedDict and out["a"].requires_grad
+    _same_grads(torch, m, out["a"].sum(), lambda: m(x)["a"].sum())
+
+
+def test_dict_subclass_input_reaches_replicas_as_its_type_with_grad(torch):
+    seen = []
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, d):
+            seen.append(type(d))
+            return self.lin(d["x"])
+
+    m, x = M(), _x(torch).requires_grad_()
+    dpmini.DataParallel(m, DEVS)(TaggedDict(x=x)).pow(2).sum().backward()
+    assert seen == [TaggedDict, TaggedDict]
+    got = x.grad.clone()
+    x.grad = None
+    m(TaggedDict(x=x)).pow(2).sum().backward()
+    assert torch.allclose(got, x.grad, rtol=0, atol=1e-12)
+
+
+def test_dataclass_output_with_init_false_field_is_not_rebuilt_with_grad(torch):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, x):
+            return Scaled(self.lin(x))
+
+    m, x = M(), _x(torch)
+    POST_INITS.clear()
+    out = dpmini.DataParallel(m, DEVS)(x)
+    assert len(POST_INITS) == 2            # once in each replica, never on the result
+    assert type(out) is Scaled and out.y.requires_grad
+    assert torch.allclose(out.twice, m(x).twice, rtol=0, atol=1e-12)
+    _same_grads(torch, m, out.y.sum(), lambda: m(x).y.sum())
+
+
+def test_dataclass_input_is_the_same_object_in_every_replica_with_grad(torch):
+    seen = []
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, s, x):
+            seen.append(s)
+            return self.lin(x) * s.y.sum()
+
+    m, x = M(), _x(torch)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    POST_INITS.clear()
+    s = Scaled(w)
+    dpmini.DataParallel(m, DEVS)(s, x).sum().backward()
+    assert len(seen) == 2 and all(o is s for o in seen) and len(POST_INITS) == 1
+    got = w.grad.clone()
+    w.grad = None
+    m(s, x).sum().backward()
+    assert torch.allclose(got, w.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_model_output_like_result_is_a_whole_ordered_dict(torch, grad):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, x, labels):
+            logits = self.lin(x)
+            return ModelOutputLike(loss=torch.nn.functional.cross_entropy(logits, labels),
+                                   logits=logits)
+
+    m, x = M(), _x(torch)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    with torch.set_grad_enabled(grad), pytest.warns(UserWarning, match="unsqueeze"):
+        out = dpmini.DataParallel(m, DEVS)(x, labels=labels)   # 0-dim losses: spec 4.5
+    assert type(out) is ModelOutputLike and list(out.keys()) == ["loss", "logits"]
+    assert out["logits"] is out.logits and out.loss.shape == (2,)
+    assert out == collections.OrderedDict([("loss", out.loss), ("logits", out.logits)])
+    assert out.logits.requires_grad is grad and out.loss.requires_grad is grad
+    if grad:
+        halves = [m(x[:3], labels[:3]).loss, m(x[3:], labels[3:]).loss]
+        _same_grads(torch, m, out.loss.sum(), lambda: halves[0] + halves[1])
+
+
+def test_gradients_with_a_conjugate_bit_reach_parameters_and_inputs(torch):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.w = torch.nn.Parameter(torch.randn(4, dtype=torch.complex128))
+
+        def forward(self, x):
+            return x * self.w.conj()
+
+    m = M()
+    x = torch.randn(6, 4, dtype=torch.complex128, requires_grad=True)
+    dpmini.DataParallel(m, DEVS)(x).abs().sum().backward()
+    got_w, got_x = m.w.grad.clone(), x.grad.clone()
+    m.zero_grad()
+    x.grad = None
+    m(x).abs().sum().backward()
+    assert torch.allclose(got_w, m.w.grad, rtol=0, atol=1e-12)
+    assert torch.allclose(got_x, x.grad, rtol=0, atol=1e-12)
+
+
+def test_rnn_replicas_run_with_their_own_flat_weights(torch):
+    torch.manual_seed(2)
+    m = torch.nn.LSTM(4, 5, batch_first=True).double()
+    dp = dpmini.DataParallel(m, DEVS)
+    for replica in dp.replicate(m, DEVS):
+        own = [getattr(replica, n) for n in replica._flat_weights_names]
+        assert all(a is b for a, b in zip(replica._flat_weights, own))
+    assert all(a is getattr(m, n) for a, n in zip(m._flat_weights, m._flat_weights_names))
+    x = torch.randn(6, 3, 4, dtype=torch.float64)
+    out, _ = dp(x)
+    _same_grads(torch, m, out.sum(), lambda: m(x)[0].sum())
