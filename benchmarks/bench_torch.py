@@ -7,7 +7,9 @@ with its target and "met" or "MISSED".
 
 Timing: the routes of one figure run interleaved (each round runs every route in
 turn, after a warm-up round) and each figure is the MEDIAN over the rounds, so a slow
-spell hits all routes alike. The load average is printed before and after.
+spell hits all routes alike. The load average is printed before and after, and on Linux
+the share of CPU time the host stole from this virtual machine during the run (on a noisy
+host the figures move by far more than on a quiet one: see benchmarks/README.md).
 
 1. Training step of an MLP (4096 x 784 -> 512 -> 10, float32; forward, cross-entropy,
    backward, SGD step): DataParallel on 2 virtual devices against the same step on the
@@ -134,6 +136,25 @@ def mlp_training_child(rounds, label, **env_vars):
     print(f"{label}:", line.split(":", 1)[1].strip() if line else f"failed: {out.stderr[-300:]}")
 
 
+def _cpu_times():
+    """(steal, total) jiffies of all CPUs from /proc/stat, or None where there is none.
+    Steal is the time a virtual machine's vCPUs wanted to run and the host ran something
+    else: a run with much of it was not on a quiet machine, whatever the load says."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def _steal_note(start):
+    end = _cpu_times()
+    if start is None or end is None or end[1] <= start[1]:
+        return ""
+    return f", host steal {100 * (end[0] - start[0]) / (end[1] - start[1]):.1f}% of CPU time"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -143,8 +164,10 @@ def main(argv=None):
           f"{torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')!r}, "
           f"DPMINI_PARK_OPENMP={os.environ.get('DPMINI_PARK_OPENMP', '')!r}, "
           f"load {os.getloadavg()[0]:.2f}")
+    start = _cpu_times()
     bench_mlp_training(args.rounds)
     if args.mlp_only:
+        print(f"load after: {os.getloadavg()[0]:.2f}{_steal_note(start)}")
         return 0
     if "OMP_WAIT_POLICY" not in os.environ:
         mlp_training_child(args.rounds, "1b. the same, OMP_WAIT_POLICY=PASSIVE",
@@ -154,7 +177,7 @@ def main(argv=None):
                            "not parked)", DPMINI_PARK_OPENMP="0")
     bench_convnet_eval(args.rounds)
     bench_tiny_overhead(args.rounds)
-    print(f"load after: {os.getloadavg()[0]:.2f}")
+    print(f"load after: {os.getloadavg()[0]:.2f}{_steal_note(start)}")
     return 0
 
 
