@@ -18,8 +18,9 @@
  * Latency: waking a thread blocked in a futex costs tens of microseconds, so
  * both a worker that just ran a job and a thread in dp_batch_wait spin for a
  * short while before blocking (longer while work comes in quick succession:
- * QUICK_SPIN_NS), and a blocked dp_batch_wait woken by one job's end polls
- * for the others (SIBLING_SPIN_NS). The spin only *reads* the loud-job count / batch
+ * QUICK_SPIN_NS; EXPECTED_SPIN_NS while a caller has said more jobs are
+ * coming), and a blocked dp_batch_wait woken by one job's end polls for
+ * the others (SIBLING_SPIN_NS). The spin only *reads* the loud-job count / batch
  * count with relaxed atomic loads as a hint; every decision is then confirmed
  * under the mutex, so the mutexes still carry all the memory ordering.
  *
@@ -59,6 +60,9 @@
  * call) usually end close together, and the last one's end then needs no
  * wake-up of the waiter, which may sit on a halted vCPU. */
 #define SIBLING_SPIN_NS 2000000L
+/* A worker's poll after a job while callers expect to hand out more
+ * (dp_pool_expect_work). */
+#define EXPECTED_SPIN_NS 2000000L
 
 typedef dp_job_node job_node;
 
@@ -80,6 +84,8 @@ typedef struct {
                                 idle thread leaves only when it is spare), so
                                 every queued job has a thread for it once it
                                 is loud. */
+    int prewake;             /* dp_pool_prewake: an idle thread is to poll
+                                instead of blocking on; guarded by mu */
     int kind, index;
 } slot;
 
@@ -96,6 +102,8 @@ static unsigned fork_gen;
 /* How long the last dp_batch_wait waited (QUICK_GAP_NS when it timed out):
  * only a hint for the next one's spin, so racing updates are harmless. */
 static long long last_wait_ns = QUICK_GAP_NS;
+/* dp_pool_expect_work's count of callers that will hand out more jobs. */
+static int expecting_callers;
 
 
 /* What a worker keeps on its stack; found through worker_key. */
@@ -138,6 +146,7 @@ static void reset_slots(void)
             s->nthreads = 0;
             s->nidle = 0;
             s->ntrim = 0;
+            s->prewake = 0;
             s->kind = k + 1;
             s->index = i;
         }
@@ -232,18 +241,43 @@ static job_node *take_loud(slot *s)
  * other threads want the core. */
 static void spin_for_work(slot *s, long long idle_since, int quick)
 {
-    long long spin_end = idle_since + (quick ? QUICK_SPIN_NS : WORKER_SPIN_NS);
-    spin_clock clock = {spin_end, idle_since, 0};
+    long long usual_end = idle_since + (quick ? QUICK_SPIN_NS : WORKER_SPIN_NS);
+    spin_clock clock = {idle_since + EXPECTED_SPIN_NS, idle_since, 0};
     while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED) && spin_turn(&clock)) {
+        if (clock.last > usual_end && !__atomic_load_n(&expecting_callers, __ATOMIC_RELAXED))
+            break;
     }
+}
+
+void dp_pool_expect_work(int delta)
+{
+    __atomic_add_fetch(&expecting_callers, delta, __ATOMIC_RELAXED);
+}
+
+void dp_pool_prewake(int kind, int index)
+{
+    slot *s = get_slot(kind, index);
+    if (s == NULL)
+        return;
+    pthread_mutex_lock(&s->mu);
+    if (s->nidle > 0 && !s->nloud) {
+        s->prewake = 1;
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* Wait, with s->mu held, for loud work on s. 1 when there is some; 0 when
  * this thread is to leave (trimmed, or an extra thread idle for
- * IDLE_EXIT_MS), with *trimmed set for a trim, s->mu still held. */
+ * IDLE_EXIT_MS), with *trimmed set for a trim; 2 when dp_pool_prewake
+ * asked it to poll for work that is coming; s->mu still held. */
 static int wait_for_work(slot *s, int *trimmed)
 {
     while (!s->nloud) {
+        if (s->prewake) {
+            s->prewake = 0;
+            return 2;
+        }
         if (s->ntrim > 0 && s->nidle <= s->nqueued) {
             /* Quiet jobs queued since dp_pool_trim counted this thread
              * spare count on it: the trim is called off, not the job. */
@@ -318,8 +352,11 @@ static void *worker_main(void *p)
         idle_since = now_ns();
         spin_for_work(s, idle_since, quick);
         pthread_mutex_lock(&s->mu);
-        if (!wait_for_work(s, &trimmed)) {
+        int got = wait_for_work(s, &trimmed);
+        if (got != 1) {
             pthread_mutex_unlock(&s->mu);
+            if (got == 2)
+                continue;   /* prewoken: poll for the coming job */
             break;
         }
         job_node *j = take_loud(s);

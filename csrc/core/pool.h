@@ -167,6 +167,22 @@ unsigned dp_pool_fork_generation(void);
  * nested work does not grow the thread count. */
 int dp_pool_in_worker(void);
 
+/* A caller that will hand the workers more jobs within a millisecond or
+ * two (the steps of one DataParallel call: scatter, broadcast, replicas)
+ * says so with +1 when it starts and -1 when it is done (calls nest and
+ * overlap: a count). Meanwhile a worker that finishes a job polls for the
+ * next one for up to EXPECTED_SPIN_NS instead of its usual spin, so that
+ * it does not fall asleep between the steps: waking it again costs from
+ * tens of microseconds to milliseconds on a virtual machine whose vCPU
+ * was halted. */
+void dp_pool_expect_work(int delta);
+
+/* Wake an idle thread of device (kind, index), if one sleeps, to poll for
+ * a job the caller is about to submit (as after dp_pool_expect_work), so
+ * that its wake-up overlaps the caller's own preparation. Nothing for a
+ * bad kind or index. */
+void dp_pool_prewake(int kind, int index);
+
 /* Threads the device (kind, index) has now (0 before its first job), or -1
  * for a bad kind/index. For tests and diagnostics. */
 int dp_pool_threads(int kind, int index);

@@ -26,6 +26,7 @@
 #include "plan.h"
 #include "profile.h"
 #include "omp_team.h"
+#include "pool.h"
 
 #include <structmember.h>
 #include <string.h>
@@ -516,6 +517,22 @@ static PyObject *forward_generic_call(dp_DataParallelObject *self, dp_state *st,
 }
 
 /* forward: the C path on the exact type, the overridable steps on a subclass. */
+/* A call on several devices hands their workers its steps' jobs one after
+ * another (scatter copies, broadcast, replicas): the pool is told so for
+ * the call (dp_pool_expect_work(-1) after it) and the devices' sleeping
+ * workers start polling now. 1 when told, else 0. */
+static int expect_steps(const dp_device *devs, Py_ssize_t ndev)
+{
+    if (ndev < 2) {
+        return 0;
+    }
+    dp_pool_expect_work(1);
+    for (Py_ssize_t i = 0; i < ndev; i++) {
+        dp_pool_prewake(devs[i].kind, devs[i].index);
+    }
+    return 1;
+}
+
 static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));
@@ -532,8 +549,10 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
             kwargs = NULL;
         }
         call_opts o = snapshot_opts(&snap);
+        int steps = expect_steps(snap.devs, snap.ndev);
         res = forward_core(st, snap.module, args, kwargs, snap.devs, snap.ndev,
                            snap.output_device, &o);
+        dp_pool_expect_work(-steps);
         snapshot_release(&snap);
         return res;
     }
@@ -549,7 +568,9 @@ static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, P
         }
         call_push(self, &snap, 1);
     }
+    int steps = expect_steps(use->devs, use->ndev);
     res = forward_generic_call(self, st, use, args, kwargs);
+    dp_pool_expect_work(-steps);
     if (use == &snap) {
         call_pop(self, &snap);
         snapshot_release(&snap);

@@ -310,6 +310,46 @@ static void test_wait_outlasts_first_finisher(void)
     dp_batch_destroy(&b);
 }
 
+/* ---- a caller that expects to hand out jobs keeps the workers polling ---- */
+static double cpu_secs(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void test_prewoken_worker_polls_while_work_is_expected(void)
+{
+    dp_batch b;
+    CHECK(dp_batch_init(&b) == 0);
+    atomic_store(&counter, 0);
+    CHECK(dp_batch_submit(&b, 1, 5, job_inc, NULL) == 0);   /* device 5 gets a thread */
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    sleep_ms(50);                       /* its poll is over: it sleeps */
+    dp_pool_prewake(0, 5);              /* bad kinds and indexes are no-ops */
+    dp_pool_prewake(1, -1);
+    dp_pool_prewake(1, DP_POOL_MAX_INDEX);
+    double c0 = cpu_secs();
+    sleep_ms(50);
+    double asleep = cpu_secs() - c0;
+    dp_pool_expect_work(1);
+    dp_pool_prewake(1, 5);
+    c0 = cpu_secs();
+    sleep_ms(100);
+    double polled = cpu_secs() - c0;    /* EXPECTED_SPIN_NS (2 ms), then asleep again */
+    if (!(asleep < 0.01 && polled > 0.0005 && polled < 0.05))
+        printf("worker CPU: %.4f s asleep, %.4f s after the prewake\n", asleep, polled);
+    CHECK(asleep < 0.01);
+    CHECK(polled > 0.0005);
+    CHECK(polled < 0.05);
+    CHECK(dp_batch_submit(&b, 1, 5, job_inc, NULL) == 0);
+    CHECK(dp_batch_wait(&b, -1) == 1);
+    dp_pool_expect_work(-1);
+    CHECK(atomic_load(&counter) == 2);
+    CHECK(dp_pool_threads(1, 5) == 1);
+    dp_batch_destroy(&b);
+}
+
 /* ---- bad arguments ---- */
 static void test_einval(void)
 {
@@ -576,6 +616,7 @@ int main(void)
     test_many_batches();
     test_timeout();
     test_wait_outlasts_first_finisher();
+    test_prewoken_worker_polls_while_work_is_expected();
     test_einval();
     test_on_worker();
     test_fork();
