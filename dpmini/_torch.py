@@ -256,48 +256,57 @@ def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.
 # ---------------------------------------------------------------------------
 
 
+def _is_instance_of_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
 def _needs_grad(obj: Any, depth: int = 0) -> bool:
-    """Does obj hold a tensor that requires grad (tuples, lists, dicts, dataclasses)?"""
+    """Does obj hold a tensor that requires grad (tuples, lists, dicts, dataclasses;
+    a dataclass that is a dict, both its fields and its items)?"""
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
     if depth > 512:
         return False
     if isinstance(obj, (tuple, list)):
         return any(_needs_grad(v, depth + 1) for v in obj)
+    if _is_instance_of_dataclass(obj) and any(_needs_grad(getattr(obj, f.name), depth + 1)
+                                              for f in dataclasses.fields(obj)):
+        return True
     if isinstance(obj, dict):
         return any(_needs_grad(v, depth + 1) for v in obj.values())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return any(_needs_grad(getattr(obj, f.name), depth + 1)
-                   for f in dataclasses.fields(obj))
     return False
 
 
-def _children(obj: Any) -> list[tuple[Any, Any]] | None:
+# The gather walks a dataclass field by field, also one that is a dict
+# (docs/spec.md 11.4); the scatter walks only tuples, lists and dicts (by
+# items). `fields` chooses between the two below.
+
+def _children(obj: Any, fields: bool = True) -> list[tuple[Any, Any]] | None:
     """(key, child) pairs of a container, or None for a leaf."""
     if isinstance(obj, (tuple, list)):
         return list(enumerate(obj))
+    if fields and _is_instance_of_dataclass(obj):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     if isinstance(obj, dict):
         return list(obj.items())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     return None
 
 
-def _child(obj: Any, key: Any) -> Any:
-    if isinstance(obj, (tuple, list, dict)):
-        return obj[key]
-    return getattr(obj, key)
+def _child(obj: Any, key: Any, fields: bool = True) -> Any:
+    if fields and _is_instance_of_dataclass(obj):
+        return getattr(obj, key)
+    return obj[key]
 
 
-def _rebuild(like: Any, new: dict[Any, Any]) -> Any:
+def _rebuild(like: Any, new: dict[Any, Any], fields: bool = True) -> Any:
     """like with the children in new replaced, keeping its type as dpmini's C walkers
     do (docs/spec.md 3.1, 11.4): a tuple or namedtuple is made anew, a list copied, a
     dict subclass is copy.copy(like) with the new values assigned as items, a dataclass
     copy.copy(like) with the fields set by object.__setattr__ (neither __init__ nor
-    __post_init__ runs again; frozen ones work), and items too when it is also a dict.
-    like itself when no child changes (an autograd Function returns the very tensor
-    the C step made)."""
-    new = {k: v for k, v in new.items() if v is not _child(like, k)}
+    __post_init__ runs again; frozen ones work), and the items of the same names that
+    it has when it is also a dict. like itself when no child changes (an autograd
+    Function returns the very tensor the C step made)."""
+    new = {k: v for k, v in new.items() if v is not _child(like, k, fields)}
     if not new:
         return like
     if isinstance(like, tuple):
@@ -311,16 +320,15 @@ def _rebuild(like: Any, new: dict[Any, Any]) -> Any:
             out[i] = v
         return out
     out = dict(like) if type(like) is dict else copy.copy(like)
+    by_field = fields and _is_instance_of_dataclass(out)
     for key, v in new.items():
-        if dataclasses.is_dataclass(out) and key in _field_names(out):
+        if by_field:
             object.__setattr__(out, key, v)
-        if isinstance(out, dict):
+            if isinstance(out, dict) and key in out:
+                out[key] = v
+        else:
             out[key] = v
     return out
-
-
-def _field_names(obj: Any) -> set[str]:
-    return {f.name for f in dataclasses.fields(obj)}
 
 
 def _fits(src: Any, outs: list[Any]) -> bool:
@@ -348,19 +356,20 @@ def _attach_scatter(src: Any, outs: list[Any], depth: int = 0) -> list[Any]:
         if not src.requires_grad or not all(isinstance(o, torch.Tensor) for o in outs):
             return outs
         return list(_Scatter.apply(src, list(outs), _split_dim(src, outs)))
-    # Only the containers the C scatter splits: anything else (a dataclass) reaches
-    # every replica as the same object, its tensors with their own autograd history.
-    kids = _children(src) if isinstance(src, (tuple, list, dict)) else None
+    # Only the containers the C scatter splits, by their items: anything else (a
+    # dataclass) reaches every replica as the same object, its tensors with their
+    # own autograd history.
+    kids = _children(src, fields=False) if isinstance(src, (tuple, list, dict)) else None
     if kids is None or depth > 512 or not outs or not _fits(src, outs):
         return outs
     new: list[dict[Any, Any]] = [{} for _ in outs]
     for key, value in kids:
         if not _needs_grad(value):
             continue
-        column = _attach_scatter(value, [_child(o, key) for o in outs], depth + 1)
+        column = _attach_scatter(value, [_child(o, key, fields=False) for o in outs], depth + 1)
         for j, v in enumerate(column):
             new[j][key] = v
-    return [_rebuild(o, n) for o, n in zip(outs, new)]
+    return [_rebuild(o, n, fields=False) for o, n in zip(outs, new)]
 
 
 _DEFAULT = object()   # out_dims not given at this level: gather along dim

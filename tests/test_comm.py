@@ -280,6 +280,15 @@ def test_scatter_with_out(dev2):
     np.testing.assert_array_equal(outs[1], x[3:])
 
 
+@pytest.mark.parametrize("container", [list, tuple, iter])
+def test_scatter_with_out_as_any_sequence(container):
+    x = np.arange(10.0).reshape(5, 2)
+    outs = [np.zeros((3, 2)), np.zeros((2, 2))]
+    res = comm.scatter(x, out=container(outs))
+    assert type(res) is tuple and res[0] is outs[0] and res[1] is outs[1]
+    np.testing.assert_array_equal(outs[1], x[3:])
+
+
 def test_scatter_with_out_uneven_sizes_and_dim1():
     x = np.arange(10.0).reshape(2, 5)
     outs = [np.zeros((2, 1)), np.zeros((2, 4))]

@@ -89,11 +89,9 @@ def test_dataparallel_no_growth_refcounts_and_device_memory(inputs):
     assert SANITIZED or rss_bytes() - rss0 < RSS_SLACK
 
 
-def test_dataparallel_no_traced_python_growth(inputs):
-    x, y, z, scale = inputs
-    dp = dpmini.DataParallel(Net(), device_ids=DEVICES)
-    for _ in range(WARMUP):
-        one_call(dp, x, y, z, scale)
+def _traced_growth(dp, x, y, z, scale):
+    """Traced bytes gained over MANY calls: the lowest checkpoint of the second half
+    against the lowest of the first, and the checkpoints."""
     gc.collect()
     tracemalloc.start()
     traced = []
@@ -105,12 +103,25 @@ def test_dataparallel_no_traced_python_growth(inputs):
             traced.append(tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()
+    return min(traced[4:]) - min(traced[:4]), traced
+
+
+def test_dataparallel_no_traced_python_growth(inputs):
+    x, y, z, scale = inputs
+    dp = dpmini.DataParallel(Net(), device_ids=DEVICES)
+    for _ in range(WARMUP):
+        one_call(dp, x, y, z, scale)
     # CPython's bounded caches (free lists, per-thread state) make the traced total
-    # move up and down by tens of KiB between checkpoints (seen under ASan); a leak
+    # move up and down by tens of KiB between checkpoints (seen under ASan, and
+    # once in a full run while other tests' worker threads were leaving); a leak
     # only grows. So compare the lowest checkpoint of the second half with the
     # lowest of the first: a leak of one small object (>= 32 bytes) every 100 calls
-    # raises it by >= 16 KiB over the 50,000 calls between the halves.
-    growth = min(traced[4:]) - min(traced[:4])
+    # raises it by >= 16 KiB over the 50,000 calls between the halves, and does so
+    # again in a second measurement, which a one-off step does not.
+    growth, traced = _traced_growth(dp, x, y, z, scale)
+    if growth >= 16 * 1024:
+        again, traced_again = _traced_growth(dp, x, y, z, scale)
+        growth, traced = min((growth, traced), (again, traced_again))
     assert growth < 16 * 1024, traced
 
 

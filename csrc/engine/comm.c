@@ -240,7 +240,7 @@ static PyObject *scatter_into(dp_state *st, PyArrayObject *src, int dim, PyObjec
     }
     if (take_scatter_outs(st, seq, n, src, dim, outs) == 0 &&
         copy_scatter_outs(st, src, dim, outs, n) == 0) {
-        result = PyList_AsTuple(seq);
+        result = PySequence_Tuple(seq);   /* seq: a list, or the caller's tuple */
     }
 done:
     for (Py_ssize_t i = 0; outs != NULL && i < n; i++) {

@@ -409,8 +409,27 @@ typedef struct dp_entry {
     int phase;                     /* DP_PROF_* */
     const char *label;             /* the span's label, or NULL */
     const char *torch_name;        /* the function of dpmini._torch */
+    const char *const *structures; /* dp_freeze_iterators' structure parameters */
 } dp_entry;
 PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entry *e);
+
+/* args and kw (kw may be NULL) with each argument that is a one-shot
+ * iterator (a generator, map, iter(x)) replaced by the tuple of its items,
+ * so that a call that may run twice (dp_autograd_retry) reads the same
+ * values both times. The structure parameters (NULL-terminated names of
+ * the call's first parameters, in order; NULL for none), such as
+ * scatter's inputs, where an iterator is one object handed to every
+ * replica, are left as given. 0 with new references in *args_out and
+ * *kw_out (NULL when kw is), or -1. */
+int dp_freeze_iterators(PyObject *args, PyObject *kw, const char *const *structures,
+                        PyObject **args_out, PyObject **kw_out);
+
+/* once(m, args, kw) on dp_freeze_iterators' arguments, and its
+ * differentiable form dpmini._torch.<torch_name> on the same ones when it
+ * failed for a tensor that requires grad (dp_autograd_retry). */
+PyObject *dp_call_with_retry(PyObject *m, PyObject *args, PyObject *kw,
+                             PyCFunctionWithKeywords once, const char *torch_name,
+                             const char *const *structures);
 
 /* After replicate's broadcast, one device's row (a list, changed in place):
  * an entry that is the import itself (already on that device) becomes the

@@ -520,13 +520,109 @@ PyObject *dp_autograd_retry(dp_state *st, const char *name, PyObject *args, PyOb
     return dp_torch_call(name, args, kwargs);
 }
 
-PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entry *e)
+/* Is the argument at position pos, or named key, one of the structure
+ * parameters (the first ones of the call, named in structures)? */
+static int is_structure_arg(const char *const *structures, Py_ssize_t pos, PyObject *key)
 {
+    for (Py_ssize_t j = 0; structures != NULL && structures[j] != NULL; j++) {
+        if (key != NULL ? PyUnicode_CompareWithASCIIString(key, structures[j]) == 0 : pos == j) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* v itself, or the tuple of its items when it is a one-shot iterator that
+ * is not a structure argument. A new reference, or NULL. */
+static PyObject *frozen_arg(PyObject *v, const char *const *structures, Py_ssize_t pos,
+                            PyObject *key)
+{
+    if (PyIter_Check(v) && !is_structure_arg(structures, pos, key)) {
+        return PySequence_Tuple(v);
+    }
+    return Py_NewRef(v);
+}
+
+int dp_freeze_iterators(PyObject *args, PyObject *kw, const char *const *structures,
+                        PyObject **args_out, PyObject **kw_out)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    *args_out = PyTuple_New(n);
+    *kw_out = kw != NULL ? PyDict_New() : NULL;
+    if (*args_out == NULL || (kw != NULL && *kw_out == NULL)) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *f = frozen_arg(PyTuple_GET_ITEM(args, i), structures, i, NULL);
+        if (f == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(*args_out, i, f);
+    }
+    PyObject *key, *v;
+    Py_ssize_t pos = 0;
+    while (kw != NULL && PyDict_Next(kw, &pos, &key, &v)) {
+        PyObject *f = frozen_arg(v, structures, -1, key);
+        int r = f != NULL ? PyDict_SetItem(*kw_out, key, f) : -1;
+        Py_XDECREF(f);
+        if (r < 0) {
+            goto fail;
+        }
+    }
+    return 0;
+fail:
+    Py_CLEAR(*args_out);
+    Py_CLEAR(*kw_out);
+    return -1;
+}
+
+/* once(m, args, kw, ctx), as dp_call_with_retry runs it. */
+typedef PyObject *(*once_fn)(PyObject *m, PyObject *args, PyObject *kw, const void *ctx);
+
+static PyObject *call_frozen_with_retry(PyObject *m, PyObject *args, PyObject *kw,
+                                        once_fn once, const void *ctx,
+                                        const char *torch_name, const char *const *structures)
+{
+    PyObject *a, *k;
+    if (dp_freeze_iterators(args, kw, structures, &a, &k) < 0) {
+        return NULL;
+    }
+    PyObject *res = once(m, a, k, ctx);
+    if (res == NULL) {
+        res = dp_autograd_retry(dp_state_from_module(m), torch_name, a, k);
+    }
+    Py_DECREF(a);
+    Py_XDECREF(k);
+    return res;
+}
+
+static PyObject *plain_once(PyObject *m, PyObject *args, PyObject *kw, const void *ctx)
+{
+    const PyCFunctionWithKeywords *fn = ctx;
+    return (*fn)(m, args, kw);
+}
+
+PyObject *dp_call_with_retry(PyObject *m, PyObject *args, PyObject *kw,
+                             PyCFunctionWithKeywords once, const char *torch_name,
+                             const char *const *structures)
+{
+    return call_frozen_with_retry(m, args, kw, plain_once, &once, torch_name, structures);
+}
+
+/* An entry's steps inside its profile span. */
+static PyObject *entry_once(PyObject *m, PyObject *args, PyObject *kw, const void *ctx)
+{
+    const dp_entry *e = ctx;
     dp_prof_span sp;
     dp_prof_begin(&sp, e->phase);
     PyObject *res = e->steps(m, args, kw);
     dp_prof_end(&sp, e->label);
-    return res != NULL ? res : dp_autograd_retry(dp_state_from_module(m), e->torch_name, args, kw);
+    return res;
+}
+
+PyObject *dp_entry_call(PyObject *m, PyObject *args, PyObject *kw, const dp_entry *e)
+{
+    return call_frozen_with_retry(m, args, kw, entry_once, e, e->torch_name, e->structures);
 }
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname);

@@ -1591,9 +1591,7 @@ static PyObject *py_gather_once(PyObject *module, PyObject *args, PyObject *kwds
  * differentiable form dpmini._torch.gather. */
 static PyObject *py_gather(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    PyObject *res = py_gather_once(module, args, kwds);
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(module), "gather", args, kwds);
+    return dp_call_with_retry(module, args, kwds, py_gather_once, "gather", NULL);
 }
 
 

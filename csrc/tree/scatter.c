@@ -1540,8 +1540,9 @@ done:
  * that requires grad goes to dpmini._torch.scatter. */
 static PyObject *py_scatter(PyObject *module, PyObject *args, PyObject *kwds)
 {
+    static const char *const structures[] = {"inputs", NULL};
     static const dp_entry e = {py_scatter_steps, DP_PROF_SCATTER,
-                                NULL, "scatter"};
+                                NULL, "scatter", structures};
     return dp_entry_call(module, args, kwds, &e);
 }
 
@@ -1631,10 +1632,9 @@ done:
  * differentiable form dpmini._torch.scatter_kwargs. */
 static PyObject *py_scatter_kwargs(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    PyObject *res = py_scatter_kwargs_once(module, args, kwds);
-    return res != NULL ? res
-                       : dp_autograd_retry(dp_state_from_module(module), "scatter_kwargs", args,
-                                           kwds);
+    static const char *const structures[] = {"inputs", "kwargs", NULL};
+    return dp_call_with_retry(module, args, kwds, py_scatter_kwargs_once, "scatter_kwargs",
+                              structures);
 }
 
 PyMethodDef dp_scatter_methods[] = {

@@ -3,9 +3,11 @@ it (docs/spec.md 3.1, 4.1, 11.4): dict subclasses keep their type, dataclasses a
 rebuilt through __init__, a dataclass input reaches every replica as the same object,
 Hugging Face's ModelOutput (a dataclass that is an OrderedDict) stays a whole one, and
 the gradients equal a single-device run. Also the gradients autograd hands over with a
-conjugate bit, and modules whose own __setattr__ keeps state (an RNN's flat weights)."""
+conjugate bit, modules whose own __setattr__ keeps state (an RNN's flat weights), and
+one-shot iterators as the functions' sequence arguments."""
 import collections
 import dataclasses
+from typing import Optional
 
 import pytest
 
@@ -203,3 +205,55 @@ def test_rnn_replicas_run_with_their_own_flat_weights(torch):
     x = torch.randn(6, 3, 4, dtype=torch.float64)
     out, _ = dp(x)
     _same_grads(torch, m, out.sum(), lambda: m(x)[0].sum())
+
+
+@dataclasses.dataclass
+class FieldsOnlyDict(dict):
+    """A dataclass that is a dict but keeps its tensors as fields only."""
+    logits: object
+    aux: Optional[object] = None
+
+
+def test_dict_dataclass_output_is_gathered_by_fields_with_grad(torch):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, x):
+            y = self.lin(x)
+            out = FieldsOnlyDict(y, y * 2)
+            out["logits"] = y                  # one of the fields is also a key
+            return out
+
+    m, x = M(), _x(torch)
+    out = dpmini.DataParallel(m, DEVS)(x)
+    assert type(out) is FieldsOnlyDict and list(out.keys()) == ["logits"]
+    assert out["logits"] is out.logits and out.aux.requires_grad
+    _same_grads(torch, m, out.aux.sum() + out.logits.sum(),
+                lambda: m(x).aux.sum() + m(x).logits.sum())
+    a = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = dpmini.gather([FieldsOnlyDict(a * 1, a * 2), FieldsOnlyDict(b * 1, b * 2)], "cpu")
+    g.aux.sum().backward()
+    assert torch.equal(a.grad, torch.full((2, 3), 2.0, dtype=torch.float64))
+
+
+def test_one_shot_iterators_are_read_once_with_grad(torch):
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    devs = ["cpu:0", "cpu:1"]
+    comm = dpmini.comm
+    assert comm.gather((t for t in (a, a)), destination="cpu").shape == (6,)
+    total = comm.reduce_add((t for t in (a, a)), destination="cpu")
+    assert torch.equal(total, 2 * a.detach())
+    (summed,) = comm.reduce_add_coalesced(((t,) for t in (a, a)), destination="cpu")
+    assert torch.equal(summed, 2 * a.detach())
+    rows = comm.broadcast_coalesced((t for t in [a]), (d for d in devs))
+    assert len(rows) == 2 and all(len(r) == 1 and torch.equal(r[0], a.detach()) for r in rows)
+    pieces = dpmini.scatter(x, (d for d in devs))
+    assert [p.shape[0] for p in pieces] == [2, 2]
+    sum(p.sum() for p in pieces).backward()
+    assert torch.equal(x.grad, torch.ones(4, 3, dtype=torch.float64))
+    ins, kws = dpmini.scatter_kwargs((x,), {}, (d for d in devs))
+    assert len(ins) == 2 and ins[0][0].requires_grad
