@@ -762,14 +762,14 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
             else:
                 replica._modules[key] = value
         for key, i in own_params:
-            copy = None if i is None else params[i]
-            if own_setattr and copy is not None:
-                setattr(replica, key, copy)
-            elif register and copy is not None:
-                replica._parameters[key] = copy
+            param = None if i is None else params[i]
+            if own_setattr and param is not None:
+                setattr(replica, key, param)
+            elif register and param is not None:
+                replica._parameters[key] = param
             else:
-                replica.__dict__[key] = copy
-            replica._former_parameters[key] = copy
+                replica.__dict__[key] = param
+            replica._former_parameters[key] = param
         for key, i in own_buffers:
             if own_setattr and i is not None:
                 setattr(replica, key, buffers[i])

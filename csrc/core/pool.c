@@ -20,9 +20,10 @@
  * short while before blocking (longer while work comes in quick succession:
  * QUICK_SPIN_NS; EXPECTED_SPIN_NS while a caller has said more jobs are
  * coming), and a blocked dp_batch_wait woken by one job's end polls for
- * the others (SIBLING_SPIN_NS). The spin only *reads* the loud-job count / batch
- * count with relaxed atomic loads as a hint; every decision is then confirmed
- * under the mutex, so the mutexes still carry all the memory ordering.
+ * the others (SIBLING_SPIN_NS). The spin only *reads* the loud-job count /
+ * batch count with relaxed atomic loads as a hint; every decision is then
+ * confirmed under the mutex, so the mutexes still carry all the memory
+ * ordering.
  *
  * Deadlock note: a job may submit to its own device and wait for that job
  * (another thread of the device runs it) as long as the device is under
@@ -244,7 +245,8 @@ static void spin_for_work(slot *s, long long idle_since, int quick)
     long long usual_end = idle_since + (quick ? QUICK_SPIN_NS : WORKER_SPIN_NS);
     spin_clock clock = {idle_since + EXPECTED_SPIN_NS, idle_since, 0};
     while (!__atomic_load_n(&s->nloud, __ATOMIC_RELAXED) && spin_turn(&clock)) {
-        if (clock.last > usual_end && !__atomic_load_n(&expecting_callers, __ATOMIC_RELAXED))
+        /* <= 0: a fork child may see a count its forking thread then lowers */
+        if (clock.last > usual_end && __atomic_load_n(&expecting_callers, __ATOMIC_RELAXED) <= 0)
             break;
     }
 }

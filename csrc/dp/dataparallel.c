@@ -516,7 +516,6 @@ static PyObject *forward_generic_call(dp_DataParallelObject *self, dp_state *st,
     return c.res;
 }
 
-/* forward: the C path on the exact type, the overridable steps on a subclass. */
 /* A call on several devices hands their workers its steps' jobs one after
  * another (scatter copies, broadcast, replicas): the pool is told so for
  * the call (dp_pool_expect_work(-1) after it) and the devices' sleeping
@@ -533,6 +532,7 @@ static int expect_steps(const dp_device *devs, Py_ssize_t ndev)
     return 1;
 }
 
+/* forward: the C path on the exact type, the overridable steps on a subclass. */
 static PyObject *forward_dispatch(dp_DataParallelObject *self, PyObject *args, PyObject *kwargs)
 {
     dp_state *st = dp_state_from_type(Py_TYPE(self));

@@ -543,9 +543,32 @@ static PyObject *frozen_arg(PyObject *v, const char *const *structures, Py_ssize
     return Py_NewRef(v);
 }
 
+/* Does any argument need dp_freeze_iterators' copy? */
+static int has_iterator_arg(PyObject *args, PyObject *kw)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        if (PyIter_Check(PyTuple_GET_ITEM(args, i))) {
+            return 1;
+        }
+    }
+    PyObject *key, *v;
+    Py_ssize_t pos = 0;
+    while (kw != NULL && PyDict_Next(kw, &pos, &key, &v)) {
+        if (PyIter_Check(v)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 int dp_freeze_iterators(PyObject *args, PyObject *kw, const char *const *structures,
                         PyObject **args_out, PyObject **kw_out)
 {
+    if (!has_iterator_arg(args, kw)) {   /* the usual call: nothing to copy */
+        *args_out = Py_NewRef(args);
+        *kw_out = Py_XNewRef(kw);
+        return 0;
+    }
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     *args_out = PyTuple_New(n);
     *kw_out = kw != NULL ? PyDict_New() : NULL;
