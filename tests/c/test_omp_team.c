@@ -22,20 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "check.h"
-
-static double cpu_secs(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(long ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
-    }
-}
+#include "timing.h"
 
 /* A region of two threads: afterwards the second one waits, spinning. */
 static long team_sum(int n)

@@ -17,21 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "check.h"
-
-
-
-static double secs(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(long ms)
-{
-    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
-    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
-}
+#include "timing.h"
 
 static atomic_int counter;
 static void job_inc(void *arg) { (void)arg; atomic_fetch_add(&counter, 1); }
@@ -311,13 +297,6 @@ static void test_wait_outlasts_first_finisher(void)
 }
 
 /* ---- a caller that expects to hand out jobs keeps the workers polling ---- */
-static double cpu_secs(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void test_prewoken_worker_polls_while_work_is_expected(void)
 {
     dp_batch b;

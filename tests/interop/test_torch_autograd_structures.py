@@ -53,6 +53,20 @@ def _linear(torch):
     return torch.nn.Linear(4, 3).double()
 
 
+def _with_linear(torch, body):
+    """A module holding one float64 Linear(4, 3) as `lin`, whose forward is
+    body(lin, *args, **kwargs)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(torch)
+
+        def forward(self, *args, **kwargs):
+            return body(self.lin, *args, **kwargs)
+
+    return M()
+
+
 def _x(torch, rows=6):
     return torch.randn(rows, 4, dtype=torch.float64)
 
@@ -71,15 +85,10 @@ def _same_grads(torch, m, loss_dp, loss_plain):
 
 
 def test_dict_subclass_output_keeps_its_type_with_grad(torch):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, x):
+        return TaggedDict(a=lin(x))
 
-        def forward(self, x):
-            return TaggedDict(a=self.lin(x))
-
-    m, x = M(), _x(torch)
+    m, x = _with_linear(torch, body), _x(torch)
     out = dpmini.DataParallel(m, DEVS)(x)
     assert type(out) is TaggedDict and out["a"].requires_grad
     _same_grads(torch, m, out["a"].sum(), lambda: m(x)["a"].sum())
@@ -88,16 +97,11 @@ def test_dict_subclass_output_keeps_its_type_with_grad(torch):
 def test_dict_subclass_input_reaches_replicas_as_its_type_with_grad(torch):
     seen = []
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, d):
+        seen.append(type(d))
+        return lin(d["x"])
 
-        def forward(self, d):
-            seen.append(type(d))
-            return self.lin(d["x"])
-
-    m, x = M(), _x(torch).requires_grad_()
+    m, x = _with_linear(torch, body), _x(torch).requires_grad_()
     dpmini.DataParallel(m, DEVS)(TaggedDict(x=x)).pow(2).sum().backward()
     assert seen == [TaggedDict, TaggedDict]
     got = x.grad.clone()
@@ -107,15 +111,10 @@ def test_dict_subclass_input_reaches_replicas_as_its_type_with_grad(torch):
 
 
 def test_dataclass_output_with_init_false_field_is_not_rebuilt_with_grad(torch):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, x):
+        return Scaled(lin(x))
 
-        def forward(self, x):
-            return Scaled(self.lin(x))
-
-    m, x = M(), _x(torch)
+    m, x = _with_linear(torch, body), _x(torch)
     POST_INITS.clear()
     out = dpmini.DataParallel(m, DEVS)(x)
     assert len(POST_INITS) == 2            # once in each replica, never on the result
@@ -127,16 +126,11 @@ def test_dataclass_output_with_init_false_field_is_not_rebuilt_with_grad(torch):
 def test_dataclass_input_is_the_same_object_in_every_replica_with_grad(torch):
     seen = []
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, s, x):
+        seen.append(s)
+        return lin(x) * s.y.sum()
 
-        def forward(self, s, x):
-            seen.append(s)
-            return self.lin(x) * s.y.sum()
-
-    m, x = M(), _x(torch)
+    m, x = _with_linear(torch, body), _x(torch)
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     POST_INITS.clear()
     s = Scaled(w)
@@ -150,17 +144,12 @@ def test_dataclass_input_is_the_same_object_in_every_replica_with_grad(torch):
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_model_output_like_result_is_a_whole_ordered_dict(torch, grad):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, x, labels):
+        logits = lin(x)
+        return ModelOutputLike(loss=torch.nn.functional.cross_entropy(logits, labels),
+                               logits=logits)
 
-        def forward(self, x, labels):
-            logits = self.lin(x)
-            return ModelOutputLike(loss=torch.nn.functional.cross_entropy(logits, labels),
-                                   logits=logits)
-
-    m, x = M(), _x(torch)
+    m, x = _with_linear(torch, body), _x(torch)
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
     with torch.set_grad_enabled(grad), pytest.warns(UserWarning, match="unsqueeze"):
         out = dpmini.DataParallel(m, DEVS)(x, labels=labels)   # 0-dim losses: spec 4.5
@@ -215,18 +204,13 @@ class FieldsOnlyDict(dict):
 
 
 def test_dict_dataclass_output_is_gathered_by_fields_with_grad(torch):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = _linear(torch)
+    def body(lin, x):
+        y = lin(x)
+        out = FieldsOnlyDict(y, y * 2)
+        out["logits"] = y                  # one of the fields is also a key
+        return out
 
-        def forward(self, x):
-            y = self.lin(x)
-            out = FieldsOnlyDict(y, y * 2)
-            out["logits"] = y                  # one of the fields is also a key
-            return out
-
-    m, x = M(), _x(torch)
+    m, x = _with_linear(torch, body), _x(torch)
     out = dpmini.DataParallel(m, DEVS)(x)
     assert type(out) is FieldsOnlyDict and list(out.keys()) == ["logits"]
     assert out["logits"] is out.logits and out.aux.requires_grad
