@@ -38,11 +38,11 @@ def _to_numpy(v):
     if jax is not None and isinstance(v, jax.Array):
         devs = list(v.devices()) if hasattr(v, "devices") else []
 
-        def back(a, devs=devs):
+        def back_jax(a, devs=devs):
             import jax.numpy as jnp
             out = jnp.asarray(a)
             return jax.device_put(out, devs[0]) if len(devs) == 1 else out
-        return np.asarray(v), back
+        return np.asarray(v), back_jax
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(v, cupy.ndarray):
         return v.get(), lambda a: cupy.asarray(a)

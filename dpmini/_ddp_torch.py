@@ -58,11 +58,11 @@ import numpy as np
 
 
 # module -> the GradientReducer whose hooks it carries now.
-_HOOKED = weakref.WeakKeyDictionary()
+_HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # DistributedDataParallel class -> its nn.Module adapter class.
-_ADAPTERS = {}
+_ADAPTERS: dict = {}
 
 
 def adapter_type(cls):

@@ -31,7 +31,7 @@ import dataclasses
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as _F
@@ -315,10 +315,10 @@ def _rebuild(like: Any, new: dict[Any, Any], fields: bool = True) -> Any:
             return type(like)(*items)
         return type(like)(items) if type(like) is not tuple else tuple(items)
     if isinstance(like, list):
-        out = list(like) if type(like) is list else type(like)(like)
+        seq: list[Any] = list(like) if type(like) is list else type(like)(like)
         for i, v in new.items():
-            out[i] = v
-        return out
+            seq[i] = v
+        return seq
     out = dict(like) if type(like) is dict else copy.copy(like)
     by_field = fields and _is_instance_of_dataclass(out)
     for key, v in new.items():
@@ -479,7 +479,7 @@ def gather(*args: Any, **kwargs: Any) -> Any:
     return _attach_gather(outs, res, _DEFAULT if spec is None else spec, dim)
 
 
-def data_parallel(module: Callable[..., Any], inputs: Any, device_ids: Any = None,
+def data_parallel(module: nn.Module, inputs: Any, device_ids: Any = None,
                   output_device: Any = None, dim: Any = 0, module_kwargs: Any = None, *,
                   in_dims: Any = None, out_dims: Any = None, chunk_sizes: Any = None,
                   weights: Any = None) -> Any:
@@ -610,7 +610,7 @@ def _replicate(plan: _ReplicaPlan, devices: Any, detach: bool | None) -> list[nn
             for j in range(len(devices))]
 
 
-def _replicate_tensors(tensors: list[torch.Tensor], devices: list[Any], detach: bool,
+def _replicate_tensors(tensors: Sequence[torch.Tensor], devices: list[Any], detach: bool,
                        share: bool) -> list[list[torch.Tensor]]:
     """Per device, the replicas' tensors (device-major rows)."""
     if not tensors:
@@ -755,6 +755,7 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
         # adapter its module); nn.Module's own would store them where the direct
         # writes below do, which cost less.
         own_setattr = type(replica).__setattr__ is not _MODULE_SETATTR
+        former: dict[str, Any] = replica.__dict__["_former_parameters"]
         for key, i in kids:
             value = None if i is None else replicas[i]
             if own_setattr:
@@ -769,7 +770,7 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
                 replica._parameters[key] = param
             else:
                 replica.__dict__[key] = param
-            replica._former_parameters[key] = param
+            former[key] = param
         for key, i in own_buffers:
             if own_setattr and i is not None:
                 setattr(replica, key, buffers[i])
@@ -845,7 +846,7 @@ class DataParallel(_DP, nn.Module):
             return
         if self.__dict__.get("_modules") is not None:
             nn.Module.__setattr__(self, name, value)   # registers (or raises TypeError)
-        _DP.module.__set__(self, value)
+        cast(Any, _DP).module.__set__(self, value)
         self.__dict__.pop(_PLAN_ATTR, None)   # the old tree's walk: let it go
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -857,15 +858,17 @@ class DataParallel(_DP, nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         nn.Module.__setstate__(self, state["module_state"])
         settings = dict(state["settings"])
-        _DP.__init__(self, self._modules["module"], settings.pop("device_ids"),
-                     settings.pop("output_device"), **settings)
+        module = cast(nn.Module, self._modules["module"])
+        _DP.__init__(self, module, settings.pop("device_ids"), settings.pop("output_device"),
+                     **settings)
 
     def _replicate_for_data_parallel(self) -> Any:
         replica = nn.Module._replicate_for_data_parallel(self)
         replica.__dict__.pop(_PLAN_ATTR, None)
         settings = _settings(self)
-        _DP.__init__(replica, self._modules["module"], settings.pop("device_ids"),
-                     settings.pop("output_device"), **settings)
+        module = cast(nn.Module, self._modules["module"])
+        _DP.__init__(replica, module, settings.pop("device_ids"), settings.pop("output_device"),
+                     **settings)
         return replica
 
     def scatter(self, inputs: Any, kwargs: Any = None, device_ids: Any = None) -> Any:
@@ -1228,7 +1231,7 @@ _WITHOUT_GENERATOR = (
     "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
     "scaled_dot_product_attention", "multi_head_attention_forward",
 )
-_RANDOM = {}
+_RANDOM: dict[Any, Any] = {}
 
 
 def _on_cpu(args, kwargs):
