@@ -13,6 +13,7 @@ step of the call itself, or the call); both do nothing outside profile().
 import contextlib
 import html
 import json
+import operator
 import threading
 
 from . import _dpmini
@@ -158,8 +159,9 @@ class profile(contextlib.ContextDecorator):
     """
 
     def __init__(self, max_events=_DEFAULT_MAX_EVENTS):
-        if isinstance(max_events, bool) or not isinstance(max_events, int):
+        if isinstance(max_events, bool) or not hasattr(type(max_events), "__index__"):
             raise TypeError(f"max_events: expected an int, got {type(max_events).__name__}")
+        max_events = operator.index(max_events)
         if not 1 <= max_events <= 1 << 26:
             raise ValueError(f"max_events: expected an int in [1, {1 << 26}], got {max_events}")
         self.max_events = max_events
@@ -197,8 +199,12 @@ class profile(contextlib.ContextDecorator):
         session = active["session"]
         count, dropped = _dpmini._profile_counts(session)
         rows = _dpmini._profile_events(session, active["start"], count)
-        if stack and stack[-1] is self:
-            stack.pop()
+        # Blocks may end out of order (asyncio tasks on one thread): they all share
+        # the outermost block's session, which stops when the last of them ends.
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self:
+                del stack[i]
+                break
         if not stack:
             _dpmini._profile_stop(session)
         self._active = None

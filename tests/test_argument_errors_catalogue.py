@@ -67,6 +67,26 @@ class RaisingArrayInterface:
         raise RuntimeError("broken __array_interface__")
 
 
+class ClaimsCudaDLPack:
+    """Host memory whose __dlpack_device__ says CUDA device 0."""
+
+    def __dlpack__(self, *args, **kwargs):
+        return X.__dlpack__()
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+class EmptyCudaArrayInterface:
+    """A CUDA Array Interface with no data (pointer 0) on the current device."""
+    __cuda_array_interface__ = {"shape": (0,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
+class KeysThatLie(dict):
+    def keys(self):
+        return ["zzz"]
+
+
 # (id, call, exact exception type, regex the message must contain)
 CATALOGUE = [
     # ------------------------------------------------ DataParallel(...) arguments
@@ -75,6 +95,10 @@ CATALOGUE = [
     ("dp-device_ids-None-entry", lambda: dp(ident, ["cpu:0", None]), TypeError, r"^device_ids\[1\]: expected a device"),
     ("dp-device_ids-bool-entry", lambda: dp(ident, [True]), TypeError, r"^device_ids\[0\]: .*got bool"),
     ("dp-device_ids-bytes-entry", lambda: dp(ident, [b"cpu:0"]), TypeError, r"^device_ids\[0\]: .*got bytes"),
+    ("dp-device_ids-bytes", lambda: dp(ident, b"cpu:0"), TypeError,
+     r"^device_ids: expected a list of devices, got bytes \(device names are str"),
+    ("dp-device_ids-bytearray", lambda: dp(ident, bytearray(b"\x00\x01")), TypeError,
+     r"^device_ids: expected a list of devices, got bytearray"),
     ("dp-device_ids-257", lambda: dp(ident, ["cpu:0"] * 257), ValueError, r"^device_ids: at most 256 devices, got 257"),
     ("dp-device_ids-huge-int", lambda: dp(ident, [2 ** 70]), ValueError, r"^device_ids\[0\]: "),
     ("dp-device_ids-uppercase", lambda: dp(ident, ["CPU:0"]), ValueError, r"^device_ids\[0\]: unknown device 'CPU:0'"),
@@ -198,9 +222,16 @@ CATALOGUE = [
      r"^buffer_size: expected a positive number of bytes, got 0"),
     ("comm-broadcast_coalesced-buffer_size-str", lambda: comm.broadcast_coalesced([X], D2, buffer_size="1"), TypeError,
      r"^buffer_size: expected an int, got str"),
-    ("comm-broadcast_coalesced-int", lambda: comm.broadcast_coalesced(5, D2), TypeError, r"^tensors: expected a sequence"),
+    ("scatter-dlpack-on-cuda-unseen", lambda: dpmini.scatter(ClaimsCudaDLPack(), D2), BufferError,
+     r"^inputs: DLPack tensor on CUDA device 0, but dpmini sees no CUDA device \(built without"),
+    ("comm-scatter-cai-on-cuda-unseen", lambda: comm.scatter(EmptyCudaArrayInterface(), D2),
+     BufferError, r"^array: memory on CUDA device 0, but dpmini sees no CUDA device"),
+    ("gather-dict-keys-lie", lambda: dpmini.gather([KeysThatLie(a=X), KeysThatLie(a=X)], "cpu"),
+     ValueError, r"^out: replica 0 returned a dict whose keys\(\) gives the key 'zzz', which it "
+     r"has no item for"),
+    ("comm-broadcast_coalesced-int", lambda: comm.broadcast_coalesced(5, D2), TypeError, r"^arrays: expected a sequence"),
     ("comm-broadcast_coalesced-object", lambda: comm.broadcast_coalesced([X, obj_array()], D2), TypeError,
-     r"^tensors\[1\]: arrays holding Python objects"),
+     r"^arrays\[1\]: arrays holding Python objects"),
     ("comm-broadcast_coalesced-huge", lambda: comm.broadcast_coalesced([huge8(2 ** 62)] * 4, D2), MemoryError,
      r"on device cpu:0"),
     ("comm-reduce_add-int", lambda: comm.reduce_add(5), TypeError, r"^arrays: expected a sequence"),

@@ -1,5 +1,6 @@
 """ndarray subclasses and object-dtype arrays: masked arrays and np.matrix are
-refused with their path, other subclasses become plain arrays, object arrays
+refused with their path, other subclasses become plain arrays (and are summed
+with NumPy's own add, whatever their __array_ufunc__ does), object arrays
 held by a module are shared and object-array inputs are a TypeError naming the
 path."""
 
@@ -50,6 +51,45 @@ def test_matrix_is_refused_other_subclasses_become_plain_arrays(tmp_path):
     x = np.arange(6.0).reshape(3, 2).view(Mine)
     assert all(type(c) is np.ndarray for c in dpmini.comm.scatter(x, D2))
     assert type(dpmini.comm.gather([x, x])) is np.ndarray
+
+
+class _ReturnsNew(np.ndarray):
+    """Computes NumPy's result but ignores out= (returns a new array)."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        kwargs.pop("out", None)
+        return getattr(ufunc, method)(*[np.asarray(i) for i in inputs], **kwargs)
+
+
+class _ReturnsNumber(np.ndarray):
+    """An override that returns something that is not an array."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return 42
+
+
+@pytest.mark.parametrize("sub", [_ReturnsNew, _ReturnsNumber])
+def test_sums_of_subclasses_use_numpys_add_not_the_subclass_override(sub):
+    a, b = np.ones((4, 3)).view(sub), np.full((4, 3), 2.0).view(sub)
+    for dest in ("cpu", "cpu:1"):
+        got = dpmini.comm.reduce_add([a, b], dest)
+        assert type(got) is np.ndarray and np.array_equal(got, np.full((4, 3), 3.0))
+    (got,) = dpmini.comm.reduce_add_coalesced([[a], [b]], "cpu")
+    assert np.array_equal(got, np.full((4, 3), 3.0))
+    dp = dpmini.DataParallel(lambda x: np.full((2, 3), 1.0).view(sub), D2, out_dims="sum")
+    assert np.array_equal(dp(np.zeros((4, 1))), np.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("sub", [_ReturnsNew, _ReturnsNumber])
+def test_widened_sums_of_subclasses_use_numpys_add(sub):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = np.ones((4, 3), dtype=ml_dtypes.bfloat16).view(sub)
+    got = dpmini.comm.reduce_add([a, a, a], "cpu")
+    assert got.dtype == ml_dtypes.bfloat16 and np.array_equal(got.astype(np.float32),
+                                                              np.full((4, 3), 3.0))
+    dp = dpmini.DataParallel(lambda x: np.ones((2, 3), dtype=ml_dtypes.bfloat16).view(sub), D2,
+                             out_dims="sum")
+    assert np.array_equal(dp(np.zeros((4, 1))).astype(np.float32), np.full((2, 3), 2.0))
 
 
 def test_object_array_held_by_a_module_is_shared():

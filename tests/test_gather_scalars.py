@@ -1,7 +1,8 @@
 """Scalar and value outputs at one position (docs/spec.md 11.6, 11.8).
 
-- NumPy scalars mixed with Python numbers (np.float64(1.0) from one replica,
-  1.0 from another) are all gathered as 0-dim arrays: the NumPy scalar rule,
+- NumPy scalars or 0-dim ndarrays mixed with Python numbers (np.float64(1.0)
+  or np.array(1.0) from one replica, 1.0 from another) are all gathered as
+  0-dim arrays: the NumPy scalar rule,
   a vector of one value per replica, whichever replica returns which.
 - Other objects: the same object from every replica, or equal values of one
   type hashed by value (Fraction, Decimal, date, frozenset) -> that value.
@@ -24,6 +25,8 @@ SCALAR_WARNING = "all input tensors were scalars"
     [1.0, np.float64(1.0)],
     [np.float32(1.5), 2],
     [3, np.int64(4)],
+    [np.array(1.0), 2.0],
+    [2.0, np.array(1.5, dtype=np.float32)],
 ])
 def test_numpy_scalars_mixed_with_python_numbers_are_scalars(outs):
     with pytest.warns(UserWarning, match=SCALAR_WARNING):
@@ -53,6 +56,16 @@ def test_numpy_scalar_and_python_number_under_out_dims_none():
 def test_numpy_scalar_and_python_number_summed():
     g = dpmini.gather([(np.float64(1.0),), (2.0,)], "cpu", out_dims=("sum",))
     assert float(g[0]) == 3.0
+    g = dpmini.gather([(2.0,), (np.array(1.0),)], "cpu", out_dims=("sum",))
+    assert float(g[0]) == 3.0
+
+
+def test_zero_dim_array_loss_with_a_number_from_an_empty_shard():
+    dp = dpmini.DataParallel(lambda a: np.asarray(a.sum()) if len(a) > 1 else 0.0,
+                             ["cpu:0", "cpu:1"])
+    with pytest.warns(UserWarning, match=SCALAR_WARNING):
+        out = dp(np.ones((3, 2)))
+    np.testing.assert_array_equal(out, [4.0, 0.0])
 
 
 @pytest.mark.parametrize("make", [

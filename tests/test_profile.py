@@ -179,6 +179,7 @@ def test_max_events_is_checked():
         dpmini.profile(max_events=0)
     with pytest.raises(TypeError, match="max_events"):
         dpmini.profile(max_events=2.5)
+    assert dpmini.profile(max_events=np.int64(5)).max_events == 5
 
 
 # ------------------------------------------------------------ scope
@@ -211,6 +212,27 @@ def test_nested_profiles_see_their_own_block_and_the_outer_one_everything():
     assert inner.calls()[0]["call"] == outer.calls()[1]["call"]
     key = lambda e: (e["kind"], e["start_ns"], e["thread"])  # noqa: E731
     assert {key(e) for e in inner.events} <= {key(e) for e in outer.events}
+
+
+def test_profiles_that_end_out_of_order_leave_the_thread_able_to_profile():
+    """Two blocks on one thread ending first-in first-out (asyncio tasks do): each
+    gets its own events, and later profiles still work."""
+    x = np.ones((64, 4))
+    dp = round_trip(x, 0)
+    first, second = dpmini.profile(), dpmini.profile()
+    a = first.__enter__()
+    dp(x)
+    b = second.__enter__()
+    dp(x)
+    first.__exit__(None, None, None)
+    dp(x)
+    assert _profile.recording()
+    second.__exit__(None, None, None)
+    assert not _profile.recording()
+    assert len(a.calls()) == 2 and len(b.calls()) == 2
+    with dpmini.profile() as later:
+        dp(x)
+    assert len(later.calls()) == 1
 
 
 def test_profile_records_only_its_own_threads_calls():

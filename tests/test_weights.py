@@ -199,6 +199,14 @@ def test_dataparallel_chunk_sizes_attribute():
     dp.device_ids = D2  # lengths are checked again on each call
     with pytest.raises(ValueError, match="weights: expected 2 entries"):
         dp(np.arange(4.0))
+    # the stale option does not block setting the other one to None, or itself anew
+    dp.chunk_sizes = None
+    dp.weights = [1, 3]
+    assert np.array_equal(dp(np.arange(4.0)), np.arange(4.0))
+    dp.device_ids = D3
+    dp.weights = None
+    dp.chunk_sizes = [1, 1, 2]
+    assert dp.chunk_sizes == (1, 1, 2) and dp.weights is None
 
 
 def test_dataparallel_constructor_errors():

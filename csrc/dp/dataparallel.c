@@ -1257,7 +1257,10 @@ static int DataParallel_set_out_dims(dp_DataParallelObject *self, PyObject *valu
     return 0;
 }
 
-/* chunk_sizes / weights: checked against device_ids and the other one. */
+/* chunk_sizes / weights: the new value checked against device_ids, and
+ * refused while the other one is set (at most one). The other one is not
+ * checked again: after device_ids changed it may no longer fit, which the
+ * next call reports, and setting either to None must still work. */
 static int set_sizes_opt(dp_DataParallelObject *self, PyObject *value, int is_weights)
 {
     PyObject *cs_t, *w_t;
@@ -1265,12 +1268,20 @@ static int set_sizes_opt(dp_DataParallelObject *self, PyObject *value, int is_we
         check_initialised(self) < 0) {
         return -1;
     }
-    if (check_call_opts(Py_None, Py_None, is_weights ? self->chunk_sizes : value,
-                        is_weights ? value : self->weights, self->ndev, &cs_t, &w_t) < 0) {
+    /* With both given, check_call_opts refuses them together. */
+    PyObject *other = value != Py_None ? (is_weights ? self->chunk_sizes : self->weights)
+                                       : Py_None;
+    if (check_call_opts(Py_None, Py_None, is_weights ? other : value, is_weights ? value : other,
+                        self->ndev, &cs_t, &w_t) < 0) {
         return -1;
     }
-    Py_SETREF(self->chunk_sizes, cs_t);
-    Py_SETREF(self->weights, w_t);
+    if (is_weights) {
+        Py_SETREF(self->weights, w_t);
+        Py_DECREF(cs_t);
+    } else {
+        Py_SETREF(self->chunk_sizes, cs_t);
+        Py_DECREF(w_t);
+    }
     return 0;
 }
 

@@ -233,7 +233,7 @@ PyObject *dp_broadcast_coalesced(dp_state *st, PyObject *arrays, const dp_device
     int any_cuda = 0, ok = 0;
 
     (void)buffer_size; /* see comm_broadcast_coalesced's docstring */
-    if (arrays_from_sequence(st, arrays, "tensors", 0, &src, &n) < 0) {
+    if (arrays_from_sequence(st, arrays, "arrays", 0, &src, &n) < 0) {
         return NULL;
     }
     if (batch_init(&batch, n, ndev) < 0 || (result = new_rows(ndev, n)) == NULL) {

@@ -59,6 +59,17 @@ static PyArrayObject *dense_copy(dp_state *st, PyArrayObject *src, dp_device dev
     return dst;
 }
 
+/* a as an ndarray of the base class (a view when a is a subclass): the sums
+ * below then run NumPy's own add, never a subclass's __array_ufunc__ (which
+ * may ignore out= or return something that is not an array). New reference. */
+static PyObject *base_ndarray(PyObject *a)
+{
+    if (a == NULL || PyArray_CheckExact(a)) {
+        return Py_XNewRef(a);
+    }
+    return PyArray_View((PyArrayObject *)a, NULL, &PyArray_Type);
+}
+
 /* The host sum of parts onto dest: the inputs copied to the host, NumPy
  * adds them in index order into a copy of parts[0], the result copied to
  * dest. */
@@ -68,7 +79,7 @@ static PyObject *host_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n, dp_
     PyObject *acc = dp_copy_to_device(st, parts[0], host);
     for (Py_ssize_t i = 1; acc != NULL && i < n; i++) {
         PyObject *hp = dp_array_device(st, parts[i]).kind == DP_CUDA
-                     ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
+                     ? dp_copy_to_device(st, parts[i], host) : base_ndarray((PyObject *)parts[i]);
         PyObject *sum = hp ? PyNumber_InPlaceAdd(acc, hp) : NULL;
         Py_XDECREF(hp);
         if (sum == NULL) {
@@ -201,7 +212,8 @@ static PyObject *widened_sum(dp_state *st, PyArrayObject **parts, Py_ssize_t n,
     PyObject *acc = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         int on_gpu = dp_array_device(st, parts[i]).kind == DP_CUDA;
-        PyObject *hp = on_gpu ? dp_copy_to_device(st, parts[i], host) : Py_NewRef(parts[i]);
+        PyObject *hp = on_gpu ? dp_copy_to_device(st, parts[i], host)
+                              : base_ndarray((PyObject *)parts[i]);
         Py_INCREF(accd);
         PyObject *wide = hp != NULL ? PyArray_CastToType((PyArrayObject *)hp, accd, 0) : NULL;
         if (hp == NULL)
@@ -313,12 +325,14 @@ static PyObject *host_reduce_add(dp_state *st, PyArrayObject **parts, Py_ssize_t
     dp_prof_ctx prof = dp_prof_current();
     uint64_t t_sum = prof.s != NULL ? dp_prof_now() : 0;
     for (Py_ssize_t i = 1; i < n; i++) {
-        PyObject *sum = PyNumber_InPlaceAdd(acc, (PyObject *)parts[i]);
+        PyObject *part = base_ndarray((PyObject *)parts[i]);
+        PyObject *sum = part != NULL ? PyNumber_InPlaceAdd(acc, part) : NULL;
+        Py_XDECREF(part);
         if (sum == NULL) {
             Py_DECREF(acc);
             return NULL;
         }
-        Py_DECREF(sum); /* the same object as acc */
+        Py_DECREF(sum); /* acc itself: both are base-class ndarrays */
     }
     dp_prof_record_since(&prof, DP_PROF_SUM, dest.kind, dest.index, t_sum, NULL);
     return acc;

@@ -108,6 +108,21 @@ static void reraise_named(const char *argname, PyObject *obj, const char *what)
     Py_XDECREF(tb);
 }
 
+/* BufferError: argname's `what` is on CUDA device dev, which dpmini does not
+ * see (none at all, or fewer devices). */
+static void raise_unseen_cuda(const char *argname, const char *what, int dev)
+{
+    int count = dpc_device_count();
+    if (count <= 0) {
+        PyErr_Format(PyExc_BufferError, "%s: %s on CUDA device %d, but dpmini sees no CUDA "
+                     "device (built without CUDA, or no GPU or driver)", argname, what, dev);
+    } else {
+        PyErr_Format(PyExc_BufferError, "%s: %s on CUDA device %d, but dpmini sees %d CUDA "
+                     "device%s (0 to %d)", argname, what, dev, count, count == 1 ? "" : "s",
+                     count - 1);
+    }
+}
+
 int dp_is_device_object(dp_state *st, PyObject *obj)
 {
     if (PyObject_TypeCheck(obj, st->ArrayType)) {
@@ -282,8 +297,7 @@ static int cai_device(cai_fields *f, const char *argname)
         return -1;
     }
     if (dev >= dpc_device_count()) {
-        PyErr_Format(PyExc_BufferError, "%s: memory on CUDA device %d, but dpmini sees %d",
-                     argname, dev, dpc_device_count());
+        raise_unseen_cuda(argname, "memory", dev);
         return -1;
     }
     f->dev = dev;
@@ -505,8 +519,7 @@ PyArrayObject *dp_device_object_meta(dp_state *st, PyObject *obj, const char *ar
     }
     if (r == 1 && (type == kDLCUDA || type == kDLCUDAManaged)) {
         if (id < 0 || id >= dpc_device_count()) {
-            PyErr_Format(PyExc_BufferError, "%s: DLPack tensor on CUDA device %d, but dpmini "
-                         "sees %d", argname, id, dpc_device_count());
+            raise_unseen_cuda(argname, "DLPack tensor", id);
             return NULL;
         }
         return import_dlpack(st, obj, id, argname);

@@ -257,6 +257,12 @@ int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
                      argname, Py_TYPE(obj)->tp_name);
         return -1;
     }
+    if (PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+        /* a sequence of ints, which would read as CUDA device numbers */
+        PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got %.100s (device "
+                     "names are str, e.g. ['cpu:0', 'cpu:1'])", argname, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
     PyObject *seq = PySequence_Fast(obj, "");
     if (seq == NULL) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got %.100s",

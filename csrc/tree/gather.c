@@ -143,6 +143,14 @@ static int is_py_number(PyObject *o)
            !PyArray_IsScalar(o, Generic);
 }
 
+/* A NumPy scalar, a Python number or a 0-dim ndarray: NumPy's 0-dim values,
+ * which may be mixed at one position (check_kinds). */
+static int is_zero_dim_value(PyObject *o)
+{
+    return PyArray_IsScalar(o, Generic) || is_py_number(o) ||
+           (PyArray_Check(o) && PyArray_NDIM((PyArrayObject *)o) == 0);
+}
+
 /* A NumPy scalar or a Python number as a new 0-dim ndarray; NULL with no
  * exception set for anything else. */
 static PyObject *scalar_as_array(PyObject *o)
@@ -863,7 +871,13 @@ static int check_dict_sizes(PyObject *const *vals, Py_ssize_t n, const path_seg 
 static void missing_key_error(const path_seg *seg, Py_ssize_t i, PyObject *key)
 {
     PyObject *path = path_str(seg), *kr = path != NULL ? path_key_repr(key) : NULL;
-    if (path != NULL && kr != NULL)
+    if (path != NULL && kr != NULL && i == 0)
+        /* a dict subclass whose keys() lists a key it has no item for */
+        PyErr_Format(PyExc_ValueError,
+                     "%U: replica 0 returned a dict whose keys() gives the key %U, "
+                     "which it has no item for; a dict subclass's keys() must give "
+                     "its own keys", path, kr);
+    else if (path != NULL && kr != NULL)
         PyErr_Format(PyExc_ValueError,
                      "%U: replica %zd returned a dict without the key %U "
                      "that replica 0 returned; every replica must "
@@ -1312,8 +1326,9 @@ static int kind_error_at(gather_ctx *g, const path_seg *seg)
 /* Every replica must return the same kind of value at this position (for a
  * dataclass, the same class; docs/spec.md 11.1). Two mixes are allowed, as one kind:
  * namedtuples with plain tuples or lists (replica 0's type is rebuilt, as
- * PyTorch does), and NumPy scalars with Python numbers (np.float64(1.0) and
- * 1.0: all gathered as 0-dim arrays, the NumPy scalar rule). Returns the
+ * PyTorch does), and NumPy scalars or 0-dim ndarrays with Python numbers
+ * (np.float64(1.0) or np.array(1.0), and 1.0: all gathered as 0-dim arrays,
+ * the NumPy scalar rule). Returns the
  * kind to gather with, or -1. */
 static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
                        int kind0, const path_seg *seg)
@@ -1330,7 +1345,7 @@ static int check_kinds(gather_ctx *g, PyObject *const *vals, Py_ssize_t n,
         if ((kind0 == G_ARRAY || kind0 == G_VALUE) && (ki == G_ARRAY || ki == G_VALUE)) {
             Py_ssize_t j = 0;
             for (; j < n; j++)
-                if (!PyArray_IsScalar(vals[j], Generic) && !is_py_number(vals[j]))
+                if (!is_zero_dim_value(vals[j]))
                     break;
             if (j == n) {
                 kind = G_ARRAY;
@@ -1533,8 +1548,9 @@ PyDoc_STRVAR(gather_doc,
 "    or strings into shorter ones; other sizes must match (docs/spec.md 4.6). When\n"
 "    every replica returns a 0-dim array and dim == 0, the result is a\n"
 "    vector of one value per replica, with PyTorch's UserWarning (docs/spec.md 4.5,\n"
-"    11.8). NumPy scalars mixed with Python numbers (np.float64(1.0) and\n"
-"    1.0) are all taken as 0-dim arrays.\n"
+"    11.8). NumPy scalars and 0-dim ndarrays mixed with Python numbers\n"
+"    (np.float64(1.0) or np.array(1.0), and 1.0) are all taken as 0-dim\n"
+"    arrays.\n"
 "  None: None.  dict: key by key, replica 0's key order; a dict subclass\n"
 "  (OrderedDict, Counter, defaultdict, ...) is copy.copy(replica 0's) with\n"
 "  the gathered values set, so it keeps its type, keys and default_factory\n"
