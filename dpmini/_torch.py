@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 import os
 import threading
 from collections import OrderedDict
@@ -432,6 +433,7 @@ def _attach_gather(outs: list[Any], result: Any, spec: Any, dim: int, depth: int
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None):
+    """A call's argument: positional i, or keyword name, or default."""
     if len(args) > i:
         return args[i]
     return kwargs.get(name, default)
@@ -666,9 +668,10 @@ def _walks_as_torch(cls: type) -> bool:
 def _module_key(m: nn.Module) -> tuple[Any, ...]:
     """What the plan depends on in one module: its class, and the names and
     identities of its children, parameters and buffers, in order."""
+    # keys(), not iteration: a ScriptModule's dicts are wrappers without __iter__
     mods, params, bufs = m._modules, m._parameters, m._buffers
-    return (type(m), tuple(mods), tuple(map(id, mods.values())), tuple(params),
-            tuple(map(id, params.values())), tuple(bufs), tuple(map(id, bufs.values())))
+    return (type(m), tuple(mods.keys()), tuple(map(id, mods.values())), tuple(params.keys()),
+            tuple(map(id, params.values())), tuple(bufs.keys()), tuple(map(id, bufs.values())))
 
 
 class _ReplicaPlan:
@@ -1125,6 +1128,11 @@ def _replica_context(devices):
 #     scaled_dot_product_attention and multi_head_attention_forward with
 #     dropout) one at a time, with the default generator's state swapped for
 #     the replica's around each.
+# A random function whose call draws nothing (a dropout not training or with p
+# 0 or 1, attention with dropout_p 0) runs as it is: no seeding, no swap. A
+# call whose replicas are all in eval mode gets no mode at all: any
+# TorchFunctionMode turns off torch's eval fast paths (TransformerEncoder's
+# nested tensors, MultiheadAttention's), whose outputs differ at padded positions.
 # Same seed, same call: same outputs whatever thread runs first, for any
 # number of replicas. Not covered: random functions outside this table that
 # take no generator (they draw from the default generator in thread order),
@@ -1135,36 +1143,55 @@ _rng_local = threading.local()   # .mode: this replica thread's _ReplicaRandom
 _swap_lock = threading.Lock()    # one swapped random function at a time
 
 
-def _pass_generator(generator, func, args, kwargs):
-    """Random functions with a generator argument: use the replica's."""
+# Each handler below gets the replica's _ReplicaRandom and asks it for the
+# generator only when the call draws: the first draw of a call seeds it from
+# the caller's generator, and a call that draws nothing must leave that as it was.
+
+
+def _pass_generator(mode, func, args, kwargs):
+    """Random functions with a generator argument: use the replica's (a
+    generator given by the caller is kept)."""
     if kwargs.get("generator") is None:
-        kwargs = dict(kwargs, generator=generator)
+        kwargs = dict(kwargs, generator=mode.seeded_generator())
     return func(*args, **kwargs)
 
 
-def _bound(func, args, kwargs):
-    """The values of func's parameters (a Python function's, defaults
-    included) in a call func(*args, **kwargs), in order."""
+def _named(func, args, kwargs):
+    """{name: value} of func's parameters (a Python function's, defaults
+    included) in a call func(*args, **kwargs)."""
     code = func.__code__
     names = code.co_varnames[:code.co_argcount]
     defaults = func.__defaults__ or ()
     values = dict(zip(names[len(names) - len(defaults):], defaults))
     values.update(zip(names, args))
     values.update(kwargs)
-    return [values.get(n) for n in names]
+    return values
 
 
-def _dropout(generator, func, args, kwargs, alpha=False):
+def _bound(func, args, kwargs):
+    """The values of func's parameters (a Python function's, defaults
+    included) in a call func(*args, **kwargs), in order."""
+    values = _named(func, args, kwargs)
+    return [values.get(n) for n in func.__code__.co_varnames[:func.__code__.co_argcount]]
+
+
+def _probability(p):
+    """p as a float when it is a real number (a NumPy float too), else None."""
+    return float(p) if isinstance(p, numbers.Real) else None
+
+
+def _dropout(mode, func, args, kwargs, alpha=False):
     """F.dropout / F.alpha_dropout with the replica's generator, computed as
     torch computes them on the CPU (at::native dropout: a Bernoulli(1 - p)
     noise tensor, scaled; for alpha dropout, SELU's affine correction).
-    Without a draw (not training, p 0 or 1, an empty input, a bad p): torch's
-    own function."""
+    Without a draw (not training, p 0 or 1, an empty input, a p that is not a
+    real number in [0, 1]): torch's own function."""
     x, p, training, inplace = _bound(func, args, kwargs)   # (input, p, training, inplace)
-    if not isinstance(x, torch.Tensor) or type(p) not in (int, float) or \
+    p = _probability(p)
+    if not isinstance(x, torch.Tensor) or p is None or \
             not training or not 0 < p < 1 or x.numel() == 0:
         return func(*args, **kwargs)
-    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=mode.seeded_generator())
     if not alpha:
         noise.div_(1 - p)
         return x.mul_(noise) if inplace else x * noise
@@ -1175,14 +1202,18 @@ def _dropout(generator, func, args, kwargs, alpha=False):
     return (x.mul_(noise) if inplace else x * noise).add_(b)
 
 
-def _alpha_dropout(generator, func, args, kwargs):
-    return _dropout(generator, func, args, kwargs, alpha=True)
+def _alpha_dropout(mode, func, args, kwargs):
+    return _dropout(mode, func, args, kwargs, alpha=True)
 
 
-def _swapped(generator, func, args, kwargs):
+def _swapped(mode, func, args, kwargs):
     """A random function that takes no generator: run with the default CPU
     generator holding the replica's state, one at a time, then the replica's
-    generator takes the advanced state and the default one gets its own back."""
+    generator takes the advanced state and the default one gets its own back.
+    A call that draws nothing (_draws_nothing) runs as it is, at once."""
+    if _draws_nothing(func, args, kwargs):
+        return func(*args, **kwargs)
+    generator = mode.seeded_generator()
     default = torch.default_generator
     with _swap_lock:
         own = default.get_state()
@@ -1192,6 +1223,46 @@ def _swapped(generator, func, args, kwargs):
         finally:
             generator.set_state(default.get_state())
             default.set_state(own)
+
+
+def _dropout_idle(x, p, training):
+    """torch's dropouts draw nothing when not training, for p 0 or 1, or for
+    an empty input (at::native _dropout_impl)."""
+    p = _probability(p)
+    return not training or p in (0.0, 1.0) or (isinstance(x, torch.Tensor) and x.numel() == 0)
+
+
+def _no_draw_rules():
+    """{random function that takes no generator: (func, args, kwargs) -> True
+    when the call draws nothing}, from what torch's code does. Functions not
+    here (gumbel_softmax, fractional max pooling) always draw."""
+    rules = {}
+    for name in ("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout"):
+        rules[getattr(_F, name, None)] = lambda f, a, k: _dropout_idle(*_bound(f, a, k)[:3])
+    for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                 "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"):
+        rules[getattr(torch, name)] = lambda f, a, k: _dropout_idle(
+            _arg(a, k, 0, "input"), _arg(a, k, 1, "p"), _arg(a, k, 2, "train"))
+    rules[_F.rrelu] = lambda f, a, k: not _named(f, a, k)["training"]
+    rules[torch.rrelu_] = lambda f, a, k: not _arg(a, k, 3, "training", False)
+    rules[_F.scaled_dot_product_attention] = \
+        lambda f, a, k: _probability(_arg(a, k, 4, "dropout_p", 0.0)) == 0.0
+    rules[_F.multi_head_attention_forward] = lambda f, a, k: (
+        lambda v: not v["training"] or _probability(v["dropout_p"]) == 0.0)(_named(f, a, k))
+    rules.pop(None, None)
+    return rules
+
+
+def _draws_nothing(func, args, kwargs):
+    """Does this call of a random function that takes no generator draw
+    nothing? False when not known (a rule that cannot read the call)."""
+    rule = _NO_DRAW.get(func)
+    if rule is None:
+        return False
+    try:
+        return bool(rule(func, args, kwargs))
+    except Exception:   # the arguments are not what the rule reads: assume a draw
+        return False
 
 
 def _random_table():
@@ -1232,6 +1303,7 @@ _WITHOUT_GENERATOR = (
     "scaled_dot_product_attention", "multi_head_attention_forward",
 )
 _RANDOM: dict[Any, Any] = {}
+_NO_DRAW: dict[Any, Any] = {}
 
 
 def _on_cpu(args, kwargs):
@@ -1298,7 +1370,7 @@ class _ReplicaRandom(_TorchFunctionMode):
         if how is None or not _on_cpu(args, kwargs):
             # random draws on a GPU use that GPU's own generator, as in torch
             return func(*args, **kwargs)
-        return how(self.seeded_generator(), func, args, kwargs)
+        return how(self, func, args, kwargs)
 
 
 def _call_seed(devices):
@@ -1307,9 +1379,23 @@ def _call_seed(devices):
     if sum(d.type == "cpu" for d in devices) < 2 or \
             os.environ.get("DPMINI_TORCH_RNG", "1").strip() == "0":
         return None
+    if not _replicas_train():
+        return None
     if not _RANDOM:
         _RANDOM.update(_random_table())
+        _NO_DRAW.update(_no_draw_rules())
     return _CallSeed()
+
+
+def _replicas_train():
+    """Does any replica of the call whose replica contexts are being made run
+    in training mode: a module of its tree with training True, or a replica
+    that is not an nn.Module? True when the call's modules are not known."""
+    replicas = _dpmini._replica_modules.get(None)
+    if replicas is None:
+        return True
+    return any(not isinstance(r, nn.Module) or any(m.training for m in r.modules())
+               for r in replicas)
 
 
 def _replica_random():

@@ -83,6 +83,11 @@ typedef struct dp_state {
                                         providers, replaced (never mutated) on
                                         each change; NULL: none
                                         (dp/parallel_apply.c) */
+    PyObject *replica_modules;       /* ContextVar dpmini._dpmini._replica_modules:
+                                        the tuple of a parallel_apply call's
+                                        modules while its replica context
+                                        providers run, unset otherwise
+                                        (dp/parallel_apply.c) */
     PyObject *torch_host;            /* tuple (torch.Tensor, nn.Parameter,
                                         torch.from_dlpack, torch.from_numpy,
                                         tuple of torch dtypes NumPy holds)

@@ -334,6 +334,38 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
  * names no way out. Both are refused with the call that resolves them: 1 with
  * TypeError naming argname, 0 when obj is not such a tensor, -1 when asking
  * raised. */
+/* Inside torch.autograd.forward_ad.dual_level() a tensor may carry a
+ * forward-mode tangent, which dpmini's copies would drop (torch's
+ * DataParallel steps define no forward-mode rule either, so torch raises):
+ * refused naming argname. Asked only while a dual level is open (torch's
+ * forward_ad._current_level >= 0), before requires_grad: the differentiable
+ * retry detaches, which drops the tangent too. 1 with TypeError, else 0. */
+static int refuse_dual_tensor(PyObject *obj, const char *argname)
+{
+    PyObject *name = PyUnicode_FromString("torch.autograd.forward_ad");
+    PyObject *mod = name != NULL ? PyImport_GetModule(name) : NULL;
+    Py_XDECREF(name);
+    PyObject *level = mod != NULL ? PyObject_GetAttrString(mod, "_current_level") : NULL;
+    long lv = level != NULL && PyLong_Check(level) ? PyLong_AsLong(level) : -1;
+    Py_XDECREF(level);
+    PyObject *dual = lv >= 0 ? PyObject_CallMethod(mod, "unpack_dual", "O", obj) : NULL;
+    Py_XDECREF(mod);
+    PyObject *tangent = dual != NULL ? PyObject_GetAttrString(dual, "tangent") : NULL;
+    Py_XDECREF(dual);
+    PyErr_Clear();   /* not a tensor torch can unpack: no tangent */
+    int yes = tangent != NULL && tangent != Py_None;
+    Py_XDECREF(tangent);
+    if (yes) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: a tensor with a forward-mode AD tangent (torch.autograd.forward_ad"
+                     ".make_dual): dpmini's copies do not carry tangents, and neither do "
+                     "torch.nn.DataParallel's steps (they have no forward-mode rule); compute "
+                     "the JVP with the module itself, or pass the primal "
+                     "(forward_ad.unpack_dual(x).primal)", argname);
+    }
+    return yes;
+}
+
 static int refuse_lazy_bit(PyObject *obj, const char *argname)
 {
     static const struct { const char *ask, *what, *example, *reason, *fix; } bits[] = {
@@ -702,6 +734,8 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
         refuse_jax_tracer(obj, argname);
         return NULL;
     }
+    if (refuse_dual_tensor(obj, argname))
+        return NULL;
     int rg = requires_grad(st, obj, argname);
     PyArrayObject *a = NULL;
     if (rg == 1 || rg < 0 || refuse_lazy_bit(obj, argname))

@@ -37,6 +37,29 @@ def test_replicas_are_shallow_copies_with_their_own_parameters(torch):
     assert dpmini.replicate(model, DEVS)[1] is not reps[1]
 
 
+def test_scripted_modules_replicate_and_train_as_on_one_device(torch):
+    import warnings
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # torch.jit.script is deprecated
+        scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(),
+                                                        torch.nn.Linear(5, 2)).double())
+        inner = torch.nn.Sequential(torch.nn.Linear(2, 3).double(),
+                                    torch.jit.script(torch.nn.Linear(3, 1).double()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for model, data in ((scripted, x), (inner, x[:, :2])):
+        want = model(data)
+        want.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = dpmini.DataParallel(model, DEVS)(data)
+        got.sum().backward()
+        assert torch.allclose(got, want, atol=1e-12)
+        assert all(torch.allclose(p.grad, g, atol=1e-12) for p, g in zip(model.parameters(), grads))
+        with torch.no_grad():
+            assert torch.allclose(dpmini.DataParallel(model, DEVS)(data), want, atol=1e-12)
+
+
 def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
     model = torch.nn.Linear(300, 200)
     before = dpmini.memory_allocated("cpu:1")

@@ -297,6 +297,90 @@ def test_attention_dropout_without_a_generator_argument_is_reproducible(torch):
     assert not torch.equal(other[0][0], outs[0][0][0])
 
 
+def test_calls_that_draw_nothing_leave_the_callers_generator_as_it_was(torch):
+    # dropout in eval, dropout p=0 in train, attention without dropout: no draw
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    mha = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    cases = {
+        "dropout eval": (dropout_model(torch).eval(), (x,)),
+        "dropout p=0": (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.0),
+                                            torch.nn.Dropout1d(0.0)).train(), (x,)),
+        "attention eval": (mha.eval(), (x.view(6, 1, 8),) * 3),
+        "attention p=0": (torch.nn.MultiheadAttention(8, 2, batch_first=True).train(),
+                          (x.view(6, 1, 8),) * 3),
+    }
+    for name, (m, args) in cases.items():
+        torch.manual_seed(5)
+        state = torch.default_generator.get_state()
+        with torch.no_grad():
+            dpmini.DataParallel(m, DEVS)(*args)
+        assert torch.equal(torch.default_generator.get_state(), state), name
+
+
+def test_attention_that_draws_nothing_does_not_wait_for_the_swap_lock(torch):
+    # a random function without a generator argument takes the process-wide
+    # swap lock only when it draws: with dropout_p=0 replicas do not queue
+    import threading
+    import time
+    from dpmini import _torch as adapter
+    q = torch.randn(2, 4, 8)
+
+    def replica(x, p):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=p)
+    adapter._swap_lock.acquire()
+    timer = threading.Timer(3.0, adapter._swap_lock.release)
+    timer.start()
+    t0 = time.monotonic()
+    dpmini.parallel_apply([replica] * 2, [(q[:1], 0.0), (q[1:], 0.0)], devices=DEVS)
+    waited = time.monotonic() - t0
+    if timer.is_alive():
+        timer.cancel()
+        adapter._swap_lock.release()
+    assert waited < 2.5
+    # with dropout it does take the lock (the call waits for the timer)
+    adapter._swap_lock.acquire()
+    timer = threading.Timer(1.0, adapter._swap_lock.release)
+    timer.start()
+    t0 = time.monotonic()
+    dpmini.parallel_apply([replica] * 2, [(q[:1], 0.5), (q[1:], 0.5)], devices=DEVS)
+    timer.join()
+    assert time.monotonic() - t0 >= 0.9
+
+
+@pytest.mark.parametrize("make_p", [float, lambda p: __import__("numpy").float64(p),
+                                    lambda p: __import__("numpy").float32(p)])
+def test_dropout_with_a_numpy_probability_is_reproducible(torch, make_p):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(make_p(0.5))).train()
+    x = torch.randn(16, 8)
+    outs = seeded_runs(torch, lambda: dpmini.DataParallel(m, DEVS)(x), 3, repeats=8)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_eval_mode_calls_run_without_the_mode_so_torchs_fast_paths_run(torch):
+    # TransformerEncoder in eval with a padding mask takes torch's nested-tensor
+    # fast path (padded positions come out 0) only when no TorchFunctionMode is
+    # active; the replicas of an eval-mode model get the same outputs as the
+    # model called on each shard
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(4, 6, 16)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 4:] = True
+    with torch.no_grad():
+        want = torch.cat([enc(x[:2], src_key_padding_mask=mask[:2]),
+                          enc(x[2:], src_key_padding_mask=mask[2:])])
+        got = dpmini.DataParallel(enc, DEVS)(x, src_key_padding_mask=mask)
+    assert torch.equal(got[:, 4:], torch.zeros_like(got[:, 4:]))
+    assert torch.allclose(got, want, atol=1e-6)
+    # in training mode the rule holds (no fast path there anyway)
+    enc.train()
+    outs = seeded_runs(torch, lambda: dpmini.DataParallel(enc, DEVS)(x), 2, repeats=3)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_a_replica_error_in_a_random_function_is_its_error(torch):
     def replica(_):
         return torch.nn.functional.dropout(torch.ones(3), p=1.5)

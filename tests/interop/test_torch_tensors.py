@@ -327,6 +327,27 @@ def test_tensor_with_the_conjugate_bit_is_refused_naming_resolve_conj(torch):
     assert torch.equal(got, torch.tensor([[1 - 2j], [3 - 4j]], dtype=torch.complex64))
 
 
+def test_tensor_with_a_forward_mode_tangent_is_refused_not_dropped(torch):
+    import torch.autograd.forward_ad as fwAD
+    m = torch.nn.Linear(4, 2).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    v = torch.randn(6, 4, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, v)
+        for devs in (DEVS, ["cpu:0"]):
+            with pytest.raises(TypeError, match=r"^args\[0\]: a tensor with a forward-mode AD "
+                                                r"tangent.*unpack_dual\(x\)\.primal"):
+                dpmini.DataParallel(m, devs)(dual)
+        with pytest.raises(TypeError, match=r"^array: a tensor with a forward-mode AD tangent"):
+            dpmini.comm.scatter(dual, DEVS)
+        # a replica that returns one: refused at its output path
+        with pytest.raises(TypeError, match=r"^out: a tensor with a forward-mode AD tangent"):
+            dpmini.DataParallel(lambda a: fwAD.make_dual(a, a), DEVS)(x)
+        # the primal goes through; inside the level, tensors without a tangent too
+        got = dpmini.DataParallel(m, DEVS)(fwAD.unpack_dual(dual).primal)
+    assert torch.allclose(got, m(x))
+
+
 @pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16",
                                    "float32", "float64", "complex64", "complex128", "bfloat16"])
 def test_host_tensors_of_every_dtype_round_trip_with_their_values_strides_and_types(torch, dtype):
