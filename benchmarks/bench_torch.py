@@ -20,6 +20,7 @@ host the figures move by far more than on a quiet one: see benchmarks/README.md)
    With libgomp's default policy the OpenMP threads of the caller's backward keep
    spinning for milliseconds after it ends; dpmini parks them while the next
    forward's replicas run (docs/libraries.md), and 1c shows the step without that.
+   1d is a baseline without dpmini: the same step split by hand over two Python threads.
 2. A conv net of about 5 M parameters in eval mode under torch.no_grad() (batch 128 of
    3 x 32 x 32): DataParallel on 2 virtual devices against the module itself.
    Target: >= 1.0x plain torch.
@@ -82,6 +83,33 @@ def bench_mlp_training(rounds):
           f"{t['dpmini']:.2f} ms: {ratio:.2f}x plain torch (target >= 0.95x: "
           f"{_verdict(ratio >= 0.95)})")
     return ratio
+
+
+def bench_mlp_hand_split(rounds):
+    """Figure 1d: the step of figure 1 split by hand, without dpmini: two Python threads
+    (a ThreadPoolExecutor whose threads run one torch thread each) run the module on one half
+    of the batch each, torch.cat joins the outputs, the backward runs on the caller."""
+    from concurrent.futures import ThreadPoolExecutor
+    torch.manual_seed(0)
+    x = torch.randn(4096, 784)
+    y = torch.randint(0, 10, (4096,))
+    halves = x.chunk(2)
+    models = {}
+    for name in ("plain", "split"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+        models[name] = (m, torch.optim.SGD(m.parameters(), lr=0.01))
+    with ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        def step(name):
+            model, opt = models[name]
+            opt.zero_grad()
+            out = model(x) if name == "plain" else torch.cat(list(pool.map(model, halves)))
+            nn.functional.cross_entropy(out, y).backward()
+            opt.step()
+        t = _median_ms({n: (lambda n=n: step(n)) for n in models}, rounds, 3)
+    print(f"1d. the same step split by hand (two Python threads, no dpmini): plain torch "
+          f"{t['plain']:.2f} ms, split {t['split']:.2f} ms: {t['plain'] / t['split']:.2f}x "
+          f"plain torch (a baseline, no target)")
 
 
 def _convnet():
@@ -175,6 +203,7 @@ def main(argv=None):
     if "DPMINI_PARK_OPENMP" not in os.environ:
         mlp_training_child(args.rounds, "1c. the same, DPMINI_PARK_OPENMP=0 (OpenMP team "
                            "not parked)", DPMINI_PARK_OPENMP="0")
+    bench_mlp_hand_split(args.rounds)
     bench_convnet_eval(args.rounds)
     bench_tiny_overhead(args.rounds)
     print(f"load after: {os.getloadavg()[0]:.2f}{_steal_note(start)}")
