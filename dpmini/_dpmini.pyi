@@ -13,7 +13,6 @@ return types, rather than a union every caller would have to narrow.
 DeviceLike (like the _-prefixed aliases, _TorchDeviceLike and _Comm) exists only in this stub,
 not at run time: import it under ``if typing.TYPE_CHECKING:``.
 """
-import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal, Protocol, SupportsFloat, SupportsIndex, TypeAlias, final
 
@@ -281,9 +280,6 @@ def _profile_now() -> int: ...
 def _profile_recording() -> bool: ...
 def _copy_limit_seconds(bytes: int, threads: int, streaming: bool, repeat: int, /) -> float: ...
 def _gpu_at_exit() -> None: ...
-# The modules of the parallel_apply call whose replica context providers run now.
-_replica_modules: contextvars.ContextVar[tuple[Any, ...]]
-
 def _park_openmp_team(
     cls: type | None, prepare: Callable[[], object] | None = None, /
 ) -> type | None: ...

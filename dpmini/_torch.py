@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import numbers
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence, cast
 
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as _F
 from torch import nn
 from torch.overrides import TorchFunctionMode as _TorchFunctionMode
+from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from . import _blas, _dpmini
 from ._dpmini import register_replica_context
@@ -779,7 +782,41 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
                 setattr(replica, key, buffers[i])
             else:
                 replica._buffers[key] = None if i is None else buffers[i]
+        if isinstance(replica, _FAST_PATH_TYPES) and not replica.training:
+            replica.__dict__["forward"] = _OutsideRandomMode(replica)
     return replicas[0]
+
+
+# torch's modules with an eval fast path: it runs only when no TorchFunctionMode is
+# active (torch.overrides.has_torch_function), and its outputs differ from the
+# other path's (TransformerEncoder's nested tensors give 0 at padded positions).
+_FAST_PATH_TYPES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+class _OutsideRandomMode:
+    """An eval-mode replica's forward, run with its thread's random-number mode
+    (_ReplicaRandom) left for the call, so that torch's eval fast path runs as on
+    one device. Holds the replica weakly (it is stored in the replica's __dict__)."""
+
+    __slots__ = ("replica", "own")
+
+    def __init__(self, replica: nn.Module) -> None:
+        self.replica = weakref.ref(replica)
+        self.own = replica.__dict__.get("forward")   # an instance's own forward, kept
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        replica = self.replica()   # alive: it is what is being called
+        assert replica is not None
+        forward = self.own if self.own is not None else \
+            functools.partial(type(replica).forward, replica)
+        mode = _replica_random()
+        if mode is None or _current_function_mode() is not mode:
+            return forward(*args, **kwargs)
+        mode.__exit__(None, None, None)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            mode.__enter__()
 
 
 # ---------------------------------------------------------------------------
@@ -1129,10 +1166,11 @@ def _replica_context(devices):
 #     dropout) one at a time, with the default generator's state swapped for
 #     the replica's around each.
 # A random function whose call draws nothing (a dropout not training or with p
-# 0 or 1, attention with dropout_p 0) runs as it is: no seeding, no swap. A
-# call whose replicas are all in eval mode gets no mode at all: any
-# TorchFunctionMode turns off torch's eval fast paths (TransformerEncoder's
-# nested tensors, MultiheadAttention's), whose outputs differ at padded positions.
+# 0 or 1, attention with dropout_p 0) runs as it is: no seeding, no swap. An
+# eval-mode replica of a module with a torch eval fast path (_FAST_PATH_TYPES)
+# runs its forward with the mode left (_OutsideRandomMode): any active
+# TorchFunctionMode turns that fast path off, and its outputs differ from the
+# other path's at padded positions.
 # Same seed, same call: same outputs whatever thread runs first, for any
 # number of replicas. Not covered: random functions outside this table that
 # take no generator (they draw from the default generator in thread order),
@@ -1191,7 +1229,9 @@ def _dropout(mode, func, args, kwargs, alpha=False):
     if not isinstance(x, torch.Tensor) or p is None or \
             not training or not 0 < p < 1 or x.numel() == 0:
         return func(*args, **kwargs)
-    noise = torch.empty_like(x).bernoulli_(1 - p, generator=mode.seeded_generator())
+    # complex inputs get a real mask, as torch's CPU dropout draws it
+    real = x.real.dtype if x.is_complex() else x.dtype
+    noise = torch.empty_like(x, dtype=real).bernoulli_(1 - p, generator=mode.seeded_generator())
     if not alpha:
         noise.div_(1 - p)
         return x.mul_(noise) if inplace else x * noise
@@ -1210,9 +1250,7 @@ def _swapped(mode, func, args, kwargs):
     """A random function that takes no generator: run with the default CPU
     generator holding the replica's state, one at a time, then the replica's
     generator takes the advanced state and the default one gets its own back.
-    A call that draws nothing (_draws_nothing) runs as it is, at once."""
-    if _draws_nothing(func, args, kwargs):
-        return func(*args, **kwargs)
+    (A call that draws nothing never gets here: _ReplicaRandom runs it as it is.)"""
     generator = mode.seeded_generator()
     default = torch.default_generator
     with _swap_lock:
@@ -1233,9 +1271,10 @@ def _dropout_idle(x, p, training):
 
 
 def _no_draw_rules():
-    """{random function that takes no generator: (func, args, kwargs) -> True
-    when the call draws nothing}, from what torch's code does. Functions not
-    here (gumbel_softmax, fractional max pooling) always draw."""
+    """{random function: (func, args, kwargs) -> True when the call draws
+    nothing}, from what torch's code does. Functions not here (gumbel_softmax,
+    fractional max pooling, torch.rand and the others with a generator
+    argument) always draw; F.dropout and F.alpha_dropout check for themselves."""
     rules = {}
     for name in ("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout"):
         rules[getattr(_F, name, None)] = lambda f, a, k: _dropout_idle(*_bound(f, a, k)[:3])
@@ -1244,7 +1283,8 @@ def _no_draw_rules():
         rules[getattr(torch, name)] = lambda f, a, k: _dropout_idle(
             _arg(a, k, 0, "input"), _arg(a, k, 1, "p"), _arg(a, k, 2, "train"))
     rules[_F.rrelu] = lambda f, a, k: not _named(f, a, k)["training"]
-    rules[torch.rrelu_] = lambda f, a, k: not _arg(a, k, 3, "training", False)
+    rules[torch.rrelu] = rules[torch.rrelu_] = \
+        lambda f, a, k: not _arg(a, k, 3, "training", False)
     rules[_F.scaled_dot_product_attention] = \
         lambda f, a, k: _probability(_arg(a, k, 4, "dropout_p", 0.0)) == 0.0
     rules[_F.multi_head_attention_forward] = lambda f, a, k: (
@@ -1254,8 +1294,8 @@ def _no_draw_rules():
 
 
 def _draws_nothing(func, args, kwargs):
-    """Does this call of a random function that takes no generator draw
-    nothing? False when not known (a rule that cannot read the call)."""
+    """Does this call of a random function draw nothing? False when not known
+    (no rule for it, or a rule that cannot read the call)."""
     rule = _NO_DRAW.get(func)
     if rule is None:
         return False
@@ -1367,7 +1407,7 @@ class _ReplicaRandom(_TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         how = _RANDOM.get(func)
         kwargs = kwargs or {}
-        if how is None or not _on_cpu(args, kwargs):
+        if how is None or not _on_cpu(args, kwargs) or _draws_nothing(func, args, kwargs):
             # random draws on a GPU use that GPU's own generator, as in torch
             return func(*args, **kwargs)
         return how(self, func, args, kwargs)
@@ -1379,23 +1419,11 @@ def _call_seed(devices):
     if sum(d.type == "cpu" for d in devices) < 2 or \
             os.environ.get("DPMINI_TORCH_RNG", "1").strip() == "0":
         return None
-    if not _replicas_train():
-        return None
     if not _RANDOM:
         _RANDOM.update(_random_table())
         _NO_DRAW.update(_no_draw_rules())
     return _CallSeed()
 
-
-def _replicas_train():
-    """Does any replica of the call whose replica contexts are being made run
-    in training mode: a module of its tree with training True, or a replica
-    that is not an nn.Module? True when the call's modules are not known."""
-    replicas = _dpmini._replica_modules.get(None)
-    if replicas is None:
-        return True
-    return any(not isinstance(r, nn.Module) or any(m.training for m in r.modules())
-               for r in replicas)
 
 
 def _replica_random():

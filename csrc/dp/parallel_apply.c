@@ -440,38 +440,6 @@ static PyObject *run_exits(PyObject *exits, Py_ssize_t n)
     return first;
 }
 
-/* call_providers with the call's modules in the ContextVar
- * st->replica_modules while they run (a provider may look at what the
- * replicas are: the torch adapter asks whether any module trains). */
-static PyObject *call_providers_for(dp_state *st, PyObject *providers, PyObject *devs,
-                                    const apply_job *jobs, Py_ssize_t m)
-{
-    PyObject *mods = PyTuple_New(m);
-    if (mods == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        PyTuple_SET_ITEM(mods, i, Py_NewRef(jobs[i].module));
-    }
-    PyObject *token = PyContextVar_Set(st->replica_modules, mods);
-    Py_DECREF(mods);
-    if (token == NULL) {
-        return NULL;
-    }
-    PyObject *enters = call_providers(providers, devs);
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);   /* a provider's error, kept across the reset */
-    int reset = PyContextVar_Reset(st->replica_modules, token);
-    Py_DECREF(token);
-    if (t != NULL) {
-        PyErr_Clear();
-        PyErr_Restore(t, v, tb);
-    } else if (reset < 0) {
-        Py_CLEAR(enters);
-    }
-    return enters;
-}
-
 /* Call the registered replica context providers once (the caller's thread,
  * GIL held, before any job is queued) and give each worker job its enters
  * and device; 0, or -1 with the provider's error raised. Loads the torch
@@ -487,7 +455,7 @@ static int contexts_capture(dp_state *st, apply_job *jobs, Py_ssize_t m)
     }
     Py_INCREF(providers);   /* a provider may register another meanwhile */
     PyObject *devs = device_tuple(st, jobs, m);
-    PyObject *enters = devs != NULL ? call_providers_for(st, providers, devs, jobs, m) : NULL;
+    PyObject *enters = devs != NULL ? call_providers(providers, devs) : NULL;
     Py_DECREF(providers);
     if (enters == NULL) {
         Py_XDECREF(devs);
@@ -1651,6 +1619,9 @@ static int read_arguments(apply_args *a, PyObject *modules, PyObject *inputs,
             return -1;
         }
         return 0;
+    }
+    if (devices != NULL && dp_refuse_bytes_as_devices(devices, "devices") < 0) {
+        return -1;
     }
     return per_module_sequence(devices, "parallel_apply: devices must be a sequence of devices",
                                "devices", a->m, &a->devseq);

@@ -183,11 +183,6 @@ static int dp_exec(PyObject *m)
         add_keyerror_message(m, &st->KeyErrorMessage) < 0) {
         return -1;
     }
-    st->replica_modules = PyContextVar_New("dpmini._replica_modules", NULL);
-    if (st->replica_modules == NULL ||
-        PyModule_AddObjectRef(m, "_replica_modules", st->replica_modules) < 0) {
-        return -1;
-    }
     if (PyModule_AddFunctions(m, dp_device_methods) < 0 ||
         PyModule_AddFunctions(m, dp_comm_methods) < 0 ||
         PyModule_AddFunctions(m, dp_scatter_methods) < 0 ||

@@ -248,6 +248,17 @@ static int device_from_object(dp_state *st, PyObject *obj, const char *argname,
     return 0;
 }
 
+int dp_refuse_bytes_as_devices(PyObject *obj, const char *argname)
+{
+    if (!PyBytes_Check(obj) && !PyByteArray_Check(obj) && !PyMemoryView_Check(obj)) {
+        return 0;
+    }
+    /* a sequence of ints, which would read as CUDA device numbers */
+    PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got %.100s (device names "
+                 "are str, e.g. ['cpu:0', 'cpu:1'])", argname, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
                                dp_device **out, Py_ssize_t *n)
 {
@@ -257,10 +268,7 @@ int dp_device_list_from_object(dp_state *st, PyObject *obj, const char *argname,
                      argname, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (PyBytes_Check(obj) || PyByteArray_Check(obj)) {
-        /* a sequence of ints, which would read as CUDA device numbers */
-        PyErr_Format(PyExc_TypeError, "%s: expected a list of devices, got %.100s (device "
-                     "names are str, e.g. ['cpu:0', 'cpu:1'])", argname, Py_TYPE(obj)->tp_name);
+    if (dp_refuse_bytes_as_devices(obj, argname) < 0) {
         return -1;
     }
     PyObject *seq = PySequence_Fast(obj, "");

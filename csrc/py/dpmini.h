@@ -83,11 +83,6 @@ typedef struct dp_state {
                                         providers, replaced (never mutated) on
                                         each change; NULL: none
                                         (dp/parallel_apply.c) */
-    PyObject *replica_modules;       /* ContextVar dpmini._dpmini._replica_modules:
-                                        the tuple of a parallel_apply call's
-                                        modules while its replica context
-                                        providers run, unset otherwise
-                                        (dp/parallel_apply.c) */
     PyObject *torch_host;            /* tuple (torch.Tensor, nn.Parameter,
                                         torch.from_dlpack, torch.from_numpy,
                                         tuple of torch dtypes NumPy holds)
@@ -142,6 +137,10 @@ typedef struct {
  * The host is refused (ValueError) unless DP_DEV_ALLOW_HOST is set. */
 int dp_device_from_object(dp_state *st, PyObject *obj, const char *argname,
                           int flags, dp_device *out);
+
+/* bytes, bytearray and memoryview are sequences of ints, which would read as
+ * CUDA device numbers: TypeError naming argname (-1), else 0. */
+int dp_refuse_bytes_as_devices(PyObject *obj, const char *argname);
 
 /* Parse a non-empty sequence of devices (hosts refused). *out is
  * PyMem_Malloc'ed (caller PyMem_Free's it); *n its length. Errors name

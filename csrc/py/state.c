@@ -72,7 +72,6 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->torch_host);
     Py_VISIT(st->numpy_handlers);
     Py_VISIT(st->replica_contexts);
-    Py_VISIT(st->replica_modules);
     Py_VISIT(st->park_openmp_type);
     Py_VISIT(st->park_openmp_prepare);
     return 0;
@@ -99,7 +98,6 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->torch_host);
     Py_CLEAR(st->numpy_handlers);
     Py_CLEAR(st->replica_contexts);
-    Py_CLEAR(st->replica_modules);
     Py_CLEAR(st->park_openmp_type);
     Py_CLEAR(st->park_openmp_prepare);
     return 0;

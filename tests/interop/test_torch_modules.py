@@ -58,6 +58,12 @@ def test_scripted_modules_replicate_and_train_as_on_one_device(torch):
         assert all(torch.allclose(p.grad, g, atol=1e-12) for p, g in zip(model.parameters(), grads))
         with torch.no_grad():
             assert torch.allclose(dpmini.DataParallel(model, DEVS)(data), want, atol=1e-12)
+    # a frozen one (its submodules have no `training` attribute) in eval
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        frozen = torch.jit.freeze(scripted.eval())
+    with torch.no_grad():
+        assert torch.allclose(dpmini.DataParallel(frozen, DEVS)(x), frozen(x), atol=1e-12)
 
 
 def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):

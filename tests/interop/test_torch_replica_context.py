@@ -184,10 +184,12 @@ def test_random_functions_in_replicas_are_reproducible_whichever_thread_runs_fir
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[1], a[2])
 
 
-def test_replica_dropout_equals_torchs_own_with_the_replicas_generator_state(torch):
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "complex128"])
+def test_replica_dropout_equals_torchs_own_with_the_replicas_generator_state(torch, dtype):
     # F.dropout in a replica is computed as torch computes it: the same mask
     # torch's dropout draws from a default generator in the replica's state
-    x = torch.randn(5, 7)
+    # (a real mask for complex inputs)
+    x = torch.randn(5, 7, dtype=getattr(torch, dtype))
     seen = {}
 
     def replica(i):
@@ -310,11 +312,15 @@ def test_calls_that_draw_nothing_leave_the_callers_generator_as_it_was(torch):
         "attention p=0": (torch.nn.MultiheadAttention(8, 2, batch_first=True).train(),
                           (x.view(6, 1, 8),) * 3),
     }
+    cases["rrelu not training"] = (lambda a: torch.rrelu(a) + torch.rrelu_(a.clone()), (x,))
     for name, (m, args) in cases.items():
         torch.manual_seed(5)
         state = torch.default_generator.get_state()
         with torch.no_grad():
-            dpmini.DataParallel(m, DEVS)(*args)
+            if isinstance(m, torch.nn.Module):
+                dpmini.DataParallel(m, DEVS)(*args)
+            else:
+                dpmini.parallel_apply([m, m], [(args[0][:3],), (args[0][3:],)], devices=DEVS)
         assert torch.equal(torch.default_generator.get_state(), state), name
 
 
@@ -358,27 +364,85 @@ def test_dropout_with_a_numpy_probability_is_reproducible(torch, make_p):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
-def test_eval_mode_calls_run_without_the_mode_so_torchs_fast_paths_run(torch):
-    # TransformerEncoder in eval with a padding mask takes torch's nested-tensor
-    # fast path (padded positions come out 0) only when no TorchFunctionMode is
-    # active; the replicas of an eval-mode model get the same outputs as the
-    # model called on each shard
+def _padded_encoder(torch):
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
-    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
     x = torch.randn(4, 6, 16)
     mask = torch.zeros(4, 6, dtype=torch.bool)
     mask[:, 4:] = True
+    return enc, x, mask
+
+
+def _per_shard(torch, fn, x, mask):
+    """fn on each of the two devices' shards, concatenated."""
+    return torch.cat([fn(x[:2], mask[:2]), fn(x[2:], mask[2:])])
+
+
+def test_eval_fast_paths_run_in_replicas_as_on_one_device(torch):
+    # TransformerEncoder in eval with a padding mask takes torch's nested-tensor
+    # fast path (padded positions come out 0) only when no TorchFunctionMode is
+    # active: eval-mode replicas of the fast-path modules run outside the
+    # random-number mode, also when the encoder is all eval but its dropouts
+    # train (Monte Carlo dropout: the fast path skips them, as on one device)
+    enc, x, mask = _padded_encoder(torch)
+    for mc_dropout in (False, True):
+        enc.eval()
+        if mc_dropout:
+            for m in enc.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.train()
+        with torch.no_grad():
+            want = _per_shard(torch, lambda a, k: enc(a, src_key_padding_mask=k), x, mask)
+            got = dpmini.DataParallel(enc, DEVS)(x, src_key_padding_mask=mask)
+        assert torch.equal(got[:, 4:], torch.zeros_like(got[:, 4:])), mc_dropout
+        assert torch.allclose(got, want, atol=1e-6), mc_dropout
+
+
+def test_a_frozen_eval_encoder_under_a_training_head_matches_one_device(torch):
+    enc, x, mask = _padded_encoder(torch)
+    enc.requires_grad_(False)
+    head = torch.nn.Linear(16, 3)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = enc, head
+
+        def forward(self, a, k):
+            return self.head(self.enc(a, src_key_padding_mask=k))
+    model = Model().train()
+    enc.eval()   # a frozen encoder under a head that trains
     with torch.no_grad():
-        want = torch.cat([enc(x[:2], src_key_padding_mask=mask[:2]),
-                          enc(x[2:], src_key_padding_mask=mask[2:])])
-        got = dpmini.DataParallel(enc, DEVS)(x, src_key_padding_mask=mask)
-    assert torch.equal(got[:, 4:], torch.zeros_like(got[:, 4:]))
+        want = _per_shard(torch, model, x, mask)
+    got = dpmini.DataParallel(model, DEVS)(x, mask)
     assert torch.allclose(got, want, atol=1e-6)
-    # in training mode the rule holds (no fast path there anyway)
-    enc.train()
-    outs = seeded_runs(torch, lambda: dpmini.DataParallel(enc, DEVS)(x), 2, repeats=3)
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    got.sum().backward()
+    dp_grad = head.weight.grad.clone()
+    head.zero_grad()
+    _per_shard(torch, model, x, mask).sum().backward()
+    assert torch.allclose(dp_grad, head.weight.grad, atol=1e-5)
+
+
+def test_random_functions_in_eval_mode_replicas_are_reproducible(torch):
+    # sampling in eval (F.dropout(training=True), randn_like) keeps the rule,
+    # whichever replica draws first
+    import time
+
+    class Sampler(torch.nn.Module):
+        def forward(self, a, delay):
+            time.sleep(delay)
+            return torch.nn.functional.dropout(a, 0.5, training=True) + torch.randn_like(a)
+    m = Sampler().eval()
+    x = torch.ones(8, 4)
+
+    def call(delays):
+        return dpmini.parallel_apply([m, m], [(x[:4], delays[0]), (x[4:], delays[1])],
+                                     devices=DEVS)
+    a = seeded_runs(torch, lambda: call([0.0, 0.03]), 3, repeats=1)[0]
+    b = seeded_runs(torch, lambda: call([0.03, 0.0]), 3, repeats=1)[0]
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not torch.equal(a[0], a[1])
 
 
 def test_a_replica_error_in_a_random_function_is_its_error(torch):
