@@ -1273,8 +1273,9 @@ def _dropout_idle(x, p, training):
 def _no_draw_rules():
     """{random function: (func, args, kwargs) -> True when the call draws
     nothing}, from what torch's code does. Functions not here (gumbel_softmax,
-    fractional max pooling, torch.rand and the others with a generator
-    argument) always draw; F.dropout and F.alpha_dropout check for themselves."""
+    fractional max pooling, torch.rand and the other functions with a
+    generator argument but torch.rrelu) always draw; F.dropout and
+    F.alpha_dropout check for themselves."""
     rules = {}
     for name in ("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout"):
         rules[getattr(_F, name, None)] = lambda f, a, k: _dropout_idle(*_bound(f, a, k)[:3])

@@ -327,19 +327,13 @@ static int requires_grad(dp_state *st, PyObject *obj, const char *argname)
     return 1;
 }
 
-/* A torch tensor with a lazy bit set: the negative bit (a view such as
- * x.conj().imag), whose DLPack export hands over the unnegated memory without
- * saying so (NumPy's from_dlpack reads the wrong sign too), or the conjugate
- * bit (x.conj()), which torch refuses to export with its own BufferError that
- * names no way out. Both are refused with the call that resolves them: 1 with
- * TypeError naming argname, 0 when obj is not such a tensor, -1 when asking
- * raised. */
 /* Inside torch.autograd.forward_ad.dual_level() a tensor may carry a
  * forward-mode tangent, which dpmini's copies would drop (torch's
  * DataParallel steps define no forward-mode rule either, so torch raises):
  * refused naming argname. Asked only while a dual level is open (torch's
  * forward_ad._current_level >= 0), before requires_grad: the differentiable
- * retry detaches, which drops the tangent too. 1 with TypeError, else 0. */
+ * retry detaches, which drops the tangent too. 1 with TypeError, 0, or -1
+ * with an interrupt that came while asking. */
 static int refuse_dual_tensor(PyObject *obj, const char *argname)
 {
     PyObject *name = PyUnicode_FromString("torch.autograd.forward_ad");
@@ -352,7 +346,12 @@ static int refuse_dual_tensor(PyObject *obj, const char *argname)
     Py_XDECREF(mod);
     PyObject *tangent = dual != NULL ? PyObject_GetAttrString(dual, "tangent") : NULL;
     Py_XDECREF(dual);
-    PyErr_Clear();   /* not a tensor torch can unpack: no tangent */
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;   /* KeyboardInterrupt: raised */
+        }
+        PyErr_Clear();   /* not a tensor torch can unpack: no tangent */
+    }
     int yes = tangent != NULL && tangent != Py_None;
     Py_XDECREF(tangent);
     if (yes) {
@@ -366,6 +365,13 @@ static int refuse_dual_tensor(PyObject *obj, const char *argname)
     return yes;
 }
 
+/* A torch tensor with a lazy bit set: the negative bit (a view such as
+ * x.conj().imag), whose DLPack export hands over the unnegated memory without
+ * saying so (NumPy's from_dlpack reads the wrong sign too), or the conjugate
+ * bit (x.conj()), which torch refuses to export with its own BufferError that
+ * names no way out. Both are refused with the call that resolves them: 1 with
+ * TypeError naming argname, 0 when obj is not such a tensor, -1 when asking
+ * raised. */
 static int refuse_lazy_bit(PyObject *obj, const char *argname)
 {
     static const struct { const char *ask, *what, *example, *reason, *fix; } bits[] = {
