@@ -32,7 +32,6 @@ import functools
 import numbers
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence, cast
 
@@ -782,41 +781,85 @@ def _replica_tree(plan: _ReplicaPlan, params: list[torch.Tensor], buffers: list[
                 setattr(replica, key, buffers[i])
             else:
                 replica._buffers[key] = None if i is None else buffers[i]
-        if isinstance(replica, _FAST_PATH_TYPES) and not replica.training:
-            replica.__dict__["forward"] = _OutsideRandomMode(replica)
+        if isinstance(replica, _FAST_PATH_TYPES):
+            replica.__class__ = _fast_path_replica_class(type(replica))
     return replicas[0]
 
 
 # torch's modules with an eval fast path: it runs only when no TorchFunctionMode is
 # active (torch.overrides.has_torch_function), and its outputs differ from the
 # other path's (TransformerEncoder's nested tensors give 0 at padded positions).
+# Their replicas get a class that leaves the random-number mode where the fast
+# path could run (_fast_path_replica_class).
 _FAST_PATH_TYPES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
-class _OutsideRandomMode:
-    """An eval-mode replica's forward, run with its thread's random-number mode
-    (_ReplicaRandom) left for the call, so that torch's eval fast path runs as on
-    one device. Holds the replica weakly (it is stored in the replica's __dict__)."""
+_FAST_PATH_CLASSES: dict[type, type] = {}
 
-    __slots__ = ("replica", "own")
 
-    def __init__(self, replica: nn.Module) -> None:
-        self.replica = weakref.ref(replica)
-        self.own = replica.__dict__.get("forward")   # an instance's own forward, kept
+def _fast_path_replica_class(cls: Any) -> type:
+    """The class of a replica of a cls module: a subclass whose forward runs
+    cls.forward outside the thread's random-number mode when torch's fast path
+    could run (_fast_path_possible), made once per class. A copy or a pickle of
+    such a replica is a cls module (its __reduce_ex__), and its name and
+    forward's signature are cls's."""
+    if "_dpmini_fast_path_base" in cls.__dict__:
+        return cls
+    sub = _FAST_PATH_CLASSES.get(cls)
+    if sub is None:
+        @functools.wraps(cls.forward)
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _outside_random_mode(cls.forward, self, args, kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        replica = self.replica()   # alive: it is what is being called
-        assert replica is not None
-        forward = self.own if self.own is not None else \
-            functools.partial(type(replica).forward, replica)
-        mode = _replica_random()
-        if mode is None or _current_function_mode() is not mode:
-            return forward(*args, **kwargs)
-        mode.__exit__(None, None, None)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            mode.__enter__()
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            return (_new_module, (cls,), self.__dict__)
+        sub = type(cls.__name__, (cls,), {
+            "forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "_dpmini_fast_path_base": cls})
+        _FAST_PATH_CLASSES[cls] = sub
+    return sub
+
+
+def _new_module(cls: Any) -> Any:
+    """An empty cls instance, for a copy or a pickle to fill (__setstate__)."""
+    return cls.__new__(cls)
+
+
+def _outside_random_mode(forward: Any, module: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+    """forward(module, *args, **kwargs), with this thread's random-number mode
+    left for the call when it is the innermost TorchFunctionMode and torch's
+    fast path could run."""
+    mode = _replica_random()
+    if mode is None or _current_function_mode() is not mode or \
+            not _fast_path_possible(module, args, kwargs):
+        return forward(module, *args, **kwargs)
+    mode.__exit__(None, None, None)
+    try:
+        return forward(module, *args, **kwargs)
+    finally:
+        mode.__enter__()
+
+
+def _fast_path_possible(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Could torch take module's eval fast path in this call? The conditions it
+    checks first: the module (for a TransformerEncoder, its first layer) not
+    training and, with grad mode on, no tensor of the call or of that module
+    requiring grad. When torch's other conditions fail, its other path runs
+    outside the mode (random functions there draw in thread order)."""
+    owner = module
+    layers = getattr(module, "layers", None) if isinstance(module, nn.TransformerEncoder) else None
+    if layers is not None and len(layers) > 0:
+        owner = layers[0]
+    if owner.training:
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    tensors: list[Any] = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    for m in owner.modules():
+        tensors.extend(m._parameters.values())
+        tensors.extend(m.__dict__.get("_former_parameters", {}).values())   # a replica's
+    return not any(t is not None and t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -1166,10 +1209,10 @@ def _replica_context(devices):
 #     dropout) one at a time, with the default generator's state swapped for
 #     the replica's around each.
 # A random function whose call draws nothing (a dropout not training or with p
-# 0 or 1, attention with dropout_p 0) runs as it is: no seeding, no swap. An
-# eval-mode replica of a module with a torch eval fast path (_FAST_PATH_TYPES)
-# runs its forward with the mode left (_OutsideRandomMode): any active
-# TorchFunctionMode turns that fast path off, and its outputs differ from the
+# 0 or 1, attention with dropout_p 0) runs as it is: no seeding, no swap. A
+# replica of a module with a torch eval fast path (_FAST_PATH_TYPES) runs its
+# forward with the mode left when that fast path could run (_fast_path_possible):
+# any active TorchFunctionMode turns it off, and its outputs differ from the
 # other path's at padded positions.
 # Same seed, same call: same outputs whatever thread runs first, for any
 # number of replicas. Not covered: random functions outside this table that

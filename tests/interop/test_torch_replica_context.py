@@ -424,6 +424,91 @@ def test_a_frozen_eval_encoder_under_a_training_head_matches_one_device(torch):
     assert torch.allclose(dp_grad, head.weight.grad, atol=1e-5)
 
 
+def test_the_fast_path_is_decided_when_the_module_is_called(torch):
+    # a teacher put in eval inside forward, and an encoder in train mode whose
+    # layers are in eval (torch decides on its first layer): both take torch's
+    # fast path as on one device
+    enc, x, mask = _padded_encoder(torch)
+
+    class Distill(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher, self.student = enc, torch.nn.Linear(16, 16)
+
+        def forward(self, a, k):
+            self.teacher.eval()
+            with torch.no_grad():
+                t = self.teacher(a, src_key_padding_mask=k)
+            return self.student(a), t
+    model = Distill().train()
+    want = _per_shard(torch, lambda a, k: model(a, k)[1], x, mask)
+    model.train()
+    got = dpmini.DataParallel(model, DEVS)(x, mask)[1]
+    assert torch.equal(got[:, 4:], torch.zeros_like(got[:, 4:]))
+    assert torch.allclose(got, want, atol=1e-6)
+    enc.train()
+    enc.layers.eval()
+    with torch.no_grad():
+        want = _per_shard(torch, lambda a, k: enc(a, src_key_padding_mask=k), x, mask)
+        got = dpmini.DataParallel(enc, DEVS)(x, src_key_padding_mask=mask)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_eval_layers_whose_dropouts_draw_keep_the_rule_where_no_fast_path_can_run(torch):
+    # Monte Carlo dropout in an eval TransformerEncoderLayer fed by a trainable
+    # layer: with grad on torch takes its other path, the dropouts draw, and the
+    # call is repeatable; so is a module switched to train inside forward
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self, switch):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+            self.enc = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.5, batch_first=True)
+            self.switch = switch
+
+        def forward(self, a):
+            if self.switch:
+                self.enc.train()
+            return self.enc(self.proj(a))
+    x = torch.randn(8, 6, 16)
+    for switch in (False, True):
+        m = Model(switch)
+        m.enc.eval()
+        for sub in m.enc.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.train()
+        outs = []
+        for _ in range(6):
+            torch.manual_seed(1)
+            outs.append(dpmini.DataParallel(m, DEVS)(x).detach())
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), switch
+
+
+def test_replicas_of_fast_path_modules_copy_and_pickle_as_their_class(torch):
+    import copy
+    import gc
+    import io
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(4, 5, 8)
+    with torch.no_grad():
+        reps = dpmini.replicate(mha, DEVS)
+        c = copy.deepcopy(reps[1])
+        buf = io.BytesIO()
+        torch.save(reps[1], buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        del reps
+        gc.collect()
+        for other in (c, loaded):
+            assert type(other) is torch.nn.MultiheadAttention
+            assert torch.allclose(other(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+        c.out_proj.weight.zero_()
+        c.out_proj.bias.zero_()
+        assert bool((c(x, x, x)[0] == 0).all())   # the copy's own weights
+
+
 def test_random_functions_in_eval_mode_replicas_are_reproducible(torch):
     # sampling in eval (F.dropout(training=True), randn_like) keeps the rule,
     # whichever replica draws first
