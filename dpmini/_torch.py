@@ -1269,8 +1269,8 @@ def _dropout(mode, func, args, kwargs, alpha=False):
     real number in [0, 1]): torch's own function."""
     x, p, training, inplace = _bound(func, args, kwargs)   # (input, p, training, inplace)
     p = _probability(p)
-    if not isinstance(x, torch.Tensor) or p is None or \
-            not training or not 0 < p < 1 or x.numel() == 0:
+    if not isinstance(x, torch.Tensor) or p is None or not 0 <= p <= 1 or \
+            _dropout_idle(x, p, training):
         return func(*args, **kwargs)
     # complex inputs get a real mask, as torch's CPU dropout draws it
     real = x.real.dtype if x.is_complex() else x.dtype
