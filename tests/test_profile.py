@@ -1,15 +1,20 @@
 """dpmini.profile(): spans of a call per device, their bytes and times, the views.
 
-The coverage check takes the best of a few attempts (on a shared machine a
-thread that becomes runnable may wait a time slice for a core): each
-device's spans must cover the call's wall time within 10% in at least one
-attempt. No copy span may claim more bandwidth than the machine's copy
-limit (the faster of memcpy and streaming stores, measured in the same run)
-allows, and the best must reach a real fraction of it.
+The coverage check runs a 256 MiB round trip (the size the profile's
+acceptance names), where the copies and the replica take tens of milliseconds and
+the caller's own steps between spans (the walk, a worker's wake-up) a small,
+fixed part of that. It takes the best of many attempts (on a shared machine
+a thread that becomes runnable may wait a time slice for a core, and one
+device may finish its copies well before the other): each device's spans
+must cover the call's wall time within 10% in at least one attempt. No
+copy span may claim more bandwidth than the machine's copy limit (the
+faster of memcpy and streaming stores, measured in the same run) allows,
+and the best must reach a real fraction of it.
 """
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +25,10 @@ from dpmini import _profile
 
 D2 = ["cpu:0", "cpu:1"]
 ATTEMPTS = 12
-COVERAGE_ATTEMPTS = 30   # each ~30-150 ms; stops at the first that shows the coverage
+# each attempt ~30-300 ms; the loop stops at the first that shows the coverage, and
+# on a loaded machine goes on past COVERAGE_ATTEMPTS until COVERAGE_SECONDS have passed
+COVERAGE_ATTEMPTS = 30
+COVERAGE_SECONDS = 30
 
 
 def identity(a):
@@ -54,20 +62,23 @@ def copies(prof, phase, device):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_round_trip_spans_cover_each_devices_wall_time_within_10_percent(dim):
     # a device's spans: its copies, the waits for its worker thread, its replica
-    x = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)   # 64 MiB
+    x = np.random.default_rng(0).random((8192, 8192), dtype=np.float32)   # 256 MiB
     dp = round_trip(x, dim)
     best = {}
-    for _ in range(COVERAGE_ATTEMPTS):
+    deadline = time.monotonic() + COVERAGE_SECONDS
+    attempts = 0
+    while attempts < COVERAGE_ATTEMPTS or time.monotonic() < deadline:
+        attempts += 1
         with dpmini.profile() as prof:
             dp(x)
         c = one_call(prof)
         for dev in D2:
             share = c["devices"][dev]["busy_ns"] / c["wall_ns"]
+            assert 0.0 < share <= 1.0, (dev, c)   # a union of spans inside the call
             best[dev] = max(best.get(dev, 0.0), share)
         if all(v >= 0.9 for v in best.values()):
             break
-    assert all(v >= 0.9 for v in best.values()), best
-    assert all(v <= 1.0 for v in best.values()), best
+    assert all(v >= 0.9 for v in best.values()), (best, attempts)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
