@@ -1,6 +1,7 @@
 """Run a Python script in a fresh interpreter with a timeout, for the checks
 that could crash or hang the process (a segfault or a deadlock then fails
 the test instead of killing or stalling the suite)."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,9 @@ import textwrap
 import pytest
 
 TIMEOUT = 60
+# Under ASan or valgrind (make test-asan, test-valgrind) a script runs several
+# times slower; a hang still ends the test, only later.
+SLOWDOWN = 4 if os.environ.get("DPMINI_SANITIZER") else 1
 
 
 def run_script(body, *flags, env=None, timeout=TIMEOUT, cwd=None):
@@ -16,6 +20,7 @@ def run_script(body, *flags, env=None, timeout=TIMEOUT, cwd=None):
     imported instead of the one on PYTHONPATH); fail unless it exits 0 and
     its output ends with OK. Returns the CompletedProcess."""
     code = textwrap.dedent(body)
+    timeout *= SLOWDOWN
     try:
         res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
                              text=True, timeout=timeout, env=env, cwd=cwd)

@@ -2,23 +2,13 @@
 a deadlock fails the test instead of hanging the suite (STYLE: race tests in a
 subprocess with a timeout). Arrays are large enough to use the device worker
 threads rather than the inline copy path."""
-import subprocess
-import sys
-import textwrap
-
-import pytest
+from script_runner import run_script as run_with_timeout
 
 TIMEOUT = 120
 
 
 def run_script(body):
-    code = textwrap.dedent(body)
-    try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"deadlock or hang: the script did not finish in {TIMEOUT}s")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+    run_with_timeout(body, timeout=TIMEOUT)
 
 
 def test_many_python_threads_call_dataparallel_at_once():

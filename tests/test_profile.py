@@ -108,21 +108,29 @@ def test_round_trip_copy_rate_is_within_the_copy_limit_measured_in_the_same_run(
     x = np.random.default_rng(1).random((2048, 4096), dtype=np.float32)   # 32 MiB
     dp = round_trip(x, dim)
     chunk = x.nbytes // 2
-    limit = _profile.copy_limit(chunk, threads=1, repeat=15)
-    assert limit["gbps"] == max(limit["memcpy_gbps"], limit["stream_gbps"])
-    best = 0.0
-    for _ in range(ATTEMPTS):
+    # the limit is measured before and after the calls: noise can only slow a
+    # measurement, so the higher of the two bounds the spans' rates, and the
+    # lower of the two is what the best span must reach a real fraction of
+    before = _profile.copy_limit(chunk, threads=1, repeat=15)
+    assert before["gbps"] == max(before["memcpy_gbps"], before["stream_gbps"])
+    rates = []
+    deadline = time.monotonic() + COVERAGE_SECONDS
+    attempts = 0
+    while attempts < ATTEMPTS or (time.monotonic() < deadline
+                                  and max(rates) < before["gbps"] / 8):
+        attempts += 1
         with dpmini.profile() as prof:
             dp(x)
-        for dev in D2:
-            for phase in ("scatter", "gather"):
-                for e in copies(prof, phase, dev):
-                    rate = e["bytes"] / e["duration_ns"]    # GB/s
-                    # a span faster than one thread's best copy would be too short
-                    assert rate <= 2.0 * limit["gbps"], (e, limit)
-                    best = max(best, rate)
+        rates += [e["bytes"] / e["duration_ns"]      # GB/s
+                  for dev in D2 for phase in ("scatter", "gather")
+                  for e in copies(prof, phase, dev)]
+    after = _profile.copy_limit(chunk, threads=1, repeat=15)
+    high = max(before["gbps"], after["gbps"])
+    low = min(before["gbps"], after["gbps"])
+    # a span faster than one thread's best copy would be too short
+    assert max(rates) <= 2.0 * high, (max(rates), before, after)
     # and not vacuous: the copies ran at a real fraction of the limit
-    assert best >= limit["gbps"] / 8, (best, limit)
+    assert max(rates) >= low / 8, (max(rates), before, after, attempts)
 
 
 def test_call_and_phase_spans_nest_in_time():
@@ -249,21 +257,21 @@ def test_profiles_that_end_out_of_order_leave_the_thread_able_to_profile():
 def test_profile_records_only_its_own_threads_calls():
     x = np.ones((64, 4))
     dp = round_trip(x, 0)
-    started, stop = threading.Barrier(2), threading.Event()
+    first_done, stop = threading.Event(), threading.Event()
     other = {}
 
     def busy():
-        started.wait()
         n = 0
         while not stop.is_set():
             dp(x)
             n += 1
+            first_done.set()
         other["calls"] = n
         other["tid"] = threading.get_native_id()
 
     t = threading.Thread(target=busy)
     t.start()
-    started.wait()
+    assert first_done.wait(30)   # the other thread is calling when the profile starts
     try:
         with dpmini.profile() as prof:
             for _ in range(3):

@@ -216,7 +216,7 @@ def test_memory_cached_for_other_devices_is_given_back_when_short():
         out = dpmini.DataParallel(make(900), device_ids=["cpu:4", "cpu:5"])(np.zeros((2, 1)))
         assert out.tolist() == [[1.0], [1.0]]
         print("OK")
-    """)
+    """, timeout=300)
 
 
 def test_an_error_while_preparing_the_allocator_is_raised_as_itself():

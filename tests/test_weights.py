@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dpmini
@@ -128,7 +128,7 @@ def test_weights_zero_rows_every_replica_runs():
     assert sizes(dpmini.scatter(np.zeros(0), D3, weights=[1, 2, 3])) == [0, 0, 0]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(0, 300),
        w=st.lists(st.floats(0.01, 100.0, allow_nan=False), min_size=1, max_size=8))
 @example(n=1, w=[99.99999999999999, 100.0])   # near-equal remainders tie

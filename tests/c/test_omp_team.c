@@ -62,12 +62,17 @@ static void sleep_probe(void *arg)
 static void test_idle_team_spins_unparked(void)
 {
     omp_set_num_threads(2);
-    CHECK(team_sum(1000) == 499500);
-    double c0 = cpu_secs();
-    sleep_ms(200);
-    double cpu = cpu_secs() - c0;
-    if (!(cpu > 0.1)) {
-        printf("an idle team used %.3f s of CPU in 0.2 s\n", cpu);
+    /* half a core in 0.2 s; a loaded machine may deny a spinning thread
+     * that much now and then: one of five tries must show it */
+    double cpu = 0.0;
+    for (int attempt = 0; attempt < 5 && !(cpu > 0.1); attempt++) {
+        CHECK(team_sum(1000) == 499500);
+        double c0 = cpu_secs();
+        sleep_ms(200);
+        cpu = cpu_secs() - c0;
+        if (!(cpu > 0.1)) {
+            printf("an idle team used %.3f s of CPU in 0.2 s\n", cpu);
+        }
     }
     CHECK(cpu > 0.1);
 }
@@ -116,15 +121,19 @@ static void test_woken_team_polls_briefly_then_sleeps(void)
     omp_set_num_threads(2);
     CHECK(team_sum(1000) == 499500);
     dp_omp_wake_parked();   /* no parked region: nothing to wake */
+    /* the poll's 2 ms of wall time may get less than a quarter of that in
+     * CPU on a loaded machine: the lower bound needs one of five tries */
     wake_probe w = {0, 0};
-    CHECK(dp_omp_run_parked(wake_midway, &w) == 1);
-    if (!(w.cpu_asleep < 0.02 && w.cpu_woken > 0.0005 && w.cpu_woken < 0.05)) {
-        printf("a woken team used %.4f s of CPU asleep, %.4f s after the wake\n",
-               w.cpu_asleep, w.cpu_woken);
+    for (int attempt = 0; attempt < 5 && !(w.cpu_woken > 0.0005); attempt++) {
+        CHECK(dp_omp_run_parked(wake_midway, &w) == 1);
+        if (!(w.cpu_asleep < 0.02 && w.cpu_woken > 0.0005 && w.cpu_woken < 0.05)) {
+            printf("a woken team used %.4f s of CPU asleep, %.4f s after the wake\n",
+                   w.cpu_asleep, w.cpu_woken);
+        }
+        CHECK(w.cpu_asleep < 0.02);
+        CHECK(w.cpu_woken < 0.05);
     }
-    CHECK(w.cpu_asleep < 0.02);
     CHECK(w.cpu_woken > 0.0005);
-    CHECK(w.cpu_woken < 0.05);
     CHECK(team_sum(100000) == 4999950000L);
 }
 

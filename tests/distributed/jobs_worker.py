@@ -76,6 +76,7 @@ def case_finish_while_others_work():
     """The last rank finishes while the others keep working past the timeout
     without a collective (a checkpoint written at the end): it waits for them
     at exit, and every rank finalizes normally."""
+    MPI.COMM_WORLD.Barrier()   # the ranks reach the short-timeout init together
     dist.init(timeout=2.0)
     dist.barrier()
     if RANK != dist.size() - 1:

@@ -335,7 +335,9 @@ def test_attention_that_draws_nothing_does_not_wait_for_the_swap_lock(torch):
     def replica(x, p):
         return torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=p)
     adapter._swap_lock.acquire()
-    timer = threading.Timer(3.0, adapter._swap_lock.release)
+    # the lock is held for 20 s unless the call ends first (then the timer is
+    # cancelled): a call that waited for it would take the whole 20 s
+    timer = threading.Timer(20.0, adapter._swap_lock.release)
     timer.start()
     t0 = time.monotonic()
     dpmini.parallel_apply([replica] * 2, [(q[:1], 0.0), (q[1:], 0.0)], devices=DEVS)
@@ -343,12 +345,12 @@ def test_attention_that_draws_nothing_does_not_wait_for_the_swap_lock(torch):
     if timer.is_alive():
         timer.cancel()
         adapter._swap_lock.release()
-    assert waited < 2.5
+    assert waited < 15
     # with dropout it does take the lock (the call waits for the timer)
     adapter._swap_lock.acquire()
     timer = threading.Timer(1.0, adapter._swap_lock.release)
-    timer.start()
     t0 = time.monotonic()
+    timer.start()
     dpmini.parallel_apply([replica] * 2, [(q[:1], 0.5), (q[1:], 0.5)], devices=DEVS)
     timer.join()
     assert time.monotonic() - t0 >= 0.9
@@ -609,8 +611,14 @@ def _call_cpu_seconds(park):
 def test_the_callers_openmp_team_sleeps_while_replicas_run(torch):
     assert _call_cpu_seconds("1") < 0.05
     # the control: the same call with the team left as it was spins through it
-    # (about 0.3 s; more than a third of that even on a busy machine)
-    assert _call_cpu_seconds("0") > 0.1
+    # (about 0.3 s); a loaded machine may deny the spinning thread its share
+    # for a while, so one of three runs must show more than a third of that
+    spun = 0.0
+    for _ in range(3):
+        spun = _call_cpu_seconds("0")
+        if spun > 0.1:
+            break
+    assert spun > 0.1
 
 
 _SHORT_THEN_LONG = _TEAM_SCRIPT.replace("c0 = time.process_time()", """
@@ -636,13 +644,17 @@ c0 = time.process_time()""")
 def test_a_call_after_a_short_call_leaves_the_team_as_it_was(torch):
     from script_runner import run_script
     env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", DPMINI_PARK_OPENMP="1")
-    out = run_script(_SHORT_THEN_LONG, env=env).stdout
-    if "took under 1 ms" in out:
-        pytest.skip("the machine is too busy for a call under 1 ms")
-    unparked = float(out.split("unparked", 1)[1].split()[0])
-    parked = float(out.split("cpu", 1)[1].split()[0])
+    unparked = 0.0
+    for _ in range(3):        # the spinning side may be denied its core now and then
+        out = run_script(_SHORT_THEN_LONG, env=env).stdout
+        if "took under 1 ms" in out:
+            pytest.skip("the machine is too busy for a call under 1 ms")
+        parked = float(out.split("cpu", 1)[1].split()[0])
+        assert parked < 0.05      # after that long call: parked again
+        unparked = float(out.split("unparked", 1)[1].split()[0])
+        if unparked > 0.1:
+            break
     assert unparked > 0.1     # after calls under 1 ms: not parked, the team spins
-    assert parked < 0.05      # after that long call: parked again
 
 
 # A Python thread whose first torch use is inside a parked DataParallel call:
