@@ -263,20 +263,33 @@ def _is_instance_of_dataclass(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _needs_grad(obj: Any, depth: int = 0) -> bool:
+def _needs_grad(obj: Any) -> bool:
     """Does obj hold a tensor that requires grad (tuples, lists, dicts, dataclasses;
-    a dataclass that is a dict, both its fields and its items)?"""
+    a dataclass that is a dict, both its fields and its items)? Walked with a stack
+    and each container once, so neither deep nesting (the C walkers name the path
+    of what is too deep) nor a container holding itself can exhaust the recursion
+    limit."""
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
-    if depth > 512:
-        return False
-    if isinstance(obj, (tuple, list)):
-        return any(_needs_grad(v, depth + 1) for v in obj)
-    if _is_instance_of_dataclass(obj) and any(_needs_grad(getattr(obj, f.name), depth + 1)
-                                              for f in dataclasses.fields(obj)):
-        return True
-    if isinstance(obj, dict):
-        return any(_needs_grad(v, depth + 1) for v in obj.values())
+    stack, seen = [obj], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.requires_grad:
+                return True
+            continue
+        if id(o) in seen:
+            continue
+        if isinstance(o, (tuple, list)):
+            seen.add(id(o))
+            stack.extend(o)
+            continue
+        if _is_instance_of_dataclass(o):
+            seen.add(id(o))
+            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
+        if isinstance(o, dict):
+            seen.add(id(o))
+            stack.extend(o.values())
     return False
 
 
@@ -620,14 +633,32 @@ def _replicate_tensors(tensors: Sequence[torch.Tensor], devices: list[Any], deta
     if not tensors:
         return [[] for _ in devices]
     if share:
-        aliases = [t.detach() for t in tensors]
-        return [list(tensors)] + [aliases for _ in devices[1:]]
+        clones = _lazy_clones(tensors, len(devices) - 1)
+        if clones is not None:
+            return [list(tensors)] + clones
     if detach:
         with torch.no_grad():
             return _copies([t.detach() for t in tensors], devices)
     flat = _Broadcast.apply(devices, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(len(devices))]
+
+
+def _lazy_clones(tensors: Sequence[torch.Tensor], n: int) -> list[list[torch.Tensor]] | None:
+    """n rows of copy-on-write clones of tensors (torch._lazy_clone): each shares its
+    tensor's memory until either side writes to it, which then gets a copy of its own.
+    So replicas that only read the parameters (the usual forward) cost no copy, and a
+    forward that writes to them in place sees its own writes only, as with the
+    broadcast copies torch makes (docs/spec.md 5.6). None where torch has no lazy clone
+    or a tensor cannot be cloned so (a layout without it): the caller copies."""
+    clone = getattr(torch, "_lazy_clone", None)
+    if clone is None:
+        return None
+    try:
+        with torch.no_grad():
+            return [[clone(t.detach()) for t in tensors] for _ in range(n)]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], list[list[Any]]]):
@@ -913,15 +944,28 @@ class DataParallel(_DP, nn.Module):
 
     @property
     def module(self) -> Any:   # type: ignore[override]
-        """The wrapped module: the child "module" (kept in step with the C part)."""
+        """The wrapped module: the child "module" (the C part follows it at each call).
+        AttributeError once the child was deleted, as nn.Module gives."""
         mods = self.__dict__.get("_modules")
-        if mods is not None and "module" in mods:
-            return mods["module"]
-        return _DP.module.__get__(self)
+        if mods is None:   # inside _DP.__init__, before nn.Module's state exists
+            return _DP.module.__get__(self)
+        if "module" not in mods:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'module'")
+        return mods["module"]
 
     @module.setter
     def module(self, value: Any) -> None:
         self.__setattr__("module", value)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """DataParallel's forward, over the child "module" as it is now: nn.Module's own
+        ways to replace a child (add_module, register_module, _modules[...], as
+        torch.ao.quantization's swaps do) bypass this class's __setattr__."""
+        child = self.module
+        if child is not _DP.module.__get__(self):
+            cast(Any, _DP).module.__set__(self, child)
+            self.__dict__.pop(_PLAN_ATTR, None)
+        return _DP.forward(self, *inputs, **kwargs)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name != "module":

@@ -1528,7 +1528,13 @@ static int auto_device(dp_state *st, PyObject *args, Py_ssize_t i,
             return -1;
         }
         if (r > 0) {
-            PyArrayObject *aa = dp_as_array(st, a, "args", 0); /* GPU arrays: the shadow */
+            /* only where the memory lives is read: a tensor that requires grad
+             * is looked at detached, and goes to its replica as it is */
+            char name[64];
+            snprintf(name, sizeof name, "inputs[%zd][%zd]", i, j);
+            PyArrayObject *aa = PyArray_Check(a) || PyObject_TypeCheck(a, st->ArrayType)
+                                    ? dp_as_array(st, a, name, 0) /* GPU arrays: the shadow */
+                                    : dp_import_foreign_detached(st, a, name);
             if (aa == NULL) {
                 return -1;
             }

@@ -110,13 +110,7 @@ static PyObject *py_cpu_device_count(PyObject *m, PyObject *unused)
  * requires grad is read detached (the same memory). */
 static PyObject *foreign_device_of(dp_state *st, PyObject *arg)
 {
-    PyObject *rg = PyObject_GetAttrString(arg, "requires_grad");
-    int detach = rg == Py_True;
-    Py_XDECREF(rg);
-    PyErr_Clear();
-    PyObject *obj = detach ? PyObject_CallMethod(arg, "detach", NULL) : Py_NewRef(arg);
-    PyArrayObject *a = obj != NULL ? dp_import_foreign(st, obj, "array") : NULL;
-    Py_XDECREF(obj);
+    PyArrayObject *a = dp_import_foreign_detached(st, arg, "array");
     if (a == NULL) {
         return NULL;
     }

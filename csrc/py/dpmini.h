@@ -328,6 +328,11 @@ void dp_attach_cause(PyObject *cause);
  * dpmini cannot read, or a producer that fails. */
 PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname);
 
+/* dp_import_foreign for reading where obj's memory lives (device_of,
+ * parallel_apply's choice of devices), not for copying it: a tensor that
+ * requires grad is read detached (the same memory) whatever the grad mode. */
+PyArrayObject *dp_import_foreign_detached(dp_state *st, PyObject *obj, const char *argname);
+
 /* The name of obj's DLPack dtype ("bfloat16", "complex32", "float8_e4m3fn")
  * in buf when NumPy has no such dtype, else NULL (also when obj's
  * __dlpack__() fails). Never leaves an exception (interop_dtype.c). */

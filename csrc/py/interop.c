@@ -734,7 +734,10 @@ static void explain_functorch_tensor(PyObject *obj, const char *argname)
     Py_XDECREF(tb);
 }
 
-PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
+/* dp_import_foreign and dp_import_foreign_detached; detach_always: a tensor
+ * that requires grad is read detached whatever the grad mode. */
+static PyArrayObject *import_checked(dp_state *st, PyObject *obj, const char *argname,
+                                     int detach_always)
 {
     if (is_jax_tracer(obj)) {
         refuse_jax_tracer(obj, argname);
@@ -743,6 +746,10 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
     if (refuse_dual_tensor(obj, argname))
         return NULL;
     int rg = requires_grad(st, obj, argname);
+    if (rg == 1 && detach_always) {
+        PyErr_Clear();   /* requires_grad's own RequiresGradError */
+        rg = 2;
+    }
     PyArrayObject *a = NULL;
     if (rg == 1 || rg < 0 || refuse_lazy_bit(obj, argname))
         a = NULL;
@@ -758,6 +765,16 @@ PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argnam
     if (a == NULL && PyErr_Occurred())
         explain_functorch_tensor(obj, argname);
     return a;
+}
+
+PyArrayObject *dp_import_foreign(dp_state *st, PyObject *obj, const char *argname)
+{
+    return import_checked(st, obj, argname, 0);
+}
+
+PyArrayObject *dp_import_foreign_detached(dp_state *st, PyObject *obj, const char *argname)
+{
+    return import_checked(st, obj, argname, 1);
 }
 
 static PyArrayObject *import_foreign(dp_state *st, PyObject *obj, const char *argname)

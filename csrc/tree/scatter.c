@@ -152,7 +152,7 @@ static int scatter_kind(dp_state *st, PyObject *obj)
         if (PyTuple_GET_SIZE(obj) == 0)
             return S_SHARED;
         r = is_namedtuple(obj);
-        if (r < 0)
+        if (r < 0 || (r && refuse_unsplittable(obj, "scattered") < 0))
             return -1;
         return r ? S_NAMEDTUPLE : S_TUPLE;
     }
@@ -636,11 +636,12 @@ int collect(scatter_ctx *c, PyObject *obj, const path_seg *seg,
 {
     int kind = scatter_kind(c->st, obj);
     if (kind < 0) {
-        /* probing obj for the array protocols raised: name its path */
+        /* probing obj for the array protocols raised, or obj cannot be split
+         * (refuse_unsplittable): name its path; a plan keeps it as its error */
         PyObject *path = path_str(seg);
         dp_reraise_at(c->st, path);
         Py_XDECREF(path);
-        return -1;
+        return absorb_error(c);
     }
     if (kind == S_ARRAY)
         return collect_leaf(c, obj, seg, spec, sseg);

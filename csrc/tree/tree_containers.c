@@ -63,6 +63,40 @@ int is_namedtuple(PyObject *obj)
     return dp_has_attr(obj, "_fields");
 }
 
+/* Namedtuples whose fields share no batch dimension, so that splitting or
+ * gathering them field by field would give pieces that do not fit together
+ * (docs/spec.md 3.1). Known by module and name: nothing is imported. */
+static const struct {
+    const char *module, *name, *why;
+} unsplittable_types[] = {
+    {"torch.nn.utils.rnn", "PackedSequence",
+     "its data has sum(lengths) rows and batch_sizes one entry per time step, so its fields "
+     "share no batch dimension; pass (and return) the padded batch and its lengths, and pack "
+     "inside forward (torch.nn.utils.rnn.pack_padded_sequence, pad_packed_sequence)"},
+};
+
+int refuse_unsplittable(PyObject *obj, const char *verb)
+{
+    for (size_t i = 0; i < sizeof unsplittable_types / sizeof unsplittable_types[0]; i++) {
+        PyTypeObject *tp = Py_TYPE(obj);
+        const char *dot = strrchr(tp->tp_name, '.');
+        if (strcmp(dot != NULL ? dot + 1 : tp->tp_name, unsplittable_types[i].name) != 0)
+            continue;
+        PyObject *mod = PyObject_GetAttrString((PyObject *)tp, "__module__");
+        if (mod == NULL)
+            return -1;
+        int same = PyUnicode_Check(mod) &&
+                   PyUnicode_CompareWithASCIIString(mod, unsplittable_types[i].module) == 0;
+        Py_DECREF(mod);
+        if (same) {
+            PyErr_Format(PyExc_TypeError, "a %s.%s cannot be %s: %s", unsplittable_types[i].module,
+                         unsplittable_types[i].name, verb, unsplittable_types[i].why);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* An instance (not a class) of a dataclass. 1, 0 or -1. */
 int is_dataclass_instance(PyObject *obj)
 {

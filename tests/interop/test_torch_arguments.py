@@ -97,3 +97,33 @@ def test_scatter_kwargs_keeps_the_inputs_container_as_pytorch(torch):
     ins, _ = dpmini.scatter_kwargs([x], None, DEVS)
     assert [type(r) for r in ins] == [list, list]
     assert [r[0].tolist() for r in ins] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_a_packed_sequence_is_refused_naming_its_path(torch):
+    # its fields share no batch dimension: pieces made field by field do not fit
+    # together (field report R12(D); pytorch/pytorch#31422)
+    from torch.nn.utils.rnn import pack_padded_sequence
+    x = torch.randn(4, 3, 2)
+    packed = pack_padded_sequence(x, [3, 3, 2, 1], batch_first=True)
+    lstm = torch.nn.LSTM(2, 4, batch_first=True)
+    match = "PackedSequence cannot be scattered: its data has sum"
+    with pytest.raises(TypeError, match=r"^args\[0\]\['seq'\]: a torch.nn.utils.rnn." + match):
+        dpmini.scatter_kwargs(({"seq": packed},), None, DEVS)
+    with pytest.raises(TypeError, match=r"^kwargs\['h'\]: .*" + match):
+        dpmini.scatter_kwargs((x,), {"h": packed}, DEVS)
+    with pytest.raises(TypeError, match=r"^args\[0\]: .*" + match):
+        dpmini.DataParallel(lstm, DEVS)(packed)
+    with torch.no_grad(), pytest.raises(TypeError, match=r"^args\[0\]: .*" + match):
+        dpmini.DataParallel(lstm, DEVS)(packed)
+    assert dpmini.explain((packed,), DEVS).error.startswith("args[0]: a torch.nn.utils.rnn.")
+
+    class PacksInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = lstm
+
+        def forward(self, x):
+            n, t = x.shape[:2]
+            return self.lstm(pack_padded_sequence(x, [t] * n, batch_first=True))[0]
+    with pytest.raises(TypeError, match="PackedSequence cannot be gathered: its data has sum"):
+        dpmini.DataParallel(PacksInside(), DEVS)(x)

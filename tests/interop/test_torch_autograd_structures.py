@@ -241,3 +241,63 @@ def test_one_shot_iterators_are_read_once_with_grad(torch):
     assert torch.equal(x.grad, torch.ones(4, 3, dtype=torch.float64))
     ins, kws = dpmini.scatter_kwargs((x,), {}, (d for d in devs))
     assert len(ins) == 2 and ins[0][0].requires_grad
+
+
+@pytest.mark.parametrize("devices", [None, DEVS])
+def test_torchs_steps_by_hand_with_grad_give_single_device_gradients(torch, devices):
+    # scatter -> replicate -> parallel_apply -> gather, as DataParallel.forward runs them;
+    # parallel_apply picks the devices itself when none are given (spec 6.1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_()
+    (m(ref_x) ** 2).sum().backward()
+    ref = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    pieces = dpmini.scatter(x, DEVS)
+    replicas = dpmini.replicate(m, DEVS)
+    outs = dpmini.parallel_apply(replicas, [(p,) for p in pieces], None, devices)
+    y = dpmini.gather(outs, "cpu:0")
+    (y ** 2).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-12)
+    for p, r in zip(m.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12)
+
+
+def test_deep_nesting_with_grad_works_and_a_self_containing_list_is_named(torch):
+    # 400 levels, inside the 512 of docs/spec.md 10.5, in and out of a module with grad on
+    def nest(v, n):
+        for _ in range(n):
+            v = [v]
+        return v
+
+    def innermost(v):
+        depth = 0
+        while isinstance(v, list):
+            v, depth = v[0], depth + 1
+        return depth, v
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+
+        def forward(self, x, deep=None):
+            return nest(x * self.p, 400)
+
+    x = torch.ones(4, 1, dtype=torch.float64, requires_grad=True)
+    model = Deep()
+    depth, y = innermost(dpmini.DataParallel(model, DEVS)(x, nest(x, 400)))
+    assert depth == 400 and y.shape == (4, 1)
+    y.sum().backward()
+    assert model.p.grad.item() == 4.0 and torch.equal(x.grad, torch.ones(4, 1, dtype=torch.float64))
+    loop = []
+    loop.append(loop)
+    with pytest.raises(RecursionError, match=r"^args\[1\]\[0\]\[0\]"):
+        dpmini.DataParallel(model, DEVS)(x, loop)
+
+    class ReturnsLoop(Deep):
+        def forward(self, x):
+            return [x * self.p, loop]
+    with pytest.raises(RecursionError, match=r"^out\[1\]\[0\]\[0\]"):
+        dpmini.DataParallel(ReturnsLoop(), DEVS)(x)

@@ -1,6 +1,6 @@
 """torch.nn.Module replicas on the virtual CPU devices, made by PyTorch's rules
 (docs/spec.md 5.5-5.7): each module's replica is a shallow __dict__ copy, parameters are
-broadcast copies (shared host memory under no_grad), replica 0 shares the original's
+broadcast copies (copy-on-write clones under no_grad), replica 0 shares the original's
 buffers. CPU autocast in the caller holds in the replica threads."""
 import contextlib
 import os
@@ -73,8 +73,32 @@ def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
         reps = dpmini.replicate(model, DEVS, detach=True)
     assert dpmini.memory_allocated("cpu:1") == before
     assert reps[0].weight is model.weight          # docs/spec.md 5.3: devices[0] keeps the tensors
-    assert reps[1].weight.data_ptr() == model.weight.data_ptr()
+    # a copy-on-write clone: the same memory until one side writes (const_data_ptr
+    # reads the address without asking for write access, which would copy)
+    assert reps[1].weight.const_data_ptr() == model.weight.const_data_ptr()
     assert not reps[1].weight.requires_grad
+
+
+def test_a_forward_writing_its_parameters_under_no_grad_writes_only_its_own(torch):
+    # a weight clip, a max-norm constraint, an EMA: with torch's broadcast copies only
+    # replica 0's write reaches the original and each replica sees its own write once
+    class HalvesItsWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.w.mul_(0.5)
+            return x * self.w
+
+    devs = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        model = HalvesItsWeight()
+        with mode():
+            y = dpmini.DataParallel(model, devs)(torch.ones(8, 3))
+        assert torch.equal(y, torch.full((8, 3), 0.5)), (mode, y)
+        assert torch.equal(model.w.detach(), torch.full((3,), 0.5)), (mode, model.w)
 
 
 def test_batchnorm_train_mode_updates_only_from_replica_zero(torch):

@@ -142,6 +142,37 @@ def test_assigning_module_registers_the_child_and_the_call_uses_it(torch):
     assert ours.module is other
 
 
+@pytest.mark.parametrize("how", ["add_module", "register_module", "_modules", "Module.__setattr__"])
+def test_a_child_replaced_through_nn_modules_own_ways_is_the_one_called(torch, how):
+    # as torch.ao.quantization's swaps do (module._modules[name] = new)
+    _, ours, _ = _pair(torch)
+    other = torch.nn.Linear(4, 5)
+    if how == "add_module":
+        ours.add_module("module", other)
+    elif how == "register_module":
+        ours.register_module("module", other)
+    elif how == "_modules":
+        ours._modules["module"] = other
+    else:
+        torch.nn.Module.__setattr__(ours, "module", other)
+    x = torch.randn(6, 4)
+    y = ours(x)
+    assert ours.module is other
+    torch.testing.assert_close(y, other(x))
+    y.sum().backward()
+    assert other.weight.grad is not None
+
+
+def test_a_deleted_child_is_an_attribute_error_as_in_torch(torch):
+    _, ours, theirs = _pair(torch)
+    del ours.module
+    del theirs.module
+    assert not hasattr(ours, "module") and list(ours.parameters()) == []
+    for wrapper in (ours, theirs):
+        with pytest.raises(AttributeError, match="no attribute 'module'"):
+            wrapper(torch.ones(2, 4))
+
+
 def test_deepcopy_pickle_and_torch_save_keep_module_and_settings(torch):
     import copy
     import io
