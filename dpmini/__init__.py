@@ -17,6 +17,7 @@ from ._dpmini import (
     DPError,
     NcclError,
     SplitWarning,
+    ZeroDimError,
     asarray,
     cpu_device_count,
     data_parallel,
@@ -79,4 +80,5 @@ __all__ = [
     "CudaError",
     "NcclError",
     "SplitWarning",
+    "ZeroDimError",
 ]

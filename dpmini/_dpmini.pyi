@@ -57,6 +57,9 @@ class _RequiresGradError(TypeError):
 class SplitWarning(UserWarning):
     status: int | None
 
+class ZeroDimError(ValueError, RuntimeError):
+    status: int | None
+
 # --------------------------------------------------------------------- types
 @final
 class Device:

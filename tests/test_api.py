@@ -13,7 +13,7 @@ def test_public_names():
     for name in ["DataParallel", "data_parallel", "scatter", "scatter_kwargs", "gather", "replicate",
                  "parallel_apply", "explain", "Plan", "comm", "Device", "device_count", "cpu_device_count",
                  "device_of", "asarray", "memory_allocated", "memory_reserved", "empty_cache", "DPError",
-                 "CudaError", "NcclError", "SplitWarning"]:
+                 "CudaError", "NcclError", "SplitWarning", "ZeroDimError"]:
         assert hasattr(dpmini, name), name
     for name in ["scatter", "gather", "broadcast", "broadcast_coalesced", "reduce_add", "reduce_add_coalesced"]:
         assert callable(getattr(comm, name)), name

@@ -119,8 +119,8 @@ CATALOGUE = [
     ("dp-dim-bool", lambda: dp(ident, dim=True), TypeError, r"^dim: expected an int, got bool"),
     # ---------------------------------------------------- DataParallel call inputs
     ("dp-dim-1-on-1d", lambda: dp(ident, dim=1)(np.zeros(4)), IndexError, r"Dimension out of range"),
-    ("dp-nested-0dim", lambda: dp(ident)(X, [{"a": np.array(1.0)}]), ValueError,
-     r"^args\[1\]\[0\]\['a'\]: chunk expects at least a 1-dimensional array"),
+    ("dp-nested-0dim", lambda: dp(ident)(X, [{"a": np.array(1.0)}]), dpmini.ZeroDimError,
+     r"^args\[1\]\[0\]\['a'\]: chunk expects at least a 1-dimensional tensor"),
     ("dp-kwarg-object-dtype", lambda: dp(ident)(X, k=[obj_array()]), TypeError, r"^kwargs\['k'\]\[0\]: .*dtype object"),
     ("dp-structured-object-field", lambda: dp(ident)(np.zeros(4, dtype=[("a", "O"), ("b", "f8")])), TypeError,
      r"^args\[0\]: arrays holding Python objects"),

@@ -379,11 +379,13 @@ def test_zero_dim_kwarg_is_an_error(dev2):
         return ids
 
     kwargs = {"ids": np.zeros((4, 6)), "k": np.array(37)}
-    with pytest.raises(ValueError, match="chunk expects at least a 1-dimensional array") as info:
+    with pytest.raises(ValueError, match="chunk expects at least a 1-dimensional tensor") as info:
         dpmini.scatter_kwargs((), kwargs, dev2)
     assert re.search(r"\['k'\]", str(info.value))
-    with pytest.raises(ValueError, match="chunk expects at least a 1-dimensional array"):
+    # PyTorch's words and its type too: code written for torch.chunk's RuntimeError catches it
+    with pytest.raises(RuntimeError, match="chunk expects at least a 1-dimensional tensor") as info:
         dpmini.DataParallel(f, device_ids=dev2)(**kwargs)
+    assert type(info.value) is dpmini.ZeroDimError and isinstance(info.value, ValueError)
     assert calls == []
 
 

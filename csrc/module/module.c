@@ -49,6 +49,25 @@ static int add_exception(PyObject *m, const char *qualname, PyObject *base,
     return PyModule_AddObjectRef(m, dot + 1, exc);
 }
 
+/* dpmini.ZeroDimError: a ValueError (dpmini's kind of caller mistake) that is
+ * also a RuntimeError (what torch.chunk raises for it), so that code written
+ * for either catches it. */
+static int add_zero_dim_error(PyObject *m, dp_state *st)
+{
+    PyObject *bases = PyTuple_Pack(2, PyExc_ValueError, PyExc_RuntimeError);
+    if (bases == NULL) {
+        return -1;
+    }
+    int rc = add_exception(m, "dpmini.ZeroDimError", bases,
+                           "A 0-dim array (one value, no dimension) was to be split: PyTorch's\n"
+                           "\"chunk expects at least a 1-dimensional tensor\" (docs/spec.md 10.3),\n"
+                           "raised before any copy and naming the argument's path. Both a\n"
+                           "ValueError and a RuntimeError (torch.chunk's type).",
+                           &st->ZeroDimError);
+    Py_DECREF(bases);
+    return rc;
+}
+
 /* _test_api: the capsule of test hooks that only dpmini._testing opens
  * (py/test_api.h); the module itself offers no Python function for them. */
 static int add_test_api(PyObject *m)
@@ -156,6 +175,7 @@ static int dp_exec(PyObject *m)
                       "drops them silently, docs/spec.md 3.2). strict=True raises ValueError "
                       "instead, on exactly the same condition.",
                       &st->SplitWarning) < 0 ||
+        add_zero_dim_error(m, st) < 0 ||
         add_exception(m, "dpmini._dpmini._RequiresGradError", PyExc_TypeError,
                       "A torch tensor that requires grad, met with grad mode on by a step\n"
                       "that cannot record autograd (internal: the module-level functions\n"

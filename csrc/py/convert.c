@@ -180,8 +180,9 @@ static PyArrayObject *other_as_array(dp_state *st, PyObject *obj, const char *ar
 }
 
 /* arr (stolen) when it can be copied between devices and has min_ndim
- * dimensions or more; else NULL with TypeError / ValueError naming argname. */
-static PyArrayObject *checked_array(PyArrayObject *arr, const char *argname, int min_ndim)
+ * dimensions or more; else NULL with TypeError / ZeroDimError naming argname. */
+static PyArrayObject *checked_array(dp_state *st, PyArrayObject *arr, const char *argname,
+                                    int min_ndim)
 {
     if (PyDataType_REFCHK(PyArray_DESCR(arr))) {
         PyErr_Format(PyExc_TypeError,
@@ -192,14 +193,19 @@ static PyArrayObject *checked_array(PyArrayObject *arr, const char *argname, int
         return NULL;
     }
     if (PyArray_NDIM(arr) < min_ndim) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: chunk expects at least a 1-dimensional array (got a 0-dim array); "
-                     "wrap it in a 1-element array, or pass a Python number to share it",
-                     argname);
+        dp_raise_zero_dim(st, argname);
         Py_DECREF(arr);
         return NULL;
     }
     return arr;
+}
+
+int dp_raise_zero_dim(dp_state *st, const char *argname)
+{
+    PyErr_Format(st->ZeroDimError,
+                 "%s: chunk expects at least a 1-dimensional tensor (got a 0-dim array); wrap "
+                 "it in a 1-element array, or pass a Python number to share it", argname);
+    return -1;
 }
 
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int min_ndim)
@@ -216,7 +222,7 @@ PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname, int
     } else {
         arr = other_as_array(st, obj, argname);
     }
-    return arr != NULL ? checked_array(arr, argname, min_ndim) : NULL;
+    return arr != NULL ? checked_array(st, arr, argname, min_ndim) : NULL;
 }
 
 int dp_wrap_dim_or_raise(int dim, int ndim, const char *argname, int *out)

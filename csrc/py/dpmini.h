@@ -66,6 +66,8 @@ typedef struct dp_state {
     PyObject *CudaError;             /* dpmini.CudaError(DPError)          */
     PyObject *NcclError;             /* dpmini.NcclError(DPError)          */
     PyObject *SplitWarning;          /* dpmini.SplitWarning(UserWarning)   */
+    PyObject *ZeroDimError;          /* dpmini.ZeroDimError(ValueError,
+                                        RuntimeError): a 0-dim array to split */
     PyObject *RequiresGradError;     /* dpmini._dpmini._RequiresGradError(TypeError):
                                         a torch tensor that requires grad met in
                                         grad mode; entry points retry in dpmini._torch */
@@ -247,9 +249,13 @@ int dp_refused_array_subclass(PyObject *obj, const char *argname);
 /* obj (ndarray, dpmini.Array, foreign array, buffer-protocol object or
  * __array_interface__ object) as an ndarray without a copy (a shadow for GPU
  * memory; see dp_import_foreign for the exceptions). Refuses object dtypes and, with min_ndim 1,
- * 0-dim arrays ("argname: chunk expects at least a 1-dimensional array"). */
+ * 0-dim arrays (dp_raise_zero_dim). */
 PyArrayObject *dp_as_array(dp_state *st, PyObject *obj, const char *argname,
                            int min_ndim);
+
+/* dpmini.ZeroDimError "argname: chunk expects at least a 1-dimensional tensor
+ * (got a 0-dim array) ...", PyTorch's words (docs/spec.md 10.3). Always -1. */
+int dp_raise_zero_dim(dp_state *st, const char *argname);
 
 /* Parse a Python int dim and wrap it against ndim (IndexError "Dimension out
  * of range (expected to be in range of [-r, r-1], but got d)" naming

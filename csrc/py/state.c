@@ -63,6 +63,7 @@ static int dp_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->CudaError);
     Py_VISIT(st->NcclError);
     Py_VISIT(st->SplitWarning);
+    Py_VISIT(st->ZeroDimError);
     Py_VISIT(st->RequiresGradError);
     Py_VISIT(st->copy_copy);
     Py_VISIT(st->dataclasses_fields);
@@ -89,6 +90,7 @@ static int dp_clear(PyObject *m)
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->NcclError);
     Py_CLEAR(st->SplitWarning);
+    Py_CLEAR(st->ZeroDimError);
     Py_CLEAR(st->RequiresGradError);
     Py_CLEAR(st->copy_copy);
     Py_CLEAR(st->dataclasses_fields);

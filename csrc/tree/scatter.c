@@ -477,10 +477,7 @@ static int measure_leaf(scatter_ctx *c, PyObject *obj, const char *cpath, const 
     }
     /* docs/spec.md 0.5, 10.3: never broadcast a 0-dim array, refuse it up front. */
     if (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: chunk expects at least a 1-dimensional array (got a "
-                     "0-dim array); wrap it in a 1-element array or pass a "
-                     "Python number to share it", cpath);
+        dp_raise_zero_dim(c->st, cpath);
         return LEAF_BAD;
     }
     ls->arr = dp_as_array(c->st, obj, cpath, 1);
@@ -1446,8 +1443,10 @@ PyDoc_STRVAR(scatter_doc,
 "  Non-array values inside structures are shared by reference, never copied.\n"
 "\n"
 "Raises\n"
-"  ValueError: a 0-dim array (\"<path>: chunk expects at least a 1-dimensional\n"
-"    array\"), before any copy (docs/spec.md 10.3); with strict=True, exactly when the\n"
+"  dpmini.ZeroDimError (a ValueError and a RuntimeError): a 0-dim array\n"
+"    (\"<path>: chunk expects at least a 1-dimensional tensor\"), before any copy\n"
+"    (docs/spec.md 10.3).\n"
+"  ValueError: with strict=True, exactly when the\n"
 "    SplitWarning below would be warned (each path, shape, dim and size is\n"
 "    listed);\n"
 "    chunk_sizes that do not sum to an array's size (names it); bad\n"

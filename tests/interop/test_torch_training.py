@@ -215,6 +215,31 @@ def test_a_model_returning_its_own_loss_gives_a_vector_with_torchs_warning(torch
         assert torch.allclose(g, w, rtol=0, atol=1e-12)
 
 
+def test_each_element_of_a_gathered_loss_vector_sends_its_gradient_to_its_replica(torch):
+    # docs/spec.md 9.4: element i's gradient reaches replica i as a 0-dim gradient
+    class HookedLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+            self.seen = {}
+
+        def forward(self, x):
+            loss = (x * self.w).sum()
+            row = int(x[0, 0].item())
+            loss.register_hook(lambda g: self.seen.__setitem__(row, (g.shape, g.item())))
+            return loss
+
+    m = HookedLoss()
+    x = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], dtype=torch.float64)
+    scale = torch.tensor([1.0, 10.0, 100.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = dpmini.DataParallel(m, _devs(3))(x)
+    (losses * scale).sum().backward()
+    assert m.seen == {0: ((), 1.0), 2: ((), 10.0), 4: ((), 100.0)}
+    assert torch.equal(m.w.grad, (x * scale[:, None]).sum(0))
+
+
 def test_batchnorm_in_training_keeps_replica_zeros_statistics(torch):
     torch.manual_seed(5)
     x = torch.randn(12, 3, dtype=torch.float64) + 2
