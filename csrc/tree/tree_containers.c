@@ -75,23 +75,37 @@ static const struct {
      "inside forward (torch.nn.utils.rnn.pack_padded_sequence, pad_packed_sequence)"},
 };
 
+/* Is tp the unsplittable type i (by its name and __module__)? 1, 0 or -1. */
+static int is_unsplittable_type(PyTypeObject *tp, size_t i)
+{
+    const char *dot = strrchr(tp->tp_name, '.');
+    if (strcmp(dot != NULL ? dot + 1 : tp->tp_name, unsplittable_types[i].name) != 0)
+        return 0;
+    PyObject *mod = PyObject_GetAttrString((PyObject *)tp, "__module__");
+    if (mod == NULL)
+        return -1;
+    int same = PyUnicode_Check(mod) &&
+               PyUnicode_CompareWithASCIIString(mod, unsplittable_types[i].module) == 0;
+    Py_DECREF(mod);
+    return same;
+}
+
 int refuse_unsplittable(PyObject *obj, const char *verb)
 {
-    for (size_t i = 0; i < sizeof unsplittable_types / sizeof unsplittable_types[0]; i++) {
-        PyTypeObject *tp = Py_TYPE(obj);
-        const char *dot = strrchr(tp->tp_name, '.');
-        if (strcmp(dot != NULL ? dot + 1 : tp->tp_name, unsplittable_types[i].name) != 0)
-            continue;
-        PyObject *mod = PyObject_GetAttrString((PyObject *)tp, "__module__");
-        if (mod == NULL)
-            return -1;
-        int same = PyUnicode_Check(mod) &&
-                   PyUnicode_CompareWithASCIIString(mod, unsplittable_types[i].module) == 0;
-        Py_DECREF(mod);
-        if (same) {
-            PyErr_Format(PyExc_TypeError, "a %s.%s cannot be %s: %s", unsplittable_types[i].module,
-                         unsplittable_types[i].name, verb, unsplittable_types[i].why);
-            return -1;
+    PyObject *mro = Py_TYPE(obj)->tp_mro;   /* subclasses of such a type too */
+    Py_ssize_t n = mro != NULL && PyTuple_Check(mro) ? PyTuple_GET_SIZE(mro) : 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyTypeObject *tp = (PyTypeObject *)PyTuple_GET_ITEM(mro, k);
+        for (size_t i = 0; i < sizeof unsplittable_types / sizeof unsplittable_types[0]; i++) {
+            int r = is_unsplittable_type(tp, i);
+            if (r < 0)
+                return -1;
+            if (r) {
+                PyErr_Format(PyExc_TypeError, "a %s.%s cannot be %s: %s",
+                             unsplittable_types[i].module, unsplittable_types[i].name, verb,
+                             unsplittable_types[i].why);
+                return -1;
+            }
         }
     }
     return 0;

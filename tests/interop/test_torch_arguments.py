@@ -117,6 +117,14 @@ def test_a_packed_sequence_is_refused_naming_its_path(torch):
         dpmini.DataParallel(lstm, DEVS)(packed)
     assert dpmini.explain((packed,), DEVS).error.startswith("args[0]: a torch.nn.utils.rnn.")
 
+    class Subclass(torch.nn.utils.rnn.PackedSequence):
+        pass
+    with pytest.raises(TypeError, match=match):
+        dpmini.scatter(Subclass(*packed), DEVS)
+    import collections
+    SameName = collections.namedtuple("PackedSequence", "a b")   # another module's: split
+    assert [p.a.shape[0] for p in dpmini.scatter(SameName(x, 3), DEVS)] == [2, 2]
+
     class PacksInside(torch.nn.Module):
         def __init__(self):
             super().__init__()
