@@ -245,13 +245,26 @@ def _sum_grads(grads: list[torch.Tensor], dest: str) -> torch.Tensor:
 
 def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.Tensor]]:
     """Per device, the tensors there: devices[0] the tensors themselves (docs/spec.md 5.3,
-    5.6), the others dpmini's C broadcast_coalesced copies."""
+    5.6), the others dpmini's C broadcast_coalesced copies; a layout the C copies cannot
+    read (sparse) is copied by torch's own .to()."""
     rows = [list(tensors)]
-    if len(devices) > 1 and tensors:
-        rows.extend(_comm.broadcast_coalesced(tensors, list(devices[1:])))
-    elif len(devices) > 1:
-        rows.extend([] for _ in devices[1:])
+    others = list(devices[1:])
+    if not others:
+        return rows
+    dense = [t for t in tensors if t.layout == torch.strided]
+    dense_rows = (_comm.broadcast_coalesced(dense, others) if dense
+                  else [[] for _ in others])
+    for d, dense_row in zip(others, dense_rows):
+        made = iter(dense_row)
+        rows.append([next(made) if t.layout == torch.strided else _torch_copy(t, d)
+                     for t in tensors])
     return rows
+
+
+def _torch_copy(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """t (a sparse tensor: no DLPack export) copied onto dpmini device `device` by
+    torch itself; a virtual CPU device is torch's CPU."""
+    return t.to("cpu" if _is_virtual_cpu(device) else str(device), copy=True)
 
 
 # ---------------------------------------------------------------------------
@@ -271,7 +284,10 @@ def _needs_grad(obj: Any) -> bool:
     limit."""
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
-    stack, seen = [obj], set()
+    # seen keeps each container it names alive: a container made on the fly (a
+    # values() that builds tuples) could otherwise free its id for the next one
+    stack: list[Any] = [obj]
+    seen: dict[int, Any] = {}
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
@@ -281,14 +297,14 @@ def _needs_grad(obj: Any) -> bool:
         if id(o) in seen:
             continue
         if isinstance(o, (tuple, list)):
-            seen.add(id(o))
+            seen[id(o)] = o
             stack.extend(o)
             continue
         if _is_instance_of_dataclass(o):
-            seen.add(id(o))
+            seen[id(o)] = o
             stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
         if isinstance(o, dict):
-            seen.add(id(o))
+            seen[id(o)] = o
             stack.extend(o.values())
     return False
 
@@ -591,10 +607,9 @@ def replicate(network: nn.Module, devices: Any, detach: bool | None = None) -> l
     Parameters: with autograd (detach False, or None with grad mode on) a _Broadcast:
     devices[0]'s replica uses the parameters' own memory, the others dpmini's C
     copies, and backward sums the replicas' gradients onto the parameters. Detached
-    (detach True, or None under torch.no_grad()): on virtual CPU devices ("cpu:N")
-    every replica uses the parameters' host memory (devices[0] the Parameters
-    themselves, the others detached aliases): nothing is copied and
-    dpmini.memory_allocated does not change; elsewhere plain C copies. Buffers:
+    (detach True, or None under torch.no_grad()): devices[0]'s replica holds the
+    Parameters themselves, the others plain C copies (sparse ones: torch's .to()), so
+    a replica that writes its parameters in place writes its own. Buffers:
     devices[0]'s replica holds the original buffers (in-place updates such as
     BatchNorm's running statistics persist, docs/spec.md 5.6), the others get C copies;
     buffers that require grad follow the parameters' rule. An empty devices list
@@ -611,54 +626,35 @@ def _replicate(plan: _ReplicaPlan, devices: Any, detach: bool | None) -> list[nn
         return []
     if detach is None:
         detach = not torch.is_grad_enabled()
-    share = detach and all(_is_virtual_cpu(d) for d in devices)
-    param_copies = _replicate_tensors(plan.params, devices, detach, share)
+    param_copies = _replicate_tensors(plan.params, devices, detach)
     buffers = plan.buffers
     grad_buffers = [b for b in buffers if b.requires_grad]
     if not grad_buffers:
-        buffer_copies = _replicate_tensors(buffers, devices, True, False)
+        buffer_copies = _replicate_tensors(buffers, devices, True)
     else:
         plain_buffers = [b for b in buffers if not b.requires_grad]
         buffer_copies = _merge_rows(
             buffers,
-            (grad_buffers, _replicate_tensors(grad_buffers, devices, detach, False)),
-            (plain_buffers, _replicate_tensors(plain_buffers, devices, True, False)))
+            (grad_buffers, _replicate_tensors(grad_buffers, devices, detach)),
+            (plain_buffers, _replicate_tensors(plain_buffers, devices, True)))
     return [_replica_tree(plan, param_copies[j], buffer_copies[j], register=detach and j == 0)
             for j in range(len(devices))]
 
 
-def _replicate_tensors(tensors: Sequence[torch.Tensor], devices: list[Any], detach: bool,
-                       share: bool) -> list[list[torch.Tensor]]:
+def _replicate_tensors(tensors: Sequence[torch.Tensor], devices: list[Any],
+                       detach: bool) -> list[list[torch.Tensor]]:
     """Per device, the replicas' tensors (device-major rows)."""
     if not tensors:
         return [[] for _ in devices]
-    if share:
-        clones = _lazy_clones(tensors, len(devices) - 1)
-        if clones is not None:
-            return [list(tensors)] + clones
     if detach:
+        # devices[0] keeps the tensors themselves (docs/spec.md 5.3), the others copies
         with torch.no_grad():
-            return _copies([t.detach() for t in tensors], devices)
+            rows = _copies([t.detach() for t in tensors], devices)
+        rows[0] = list(tensors)
+        return rows
     flat = _Broadcast.apply(devices, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(len(devices))]
-
-
-def _lazy_clones(tensors: Sequence[torch.Tensor], n: int) -> list[list[torch.Tensor]] | None:
-    """n rows of copy-on-write clones of tensors (torch._lazy_clone): each shares its
-    tensor's memory until either side writes to it, which then gets a copy of its own.
-    So replicas that only read the parameters (the usual forward) cost no copy, and a
-    forward that writes to them in place sees its own writes only, as with the
-    broadcast copies torch makes (docs/spec.md 5.6). None where torch has no lazy clone
-    or a tensor cannot be cloned so (a layout without it): the caller copies."""
-    clone = getattr(torch, "_lazy_clone", None)
-    if clone is None:
-        return None
-    try:
-        with torch.no_grad():
-            return [[clone(t.detach()) for t in tensors] for _ in range(n)]
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 def _merge_rows(order: list[torch.Tensor], *parts: tuple[list[torch.Tensor], list[list[Any]]]):
@@ -962,6 +958,9 @@ class DataParallel(_DP, nn.Module):
         ways to replace a child (add_module, register_module, _modules[...], as
         torch.ao.quantization's swaps do) bypass this class's __setattr__."""
         child = self.module
+        if child is self:   # torch recurses until RecursionError; here threads would too
+            raise RecursionError("module: the wrapper is its own child 'module', so its call "
+                                 "would call itself without end")
         if child is not _DP.module.__get__(self):
             cast(Any, _DP).module.__set__(self, child)
             self.__dict__.pop(_PLAN_ATTR, None)

@@ -883,7 +883,7 @@ static PyObject *DataParallel_scatter(dp_DataParallelObject *self, PyObject *arg
     if (inputs == Py_None) {
         in = PyTuple_New(0);
     } else if (PyTuple_Check(inputs) || PyList_Check(inputs)) {
-        in = PySequence_Tuple(inputs);
+        in = dp_refuse_unsplittable_inputs(inputs) < 0 ? NULL : PySequence_Tuple(inputs);
     } else {
         PyErr_Format(PyExc_TypeError, "scatter: inputs must be a tuple of positional "
                      "arguments, got %.100s", Py_TYPE(inputs)->tp_name);
@@ -1627,6 +1627,9 @@ static PyObject *data_parallel_steps(PyObject *mod, PyObject *args, PyObject *kw
     if (!PyCallable_Check(module)) {
         PyErr_Format(PyExc_TypeError, "data_parallel: module must be callable, got %.100s",
                      Py_TYPE(module)->tp_name);
+        return NULL;
+    }
+    if (dp_refuse_unsplittable_inputs(inputs) < 0) {   /* before any path unpacks it */
         return NULL;
     }
     /* A torch.nn.Module with grad mode on: the differentiable steps (docs/spec.md 7). */

@@ -1264,7 +1264,7 @@ static int gather_kind(dp_state *st, PyObject *o)
         return G_DICT;
     if (PyTuple_Check(o)) {
         r = is_namedtuple(o);
-        if (r < 0 || (r && refuse_unsplittable(o, "gathered") < 0))
+        if (r < 0 || (r && refuse_unsplittable(o, NULL, "gathered") < 0))
             return -1;
         return r ? G_NAMEDTUPLE : G_SEQ;
     }

@@ -152,7 +152,7 @@ static int scatter_kind(dp_state *st, PyObject *obj)
         if (PyTuple_GET_SIZE(obj) == 0)
             return S_SHARED;
         r = is_namedtuple(obj);
-        if (r < 0 || (r && refuse_unsplittable(obj, "scattered") < 0))
+        if (r < 0 || (r && refuse_unsplittable(obj, NULL, "scattered") < 0))
             return -1;
         return r ? S_NAMEDTUPLE : S_TUPLE;
     }

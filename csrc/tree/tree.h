@@ -155,10 +155,10 @@ PyObject *rebuild_mapping(dp_state *st, PyObject *obj, PyObject *pairs,
                           const path_seg *seg);
 /* A namedtuple (tuple subclass with _fields and _asdict)? 1, 0 or -1. */
 int is_namedtuple(PyObject *obj);
-/* 0 for a namedtuple that may be walked; -1 with TypeError "a <type> cannot be
- * <verb>: <why>" for one whose fields share no batch dimension (a torch
- * PackedSequence), or with the error of looking its type up. */
-int refuse_unsplittable(PyObject *obj, const char *verb);
+/* 0 for a namedtuple that may be walked; -1 with TypeError "[<path>: ]a <type>
+ * cannot be <verb>: <why>" for one whose fields share no batch dimension (a
+ * torch PackedSequence or a subclass), or with the error of looking its type up. */
+int refuse_unsplittable(PyObject *obj, const char *path, const char *verb);
 /* An instance (not a class) of a dataclass? 1, 0 or -1. */
 int is_dataclass_instance(PyObject *obj);
 /* type(obj)._fields when a tuple of n str, else NULL with no exception set. */

@@ -28,12 +28,22 @@ int parse_dim(PyObject *obj, int *dim)
  * the module (docs/spec.md 3.1, 6.3): scatter([x]) makes [x_i] per replica, which
  * parallel_apply unpacks, and scatter(x) makes x_i, which it wraps as
  * (x_i,). New reference. */
+int dp_refuse_unsplittable_inputs(PyObject *inputs)
+{
+    if (!PyTuple_Check(inputs) || PyTuple_CheckExact(inputs))
+        return 0;
+    return refuse_unsplittable(inputs, "inputs", "scattered");
+}
+
 PyObject *normalize_inputs(PyObject *inputs)
 {
     if (inputs == Py_None)
         return PyTuple_New(0);
-    if (PyTuple_Check(inputs))
+    if (PyTuple_Check(inputs)) {
+        if (dp_refuse_unsplittable_inputs(inputs) < 0)
+            return NULL;
         return Py_NewRef(inputs);
+    }
     if (PyList_Check(inputs))
         return PyList_AsTuple(inputs);
     return PyTuple_Pack(1, inputs);

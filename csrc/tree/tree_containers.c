@@ -82,15 +82,20 @@ static int is_unsplittable_type(PyTypeObject *tp, size_t i)
     if (strcmp(dot != NULL ? dot + 1 : tp->tp_name, unsplittable_types[i].name) != 0)
         return 0;
     PyObject *mod = PyObject_GetAttrString((PyObject *)tp, "__module__");
-    if (mod == NULL)
-        return -1;
+    if (mod == NULL) {
+        /* a type whose __module__ cannot be read is not the one named */
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
     int same = PyUnicode_Check(mod) &&
                PyUnicode_CompareWithASCIIString(mod, unsplittable_types[i].module) == 0;
     Py_DECREF(mod);
     return same;
 }
 
-int refuse_unsplittable(PyObject *obj, const char *verb)
+int refuse_unsplittable(PyObject *obj, const char *path, const char *verb)
 {
     PyObject *mro = Py_TYPE(obj)->tp_mro;   /* subclasses of such a type too */
     Py_ssize_t n = mro != NULL && PyTuple_Check(mro) ? PyTuple_GET_SIZE(mro) : 0;
@@ -101,7 +106,8 @@ int refuse_unsplittable(PyObject *obj, const char *verb)
             if (r < 0)
                 return -1;
             if (r) {
-                PyErr_Format(PyExc_TypeError, "a %s.%s cannot be %s: %s",
+                PyErr_Format(PyExc_TypeError, "%s%sa %s.%s cannot be %s: %s",
+                             path != NULL ? path : "", path != NULL ? ": " : "",
                              unsplittable_types[i].module, unsplittable_types[i].name, verb,
                              unsplittable_types[i].why);
                 return -1;

@@ -13,6 +13,12 @@
 #include <stdint.h>
 #include "dpmini.h"
 
+/* 0, or -1 with TypeError "inputs: a ... cannot be scattered: ..." when inputs,
+ * a tuple to be taken as the argument tuple, is a namedtuple whose fields share
+ * no batch dimension (a torch PackedSequence): unpacked as arguments, its
+ * fields would be split one by one into pieces that do not fit together. */
+int dp_refuse_unsplittable_inputs(PyObject *inputs);
+
 /* DataParallel's scatter_kwargs (docs/spec.md 2.3, 2.7, 3.x) with dpmini's rules:
  * the replica count is the smallest chunk count over the array leaves of
  * inputs and kwargs together (non-array leaves never add replicas); with no

@@ -113,6 +113,13 @@ def test_a_packed_sequence_is_refused_naming_its_path(torch):
         dpmini.scatter_kwargs((x,), {"h": packed}, DEVS)
     with pytest.raises(TypeError, match=r"^args\[0\]: .*" + match):
         dpmini.DataParallel(lstm, DEVS)(packed)
+    # given as the argument tuple itself, it would be unpacked field by field
+    for call in (lambda: dpmini.data_parallel(lstm, packed, DEVS),
+                 lambda: dpmini.data_parallel(lambda *a: a[0], packed, DEVS),
+                 lambda: dpmini.scatter_kwargs(packed, None, DEVS),
+                 lambda: dpmini.explain(packed, DEVS)):
+        with pytest.raises(TypeError, match=r"^inputs: .*" + match):
+            call()
     with torch.no_grad(), pytest.raises(TypeError, match=r"^args\[0\]: .*" + match):
         dpmini.DataParallel(lstm, DEVS)(packed)
     assert dpmini.explain((packed,), DEVS).error.startswith("args[0]: a torch.nn.utils.rnn.")

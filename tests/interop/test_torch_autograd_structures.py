@@ -301,3 +301,31 @@ def test_deep_nesting_with_grad_works_and_a_self_containing_list_is_named(torch)
             return [x * self.p, loop]
     with pytest.raises(RecursionError, match=r"^out\[1\]\[0\]\[0\]"):
         dpmini.DataParallel(ReturnsLoop(), DEVS)(x)
+
+
+def test_a_tensor_that_requires_grad_is_found_behind_containers_made_on_the_fly(torch):
+    # a mapping whose values() builds new tuples: one freed after its visit must not
+    # hide the next one made at the same address
+    class FreshValues(dict):
+        def values(self):
+            return [(v,) for v in dict.values(self)]
+
+    g = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    n = torch.ones(2, dtype=torch.float64)
+
+    class TwoMaps(torch.nn.Module):
+        def __init__(self, reverse):
+            super().__init__()
+            self.reverse = reverse
+
+        def forward(self, x):
+            maps = [FreshValues(a=x * g), FreshValues(a=x * n)]
+            return maps[::-1] if self.reverse else maps
+
+    for reverse in (False, True):
+        out = dpmini.DataParallel(TwoMaps(reverse), DEVS)(torch.ones(4, 2, dtype=torch.float64))
+        grads = [v["a"] for v in out if v["a"].requires_grad]
+        assert len(grads) == 1
+        grads[0].sum().backward()
+        assert torch.equal(g.grad, torch.full((2,), 4.0, dtype=torch.float64))
+        g.grad = None

@@ -1,6 +1,6 @@
 """torch.nn.Module replicas on the virtual CPU devices, made by PyTorch's rules
 (docs/spec.md 5.5-5.7): each module's replica is a shallow __dict__ copy, parameters are
-broadcast copies (copy-on-write clones under no_grad), replica 0 shares the original's
+broadcast copies (plain copies under no_grad), replica 0 shares the original's
 buffers. CPU autocast in the caller holds in the replica threads."""
 import contextlib
 import os
@@ -66,17 +66,42 @@ def test_scripted_modules_replicate_and_train_as_on_one_device(torch):
         assert torch.allclose(dpmini.DataParallel(frozen, DEVS)(x), frozen(x), atol=1e-12)
 
 
-def test_no_grad_replicas_share_the_host_memory_and_allocate_nothing(torch):
+def test_no_grad_replicas_are_copies_in_their_devices_memory(torch):
+    # as torch's broadcast copies: replica 0 the parameters themselves, the others
+    # copies that dpmini.memory_allocated shows on their device
     model = torch.nn.Linear(300, 200)
     before = dpmini.memory_allocated("cpu:1")
     with torch.no_grad():
         reps = dpmini.replicate(model, DEVS, detach=True)
-    assert dpmini.memory_allocated("cpu:1") == before
+    assert dpmini.memory_allocated("cpu:1") >= before + (300 * 200 + 200) * 4
     assert reps[0].weight is model.weight          # docs/spec.md 5.3: devices[0] keeps the tensors
-    # a copy-on-write clone: the same memory until one side writes (const_data_ptr
-    # reads the address without asking for write access, which would copy)
-    assert reps[1].weight.const_data_ptr() == model.weight.const_data_ptr()
-    assert not reps[1].weight.requires_grad
+    assert reps[1].weight.data_ptr() != model.weight.data_ptr()
+    assert str(dpmini.device_of(reps[1].weight)) == "cpu:1"
+    assert torch.equal(reps[1].weight, model.weight) and not reps[1].weight.requires_grad
+    del reps
+    assert dpmini.memory_allocated("cpu:1") == before
+
+
+def test_a_sparse_parameter_is_copied_by_torch_in_both_grad_modes(torch):
+    class SparseWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.eye(4, dtype=torch.float64).to_sparse())
+
+        def forward(self, x):
+            return torch.sparse.mm(self.w, x.t()).t()
+
+    model = SparseWeight()
+    x = torch.arange(8.0, dtype=torch.float64).reshape(2, 4)
+    with torch.no_grad():
+        assert torch.equal(dpmini.DataParallel(model, DEVS)(x), x)
+    y = dpmini.DataParallel(model, DEVS)(x)
+    assert torch.equal(y, x)
+    y.sum().backward()
+    got = model.w.grad.to_dense()
+    model.w.grad = None
+    model(x).sum().backward()                 # one device
+    assert torch.equal(got, model.w.grad.to_dense())
 
 
 def test_a_forward_writing_its_parameters_under_no_grad_writes_only_its_own(torch):

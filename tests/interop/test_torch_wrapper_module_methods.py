@@ -163,6 +163,13 @@ def test_a_child_replaced_through_nn_modules_own_ways_is_the_one_called(torch, h
     assert other.weight.grad is not None
 
 
+def test_a_wrapper_made_its_own_child_is_a_recursion_error(torch):
+    _, ours, _ = _pair(torch)
+    ours._modules["module"] = ours
+    with pytest.raises(RecursionError, match="^module: the wrapper is its own child"):
+        ours(torch.ones(2, 4))
+
+
 def test_a_deleted_child_is_an_attribute_error_as_in_torch(torch):
     _, ours, theirs = _pair(torch)
     del ours.module
