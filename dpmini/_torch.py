@@ -251,13 +251,14 @@ def _copies(tensors: list[torch.Tensor], devices: list[Any]) -> list[list[torch.
     others = list(devices[1:])
     if not others:
         return rows
-    dense = [t for t in tensors if t.layout == torch.strided]
+    is_dense = [t.layout == torch.strided for t in tensors]
+    dense = [t for t, yes in zip(tensors, is_dense) if yes]
     dense_rows = (_comm.broadcast_coalesced(dense, others) if dense
                   else [[] for _ in others])
     for d, dense_row in zip(others, dense_rows):
         made = iter(dense_row)
-        rows.append([next(made) if t.layout == torch.strided else _torch_copy(t, d)
-                     for t in tensors])
+        rows.append([next(made) if yes else _torch_copy(t, d)
+                     for t, yes in zip(tensors, is_dense)])
     return rows
 
 
@@ -647,11 +648,10 @@ def _replicate_tensors(tensors: Sequence[torch.Tensor], devices: list[Any],
     if not tensors:
         return [[] for _ in devices]
     if detach:
-        # devices[0] keeps the tensors themselves (docs/spec.md 5.3), the others copies
+        # devices[0] keeps the tensors themselves (docs/spec.md 5.3), the others copies;
+        # under no_grad the C copies read tensors that require grad detached
         with torch.no_grad():
-            rows = _copies([t.detach() for t in tensors], devices)
-        rows[0] = list(tensors)
-        return rows
+            return _copies(list(tensors), devices)
     flat = _Broadcast.apply(devices, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(len(devices))]

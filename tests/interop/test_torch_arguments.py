@@ -101,7 +101,7 @@ def test_scatter_kwargs_keeps_the_inputs_container_as_pytorch(torch):
 
 def test_a_packed_sequence_is_refused_naming_its_path(torch):
     # its fields share no batch dimension: pieces made field by field do not fit
-    # together (field report R12(D); pytorch/pytorch#31422)
+    # together (docs/spec.md 3.1)
     from torch.nn.utils.rnn import pack_padded_sequence
     x = torch.randn(4, 3, 2)
     packed = pack_padded_sequence(x, [3, 3, 2, 1], batch_first=True)
